@@ -1,0 +1,89 @@
+#include "cumulus/core/thread_pool.h"
+
+#include <algorithm>
+
+#include "cumulus/core/error.h"
+
+namespace cumulus {
+
+ThreadPool::ThreadPool(int n_threads) {
+  if (n_threads == 0) n_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  CUMULUS_CHECK(n_threads >= 1 && n_threads <= 1024, "n_threads={} must be in [1, 1024] (0 = all cores)",
+                n_threads);
+  for (int w = 1; w < n_threads; ++w) workers_.emplace_back([this, w] { worker_loop(w); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_start_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void ThreadPool::run_tasks(int worker) {
+  for (;;) {
+    int64_t task;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (next_task_ >= n_tasks_) return;
+      task = next_task_++;
+    }
+    try {
+      (*fn_)(task, worker);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!error_) error_ = std::current_exception();
+    }
+    bool last;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      last = ++done_tasks_ == n_tasks_;
+    }
+    if (last) cv_done_.notify_all();
+  }
+}
+
+void ThreadPool::worker_loop(int worker) {
+  uint64_t seen = 0;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_start_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+    }
+    run_tasks(worker);
+  }
+}
+
+void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int)>& fn) {
+  if (n <= 0) return;
+  if (workers_.empty() || n == 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i, 0);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fn_ = &fn;
+    n_tasks_ = n;
+    next_task_ = 0;
+    done_tasks_ = 0;
+    error_ = nullptr;
+    ++generation_;
+  }
+  cv_start_.notify_all();
+  run_tasks(0);
+  std::exception_ptr err;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_done_.wait(lock, [&] { return done_tasks_ == n_tasks_; });
+    n_tasks_ = 0;
+    fn_ = nullptr;
+    err = error_;
+  }
+  if (err) std::rethrow_exception(err);
+}
+
+}  // namespace cumulus

@@ -1,0 +1,131 @@
+// The method registry: names, kinds, typed parameters with defaults, and factories.
+#include "cumulus/methods/registry.h"
+
+#include <charconv>
+#include <cmath>
+#include <mutex>
+
+#include "cumulus/core/error.h"
+
+namespace cumulus {
+
+namespace {
+
+const ParamSpec* find_spec(const MethodInfo& m, const std::string& key) {
+  for (const auto& p : m.params)
+    if (p.name == key) return &p;
+  return nullptr;
+}
+
+double parse_number(const MethodInfo& m, const ParamSpec& p, const std::string& value) {
+  double x = 0;
+  const char* b = value.data();
+  const char* e = b + value.size();
+  if (p.type == ParamType::kInt) {
+    long long v = 0;
+    auto r = std::from_chars(b, e, v);
+    CUMULUS_CHECK(r.ec == std::errc() && r.ptr == e, "method '{}': parameter {}='{}' is not an integer", m.name,
+                  p.name, value);
+    x = static_cast<double>(v);
+  } else {
+    auto r = std::from_chars(b, e, x);
+    CUMULUS_CHECK(r.ec == std::errc() && r.ptr == e && std::isfinite(x),
+                  "method '{}': parameter {}='{}' is not a finite number", m.name, p.name, value);
+  }
+  const bool low_ok = p.min_exclusive ? x > p.min : x >= p.min;
+  CUMULUS_CHECK(low_ok && x <= p.max, "method '{}': parameter {}={} must be in {}{}, {}]", m.name, p.name, value,
+                p.min_exclusive ? "(" : "[", p.min, p.max);
+  return x;
+}
+
+void check_value(const MethodInfo& m, const ParamSpec& p, const std::string& value) {
+  switch (p.type) {
+    case ParamType::kInt:
+    case ParamType::kDouble: parse_number(m, p, value); break;
+    case ParamType::kBool:
+      CUMULUS_CHECK(value == "true" || value == "false" || value == "1" || value == "0",
+                    "method '{}': parameter {}='{}' must be true or false", m.name, p.name, value);
+      break;
+    case ParamType::kString: break;
+  }
+}
+
+}  // namespace
+
+int Params::get_int(const std::string& name) const {
+  auto it = values_.find(name);
+  CUMULUS_CHECK(it != values_.end(), "no parameter '{}'", name);
+  return std::stoi(it->second);
+}
+
+double Params::get_double(const std::string& name) const {
+  auto it = values_.find(name);
+  CUMULUS_CHECK(it != values_.end(), "no parameter '{}'", name);
+  return std::stod(it->second);
+}
+
+bool Params::get_bool(const std::string& name) const {
+  auto it = values_.find(name);
+  CUMULUS_CHECK(it != values_.end(), "no parameter '{}'", name);
+  return it->second == "true" || it->second == "1";
+}
+
+const std::string& Params::get_string(const std::string& name) const {
+  auto it = values_.find(name);
+  CUMULUS_CHECK(it != values_.end(), "no parameter '{}'", name);
+  return it->second;
+}
+
+void Registry::add(MethodInfo info) {
+  for (const auto& m : methods_) CUMULUS_CHECK(m.name != info.name, "method '{}' registered twice", info.name);
+  for (const auto& p : info.params) check_value(info, p, p.default_value);
+  methods_.push_back(std::move(info));
+}
+
+const MethodInfo& Registry::find(const std::string& name) const {
+  for (const auto& m : methods_)
+    if (m.name == name) return m;
+  std::string known;
+  for (const auto& m : methods_) known += (known.empty() ? "" : ", ") + m.name;
+  CUMULUS_FAIL("method='{}' is unknown (known: {})", name, known);
+}
+
+Params Registry::parse(const std::string& name, const std::map<std::string, std::string>& overrides) const {
+  const MethodInfo& m = find(name);
+  Params out;
+  for (const auto& p : m.params) out.values_[p.name] = p.default_value;
+  for (const auto& [key, value] : overrides) {
+    const ParamSpec* p = find_spec(m, key);
+    if (p == nullptr) {
+      std::string known;
+      for (const auto& q : m.params) known += (known.empty() ? "" : ", ") + q.name;
+      CUMULUS_FAIL("method '{}' has no parameter '{}' (it has: {})", name, key, known.empty() ? "none" : known);
+    }
+    check_value(m, *p, value);
+    out.values_[key] = value;
+  }
+  return out;
+}
+
+std::unique_ptr<DecodeMethod> Registry::make(const std::string& name, const Shape& shape,
+                                             const std::map<std::string, std::string>& overrides) const {
+  shape.validate();
+  const MethodInfo& m = find(name);
+  CUMULUS_CHECK(m.make_decode != nullptr, "method '{}' is a {} method, not a decode method", name, m.kind);
+  return m.make_decode(shape, parse(name, overrides));
+}
+
+const Registry& Registry::builtin() {
+  static const Registry registry = [] {
+    Registry r;
+    register_dense(r);
+    register_oracle_topk(r);
+    register_oracle_topp(r);
+    register_streaming(r);
+    register_quest(r);
+    return r;
+  }();
+  return registry;
+}
+
+}  // namespace cumulus

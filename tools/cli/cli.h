@@ -1,0 +1,12 @@
+// Subcommand registration for the cumulus CLI; one file per subcommand. Each subcommand's
+// callback throws cumulus::Error on bad input; main prints it and exits 1.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace cumulus::cli {
+
+void add_methods_command(CLI::App& app);
+void add_bench_command(CLI::App& app);
+
+}  // namespace cumulus::cli
