@@ -1,5 +1,76 @@
-// STUB
+// quest: Quest (Tang et al., ICML 2024). Each page of the cache keeps the per-dimension
+// min and max of its keys; the upper bound of q.k over the page is
+//   sum_j max(q_j * min_j, q_j * max_j),
+// and each query head attends the ceil(budget / page_size) pages with the largest bound.
+// The page is the cache page (default 16 tokens, Quest's setting). GQA: the group attends
+// the union of its heads' pages (Quest was published for MHA; the union is Tactic 4.5's
+// rule). A fixed-budget baseline: no mass claim (NaN).
+#include <algorithm>
+
+#include "cumulus/core/error.h"
+#include "cumulus/kernels/scoring.h"
+#include "cumulus/kernels/selection.h"
 #include "cumulus/methods/registry.h"
+#include "method_util.h"
+
 namespace cumulus {
-void register_quest(Registry&) {}
+namespace {
+
+class Quest final : public DecodeMethod {
+ public:
+  Quest(const Shape& shape, int budget) : shape_(shape), budget_(budget) {}
+  std::string name() const override { return "quest"; }
+
+  void decode(int layer, const float* q, const KvCache& kv, const DecodeContext& ctx, AttnOutput& out) override {
+    methods::attn_output_reset(shape_, out);
+    const int g = shape_.group();
+    const int ps = kv.page_size();
+    const int k_pages = (budget_ + ps - 1) / ps;
+    for (int h = 0; h < shape_.n_kv_heads; ++h) {
+      const PagedHeadView v = kv.view(layer, h);
+      const int n_pages = v.n_pages();
+      scores_.resize(n_pages);
+      page_union_.clear();
+      for (int j = 0; j < g; ++j) {
+        cpu::page_score_bound(v, q + static_cast<size_t>(h * g + j) * shape_.head_dim, scores_.data());
+        cpu::select_topk(scores_.data(), n_pages, k_pages, chosen_);
+        page_union_.insert(page_union_.end(), chosen_.begin(), chosen_.end());
+      }
+      selection_normalize(page_union_);
+      auto& t = out.selection.tokens[h];
+      t.clear();
+      for (int32_t p : page_union_)
+        for (int i = 0; i < v.page_len(p); ++i) t.push_back(p * ps + i);
+      // Page min and max (float32) are read once per kv head: its group shares them.
+      methods::add_kv_head_bytes(shape_, h, 2.0 * n_pages * shape_.head_dim * sizeof(float), out);
+    }
+    methods::attend_selection(kv, layer, q, *ctx.pool, out);
+    for (auto& st : out.stats) st.mass_claimed = methods::kNoClaim;
+  }
+
+ private:
+  Shape shape_;
+  int budget_;
+  std::vector<float> scores_;
+  std::vector<int32_t> chosen_, page_union_;
+};
+
+}  // namespace
+
+void register_quest(Registry& r) {
+  r.add({.name = "quest",
+         .kind = "decode",
+         .paper = "Quest (Tang et al., ICML 2024): top-k pages by the min/max upper bound",
+         .summary = "pages with the largest q.k upper bound, budget/page_size pages per query head (no mass claim)",
+         .params = {{.name = "budget",
+                     .type = ParamType::kInt,
+                     .default_value = "2048",
+                     .help = "token budget per query head, rounded up to whole pages",
+                     .min = 1,
+                     .max = 1 << 30}},
+         .make_decode = [](const Shape& s, const Params& p) {
+           return std::make_unique<Quest>(s, p.get_int("budget"));
+         }});
+}
+
 }  // namespace cumulus

@@ -1,0 +1,62 @@
+#include "method_util.h"
+
+#include <algorithm>
+
+#include "cumulus/core/error.h"
+
+namespace cumulus::methods {
+
+std::vector<PagedHeadView> layer_views(const KvCache& kv, int layer) {
+  std::vector<PagedHeadView> views(kv.shape().n_kv_heads);
+  for (int h = 0; h < kv.shape().n_kv_heads; ++h) views[h] = kv.view(layer, h);
+  return views;
+}
+
+void attn_output_reset(const Shape& shape, AttnOutput& out) {
+  out.out.assign(static_cast<size_t>(shape.n_q_heads) * shape.head_dim, 0.0f);
+  out.stats.assign(shape.n_q_heads, StepStats{});
+  out.selection.tokens.resize(shape.n_kv_heads);
+}
+
+void add_kv_head_bytes(const Shape& shape, int kv_head, double bytes, AttnOutput& out) {
+  const int g = shape.group();
+  for (int j = 0; j < g; ++j) out.stats[kv_head * g + j].bytes_read += bytes / g;
+}
+
+void attend_selection(const KvCache& kv, int layer, const float* q, ThreadPool& pool, AttnOutput& out,
+                      float* lse) {
+  const Shape& s = kv.shape();
+  std::vector<PagedHeadView> views = layer_views(kv, layer);
+  std::vector<float> lse_local;
+  if (lse == nullptr) {
+    lse_local.resize(s.n_q_heads);
+    lse = lse_local.data();
+  }
+  DecodeAttnArgs a;
+  a.kv = views.data();
+  a.n_kv_heads = s.n_kv_heads;
+  a.group = s.group();
+  a.scale = attention_scale(s.head_dim);
+  a.q = q;
+  a.out = out.out.data();
+  a.lse = lse;
+  cpu::attention_decode_sparse(a, out.selection, pool);
+  for (int h = 0; h < s.n_kv_heads; ++h) {
+    const auto n = out.selection.tokens[h].size();
+    for (int j = 0; j < s.group(); ++j) out.stats[h * s.group() + j].tokens_attended = static_cast<int>(n);
+    add_kv_head_bytes(s, h, static_cast<double>(n) * kv.bytes_per_token_head(), out);
+  }
+}
+
+double softmax_scaled(const float* scores, int n, float scale, std::vector<float>& probs) {
+  probs.resize(n);
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int i = 0; i < n; ++i) mx = std::max(mx, scores[i] * scale);
+  double sum = 0;
+  for (int i = 0; i < n; ++i) sum += std::exp(static_cast<double>(scores[i] * scale - mx));
+  const double lse = mx + std::log(sum);
+  for (int i = 0; i < n; ++i) probs[i] = static_cast<float>(std::exp(static_cast<double>(scores[i] * scale) - lse));
+  return lse;
+}
+
+}  // namespace cumulus::methods

@@ -1,0 +1,37 @@
+// Pieces every decode method shares: the per-layer cache views, the sparse attend over
+// a Selection with stats, and bookkeeping of bytes read. Internal to src/methods.
+#pragma once
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cumulus/kernels/attention.h"
+#include "cumulus/kv/kv_cache.h"
+#include "cumulus/methods/method.h"
+
+namespace cumulus::methods {
+
+inline constexpr double kNoClaim = std::numeric_limits<double>::quiet_NaN();
+
+// [n_kv_heads] views of one layer.
+std::vector<PagedHeadView> layer_views(const KvCache& kv, int layer);
+
+// Sizes out.out [n_q_heads][head_dim] and out.stats [n_q_heads] (stats reset).
+void attn_output_reset(const Shape& shape, AttnOutput& out);
+
+// Attends every query head of kv head h over out.selection.tokens[h] (the group's
+// union) with the CPU sparse kernel. Sets tokens_attended and adds the K+V bytes of the
+// attended rows to bytes_read (split evenly over the group). mass_claimed is left to the
+// caller. lse: optional [n_q_heads] output.
+void attend_selection(const KvCache& kv, int layer, const float* q, ThreadPool& pool, AttnOutput& out,
+                      float* lse = nullptr);
+
+// Adds `bytes` read on behalf of kv head h, split evenly over its query heads.
+void add_kv_head_bytes(const Shape& shape, int kv_head, double bytes, AttnOutput& out);
+
+// Exact softmax over `scores` [n] (raw q.k) with `scale`: probs [n] and returns the
+// log-sum-exp of scale * scores (double accumulation).
+double softmax_scaled(const float* scores, int n, float scale, std::vector<float>& probs);
+
+}  // namespace cumulus::methods
