@@ -23,6 +23,7 @@ struct StepStats {
   // K/V bytes this head's step read, scoring included: the kv head's bytes divided by
   // its group size, so summing over query heads gives the layer's total.
   double bytes_read = 0;
+  // mass_claimed is NaN for methods that make no claim (fixed-budget baselines).
   // Eval mode only (NaN otherwise): the set's true softmax mass and ||o - o_dense||.
   double mass_true = std::numeric_limits<double>::quiet_NaN();
   double out_err = std::numeric_limits<double>::quiet_NaN();

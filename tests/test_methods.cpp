@@ -1,0 +1,287 @@
+// Methods keep their promises (STYLE.md habit 3): oracle_topp reaches P with the fewest
+// tokens and equals dense at P = 1; true mass >= claimed mass; the output error stays
+// under 2(1-p)max||v|| on every head-step; streaming and quest attend exactly the sets
+// they describe (recomputed here in float64 from the stored keys); bad input throws.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <set>
+
+#include "cumulus/core/error.h"
+#include "cumulus/kv/kv_cache.h"
+#include "cumulus/methods/registry.h"
+
+using namespace cumulus;
+
+namespace {
+
+struct Fixture {
+  Shape shape;
+  KvCache kv;
+  std::vector<float> q;  // [n_q_heads][head_dim]
+};
+
+// Random keys around a few cluster centres and a query that prefers some of them, so the
+// softmax is peaked (a top-p set much smaller than the context) but not degenerate.
+Fixture make_fixture(Shape shape, int n_tokens, uint32_t seed, DType dtype = DType::f16, float q_gain = 3.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  KvCacheOptions opt;
+  opt.dtype = dtype;
+  Fixture f{shape, KvCache(shape, opt), {}};
+  const int d = shape.head_dim;
+  const int n_centres = 8;
+  std::vector<float> centres(static_cast<size_t>(n_centres) * d);
+  for (auto& c : centres) c = nd(rng);
+  std::vector<float> k(static_cast<size_t>(shape.n_kv_heads) * d), v(k.size());
+  for (int t = 0; t < n_tokens; ++t) {
+    for (int h = 0; h < shape.n_kv_heads; ++h) {
+      const int c = static_cast<int>(rng() % n_centres);
+      for (int j = 0; j < d; ++j) {
+        k[h * d + j] = 0.8f * centres[c * d + j] + 0.6f * nd(rng);
+        v[h * d + j] = nd(rng);
+      }
+    }
+    f.kv.append(0, k.data(), v.data(), 1);
+  }
+  f.q.resize(static_cast<size_t>(shape.n_q_heads) * d);
+  for (int h = 0; h < shape.n_q_heads; ++h) {
+    const int c = h % n_centres;
+    for (int j = 0; j < d; ++j) f.q[h * d + j] = q_gain * (centres[c * d + j] + 0.5f * nd(rng)) / std::sqrt(2.0f);
+  }
+  return f;
+}
+
+// float64 softmax probabilities of query head qh over all tokens, from the stored keys.
+std::vector<double> true_probs(const Fixture& f, int qh) {
+  const int d = f.shape.head_dim;
+  const int kvh = qh / f.shape.group();
+  const int n = f.kv.n_tokens(0);
+  std::vector<double> s(n);
+  std::vector<float> key(d);
+  for (int t = 0; t < n; ++t) {
+    f.kv.key_f32(0, kvh, t, key.data());
+    double dot = 0;
+    for (int j = 0; j < d; ++j) dot += static_cast<double>(f.q[qh * d + j]) * key[j];
+    s[t] = dot / std::sqrt(static_cast<double>(d));
+  }
+  const double mx = *std::max_element(s.begin(), s.end());
+  double sum = 0;
+  for (auto& x : s) sum += (x = std::exp(x - mx));
+  for (auto& x : s) x /= sum;
+  return s;
+}
+
+double max_value_norm(const Fixture& f, int kvh) {
+  const int d = f.shape.head_dim;
+  std::vector<float> v(d);
+  double mx = 0;
+  for (int t = 0; t < f.kv.n_tokens(0); ++t) {
+    f.kv.value_f32(0, kvh, t, v.data());
+    double n2 = 0;
+    for (float x : v) n2 += static_cast<double>(x) * x;
+    mx = std::max(mx, std::sqrt(n2));
+  }
+  return mx;
+}
+
+AttnOutput run(const std::string& method, const Fixture& f, const std::map<std::string, std::string>& params,
+               int threads = 2, bool eval = true) {
+  auto m = Registry::builtin().make(method, f.shape, params);
+  ThreadPool pool(threads);
+  DecodeContext ctx{&pool, eval};
+  m->on_prefill(0, f.kv, ctx);
+  AttnOutput out;
+  decode_step(*m, 0, f.q.data(), f.kv, ctx, out);
+  return out;
+}
+
+double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(num / den);
+}
+
+const std::vector<Shape> kShapes = {{1, 4, 4, 32}, {1, 8, 2, 64}, {1, 9, 3, 64}, {1, 8, 1, 16}};
+
+}  // namespace
+
+TEST(Methods, RegistryListsTheBaselines) {
+  std::set<std::string> names;
+  for (const auto& m : Registry::builtin().list()) names.insert(m.name);
+  for (const char* n : {"dense", "oracle_topk", "oracle_topp", "streaming", "quest"}) EXPECT_TRUE(names.count(n)) << n;
+}
+
+TEST(Methods, OracleTopPReachesPWithFewestTokens) {
+  // Group 1: the union is the head's own set, so its size must equal the minimal count
+  // computed here in float64.
+  for (double p : {0.5, 0.9, 0.99}) {
+    Fixture f = make_fixture({1, 4, 4, 32}, 1000, 11);
+    AttnOutput out = run("oracle_topp", f, {{"p", std::to_string(p)}});
+    for (int qh = 0; qh < f.shape.n_q_heads; ++qh) {
+      std::vector<double> pr = true_probs(f, qh);
+      std::sort(pr.begin(), pr.end(), std::greater<>());
+      double acc = 0;
+      size_t m = 0;
+      while (m < pr.size() && acc < p) acc += pr[m++];
+      const size_t got = out.selection.tokens[qh].size();
+      // float32 probabilities may move the boundary by one token when a prefix sum lands
+      // within rounding of P.
+      EXPECT_NEAR(static_cast<double>(got), static_cast<double>(m), 1.0) << "p=" << p << " head " << qh;
+      EXPECT_LT(got, pr.size() / 2) << "fixture not peaked enough to test anything";
+      EXPECT_GE(out.stats[qh].mass_claimed, p - 1e-5);
+      EXPECT_GE(out.stats[qh].mass_true, p - 1e-4);
+    }
+  }
+}
+
+TEST(Methods, TrueMassCoversTheClaim) {
+  for (const Shape& s : kShapes) {
+    Fixture f = make_fixture(s, 777, 5);
+    for (const char* m : {"oracle_topp", "oracle_topk"}) {
+      AttnOutput out = run(m, f, {});
+      for (int qh = 0; qh < s.n_q_heads; ++qh)
+        EXPECT_GE(out.stats[qh].mass_true, out.stats[qh].mass_claimed - 1e-4) << m << " head " << qh;
+    }
+  }
+}
+
+TEST(Methods, AtFullMassEveryMethodEqualsDense) {
+  for (const Shape& s : kShapes) {
+    Fixture f = make_fixture(s, 300, 9);
+    AttnOutput dense = run("dense", f, {});
+    for (int qh = 0; qh < s.n_q_heads; ++qh) {
+      EXPECT_NEAR(dense.stats[qh].mass_true, 1.0, 1e-5);
+      EXPECT_LT(dense.stats[qh].out_err, 1e-5);
+    }
+    const std::vector<std::pair<std::string, std::map<std::string, std::string>>> full = {
+        {"oracle_topp", {{"p", "1"}}},
+        {"oracle_topk", {{"k", "300"}}},
+        {"streaming", {{"sinks", "4"}, {"window", "296"}}},
+        {"quest", {{"budget", "300"}}}};
+    for (const auto& [m, params] : full) {
+      AttnOutput out = run(m, f, params);
+      EXPECT_LT(rel_err(out.out, dense.out), 1e-5) << m;
+    }
+  }
+}
+
+TEST(Methods, OutputErrorWithinTheBound) {
+  // ||o - o~|| <= 2 (1 - p) max ||v|| (Tactic Appendix A) with p the true mass of the set.
+  for (const Shape& s : kShapes) {
+    Fixture f = make_fixture(s, 2000, 21);
+    const std::vector<std::pair<std::string, std::map<std::string, std::string>>> runs = {
+        {"oracle_topp", {{"p", "0.8"}}},
+        {"oracle_topk", {{"k", "64"}}},
+        {"streaming", {{"sinks", "4"}, {"window", "100"}}},
+        {"quest", {{"budget", "128"}}}};
+    for (const auto& [m, params] : runs) {
+      AttnOutput out = run(m, f, params);
+      for (int qh = 0; qh < s.n_q_heads; ++qh) {
+        const double bound = 2 * (1 - out.stats[qh].mass_true) * max_value_norm(f, qh / s.group());
+        EXPECT_LE(out.stats[qh].out_err, bound + 1e-4) << m << " head " << qh;
+      }
+    }
+  }
+}
+
+TEST(Methods, StreamingAttendsSinksAndWindow) {
+  Fixture f = make_fixture({1, 8, 2, 64}, 500, 3);
+  AttnOutput out = run("streaming", f, {{"sinks", "4"}, {"window", "50"}});
+  std::vector<int32_t> want;
+  for (int i = 0; i < 4; ++i) want.push_back(i);
+  for (int i = 450; i < 500; ++i) want.push_back(i);
+  for (const auto& t : out.selection.tokens) EXPECT_EQ(t, want);
+  for (const auto& st : out.stats) {
+    EXPECT_EQ(st.tokens_attended, 54);
+    EXPECT_TRUE(std::isnan(st.mass_claimed));
+  }
+  // Window larger than the cache: everything, once.
+  AttnOutput all = run("streaming", f, {{"sinks", "4"}, {"window", "5000"}});
+  for (const auto& t : all.selection.tokens) EXPECT_EQ(t.size(), 500u);
+}
+
+TEST(Methods, QuestAttendsTheTopBoundPages) {
+  for (const Shape& s : kShapes) {
+    Fixture f = make_fixture(s, 1001, 17);  // 63 pages, the last one partial
+    const int budget = 80;                   // 5 pages per query head
+    AttnOutput out = run("quest", f, {{"budget", std::to_string(budget)}});
+    const int d = s.head_dim, ps = f.kv.page_size(), n = f.kv.n_tokens(0);
+    const int n_pages = (n + ps - 1) / ps;
+    std::vector<float> key(d);
+    for (int kvh = 0; kvh < s.n_kv_heads; ++kvh) {
+      std::set<int32_t> want;
+      for (int j = 0; j < s.group(); ++j) {
+        const int qh = kvh * s.group() + j;
+        std::vector<std::pair<double, int>> bound(n_pages);
+        for (int p = 0; p < n_pages; ++p) {
+          std::vector<double> lo(d, 1e300), hi(d, -1e300);
+          for (int t = p * ps; t < std::min(n, (p + 1) * ps); ++t) {
+            f.kv.key_f32(0, kvh, t, key.data());
+            for (int i = 0; i < d; ++i) lo[i] = std::min(lo[i], double(key[i])), hi[i] = std::max(hi[i], double(key[i]));
+          }
+          double b = 0;
+          for (int i = 0; i < d; ++i) b += std::max(f.q[qh * d + i] * lo[i], f.q[qh * d + i] * hi[i]);
+          bound[p] = {-b, p};
+        }
+        std::sort(bound.begin(), bound.end());
+        for (int r = 0; r < budget / ps; ++r)
+          for (int t = bound[r].second * ps; t < std::min(n, (bound[r].second + 1) * ps); ++t) want.insert(t);
+      }
+      std::set<int32_t> got(out.selection.tokens[kvh].begin(), out.selection.tokens[kvh].end());
+      EXPECT_EQ(got, want) << "kv head " << kvh;
+    }
+  }
+}
+
+TEST(Methods, ThreadCountDoesNotChangeResults) {
+  Fixture f = make_fixture({1, 8, 2, 64}, 5000, 4);
+  for (const char* m : {"dense", "oracle_topp", "oracle_topk", "streaming", "quest"}) {
+    AttnOutput a = run(m, f, {}, 1, false), b = run(m, f, {}, 2, false);
+    EXPECT_EQ(a.out, b.out) << m;
+    EXPECT_EQ(a.selection.tokens, b.selection.tokens) << m;
+  }
+}
+
+TEST(Methods, BadInputNamesTheValue) {
+  const Shape s{1, 8, 2, 64};
+  auto expect_error = [](auto fn, const std::string& needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "no error, wanted one mentioning " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  const Registry& r = Registry::builtin();
+  expect_error([&] { r.make("oracle_topp", s, {{"p", "0"}}); }, "p=0");
+  expect_error([&] { r.make("oracle_topp", s, {{"p", "1.5"}}); }, "p=1.5");
+  expect_error([&] { r.make("oracle_topp", s, {{"p", "nan"}}); }, "p='nan'");
+  expect_error([&] { r.make("oracle_topk", s, {{"k", "0"}}); }, "k=0");
+  expect_error([&] { r.make("oracle_topk", s, {{"k", "2.5"}}); }, "k='2.5'");
+  expect_error([&] { r.make("quest", s, {{"pages", "3"}}); }, "'pages'");
+  expect_error([&] { r.make("nope", s); }, "method='nope'");
+  expect_error([&] { r.make("dense", Shape{1, 9, 4, 64}); }, "n_q_heads=9");
+  expect_error([&] { r.make("dense", Shape{1, 8, 2, 0}); }, "head_dim=0");
+
+  KvCache empty(s);
+  auto m = r.make("dense", s);
+  ThreadPool pool(1);
+  DecodeContext ctx{&pool, false};
+  std::vector<float> q(static_cast<size_t>(s.n_q_heads) * s.head_dim, 0.5f);
+  AttnOutput out;
+  expect_error([&] { decode_step(*m, 0, q.data(), empty, ctx, out); }, "empty cache");
+
+  Fixture f = make_fixture(s, 20, 1);
+  f.q[3 * 64 + 7] = std::nanf("");
+  expect_error([&] { decode_step(*m, 0, f.q.data(), f.kv, ctx, out); }, "q[head=3][dim=7]=nan");
+  f.q[3 * 64 + 7] = INFINITY;
+  expect_error([&] { decode_step(*m, 0, f.q.data(), f.kv, ctx, out); }, "q[head=3][dim=7]=inf");
+  expect_error([&] { decode_step(*m, 1, f.q.data(), f.kv, ctx, out); }, "layer=1");
+}
