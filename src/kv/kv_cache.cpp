@@ -1,16 +1,210 @@
-// STUB: replaced by the KV cache implementation.
+// Paged KV cache (docs/architecture.md "Core types"; Quest section 3 for the per-page key
+// min/max, PSA section 3 for the per-page mean key).
+//
+// Per (layer, kv head) the cache owns pages of page_size tokens:
+//   K page: [page_size][head_dim], V page: [page_size][head_dim] in the storage dtype,
+// carved out of 64-byte-aligned slabs that are never moved or freed before the cache is,
+// so a page pointer handed out in a view stays valid while later appends add pages.
+// Next to the pages it keeps float32 key statistics per page, contiguous per head:
+//   kmin, kmax, kmean: [n_pages][head_dim]   (what PagedHeadView exposes)
+//   ksum:              [n_pages][head_dim]   float64 running sums behind kmean
+// All statistics are taken over the keys as STORED (rounded to the dtype), so Quest's
+// bound sum_j max(q_j kmin_j, q_j kmax_j) >= q.k holds exactly for the keys kernels read.
 #include "cumulus/kv/kv_cache.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
 #include "cumulus/core/error.h"
+
 namespace cumulus {
-struct KvCache::HeadStore {};
-KvCache::KvCache(const Shape& shape, const KvCacheOptions& options) : shape_(shape), options_(options) { CUMULUS_FAIL("not implemented"); }
+
+namespace {
+
+struct FreeDeleter {
+  void operator()(void* p) const noexcept { std::free(p); }
+};
+
+// Bytes from one page start to the next inside a slab: a K (or V) page rounded up to the
+// cache line so every page begins on a 64-byte boundary.
+size_t page_stride_bytes(int page_size, int head_dim, DType dtype) {
+  const size_t bytes = static_cast<size_t>(page_size) * head_dim * dtype_size(dtype);
+  return (bytes + kAlignment - 1) / kAlignment * kAlignment;
+}
+
+}  // namespace
+
+struct KvCache::HeadStore {
+  // One allocation per slab: `count` K pages followed by `count` V pages.
+  std::vector<std::unique_ptr<std::byte, FreeDeleter>> slabs;
+  std::vector<const void*> k_pages;  // [n_pages_allocated]
+  std::vector<const void*> v_pages;  // [n_pages_allocated]
+  AlignedVector<float> kmin, kmax, kmean;  // [n_pages_used][head_dim]
+  std::vector<double> ksum;                // [n_pages_used][head_dim]
+};
+
+KvCache::KvCache(const Shape& shape, const KvCacheOptions& options) : shape_(shape), options_(options) {
+  shape_.validate();
+  const int ps = options_.page_size;
+  CUMULUS_CHECK(ps >= 1 && ps <= 256 && (ps & (ps - 1)) == 0, "page_size={} must be a power of two in [1, 256]",
+                ps);
+  CUMULUS_CHECK(options_.dtype == DType::f32 || options_.dtype == DType::f16 || options_.dtype == DType::bf16,
+                "dtype={} is not one of f32, f16, bf16", static_cast<int>(options_.dtype));
+  CUMULUS_CHECK(options_.max_tokens >= 1, "max_tokens={} must be >= 1", options_.max_tokens);
+  n_tokens_.assign(shape_.n_layers, 0);
+  heads_.resize(static_cast<size_t>(shape_.n_layers) * shape_.n_kv_heads);
+  for (auto& h : heads_) h = std::make_unique<HeadStore>();
+}
+
 KvCache::~KvCache() = default;
 KvCache::KvCache(KvCache&&) noexcept = default;
 KvCache& KvCache::operator=(KvCache&&) noexcept = default;
-int KvCache::n_tokens(int) const { CUMULUS_FAIL("not implemented"); }
-void KvCache::append(int, const float*, const float*, int) { CUMULUS_FAIL("not implemented"); }
-void KvCache::clear() {}
-PagedHeadView KvCache::view(int, int) const { CUMULUS_FAIL("not implemented"); }
-void KvCache::key_f32(int, int, int, float*) const { CUMULUS_FAIL("not implemented"); }
-void KvCache::value_f32(int, int, int, float*) const { CUMULUS_FAIL("not implemented"); }
+
+KvCache::HeadStore& KvCache::head(int layer, int kv_head) {
+  return *heads_[static_cast<size_t>(layer) * shape_.n_kv_heads + kv_head];
+}
+
+const KvCache::HeadStore& KvCache::head(int layer, int kv_head) const {
+  return *heads_[static_cast<size_t>(layer) * shape_.n_kv_heads + kv_head];
+}
+
+int KvCache::n_tokens(int layer) const {
+  CUMULUS_CHECK(layer >= 0 && layer < shape_.n_layers, "layer={} out of range [0, {})", layer, shape_.n_layers);
+  return n_tokens_[layer];
+}
+
+void KvCache::append(int layer, const float* k, const float* v, int n) {
+  CUMULUS_CHECK(layer >= 0 && layer < shape_.n_layers, "layer={} out of range [0, {})", layer, shape_.n_layers);
+  CUMULUS_CHECK(n >= 1, "n={} must be >= 1", n);
+  CUMULUS_CHECK(k != nullptr && v != nullptr, "k={} and v={} must be non-null", static_cast<const void*>(k),
+                static_cast<const void*>(v));
+  const int t0 = n_tokens_[layer];
+  CUMULUS_CHECK(static_cast<int64_t>(t0) + n <= options_.max_tokens,
+                "n={} would overflow max_tokens={} (layer {} holds {} tokens)", n, options_.max_tokens, layer, t0);
+
+  const int H = shape_.n_kv_heads;
+  const int d = shape_.head_dim;
+  // Check everything before writing anything, so a rejected append leaves the cache as it
+  // was. k, v: [n][n_kv_heads][head_dim].
+  const size_t total = static_cast<size_t>(n) * H * d;
+  for (const float* src : {k, v}) {
+    for (size_t i = 0; i < total; ++i) {
+      if (!std::isfinite(src[i])) [[unlikely]] {
+        const size_t t = i / (static_cast<size_t>(H) * d);
+        const size_t h = (i / d) % H;
+        const size_t j = i % d;
+        CUMULUS_FAIL("{}[token={}][head={}][dim={}]={} is not finite (layer {}, position {})", src == k ? "k" : "v", t,
+                     h, j, src[i], layer, t0 + t);
+      }
+    }
+  }
+
+  const int ps = options_.page_size;
+  const int shift = std::countr_zero(static_cast<unsigned>(ps));
+  const DType dt = options_.dtype;
+  const size_t row_bytes = static_cast<size_t>(d) * dtype_size(dt);
+  const size_t stride = page_stride_bytes(ps, d, dt);
+  const int pages_needed = (t0 + n + ps - 1) >> shift;
+  std::vector<float> stored(d);  // [head_dim] one key as it reads back from storage
+
+  for (int h = 0; h < H; ++h) {
+    HeadStore& s = head(layer, h);
+    // Grow page storage. Slabs double the page count so a long prefill makes O(log n)
+    // allocations, capped by what max_tokens can still use.
+    const int have = static_cast<int>(s.k_pages.size());
+    if (have < pages_needed) {
+      const int max_pages = (options_.max_tokens + ps - 1) >> shift;
+      int count = std::max({pages_needed - have, have, 4});
+      count = std::min(count, max_pages - have);
+      const size_t bytes = 2 * static_cast<size_t>(count) * stride;
+      void* mem = std::aligned_alloc(kAlignment, bytes);
+      if (mem == nullptr) throw std::bad_alloc();
+      std::memset(mem, 0, bytes);  // padding rows of partial pages read back as zero
+      s.slabs.emplace_back(static_cast<std::byte*>(mem));
+      auto* base = static_cast<std::byte*>(mem);
+      for (int i = 0; i < count; ++i) s.k_pages.push_back(base + static_cast<size_t>(i) * stride);
+      for (int i = 0; i < count; ++i) s.v_pages.push_back(base + static_cast<size_t>(count + i) * stride);
+    }
+    const size_t meta = static_cast<size_t>(pages_needed) * d;
+    if (s.kmin.size() < meta) {
+      s.kmin.resize(meta);
+      s.kmax.resize(meta);
+      s.kmean.resize(meta);
+      s.ksum.resize(meta);
+    }
+
+    for (int i = 0; i < n; ++i) {
+      const int t = t0 + i;
+      const int p = t >> shift;
+      const int row = t & (ps - 1);
+      const size_t src_off = (static_cast<size_t>(i) * H + h) * d;
+      auto* kdst = static_cast<std::byte*>(const_cast<void*>(s.k_pages[p])) + row * row_bytes;
+      auto* vdst = static_cast<std::byte*>(const_cast<void*>(s.v_pages[p])) + row * row_bytes;
+      convert_from_f32(k + src_off, kdst, dt, d);
+      convert_from_f32(v + src_off, vdst, dt, d);
+      convert_to_f32(kdst, dt, stored.data(), d);
+
+      float* mn = s.kmin.data() + static_cast<size_t>(p) * d;
+      float* mx = s.kmax.data() + static_cast<size_t>(p) * d;
+      float* mean = s.kmean.data() + static_cast<size_t>(p) * d;
+      double* sum = s.ksum.data() + static_cast<size_t>(p) * d;
+      if (row == 0) {  // first token of a page (also after clear(): stale values are overwritten)
+        for (int j = 0; j < d; ++j) {
+          mn[j] = mx[j] = stored[j];
+          sum[j] = stored[j];
+        }
+      } else {
+        for (int j = 0; j < d; ++j) {
+          mn[j] = std::min(mn[j], stored[j]);
+          mx[j] = std::max(mx[j], stored[j]);
+          sum[j] += stored[j];
+        }
+      }
+      // The mean is over the page's valid tokens (row + 1 of them), also for a partial page.
+      const double len = row + 1;
+      for (int j = 0; j < d; ++j) mean[j] = static_cast<float>(sum[j] / len);
+    }
+  }
+  n_tokens_[layer] = t0 + n;
+}
+
+void KvCache::clear() { std::fill(n_tokens_.begin(), n_tokens_.end(), 0); }
+
+PagedHeadView KvCache::view(int layer, int kv_head) const {
+  CUMULUS_CHECK(layer >= 0 && layer < shape_.n_layers, "layer={} out of range [0, {})", layer, shape_.n_layers);
+  CUMULUS_CHECK(kv_head >= 0 && kv_head < shape_.n_kv_heads, "kv_head={} out of range [0, {})", kv_head,
+                shape_.n_kv_heads);
+  const HeadStore& s = head(layer, kv_head);
+  PagedHeadView v;
+  v.k_pages = s.k_pages.data();
+  v.v_pages = s.v_pages.data();
+  v.kmin = s.kmin.data();
+  v.kmax = s.kmax.data();
+  v.kmean = s.kmean.data();
+  v.n_tokens = n_tokens_[layer];
+  v.head_dim = shape_.head_dim;
+  v.page_size = options_.page_size;
+  v.page_shift = std::countr_zero(static_cast<unsigned>(options_.page_size));
+  v.dtype = options_.dtype;
+  return v;
+}
+
+void KvCache::key_f32(int layer, int kv_head, int t, float* out) const {
+  CUMULUS_CHECK(out != nullptr, "out must be non-null");
+  const PagedHeadView v = view(layer, kv_head);
+  CUMULUS_CHECK(t >= 0 && t < v.n_tokens, "t={} out of range [0, {})", t, v.n_tokens);
+  convert_to_f32(v.key(t), v.dtype, out, v.head_dim);
+}
+
+void KvCache::value_f32(int layer, int kv_head, int t, float* out) const {
+  CUMULUS_CHECK(out != nullptr, "out must be non-null");
+  const PagedHeadView v = view(layer, kv_head);
+  CUMULUS_CHECK(t >= 0 && t < v.n_tokens, "t={} out of range [0, {})", t, v.n_tokens);
+  convert_to_f32(v.value(t), v.dtype, out, v.head_dim);
+}
+
 }  // namespace cumulus

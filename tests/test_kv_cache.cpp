@@ -1,0 +1,219 @@
+// KV cache: stored keys and values are the inputs rounded to the storage dtype, and the
+// per-page key min, max and mean ([n_pages][head_dim] per head) equal a recomputation from
+// key_f32 after appends of 1 and many tokens that cross page boundaries and leave partial
+// last pages; page pointers stay put as the cache grows; bad input names the bad value.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cumulus/core/error.h"
+#include "cumulus/kv/kv_cache.h"
+
+using namespace cumulus;
+
+namespace {
+
+template <class Fn>
+void expect_error(Fn fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error, wanted one mentioning " << needle;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+// Random K and V rows [n][n_kv_heads][head_dim], never zero, with an offset per dimension
+// so page min/max/mean differ from dimension to dimension.
+void random_kv(std::mt19937& rng, const Shape& s, int n, std::vector<float>& k, std::vector<float>& v) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const size_t total = static_cast<size_t>(n) * s.n_kv_heads * s.head_dim;
+  k.resize(total);
+  v.resize(total);
+  for (size_t i = 0; i < total; ++i) {
+    k[i] = 2.0f * nd(rng) + 0.1f * static_cast<float>(i % s.head_dim);
+    v[i] = nd(rng);
+  }
+}
+
+// Checks every stored key/value against the dtype-rounded inputs, and every page's
+// statistics against a recomputation from key_f32.
+//   inputs_k, inputs_v: [n_tokens][n_kv_heads][head_dim] everything appended to `layer`
+void check_cache(const KvCache& kv, int layer, const std::vector<float>& inputs_k,
+                 const std::vector<float>& inputs_v) {
+  const Shape& s = kv.shape();
+  const int d = s.head_dim;
+  const int n = kv.n_tokens(layer);
+  ASSERT_EQ(static_cast<size_t>(n) * s.n_kv_heads * d, inputs_k.size());
+  std::vector<float> row(d);
+  for (int h = 0; h < s.n_kv_heads; ++h) {
+    const PagedHeadView v = kv.view(layer, h);
+    ASSERT_EQ(v.n_tokens, n);
+    ASSERT_EQ(v.page_size, kv.page_size());
+    ASSERT_EQ(1 << v.page_shift, v.page_size);
+    ASSERT_EQ(v.dtype, kv.dtype());
+    std::vector<std::vector<float>> keys(n, std::vector<float>(d));
+    for (int t = 0; t < n; ++t) {
+      kv.key_f32(layer, h, t, keys[t].data());
+      kv.value_f32(layer, h, t, row.data());
+      const size_t off = (static_cast<size_t>(t) * s.n_kv_heads + h) * d;
+      for (int j = 0; j < d; ++j) {
+        ASSERT_EQ(keys[t][j], dtype_round(inputs_k[off + j], kv.dtype())) << "t=" << t << " h=" << h << " j=" << j;
+        ASSERT_EQ(row[j], dtype_round(inputs_v[off + j], kv.dtype())) << "t=" << t << " h=" << h << " j=" << j;
+      }
+      // The view addresses the same bytes key_f32 reads.
+      std::vector<float> via_view(d);
+      convert_to_f32(v.key(t), v.dtype, via_view.data(), d);
+      ASSERT_EQ(via_view, keys[t]);
+      ASSERT_EQ(reinterpret_cast<uintptr_t>(v.k_pages[t >> v.page_shift]) % 64, 0u);
+      ASSERT_EQ(reinterpret_cast<uintptr_t>(v.v_pages[t >> v.page_shift]) % 64, 0u);
+    }
+    ASSERT_EQ(v.n_pages(), (n + kv.page_size() - 1) / kv.page_size());
+    for (int p = 0; p < v.n_pages(); ++p) {
+      const int t0 = p * v.page_size;
+      const int len = v.page_len(p);
+      for (int j = 0; j < d; ++j) {
+        float mn = keys[t0][j], mx = keys[t0][j];
+        double sum = 0;
+        for (int t = t0; t < t0 + len; ++t) {
+          mn = std::min(mn, keys[t][j]);
+          mx = std::max(mx, keys[t][j]);
+          sum += keys[t][j];
+        }
+        const size_t m = static_cast<size_t>(p) * d + j;
+        ASSERT_EQ(v.kmin[m], mn) << "page " << p << " dim " << j;
+        ASSERT_EQ(v.kmax[m], mx) << "page " << p << " dim " << j;
+        ASSERT_EQ(v.kmean[m], static_cast<float>(sum / len)) << "page " << p << " dim " << j;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST(KvCache, MetadataMatchesRecomputationAcrossPagesDtypesAndAppendSizes) {
+  const Shape s{2, 6, 3, 24};  // head_dim 24: not a multiple of a 16-lane vector
+  for (DType dt : {DType::f16, DType::bf16, DType::f32}) {
+    for (int ps : {1, 16, 256}) {
+      std::mt19937 rng(100 + ps + static_cast<int>(dt));
+      KvCacheOptions opt;
+      opt.page_size = ps;
+      opt.dtype = dt;
+      opt.max_tokens = 4096;
+      KvCache kv(s, opt);
+      std::vector<float> all_k[2], all_v[2], k, v;
+      // Appends of 1 and many tokens, crossing page boundaries, ending on partial pages.
+      // Layer 1 fills on a different schedule to show layers are independent.
+      const int sizes0[] = {1, 1, 3, 15, 17, 1, 255, 16, 2};
+      const int sizes1[] = {40, 1, 300};
+      for (int n : sizes0) {
+        random_kv(rng, s, n, k, v);
+        kv.append(0, k.data(), v.data(), n);
+        all_k[0].insert(all_k[0].end(), k.begin(), k.end());
+        all_v[0].insert(all_v[0].end(), v.begin(), v.end());
+        check_cache(kv, 0, all_k[0], all_v[0]);
+      }
+      for (int n : sizes1) {
+        random_kv(rng, s, n, k, v);
+        kv.append(1, k.data(), v.data(), n);
+        all_k[1].insert(all_k[1].end(), k.begin(), k.end());
+        all_v[1].insert(all_v[1].end(), v.begin(), v.end());
+      }
+      check_cache(kv, 1, all_k[1], all_v[1]);
+      check_cache(kv, 0, all_k[0], all_v[0]);
+      EXPECT_EQ(kv.n_tokens(0), 311);
+      EXPECT_EQ(kv.n_tokens(1), 341);
+      EXPECT_EQ(kv.bytes_per_token_head(), 2u * 24u * dtype_size(dt));
+    }
+  }
+}
+
+TEST(KvCache, PagePointersStayStableAcrossAppends) {
+  const Shape s{1, 2, 2, 64};
+  std::mt19937 rng(7);
+  KvCacheOptions opt;
+  opt.page_size = 16;
+  KvCache kv(s, opt);
+  std::vector<float> k, v;
+  random_kv(rng, s, 20, k, v);
+  kv.append(0, k.data(), v.data(), 20);
+  const PagedHeadView before = kv.view(0, 1);
+  const void* k0 = before.k_pages[0];
+  const void* v1 = before.v_pages[1];
+  std::vector<float> key5(64);
+  kv.key_f32(0, 1, 5, key5.data());
+  for (int i = 0; i < 50; ++i) {  // many appends, forcing several new slabs
+    random_kv(rng, s, 17, k, v);
+    kv.append(0, k.data(), v.data(), 17);
+  }
+  const PagedHeadView after = kv.view(0, 1);
+  EXPECT_EQ(after.k_pages[0], k0);
+  EXPECT_EQ(after.v_pages[1], v1);
+  std::vector<float> again(64);
+  convert_to_f32(static_cast<const char*>(k0) + 5 * after.row_bytes(), after.dtype, again.data(), 64);
+  EXPECT_EQ(again, key5);
+}
+
+TEST(KvCache, ClearThenRefillRecomputesMetadata) {
+  const Shape s{1, 4, 2, 32};
+  std::mt19937 rng(3);
+  KvCacheOptions opt;
+  opt.page_size = 16;
+  opt.dtype = DType::bf16;
+  KvCache kv(s, opt);
+  std::vector<float> k, v;
+  random_kv(rng, s, 40, k, v);
+  kv.append(0, k.data(), v.data(), 40);
+  kv.clear();
+  EXPECT_EQ(kv.n_tokens(0), 0);
+  EXPECT_EQ(kv.view(0, 0).n_pages(), 0);
+  // Fresh, different keys: stale page statistics must not leak into the new ones.
+  random_kv(rng, s, 21, k, v);
+  for (auto& x : k) x *= -3.0f;
+  kv.append(0, k.data(), v.data(), 21);
+  check_cache(kv, 0, k, v);
+}
+
+TEST(KvCache, BadInputNamesTheValue) {
+  const Shape s{2, 4, 2, 32};
+  for (int ps : {0, 3, 512, -16}) {
+    KvCacheOptions opt;
+    opt.page_size = ps;
+    expect_error([&] { KvCache kv(s, opt); }, "page_size=" + std::to_string(ps) + " must be a power of two in [1, 256]");
+  }
+  expect_error([&] { KvCache kv(Shape{1, 9, 4, 64}); }, "n_q_heads=9");
+  expect_error([&] { KvCache kv(Shape{1, 8, 2, 12}); }, "head_dim=12");
+  KvCacheOptions opt;
+  opt.max_tokens = 40;
+  opt.page_size = 16;
+  KvCache kv(s, opt);
+  std::mt19937 rng(5);
+  std::vector<float> k, v;
+  random_kv(rng, s, 3, k, v);
+  k[(2 * 2 + 1) * 32 + 7] = std::nanf("");  // token 2, head 1, dim 7
+  expect_error([&] { kv.append(0, k.data(), v.data(), 3); }, "k[token=2][head=1][dim=7]=nan");
+  EXPECT_EQ(kv.n_tokens(0), 0) << "a rejected append must leave the cache unchanged";
+  random_kv(rng, s, 3, k, v);
+  v[(1 * 2 + 0) * 32 + 31] = -INFINITY;
+  expect_error([&] { kv.append(0, k.data(), v.data(), 3); }, "v[token=1][head=0][dim=31]=-inf");
+  random_kv(rng, s, 3, k, v);
+  expect_error([&] { kv.append(2, k.data(), v.data(), 3); }, "layer=2");
+  expect_error([&] { kv.append(-1, k.data(), v.data(), 3); }, "layer=-1");
+  expect_error([&] { kv.append(0, k.data(), v.data(), 0); }, "n=0");
+  expect_error([&] { kv.append(0, nullptr, v.data(), 3); }, "must be non-null");
+  random_kv(rng, s, 39, k, v);
+  kv.append(0, k.data(), v.data(), 39);
+  random_kv(rng, s, 2, k, v);
+  expect_error([&] { kv.append(0, k.data(), v.data(), 2); }, "n=2 would overflow max_tokens=40");
+  EXPECT_EQ(kv.n_tokens(0), 39);
+  kv.append(0, k.data(), v.data(), 1);  // exactly full is fine
+  EXPECT_EQ(kv.n_tokens(0), 40);
+  std::vector<float> out(32);
+  expect_error([&] { kv.key_f32(0, 0, 40, out.data()); }, "t=40");
+  expect_error([&] { kv.value_f32(0, 2, 0, out.data()); }, "kv_head=2");
+  expect_error([&] { kv.view(5, 0); }, "layer=5");
+  expect_error([&] { kv.n_tokens(2); }, "layer=2");
+}
