@@ -1,7 +1,381 @@
-// STUB
-#include "cumulus/kernels/attention.h"
+// SIMD decode attention (Highway, runtime dispatch: one binary picks AVX-512, AVX2 or SSE4
+// at run time), dense and sparse over per-kv-head index lists. Same contract as
+// src/kernels/ref/attention.cpp; accumulation is float32, online softmax within a chunk and
+// log-sum-exp merging across chunks (the flash-decoding split over the context).
+//
+// Work split: each kv head's token range (dense) or index list (sparse) is cut into chunks
+// of kChunkTokens entries; one (kv head, chunk) is one ThreadPool task producing a partial
+// (max m, sum l, unnormalised output o) for every query head of the group. The chunk
+// count depends on the token count alone, and partials are merged in chunk order, so the
+// result is bit-identical for any number of threads.
+//
+// Inside a chunk, tokens go in blocks of kBlock = 16. Each K and V row of a block is
+// fetched from memory once for the whole GQA group; the group is processed in tiles of
+// up to 8 query heads that re-read the block from L1. Scores q . k need a horizontal sum
+// per (token, query head); instead of reducing each accumulator alone, the accumulators
+// of N tokens (N = lanes) are reduced together by a transpose-and-add tree that yields one
+// vector holding the N scores, so the softmax of a block is vectorised too.
+
+// This file is compiled once per SIMD target by foreach_target.h.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/attention.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+#include <hwy/cache_control.h>
+#include <hwy/contrib/math/math-inl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
 #include "cumulus/core/error.h"
+#include "cumulus/kernels/attention.h"
+
+#ifndef CUMULUS_KERNELS_CPU_ATTENTION_ONCE
+#define CUMULUS_KERNELS_CPU_ATTENTION_ONCE
 namespace cumulus::cpu {
-void attention_decode_dense(const DecodeAttnArgs&, ThreadPool&) { CUMULUS_FAIL("not implemented"); }
-void attention_decode_sparse(const DecodeAttnArgs&, const Selection&, ThreadPool&) { CUMULUS_FAIL("not implemented"); }
+
+// One task: query heads of one kv head against entries [begin, end) of that head's token
+// range (idx == nullptr: tokens begin..end-1) or index list idx.
+struct AttentionChunk {
+  const PagedHeadView* kv = nullptr;
+  const float* q = nullptr;  // [group][head_dim], already multiplied by scale
+  int group = 1;
+  const int32_t* idx = nullptr;
+  int begin = 0, end = 0;
+  float* o = nullptr;  // [group][head_dim] out: sum_i exp(s_i - m) v_i
+  float* m = nullptr;  // [group] out: max_i s_i
+  float* l = nullptr;  // [group] out: sum_i exp(s_i - m)
+};
+
+// Tokens per block and per chunk. kChunkTokens is a multiple of kBlock so only a list's
+// last block is partial.
+constexpr int kAttnBlock = 16;
+constexpr int kAttnChunkTokens = 1024;
+
 }  // namespace cumulus::cpu
+#endif
+
+HWY_BEFORE_NAMESPACE();
+namespace cumulus::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+namespace {
+
+constexpr int kBlock = kAttnBlock;
+constexpr int kMaxTile = 8;  // query heads per tile: 8 accumulators fit AVX2's 16 registers
+
+// Lanes [j, j + Lanes(d)) of one K or V row stored as kT, widened to float32.
+template <DType kT, class D>
+HWY_INLINE hn::Vec<D> attn_load_row(D d, const void* row, size_t j) {
+  if constexpr (kT == DType::f32) {
+    return hn::LoadU(d, static_cast<const float*>(row) + j);
+  } else if constexpr (kT == DType::f16) {
+    const hn::Rebind<hwy::float16_t, D> dh;
+    return hn::PromoteTo(d, hn::LoadU(dh, static_cast<const hwy::float16_t*>(row) + j));
+  } else {
+    const hn::Rebind<hwy::bfloat16_t, D> dh;
+    return hn::PromoteTo(d, hn::LoadU(dh, static_cast<const hwy::bfloat16_t*>(row) + j));
+  }
+}
+
+#if HWY_TARGET != HWY_SCALAR
+// Four vectors r0..r3 -> one vector whose every 128-bit block holds
+// [sum r0, sum r1, sum r2, sum r3] over that block's 4 lanes.
+template <class D>
+HWY_INLINE hn::Vec<D> attn_sum4_blocks(D d, hn::Vec<D> r0, hn::Vec<D> r1, hn::Vec<D> r2, hn::Vec<D> r3) {
+  const hn::Repartition<uint64_t, D> d64;
+  // [a0+a2, b0+b2, a1+a3, b1+b3] per block
+  const auto ab = hn::Add(hn::InterleaveLower(d, r0, r1), hn::InterleaveUpper(d, r0, r1));
+  const auto cd = hn::Add(hn::InterleaveLower(d, r2, r3), hn::InterleaveUpper(d, r2, r3));
+  const auto x = hn::BitCast(d64, ab);
+  const auto y = hn::BitCast(d64, cd);
+  return hn::Add(hn::BitCast(d, hn::InterleaveLower(d64, x, y)), hn::BitCast(d, hn::InterleaveUpper(d64, x, y)));
+}
+#endif
+
+// acc: [N][N] floats, row i the accumulator of token i. Returns the vector whose lane i is
+// the sum of row i: N horizontal sums for about 3 shuffles + adds each instead of ~8.
+template <class D>
+HWY_INLINE hn::Vec<D> attn_sum_rows(D d, const float* HWY_RESTRICT acc) {
+  constexpr size_t N = hn::MaxLanes(D());
+  auto row = [&](size_t i) { return hn::LoadU(d, acc + i * N); };
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (N == 4) {
+    return attn_sum4_blocks(d, row(0), row(1), row(2), row(3));
+  } else if constexpr (N == 8) {
+    const auto v0 = attn_sum4_blocks(d, row(0), row(1), row(2), row(3));  // tokens 0-3, per 128-bit half
+    const auto v1 = attn_sum4_blocks(d, row(4), row(5), row(6), row(7));
+    return hn::Add(hn::ConcatLowerLower(d, v1, v0), hn::ConcatUpperUpper(d, v1, v0));
+  } else if constexpr (N == 16) {
+    const auto v0 = attn_sum4_blocks(d, row(0), row(1), row(2), row(3));  // tokens 0-3 in each of 4 blocks
+    const auto v1 = attn_sum4_blocks(d, row(4), row(5), row(6), row(7));
+    const auto v2 = attn_sum4_blocks(d, row(8), row(9), row(10), row(11));
+    const auto v3 = attn_sum4_blocks(d, row(12), row(13), row(14), row(15));
+    // Blocks [v0.b0+v0.b2, v0.b1+v0.b3, v2.b0+v2.b2, v2.b1+v2.b3] and the same for v1, v3.
+    const auto w02 = hn::Add(hn::ConcatLowerLower(d, v2, v0), hn::ConcatUpperUpper(d, v2, v0));
+    const auto w13 = hn::Add(hn::ConcatLowerLower(d, v3, v1), hn::ConcatUpperUpper(d, v3, v1));
+    // Adjacent blocks summed: [v0, v1, v2, v3] totals.
+    const auto s = hn::OddEvenBlocks(w13, w02);
+    const auto t = hn::SwapAdjacentBlocks(hn::OddEvenBlocks(w02, w13));
+    return hn::Add(s, t);
+  } else
+#endif
+  {
+    HWY_ALIGN float sums[N];
+    for (size_t i = 0; i < N; ++i) sums[i] = hn::GetLane(hn::SumOfLanes(d, row(i)));
+    return hn::Load(d, sums);
+  }
+}
+
+// One block of B <= kBlock tokens for a tile of G query heads.
+//   krow, vrow: [B] row pointers; q: [G][dim] scaled queries; o: [G][dim]; m, l: [G]
+//   accbuf: [G][kBlock][N] scratch; p: [G][kBlock] scratch (scores, then weights)
+template <DType kT, int G, class D>
+HWY_INLINE void attn_block_tile(D d, size_t dim, int B, const void* const* krow, const void* const* vrow,
+                                const float* HWY_RESTRICT q, float* HWY_RESTRICT o, float* m, float* l,
+                                float* HWY_RESTRICT accbuf, float* HWY_RESTRICT p) {
+  constexpr size_t N = hn::MaxLanes(D());
+  using V = hn::Vec<D>;
+
+  // Scores: each K row is widened once per vector and feeds G accumulators.
+  for (int t = 0; t < B; ++t) {
+    V acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = hn::Zero(d);
+    const void* krow_t = krow[t];
+    for (size_t j = 0; j < dim; j += N) {
+      const V k = attn_load_row<kT>(d, krow_t, j);
+      for (int g = 0; g < G; ++g) acc[g] = hn::MulAdd(hn::LoadU(d, q + g * dim + j), k, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) hn::StoreU(acc[g], d, accbuf + (static_cast<size_t>(g) * kBlock + t) * N);
+  }
+  for (int t = B; t < kBlock; ++t)
+    for (int g = 0; g < G; ++g) hn::StoreU(hn::Zero(d), d, accbuf + (static_cast<size_t>(g) * kBlock + t) * N);
+  for (int g = 0; g < G; ++g)
+    for (int t0 = 0; t0 < kBlock; t0 += static_cast<int>(N))
+      hn::StoreU(attn_sum_rows(d, accbuf + (static_cast<size_t>(g) * kBlock + t0) * N), d, p + g * kBlock + t0);
+
+  // Online softmax over the block, vectorised over its tokens.
+  float alpha[G];
+  for (int g = 0; g < G; ++g) {
+    float* pg = p + g * kBlock;
+    for (int t = B; t < kBlock; ++t) pg[t] = -std::numeric_limits<float>::infinity();
+    V vmax = hn::LoadU(d, pg);
+    for (int t0 = static_cast<int>(N); t0 < kBlock; t0 += static_cast<int>(N)) vmax = hn::Max(vmax, hn::LoadU(d, pg + t0));
+    const float m_new = std::max(m[g], hn::GetLane(hn::MaxOfLanes(d, vmax)));
+    alpha[g] = std::exp(m[g] - m_new);  // 0 for the first block (m = -inf)
+    const V vm = hn::Set(d, m_new);
+    V vsum = hn::Zero(d);
+    for (int t0 = 0; t0 < kBlock; t0 += static_cast<int>(N)) {
+      const V e = hn::Exp(d, hn::Sub(hn::LoadU(d, pg + t0), vm));  // exp(-inf) = 0 for padding
+      hn::StoreU(e, d, pg + t0);
+      vsum = hn::Add(vsum, e);
+    }
+    l[g] = l[g] * alpha[g] + hn::GetLane(hn::SumOfLanes(d, vsum));
+    m[g] = m_new;
+  }
+
+  // o = alpha * o + sum_t p_t v_t, one vector of the head dimension at a time so the G
+  // accumulators stay in registers; each V vector is widened once for all G heads.
+  for (size_t j = 0; j < dim; j += N) {
+    V acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = hn::Mul(hn::LoadU(d, o + g * dim + j), hn::Set(d, alpha[g]));
+    for (int t = 0; t < B; ++t) {
+      const V v = attn_load_row<kT>(d, vrow[t], j);
+      for (int g = 0; g < G; ++g) acc[g] = hn::MulAdd(hn::Set(d, p[g * kBlock + t]), v, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) hn::StoreU(acc[g], d, o + g * dim + j);
+  }
+}
+
+HWY_INLINE void attn_prefetch_row(const void* row, size_t bytes) {
+  const char* c = static_cast<const char*>(row);
+  for (size_t off = 0; off < bytes; off += 64) hwy::Prefetch(c + off);
+}
+
+template <DType kT, class D>
+void attn_chunk_typed(D d, const AttentionChunk& job) {
+  constexpr size_t N = hn::MaxLanes(D());
+  const PagedHeadView& kv = *job.kv;
+  const size_t dim = static_cast<size_t>(kv.head_dim);
+  const size_t row_bytes = kv.row_bytes();
+  for (int g = 0; g < job.group; ++g) {
+    job.m[g] = -std::numeric_limits<float>::infinity();
+    job.l[g] = 0.0f;
+  }
+  std::memset(job.o, 0, sizeof(float) * dim * static_cast<size_t>(job.group));
+
+  HWY_ALIGN float accbuf[kMaxTile * kBlock * N];
+  HWY_ALIGN float p[kMaxTile * kBlock];
+  // Row pointers of the current and the next block; the next block's rows are
+  // prefetched while the current one is computed (pages are separate buffers, which
+  // stops the hardware prefetcher at every page boundary).
+  const void* krow[2][kBlock];
+  const void* vrow[2][kBlock];
+  auto fill_rows = [&](int pos, int cur) {
+    const int n = std::min(kBlock, job.end - pos);
+    for (int i = 0; i < n; ++i) {
+      const int tok = job.idx != nullptr ? job.idx[pos + i] : pos + i;
+      krow[cur][i] = kv.key(tok);
+      vrow[cur][i] = kv.value(tok);
+    }
+  };
+  int cur = 0;
+  fill_rows(job.begin, cur);
+  for (int pos = job.begin; pos < job.end; pos += kBlock) {
+    const int B = std::min(kBlock, job.end - pos);
+    if (pos + kBlock < job.end) {
+      fill_rows(pos + kBlock, cur ^ 1);
+      const int nb = std::min(kBlock, job.end - pos - kBlock);
+      for (int i = 0; i < nb; ++i) {
+        attn_prefetch_row(krow[cur ^ 1][i], row_bytes);
+        attn_prefetch_row(vrow[cur ^ 1][i], row_bytes);
+      }
+    }
+    for (int g0 = 0; g0 < job.group;) {
+      const int rest = job.group - g0;
+      const float* q = job.q + g0 * dim;
+      float* o = job.o + g0 * dim;
+      if (rest >= 8) {
+        attn_block_tile<kT, 8>(d, dim, B, krow[cur], vrow[cur], q, o, job.m + g0, job.l + g0, accbuf, p);
+        g0 += 8;
+      } else if (rest >= 4) {
+        attn_block_tile<kT, 4>(d, dim, B, krow[cur], vrow[cur], q, o, job.m + g0, job.l + g0, accbuf, p);
+        g0 += 4;
+      } else if (rest >= 2) {
+        attn_block_tile<kT, 2>(d, dim, B, krow[cur], vrow[cur], q, o, job.m + g0, job.l + g0, accbuf, p);
+        g0 += 2;
+      } else {
+        attn_block_tile<kT, 1>(d, dim, B, krow[cur], vrow[cur], q, o, job.m + g0, job.l + g0, accbuf, p);
+        g0 += 1;
+      }
+    }
+    cur ^= 1;
+  }
+}
+
+}  // namespace
+
+void attention_chunk_impl(const AttentionChunk& job) {
+  // The widest float vector whose lane count divides head_dim (a multiple of 8).
+  const hn::ScalableTag<float> df;
+  auto run = [&](auto d) {
+    switch (job.kv->dtype) {
+      case DType::f32: attn_chunk_typed<DType::f32>(d, job); break;
+      case DType::f16: attn_chunk_typed<DType::f16>(d, job); break;
+      case DType::bf16: attn_chunk_typed<DType::bf16>(d, job); break;
+    }
+  };
+  if (job.kv->head_dim % static_cast<int>(hn::Lanes(df)) == 0) {
+    run(df);
+  } else {
+    run(hn::CappedTag<float, 8>());
+  }
+}
+
+}  // namespace cumulus::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace cumulus::cpu {
+
+HWY_EXPORT(attention_chunk_impl);
+
+namespace {
+
+struct AttnTask {
+  int head, begin, end;
+};
+
+// Shared driver of the dense (sel == nullptr) and sparse ops; inputs already validated.
+void attention_decode_run(const DecodeAttnArgs& a, const Selection* sel, ThreadPool& pool) {
+  const int dim = a.kv[0].head_dim;
+  const int group = a.group;
+  const int n_q = a.n_kv_heads * group;
+  const size_t udim = static_cast<size_t>(dim);
+
+  // Scaled queries [n_q][head_dim]: scores come out as scale * q . k directly.
+  std::vector<float> qs(static_cast<size_t>(n_q) * udim);
+  for (size_t i = 0; i < qs.size(); ++i) qs[i] = a.q[i] * a.scale;
+
+  // Tasks in (kv head, chunk) order; first_task[h] .. first_task[h + 1] belong to head h.
+  std::vector<AttnTask> tasks;
+  std::vector<int> first_task(static_cast<size_t>(a.n_kv_heads) + 1);
+  for (int h = 0; h < a.n_kv_heads; ++h) {
+    first_task[h] = static_cast<int>(tasks.size());
+    const int n = sel != nullptr ? static_cast<int>(sel->tokens[h].size()) : a.kv[h].n_tokens;
+    for (int b = 0; b < n; b += kAttnChunkTokens) tasks.push_back({h, b, std::min(n, b + kAttnChunkTokens)});
+  }
+  first_task[a.n_kv_heads] = static_cast<int>(tasks.size());
+
+  // Partials per task: o [group][head_dim], m [group], l [group], padded to 64 bytes so
+  // tasks on different threads never share a cache line.
+  const size_t stride = (static_cast<size_t>(group) * (udim + 2) + 15) & ~size_t{15};
+  thread_local std::vector<float> part;
+  if (part.size() < tasks.size() * stride) part.resize(tasks.size() * stride);
+  float* base = part.data();
+
+  pool.parallel_for(static_cast<int64_t>(tasks.size()), [&](int64_t t, int) {
+    const AttnTask& task = tasks[static_cast<size_t>(t)];
+    float* slot = base + static_cast<size_t>(t) * stride;
+    AttentionChunk job;
+    job.kv = &a.kv[task.head];
+    job.q = qs.data() + static_cast<size_t>(task.head) * group * udim;
+    job.group = group;
+    job.idx = sel != nullptr ? sel->tokens[task.head].data() : nullptr;
+    job.begin = task.begin;
+    job.end = task.end;
+    job.o = slot;
+    job.m = slot + static_cast<size_t>(group) * udim;
+    job.l = job.m + group;
+    HWY_DYNAMIC_DISPATCH(attention_chunk_impl)(job);
+  });
+
+  // Log-sum-exp merge of each head's chunks in chunk order (deterministic), one task per
+  // kv head.
+  pool.parallel_for(a.n_kv_heads, [&](int64_t hh, int) {
+    const int h = static_cast<int>(hh);
+    const int t0 = first_task[h], t1 = first_task[h + 1];
+    for (int g = 0; g < group; ++g) {
+      const int qh = h * group + g;
+      float* out = a.out + static_cast<size_t>(qh) * udim;
+      if (t0 == t1) {
+        std::fill(out, out + dim, 0.0f);
+        a.lse[qh] = -std::numeric_limits<float>::infinity();
+      } else {
+        auto m_of = [&](int t) { return base[static_cast<size_t>(t) * stride + static_cast<size_t>(group) * udim + g]; };
+        auto l_of = [&](int t) { return base[static_cast<size_t>(t) * stride + static_cast<size_t>(group) * udim + group + g]; };
+        float m = -std::numeric_limits<float>::infinity();
+        for (int t = t0; t < t1; ++t) m = std::max(m, m_of(t));
+        float l = 0.0f;
+        std::fill(out, out + dim, 0.0f);
+        for (int t = t0; t < t1; ++t) {
+          const float w = std::exp(m_of(t) - m);
+          l += l_of(t) * w;
+          const float* o = base + static_cast<size_t>(t) * stride + static_cast<size_t>(g) * udim;
+          for (int j = 0; j < dim; ++j) out[j] += w * o[j];
+        }
+        const float inv = 1.0f / l;
+        for (int j = 0; j < dim; ++j) out[j] *= inv;
+        a.lse[qh] = m + std::log(l);
+      }
+      if (a.lse_ref != nullptr && a.mass != nullptr) a.mass[qh] = std::exp(a.lse[qh] - a.lse_ref[qh]);
+    }
+  });
+}
+
+}  // namespace
+
+void attention_decode_dense(const DecodeAttnArgs& a, ThreadPool& pool) {
+  attention_decode_validate(a, nullptr);
+  attention_decode_run(a, nullptr, pool);
+}
+
+void attention_decode_sparse(const DecodeAttnArgs& a, const Selection& sel, ThreadPool& pool) {
+  attention_decode_validate(a, &sel);
+  attention_decode_run(a, &sel, pool);
+}
+
+}  // namespace cumulus::cpu
+#endif  // HWY_ONCE
