@@ -1,0 +1,82 @@
+// Llama-family model configuration and weights, loaded from GGUF (architecture `llama`)
+// or llama2.c's legacy `.bin`, dequantised to float32 on load.
+//
+// Matrices are row-major [out][in] (y = W x reads row o for output o), as both formats
+// store them: GGUF ne[0] is the input dimension, llama2.c writes PyTorch's [out][in].
+//
+// DESIGN (RoPE layout): Q and K rows of GGUF `llama` tensors are stored permuted for
+// adjacent-pair rotation ("normal" RoPE in llama.cpp): within each head, rotate
+// (x[2i], x[2i+1]) by pos * theta^(-2i / head_dim). llama2.c uses the same convention, so
+// the forward pass applies one RoPE to both formats and never permutes on load.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cumulus/core/shape.h"
+
+namespace cumulus {
+
+class GgufFile;
+
+enum class ModelFormat { gguf, llama2c };
+
+struct ModelConfig {
+  std::string architecture = "llama";
+  ModelFormat format = ModelFormat::gguf;
+  int n_layers = 0;
+  int n_heads = 0;        // query heads
+  int n_kv_heads = 0;
+  int dim = 0;            // embedding length
+  int hidden_dim = 0;     // feed-forward length
+  int head_dim = 0;       // dim / n_heads
+  int rope_dim = 0;       // dimensions rotated per head (== head_dim for llama)
+  int vocab_size = 0;
+  int context_length = 0;
+  float rope_theta = 10000.0f;
+  float rms_eps = 1e-5f;
+  bool tied_output = true;  // classifier shares token_embd (no output.weight)
+
+  Shape shape() const { return Shape{n_layers, n_heads, n_kv_heads, head_dim}; }
+};
+
+struct LayerWeights {
+  std::vector<float> attn_norm;  // [dim]
+  std::vector<float> wq;         // [n_heads * head_dim][dim]
+  std::vector<float> wk;         // [n_kv_heads * head_dim][dim]
+  std::vector<float> wv;         // [n_kv_heads * head_dim][dim]
+  std::vector<float> wo;         // [dim][n_heads * head_dim]
+  std::vector<float> ffn_norm;   // [dim]
+  std::vector<float> w_gate;     // [hidden_dim][dim]  (llama2.c w1)
+  std::vector<float> w_down;     // [dim][hidden_dim]  (llama2.c w2)
+  std::vector<float> w_up;       // [hidden_dim][dim]  (llama2.c w3)
+};
+
+struct ModelWeights {
+  ModelConfig config;
+  std::vector<float> token_embd;   // [vocab_size][dim]
+  std::vector<LayerWeights> layers;
+  std::vector<float> output_norm;  // [dim]
+  std::vector<float> output;       // [vocab_size][dim]; empty when config.tied_output
+
+  // The classifier [vocab_size][dim]: `output`, or `token_embd` when tied.
+  const float* output_weight() const { return config.tied_output ? token_embd.data() : output.data(); }
+};
+
+// GGUF magic -> gguf, anything else -> llama2c (whose loader then checks the header).
+ModelFormat model_format_of(const std::string& path);
+
+// Hyperparameters only (no tensor data read). Throws Error naming the file and key for an
+// architecture other than `llama`, a missing key or inconsistent values.
+ModelConfig model_config_from_gguf(const GgufFile& file);
+ModelConfig model_config_from_llama2c(const std::string& path);
+
+// Config and all tensors, dequantised to float32. Throws Error naming the file and tensor
+// for a missing tensor, a wrong shape or a type that cannot be dequantised.
+ModelWeights model_weights_from_gguf(const GgufFile& file);
+ModelWeights model_weights_from_llama2c(const std::string& path);
+// Either format, by magic.
+ModelWeights model_weights_load(const std::string& path);
+
+}  // namespace cumulus

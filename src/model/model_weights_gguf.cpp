@@ -1,0 +1,135 @@
+// GGUF `llama` loader: hyperparameters from `llama.*` metadata, tensors by llama.cpp's
+// names (token_embd, blk.N.attn_{norm,q,k,v,output}, blk.N.ffn_{norm,gate,down,up},
+// output_norm, output), each checked for shape and dequantised to float32.
+#include <fmt/ranges.h>
+
+#include <fstream>
+
+#include "cumulus/core/error.h"
+#include "cumulus/model/gguf.h"
+#include "cumulus/model/model_weights.h"
+
+namespace cumulus {
+namespace {
+
+constexpr uint64_t kMaxDim = 1u << 20;  // bound on any single hyperparameter
+
+int get_dim(const GgufFile& f, const std::string& key, uint64_t lo) {
+  const uint64_t v = f.get_u64(key);
+  CUMULUS_CHECK(v >= lo && v <= kMaxDim, "gguf: {}: {}={} must be in [{}, {}]", f.path(), key, v, lo, kMaxDim);
+  return static_cast<int>(v);
+}
+
+int get_dim_or(const GgufFile& f, const std::string& key, int fallback) {
+  return f.find(key) ? get_dim(f, key, 1) : fallback;
+}
+
+// Dequantises tensor `name` after checking it has exactly the shape `ne` ([ne0] or
+// [ne0, ne1], ne0 innermost).
+std::vector<float> load_tensor(const GgufFile& f, const std::string& name, std::initializer_list<uint64_t> ne) {
+  const GgufTensorInfo* t = f.find_tensor(name);
+  CUMULUS_CHECK(t != nullptr, "gguf: {}: missing tensor '{}'", f.path(), name);
+  bool ok = true;
+  size_t d = 0;
+  for (uint64_t want : ne) ok = ok && t->ne[d++] == want;
+  for (; d < 4; ++d) ok = ok && t->ne[d] == 1;
+  if (!ok) {
+    CUMULUS_FAIL("gguf: {}: tensor '{}' has shape [{}, {}, {}, {}], want [{}]", f.path(), name, t->ne[0], t->ne[1],
+                 t->ne[2], t->ne[3], fmt::join(ne, ", "));
+  }
+  const GgmlTypeInfo& info = ggml_type_info(t->type);
+  CUMULUS_CHECK(info.can_dequantize, "gguf: {}: tensor '{}' has type {}, which cannot be dequantised", f.path(), name,
+                info.name);
+  std::vector<float> out(static_cast<size_t>(t->n_elements));
+  dequantize_row(t->type, t->data, out.data(), t->n_elements);
+  return out;
+}
+
+}  // namespace
+
+ModelFormat model_format_of(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  CUMULUS_CHECK(in.good(), "cannot open model '{}'", path);
+  return gguf_has_magic(path) ? ModelFormat::gguf : ModelFormat::llama2c;
+}
+
+ModelConfig model_config_from_gguf(const GgufFile& f) {
+  ModelConfig c;
+  c.format = ModelFormat::gguf;
+  c.architecture = std::string(f.get_string("general.architecture"));
+  CUMULUS_CHECK(c.architecture == "llama", "gguf: {}: general.architecture='{}' is not supported (supported: llama)",
+                f.path(), c.architecture);
+  const std::string p = c.architecture + ".";
+  c.n_layers = get_dim(f, p + "block_count", 1);
+  c.dim = get_dim(f, p + "embedding_length", 1);
+  c.hidden_dim = get_dim(f, p + "feed_forward_length", 1);
+  c.n_heads = get_dim(f, p + "attention.head_count", 1);
+  c.n_kv_heads = get_dim_or(f, p + "attention.head_count_kv", c.n_heads);
+  c.context_length = get_dim(f, p + "context_length", 1);
+  CUMULUS_CHECK(c.n_heads % c.n_kv_heads == 0, "gguf: {}: head_count={} is not a multiple of head_count_kv={}",
+                f.path(), c.n_heads, c.n_kv_heads);
+  if (f.find(p + "attention.key_length") == nullptr) {
+    CUMULUS_CHECK(c.dim % c.n_heads == 0, "gguf: {}: embedding_length={} is not a multiple of head_count={}", f.path(),
+                  c.dim, c.n_heads);
+  }
+  c.head_dim = get_dim_or(f, p + "attention.key_length", c.dim / c.n_heads);
+  const int value_length = get_dim_or(f, p + "attention.value_length", c.head_dim);
+  CUMULUS_CHECK(value_length == c.head_dim, "gguf: {}: attention.value_length={} differs from key_length={}", f.path(),
+                value_length, c.head_dim);
+  c.rope_dim = get_dim_or(f, p + "rope.dimension_count", c.head_dim);
+  CUMULUS_CHECK(c.rope_dim == c.head_dim, "gguf: {}: rope.dimension_count={} != head_dim={} (partial RoPE is not supported)",
+                f.path(), c.rope_dim, c.head_dim);
+  c.rope_theta = static_cast<float>(f.get_f64_or(p + "rope.freq_base", 10000.0));
+  c.rms_eps = static_cast<float>(f.get_f64_or(p + "attention.layer_norm_rms_epsilon", 1e-5));
+  CUMULUS_CHECK(c.rope_theta > 0 && c.rms_eps > 0 && c.rms_eps < 1, "gguf: {}: rope.freq_base={} / rms eps={} out of range",
+                f.path(), c.rope_theta, c.rms_eps);
+
+  const GgufTensorInfo* embd = f.find_tensor("token_embd.weight");
+  CUMULUS_CHECK(embd != nullptr, "gguf: {}: missing tensor 'token_embd.weight'", f.path());
+  CUMULUS_CHECK(embd->ne[1] >= 1 && embd->ne[1] <= (1u << 24), "gguf: {}: token_embd.weight has {} rows", f.path(),
+                embd->ne[1]);
+  c.vocab_size = static_cast<int>(embd->ne[1]);
+  if (f.find(p + "vocab_size") != nullptr) {
+    const uint64_t v = f.get_u64(p + "vocab_size");
+    CUMULUS_CHECK(v == static_cast<uint64_t>(c.vocab_size), "gguf: {}: {}vocab_size={} but token_embd.weight has {} rows",
+                  f.path(), p, v, c.vocab_size);
+  }
+  c.tied_output = f.find_tensor("output.weight") == nullptr;
+  return c;
+}
+
+ModelWeights model_weights_from_gguf(const GgufFile& f) {
+  ModelWeights w;
+  w.config = model_config_from_gguf(f);
+  const ModelConfig& c = w.config;
+  const auto dim = static_cast<uint64_t>(c.dim), hidden = static_cast<uint64_t>(c.hidden_dim);
+  const auto q_dim = static_cast<uint64_t>(c.n_heads) * static_cast<uint64_t>(c.head_dim);
+  const auto kv_dim = static_cast<uint64_t>(c.n_kv_heads) * static_cast<uint64_t>(c.head_dim);
+  const auto vocab = static_cast<uint64_t>(c.vocab_size);
+
+  w.token_embd = load_tensor(f, "token_embd.weight", {dim, vocab});
+  w.layers.resize(static_cast<size_t>(c.n_layers));
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::string b = fmt::format("blk.{}.", l);
+    LayerWeights& L = w.layers[static_cast<size_t>(l)];
+    L.attn_norm = load_tensor(f, b + "attn_norm.weight", {dim});
+    L.wq = load_tensor(f, b + "attn_q.weight", {dim, q_dim});
+    L.wk = load_tensor(f, b + "attn_k.weight", {dim, kv_dim});
+    L.wv = load_tensor(f, b + "attn_v.weight", {dim, kv_dim});
+    L.wo = load_tensor(f, b + "attn_output.weight", {q_dim, dim});
+    L.ffn_norm = load_tensor(f, b + "ffn_norm.weight", {dim});
+    L.w_gate = load_tensor(f, b + "ffn_gate.weight", {dim, hidden});
+    L.w_down = load_tensor(f, b + "ffn_down.weight", {hidden, dim});
+    L.w_up = load_tensor(f, b + "ffn_up.weight", {dim, hidden});
+  }
+  w.output_norm = load_tensor(f, "output_norm.weight", {dim});
+  if (!c.tied_output) w.output = load_tensor(f, "output.weight", {dim, vocab});
+  return w;
+}
+
+ModelWeights model_weights_load(const std::string& path) {
+  if (model_format_of(path) == ModelFormat::gguf) return model_weights_from_gguf(GgufFile::open(path));
+  return model_weights_from_llama2c(path);
+}
+
+}  // namespace cumulus

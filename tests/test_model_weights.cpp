@@ -1,0 +1,306 @@
+// Model config + weight loaders: llama2.c .bin (stories260K from ../shared, plus synthetic
+// untied and corrupt files) and GGUF `llama` (hand-built small files; SmolLM2 when
+// models/ has it, checked against the real config.json).
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <filesystem>
+#include <fstream>
+
+#include <unistd.h>
+
+#include "cumulus/core/dtype.h"
+#include "cumulus/core/error.h"
+#include "cumulus/model/gguf.h"
+#include "cumulus/model/model_weights.h"
+#include "test_model_gguf_writer.h"
+
+using namespace cumulus;
+using cumulus::test::GgufWriter;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path repo_root() { return fs::path(__FILE__).parent_path().parent_path(); }
+fs::path stories260k() { return fs::path(CUMULUS_SHARED_DIR) / "data/models/stories260K/stories260K.bin"; }
+fs::path smollm2_gguf() { return repo_root() / "models/SmolLM2-135M-Instruct.Q4_1.gguf"; }
+
+fs::path temp_file(const std::string& name) {
+  return fs::temp_directory_path() / ("cumulus_" + std::to_string(::getpid()) + "_" + name);
+}
+
+void write_file(const fs::path& p, const std::vector<uint8_t>& bytes) {
+  std::ofstream out(p, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::vector<uint8_t> read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::vector<uint8_t>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+void expect_error_naming(const std::function<void()>& fn, const std::vector<std::string>& needles) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    for (const auto& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << "'" << n << "' not in: " << e.what();
+  }
+}
+
+// A synthetic llama2.c file whose float i (after the header) has the value i.
+std::vector<uint8_t> synthetic_llama2c(int32_t dim, int32_t hidden, int32_t layers, int32_t heads, int32_t kv_heads,
+                                       int32_t vocab, int32_t seq, size_t n_floats) {
+  std::vector<uint8_t> b(28 + 4 * n_floats);
+  const int32_t h[7] = {dim, hidden, layers, heads, kv_heads, vocab, seq};
+  std::memcpy(b.data(), h, 28);
+  for (size_t i = 0; i < n_floats; ++i) {
+    const auto v = static_cast<float>(i);
+    std::memcpy(b.data() + 28 + 4 * i, &v, 4);
+  }
+  return b;
+}
+
+// A small GGUF llama: dim 32, hidden 64, 2 layers, 4 heads over 2 kv heads (head_dim 8),
+// vocab 10. Tensor values are i * 0.001 (F32), embeddings in Q8_0. `skip` drops a tensor,
+// `bad_shape` gives one the wrong shape.
+std::vector<uint8_t> small_llama_gguf(const std::string& arch = "llama", const std::string& skip = "",
+                                      const std::string& bad_shape = "", bool untied = false) {
+  GgufWriter w;
+  w.kv_string("general.architecture", arch);
+  const std::string p = arch + ".";
+  w.kv_u32(p + "block_count", 2);
+  w.kv_u32(p + "context_length", 128);
+  w.kv_u32(p + "embedding_length", 32);
+  w.kv_u32(p + "feed_forward_length", 64);
+  w.kv_u32(p + "attention.head_count", 4);
+  w.kv_u32(p + "attention.head_count_kv", 2);
+  w.kv_f32(p + "rope.freq_base", 500000.0f);
+  w.kv_f32(p + "attention.layer_norm_rms_epsilon", 1e-6f);
+  auto f32 = [&](const std::string& name, std::vector<uint64_t> dims) {
+    if (name == skip) return;
+    if (name == bad_shape) dims[0] += 1;
+    uint64_t n = 1;
+    for (auto d : dims) n *= d;
+    std::vector<float> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = static_cast<float>(i) * 0.001f;
+    w.tensor(name, dims, 0, GgufWriter::as_bytes(v));
+  };
+  // token_embd [10][32] in Q8_0: row r, element e = (e - 16) * 0.25 * (r + 1) / 8.
+  if (skip != "token_embd.weight") {
+    std::vector<uint8_t> q;
+    for (int r = 0; r < 10; ++r) {
+      const uint16_t d = f32_to_f16(0.25f * static_cast<float>(r + 1) / 8.0f);
+      q.push_back(static_cast<uint8_t>(d & 0xFF));
+      q.push_back(static_cast<uint8_t>(d >> 8));
+      for (int e = 0; e < 32; ++e) q.push_back(static_cast<uint8_t>(static_cast<int8_t>(e - 16)));
+    }
+    w.tensor("token_embd.weight", {32, 10}, 8, q);
+  }
+  for (int l = 0; l < 2; ++l) {
+    const std::string b = "blk." + std::to_string(l) + ".";
+    f32(b + "attn_norm.weight", {32});
+    f32(b + "attn_q.weight", {32, 32});
+    f32(b + "attn_k.weight", {32, 16});
+    f32(b + "attn_v.weight", {32, 16});
+    f32(b + "attn_output.weight", {32, 32});
+    f32(b + "ffn_norm.weight", {32});
+    f32(b + "ffn_gate.weight", {32, 64});
+    f32(b + "ffn_down.weight", {64, 32});
+    f32(b + "ffn_up.weight", {32, 64});
+  }
+  f32("output_norm.weight", {32});
+  if (untied) f32("output.weight", {32, 10});
+  return w.bytes();
+}
+
+}  // namespace
+
+TEST(Llama2c, Stories260KLoads) {
+  if (!fs::exists(stories260k())) GTEST_SKIP() << stories260k() << " missing (../shared not present)";
+  const ModelConfig c = model_config_from_llama2c(stories260k().string());
+  EXPECT_EQ(c.dim, 64);
+  EXPECT_EQ(c.hidden_dim, 172);
+  EXPECT_EQ(c.n_layers, 5);
+  EXPECT_EQ(c.n_heads, 8);
+  EXPECT_EQ(c.n_kv_heads, 4);
+  EXPECT_EQ(c.head_dim, 8);
+  EXPECT_EQ(c.vocab_size, 512);
+  EXPECT_EQ(c.context_length, 512);
+  EXPECT_TRUE(c.tied_output);
+  EXPECT_EQ(c.format, ModelFormat::llama2c);
+  EXPECT_EQ(model_format_of(stories260k().string()), ModelFormat::llama2c);
+
+  const ModelWeights w = model_weights_load(stories260k().string());
+  ASSERT_EQ(w.layers.size(), 5u);
+  EXPECT_EQ(w.token_embd.size(), 512u * 64);
+  EXPECT_EQ(w.output_norm.size(), 64u);
+  EXPECT_TRUE(w.output.empty());
+  EXPECT_EQ(w.output_weight(), w.token_embd.data());
+  for (const auto& L : w.layers) {
+    EXPECT_EQ(L.attn_norm.size(), 64u);
+    EXPECT_EQ(L.wq.size(), 64u * 64);
+    EXPECT_EQ(L.wk.size(), 32u * 64);
+    EXPECT_EQ(L.wv.size(), 32u * 64);
+    EXPECT_EQ(L.wo.size(), 64u * 64);
+    EXPECT_EQ(L.w_gate.size(), 172u * 64);
+    EXPECT_EQ(L.w_down.size(), 64u * 172);
+    EXPECT_EQ(L.w_up.size(), 172u * 64);
+    for (float v : L.wq) ASSERT_TRUE(std::isfinite(v));
+  }
+  // Spot-check offsets against the raw file: tok_emb[0][0] is the first float; rms_final
+  // is the D floats before the two freq_cis tables (2 x 512 x 4 floats).
+  const std::vector<uint8_t> raw = read_file(stories260k());
+  float first, final0;
+  std::memcpy(&first, raw.data() + 28, 4);
+  std::memcpy(&final0, raw.data() + raw.size() - 4 * (2 * 512 * 4 + 64), 4);
+  EXPECT_EQ(w.token_embd[0], first);
+  EXPECT_EQ(w.output_norm[0], final0);
+  // Layer 4's last w3 float sits just before rms_final.
+  float w3_last;
+  std::memcpy(&w3_last, raw.data() + raw.size() - 4 * (2 * 512 * 4 + 64 + 1), 4);
+  EXPECT_EQ(w.layers[4].w_up.back(), w3_last);
+}
+
+TEST(Llama2c, WrongSizeAndBadHeader) {
+  if (!fs::exists(stories260k())) GTEST_SKIP() << stories260k() << " missing (../shared not present)";
+  const std::vector<uint8_t> good = read_file(stories260k());
+  const fs::path p = temp_file("stories.bin");
+  std::vector<uint8_t> b(good.begin(), good.end() - 1);
+  write_file(p, b);
+  expect_error_naming([&] { model_weights_from_llama2c(p.string()); }, {p.string(), "1056539 bytes", "implies 1056540"});
+  b = good;
+  b.push_back(0);
+  write_file(p, b);
+  expect_error_naming([&] { model_config_from_llama2c(p.string()); }, {p.string(), "1056541 bytes"});
+  b = good;
+  const int32_t zero = 0, big = 1 << 30;
+  std::memcpy(b.data(), &zero, 4);
+  write_file(p, b);
+  expect_error_naming([&] { model_weights_from_llama2c(p.string()); }, {"dim=0"});
+  b = good;
+  std::memcpy(b.data() + 20, &big, 4);  // vocab_size
+  write_file(p, b);
+  expect_error_naming([&] { model_weights_from_llama2c(p.string()); }, {"|vocab_size|=1073741824"});
+  write_file(p, std::vector<uint8_t>(10));
+  expect_error_naming([&] { model_weights_from_llama2c(p.string()); }, {"truncated header"});
+  fs::remove(p);
+  EXPECT_THROW(model_weights_from_llama2c("/nonexistent/model.bin"), Error);
+}
+
+TEST(Llama2c, UntiedClassifierAndLayerSplit) {
+  // dim 8, hidden 12, 2 layers, 2 heads over 1 kv head (head_dim 4, kv_dim 4), vocab -10
+  // (untied), seq 4.
+  const size_t D = 8, H = 12, L = 2, KV = 4, V = 10, S = 4;
+  const size_t n = V * D + L * D + L * D * D + 2 * L * KV * D + L * D * D + L * D + 3 * L * H * D + D + 2 * S * 2 + V * D;
+  const fs::path p = temp_file("untied.bin");
+  write_file(p, synthetic_llama2c(8, 12, 2, 2, 1, -10, 4, n));
+  const ModelWeights w = model_weights_from_llama2c(p.string());
+  fs::remove(p);
+  EXPECT_FALSE(w.config.tied_output);
+  EXPECT_EQ(w.config.vocab_size, 10);
+  ASSERT_EQ(w.output.size(), V * D);
+  EXPECT_EQ(w.output_weight(), w.output.data());
+  EXPECT_EQ(w.output.front(), static_cast<float>(n - V * D));
+  EXPECT_EQ(w.output.back(), static_cast<float>(n - 1));
+  EXPECT_EQ(w.token_embd.back(), static_cast<float>(V * D - 1));
+  EXPECT_EQ(w.layers[0].attn_norm.front(), static_cast<float>(V * D));
+  EXPECT_EQ(w.layers[1].attn_norm.front(), static_cast<float>(V * D + D));
+  const size_t wk_start = V * D + L * D + L * D * D;
+  EXPECT_EQ(w.layers[1].wk.front(), static_cast<float>(wk_start + KV * D));
+  EXPECT_EQ(w.output_norm.front(), static_cast<float>(n - V * D - 2 * S * 2 - D));
+}
+
+TEST(Model, GgufSmallLlamaLoads) {
+  const GgufFile f = GgufFile::from_bytes("small.gguf", small_llama_gguf());
+  const ModelConfig c = model_config_from_gguf(f);
+  EXPECT_EQ(c.n_layers, 2);
+  EXPECT_EQ(c.dim, 32);
+  EXPECT_EQ(c.hidden_dim, 64);
+  EXPECT_EQ(c.n_heads, 4);
+  EXPECT_EQ(c.n_kv_heads, 2);
+  EXPECT_EQ(c.head_dim, 8);
+  EXPECT_EQ(c.rope_dim, 8);
+  EXPECT_EQ(c.vocab_size, 10);
+  EXPECT_EQ(c.context_length, 128);
+  EXPECT_EQ(c.rope_theta, 500000.0f);
+  EXPECT_EQ(c.rms_eps, 1e-6f);
+  EXPECT_TRUE(c.tied_output);
+  const ModelWeights w = model_weights_from_gguf(f);
+  ASSERT_EQ(w.token_embd.size(), 320u);
+  EXPECT_EQ(w.token_embd[3 * 32 + 20], 4.0f * 0.25f * 4.0f / 8.0f);  // row 3, e = 20
+  ASSERT_EQ(w.layers.size(), 2u);
+  EXPECT_EQ(w.layers[1].wk.size(), 16u * 32);
+  EXPECT_EQ(w.layers[1].wk[5], static_cast<float>(5) * 0.001f);
+  EXPECT_EQ(w.layers[0].w_down.size(), 32u * 64);
+  EXPECT_TRUE(w.output.empty());
+
+  const GgufFile u = GgufFile::from_bytes("untied.gguf", small_llama_gguf("llama", "", "", true));
+  const ModelWeights wu = model_weights_from_gguf(u);
+  EXPECT_FALSE(wu.config.tied_output);
+  EXPECT_EQ(wu.output.size(), 320u);
+  EXPECT_EQ(wu.output_weight(), wu.output.data());
+}
+
+TEST(Model, GgufLoaderErrorsNameFileAndTensor) {
+  expect_error_naming([] { model_weights_from_gguf(GgufFile::from_bytes("m.gguf", small_llama_gguf("gpt2"))); },
+                      {"m.gguf", "general.architecture='gpt2'"});
+  expect_error_naming(
+      [] { model_weights_from_gguf(GgufFile::from_bytes("m.gguf", small_llama_gguf("llama", "blk.1.attn_k.weight"))); },
+      {"m.gguf", "missing tensor 'blk.1.attn_k.weight'"});
+  expect_error_naming(
+      [] { model_weights_from_gguf(GgufFile::from_bytes("m.gguf", small_llama_gguf("llama", "token_embd.weight"))); },
+      {"m.gguf", "token_embd.weight"});
+  expect_error_naming(
+      [] {
+        model_weights_from_gguf(GgufFile::from_bytes("m.gguf", small_llama_gguf("llama", "", "blk.0.ffn_up.weight")));
+      },
+      {"m.gguf", "tensor 'blk.0.ffn_up.weight' has shape [33, 64, 1, 1], want [32, 64]"});
+  // Hyperparameters that do not fit together.
+  GgufWriter w;
+  w.kv_string("general.architecture", "llama");
+  w.kv_u32("llama.block_count", 1);
+  w.kv_u32("llama.context_length", 16);
+  w.kv_u32("llama.embedding_length", 30);
+  w.kv_u32("llama.feed_forward_length", 8);
+  w.kv_u32("llama.attention.head_count", 4);
+  expect_error_naming([&] { model_config_from_gguf(GgufFile::from_bytes("h.gguf", w.bytes())); },
+                      {"h.gguf", "embedding_length=30"});
+  GgufWriter w2;
+  w2.kv_string("general.architecture", "llama");
+  expect_error_naming([&] { model_config_from_gguf(GgufFile::from_bytes("k.gguf", w2.bytes())); },
+                      {"k.gguf", "missing metadata key 'llama.block_count'"});
+}
+
+TEST(Model, SmolLM2GgufMatchesConfigJson) {
+  if (!fs::exists(smollm2_gguf())) GTEST_SKIP() << smollm2_gguf() << " missing: run scripts/fetch-model.sh";
+  const GgufFile f = GgufFile::open(smollm2_gguf().string());
+  const ModelConfig c = model_config_from_gguf(f);
+  const fs::path cfg_path = fs::path(CUMULUS_SHARED_DIR) / "data/models/smollm2-135m-instruct-meta/config.json";
+  if (fs::exists(cfg_path)) {
+    std::ifstream in(cfg_path);
+    const nlohmann::json cfg = nlohmann::json::parse(in);
+    EXPECT_EQ(c.n_layers, cfg.at("num_hidden_layers").get<int>());
+    EXPECT_EQ(c.n_heads, cfg.at("num_attention_heads").get<int>());
+    EXPECT_EQ(c.n_kv_heads, cfg.at("num_key_value_heads").get<int>());
+    EXPECT_EQ(c.dim, cfg.at("hidden_size").get<int>());
+    EXPECT_EQ(c.hidden_dim, cfg.at("intermediate_size").get<int>());
+    EXPECT_EQ(c.vocab_size, cfg.at("vocab_size").get<int>());
+    EXPECT_EQ(c.context_length, cfg.at("max_position_embeddings").get<int>());
+    EXPECT_EQ(c.rope_theta, cfg.at("rope_theta").get<float>());
+    EXPECT_FLOAT_EQ(c.rms_eps, cfg.at("rms_norm_eps").get<float>());
+    EXPECT_EQ(c.tied_output, cfg.at("tie_word_embeddings").get<bool>());
+  }
+  EXPECT_EQ(c.head_dim, 64);
+  const ModelWeights w = model_weights_from_gguf(f);
+  ASSERT_EQ(w.layers.size(), 30u);
+  EXPECT_EQ(w.token_embd.size(), 49152u * 576);
+  EXPECT_EQ(w.layers[29].wk.size(), 192u * 576);
+  EXPECT_EQ(w.layers[29].w_down.size(), 576u * 1536);
+  for (float v : w.layers[29].w_down) ASSERT_TRUE(std::isfinite(v));
+  for (float v : w.output_norm) ASSERT_TRUE(std::isfinite(v));
+}
