@@ -1,8 +1,193 @@
-// STUB
-#include "cumulus/kernels/scoring.h"
+// SIMD scoring ops (Highway, runtime dispatch: one binary picks AVX-512, AVX2 or SSE4 at
+// run time). Same contracts as src/kernels/ref/scoring.cpp: Quest's page bound
+// sum_j max(q_j kmin_j, q_j kmax_j) (Quest section 3.2), PSA's q . kmean page score, and
+// raw token scores q . k. Accumulation is float32 (the reference uses float64; tests
+// compare by normalised error). 16-bit keys are widened with PromoteTo as they load.
+//
+// token_score reads each key row once for up to 8 queries (a GQA group): the row is
+// widened one vector at a time and fed to one accumulator per query, so a group costs one
+// pass over the keys instead of n_q.
+
+// This file is compiled once per SIMD target by foreach_target.h.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/scoring.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+#include <string_view>
+
 #include "cumulus/core/error.h"
+#include "cumulus/kernels/scoring.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace cumulus::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// Loads lanes [j, j + Lanes(d)) of one key row stored as kT, widened to float32.
+template <DType kT, class D>
+HWY_INLINE hn::Vec<D> load_key(D d, const void* row, size_t j) {
+  if constexpr (kT == DType::f32) {
+    return hn::LoadU(d, static_cast<const float*>(row) + j);
+  } else if constexpr (kT == DType::f16) {
+    const hn::Rebind<hwy::float16_t, D> dh;
+    return hn::PromoteTo(d, hn::LoadU(dh, static_cast<const hwy::float16_t*>(row) + j));
+  } else {
+    const hn::Rebind<hwy::bfloat16_t, D> dh;
+    return hn::PromoteTo(d, hn::LoadU(dh, static_cast<const hwy::bfloat16_t*>(row) + j));
+  }
+}
+
+// Calls fn(tag) with the widest float tag whose lane count divides head_dim. head_dim is
+// a multiple of 8, so the 8-lane tag always fits; AVX-512 uses 16 lanes when it can.
+template <class Fn>
+HWY_INLINE void with_tag(int head_dim, Fn&& fn) {
+  const hn::ScalableTag<float> df;
+  if (head_dim % static_cast<int>(hn::Lanes(df)) == 0) {
+    fn(df);
+  } else {
+    fn(hn::CappedTag<float, 8>());
+  }
+}
+
+void page_score_bound_impl(const PagedHeadView& kv, const float* q, float* scores) {
+  const int n_pages = kv.n_pages();
+  const size_t dim = static_cast<size_t>(kv.head_dim);
+  with_tag(kv.head_dim, [&](auto d) {
+    const size_t N = hn::Lanes(d);
+    // kmin, kmax: [n_pages][head_dim]; scores: [n_pages]
+    for (int p = 0; p < n_pages; ++p) {
+      const float* mn = kv.kmin + static_cast<size_t>(p) * dim;
+      const float* mx = kv.kmax + static_cast<size_t>(p) * dim;
+      auto acc = hn::Zero(d);
+      for (size_t j = 0; j < dim; j += N) {
+        const auto qv = hn::LoadU(d, q + j);
+        acc = hn::Add(acc, hn::Max(hn::Mul(qv, hn::LoadU(d, mn + j)), hn::Mul(qv, hn::LoadU(d, mx + j))));
+      }
+      scores[p] = hn::GetLane(hn::SumOfLanes(d, acc));
+    }
+  });
+}
+
+void page_score_mean_impl(const PagedHeadView& kv, const float* q, float* scores) {
+  const int n_pages = kv.n_pages();
+  const size_t dim = static_cast<size_t>(kv.head_dim);
+  with_tag(kv.head_dim, [&](auto d) {
+    const size_t N = hn::Lanes(d);
+    // kmean: [n_pages][head_dim]; scores: [n_pages]
+    for (int p = 0; p < n_pages; ++p) {
+      const float* m = kv.kmean + static_cast<size_t>(p) * dim;
+      auto acc = hn::Zero(d);
+      for (size_t j = 0; j < dim; j += N) acc = hn::MulAdd(hn::LoadU(d, q + j), hn::LoadU(d, m + j), acc);
+      scores[p] = hn::GetLane(hn::SumOfLanes(d, acc));
+    }
+  });
+}
+
+// Scores tokens idx[0..n) (or 0..n-1) against queries [h0, h0 + kQ).
+//   q: [n_q][head_dim]; scores: [n_q][n]
+template <DType kT, int kQ, class D>
+void token_score_block(D d, const PagedHeadView& kv, const float* q, int h0, const int32_t* idx, int n,
+                       float* scores) {
+  const size_t dim = static_cast<size_t>(kv.head_dim);
+  const size_t N = hn::Lanes(d);
+  const float* qb = q + static_cast<size_t>(h0) * dim;
+  for (int i = 0; i < n; ++i) {
+    const void* row = kv.key(idx == nullptr ? i : idx[i]);
+    hn::Vec<D> acc[kQ];
+    for (int h = 0; h < kQ; ++h) acc[h] = hn::Zero(d);
+    for (size_t j = 0; j < dim; j += N) {
+      const auto k = load_key<kT>(d, row, j);
+      for (int h = 0; h < kQ; ++h) acc[h] = hn::MulAdd(hn::LoadU(d, qb + h * dim + j), k, acc[h]);
+    }
+    for (int h = 0; h < kQ; ++h) scores[static_cast<size_t>(h0 + h) * n + i] = hn::GetLane(hn::SumOfLanes(d, acc[h]));
+  }
+}
+
+template <DType kT, class D>
+void token_score_typed(D d, const PagedHeadView& kv, const float* q, int n_q, const int32_t* idx, int n,
+                       float* scores) {
+  // Blocks of at most 8 queries: 8 accumulators plus the key and a query vector fit the
+  // 16 registers of AVX2. A GQA group of up to 8 is one block, so one pass over the keys.
+  for (int h0 = 0; h0 < n_q; h0 += 8) {
+    switch (n_q - h0 < 8 ? n_q - h0 : 8) {
+      case 1: token_score_block<kT, 1>(d, kv, q, h0, idx, n, scores); break;
+      case 2: token_score_block<kT, 2>(d, kv, q, h0, idx, n, scores); break;
+      case 3: token_score_block<kT, 3>(d, kv, q, h0, idx, n, scores); break;
+      case 4: token_score_block<kT, 4>(d, kv, q, h0, idx, n, scores); break;
+      case 5: token_score_block<kT, 5>(d, kv, q, h0, idx, n, scores); break;
+      case 6: token_score_block<kT, 6>(d, kv, q, h0, idx, n, scores); break;
+      case 7: token_score_block<kT, 7>(d, kv, q, h0, idx, n, scores); break;
+      default: token_score_block<kT, 8>(d, kv, q, h0, idx, n, scores); break;
+    }
+  }
+}
+
+void token_score_impl(const PagedHeadView& kv, const float* q, int n_q, const int32_t* idx, int n, float* scores) {
+  with_tag(kv.head_dim, [&](auto d) {
+    switch (kv.dtype) {
+      case DType::f32: token_score_typed<DType::f32>(d, kv, q, n_q, idx, n, scores); break;
+      case DType::f16: token_score_typed<DType::f16>(d, kv, q, n_q, idx, n, scores); break;
+      case DType::bf16: token_score_typed<DType::bf16>(d, kv, q, n_q, idx, n, scores); break;
+    }
+  });
+}
+
+}  // namespace cumulus::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
 namespace cumulus::cpu {
-void page_score_bound(const PagedHeadView&, const float*, float*) { CUMULUS_FAIL("not implemented"); }
-void page_score_mean(const PagedHeadView&, const float*, float*) { CUMULUS_FAIL("not implemented"); }
-void token_score(const PagedHeadView&, const float*, int, const int32_t*, int, float*) { CUMULUS_FAIL("not implemented"); }
+
+HWY_EXPORT(page_score_bound_impl);
+HWY_EXPORT(page_score_mean_impl);
+HWY_EXPORT(token_score_impl);
+
+namespace {
+
+// Checks shared by the three ops. n_out: how many scores the call writes (scores may be
+// null when it writes none, e.g. the data() of an empty vector).
+void check_view(std::string_view fn, const PagedHeadView& kv, const float* q, const void* scores, int64_t n_out) {
+  if (kv.n_tokens < 0) throw Error(fmt::format("{}: kv.n_tokens={} must be >= 0", fn, kv.n_tokens));
+  if (!head_dim_supported(kv.head_dim))
+    throw Error(fmt::format("{}: kv.head_dim={} is not supported (multiples of 8 in [8, 256])", fn, kv.head_dim));
+  if (kv.page_size < 1 || kv.page_size > 256 || (1 << kv.page_shift) != kv.page_size)
+    throw Error(fmt::format("{}: kv.page_size={} does not match page_shift={}", fn, kv.page_size, kv.page_shift));
+  if (q == nullptr) throw Error(fmt::format("{}: q must be non-null", fn));
+  if (n_out > 0 && scores == nullptr) throw Error(fmt::format("{}: scores must be non-null", fn));
+}
+
+void check_page_meta(std::string_view fn, const PagedHeadView& kv, const float* a, const char* name) {
+  if (kv.n_tokens > 0 && a == nullptr) throw Error(fmt::format("{}: kv.{} must be non-null", fn, name));
+}
+
+}  // namespace
+
+void page_score_bound(const PagedHeadView& kv, const float* q, float* scores) {
+  check_view(__func__, kv, q, scores, kv.n_tokens > 0 ? kv.n_pages() : 0);
+  check_page_meta(__func__, kv, kv.kmin, "kmin");
+  check_page_meta(__func__, kv, kv.kmax, "kmax");
+  HWY_DYNAMIC_DISPATCH(page_score_bound_impl)(kv, q, scores);
+}
+
+void page_score_mean(const PagedHeadView& kv, const float* q, float* scores) {
+  check_view(__func__, kv, q, scores, kv.n_tokens > 0 ? kv.n_pages() : 0);
+  check_page_meta(__func__, kv, kv.kmean, "kmean");
+  HWY_DYNAMIC_DISPATCH(page_score_mean_impl)(kv, q, scores);
+}
+
+void token_score(const PagedHeadView& kv, const float* q, int n_q, const int32_t* idx, int n, float* scores) {
+  check_view(__func__, kv, q, scores, static_cast<int64_t>(n_q) * n);
+  CUMULUS_CHECK(n_q >= 1, "n_q={} must be >= 1", n_q);
+  CUMULUS_CHECK(n >= 0, "n={} must be >= 0", n);
+  if (idx == nullptr) {
+    CUMULUS_CHECK(n <= kv.n_tokens, "n={} exceeds kv.n_tokens={} (idx is null: tokens 0..n-1)", n, kv.n_tokens);
+  } else {
+    for (int i = 0; i < n; ++i)
+      CUMULUS_CHECK(idx[i] >= 0 && idx[i] < kv.n_tokens, "idx[{}]={} out of range [0, {})", i, idx[i], kv.n_tokens);
+  }
+  if (n > 0) CUMULUS_CHECK(kv.k_pages != nullptr, "kv.k_pages must be non-null");
+  HWY_DYNAMIC_DISPATCH(token_score_impl)(kv, q, n_q, idx, n, scores);
+}
+
 }  // namespace cumulus::cpu
+#endif  // HWY_ONCE
