@@ -1,5 +1,4 @@
-// cumulus command line: bench | methods (generate, eval, trace, info come with the model
-// runtime and the harness).
+// cumulus command line: bench | generate | info | methods (eval and trace come with the harness).
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -13,6 +12,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   cumulus::cli::add_methods_command(app);
   cumulus::cli::add_bench_command(app);
+  cumulus::cli::add_generate_command(app);
+  cumulus::cli::add_info_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

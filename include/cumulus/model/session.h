@@ -1,0 +1,99 @@
+// Session (DESIGN.md "Model runtime"): one sequence through a Llama-family model — its KV
+// cache, its decode-method state and its position. The forward pass calls the session's
+// attention method for every layer and knows nothing else about it.
+//
+// Forward of a chunk of C tokens at positions [pos, pos + C):
+//   x [C][dim] = token_embd rows
+//   per layer: xn = RMSNorm(x) * attn_norm
+//              q [C][n_heads*head_dim], k, v [C][n_kv_heads*head_dim] = xn W^T
+//              RoPE on q and k, adjacent pairs (x[2i], x[2i+1]) per head
+//              k, v appended to the cache; attention; x += attn Wo^T
+//              x += W_down (silu(xn W_gate^T) * (xn W_up^T)), xn = RMSNorm(x) * ffn_norm
+//   logits [vocab] = RMSNorm(x_last) * output_norm, times the classifier
+// Prefill (C > 1) attends densely and causally; once the whole prompt is cached, each
+// layer's decode method gets on_prefill. Decode (C = 1) goes through decode_step.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cumulus/core/thread_pool.h"
+#include "cumulus/kv/kv_cache.h"
+#include "cumulus/methods/method.h"
+#include "cumulus/model/model_weights.h"
+
+namespace cumulus {
+
+struct SessionOptions {
+  std::string method = "dense";                 // decode method (Registry::builtin())
+  std::map<std::string, std::string> params;    // its parameters
+  KvCacheOptions kv;                            // page size, storage dtype
+  int n_threads = 2;
+  int prefill_chunk = 256;                      // tokens per prefill forward (GEMM rows)
+  bool eval = false;                            // decode_step eval mode (true mass, error)
+  int max_tokens = 0;                           // cache capacity; 0 = model context length
+};
+
+// Running sums over decode steps (all layers, all query heads).
+struct AttentionSummary {
+  int64_t head_steps = 0;
+  double kv_fraction_sum = 0;  // bytes read / dense bytes, per layer-step, summed
+  int64_t layer_steps = 0;
+  double claimed_sum = 0;      // over head-steps with a claim
+  int64_t claimed_count = 0;
+  double true_sum = 0;         // eval mode
+  int64_t true_count = 0;
+  double tokens_sum = 0;       // tokens attended per head-step
+
+  double mean_kv_fraction() const { return layer_steps ? kv_fraction_sum / layer_steps : 0; }
+  double mean_claimed() const { return claimed_count ? claimed_sum / claimed_count : 0; }
+  double mean_true() const { return true_count ? true_sum / true_count : 0; }
+  double mean_tokens() const { return head_steps ? tokens_sum / head_steps : 0; }
+};
+
+class Session {
+ public:
+  // `weights` must outlive the session.
+  Session(const ModelWeights& weights, const SessionOptions& options = {});
+  ~Session();
+
+  // Feeds prompt tokens (any count >= 1, in chunks of prefill_chunk); returns the logits
+  // [vocab] after the last one. Throws Error when the prompt would exceed the context or
+  // an id is out of the vocabulary.
+  const std::vector<float>& prefill(std::span<const int32_t> tokens);
+  // Feeds one token through the decode method; returns logits [vocab].
+  const std::vector<float>& decode(int32_t token);
+
+  int position() const { return pos_; }
+  int capacity() const { return capacity_; }
+  const KvCache& kv() const { return kv_; }
+  const DecodeMethod& method() const { return *method_; }
+  const AttentionSummary& summary() const { return summary_; }
+  // The stats of the last decode step, per layer: [n_layers] AttnOutput.
+  const std::vector<AttnOutput>& last_step() const { return last_; }
+
+ private:
+  void forward(std::span<const int32_t> tokens, bool decode_mode);
+  void attention_prefill(int layer, int c, const float* q, float* out);
+
+  const ModelWeights& w_;
+  SessionOptions opt_;
+  ThreadPool pool_;
+  std::vector<std::unique_ptr<ThreadPool>> single_;  // one single-thread pool per worker (prefill)
+  KvCache kv_;
+  std::unique_ptr<DecodeMethod> method_;
+  int pos_ = 0;
+  int capacity_ = 0;
+  bool prefilled_ = false;
+  AttentionSummary summary_;
+  std::vector<AttnOutput> last_;
+  std::vector<float> logits_;
+  // Scratch, sized for prefill_chunk rows.
+  std::vector<float> x_, xn_, q_, k_, v_, att_, gate_, up_, lse_;
+};
+
+}  // namespace cumulus

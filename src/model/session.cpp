@@ -1,0 +1,197 @@
+// The Llama forward pass over a Session's cache (see session.h for the data flow).
+// Projections: OpenBLAS sgemm for prefill chunks, sgemv for decode.
+#include "cumulus/model/session.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "cumulus/core/error.h"
+#include "cumulus/kernels/attention.h"
+#include "cumulus/methods/registry.h"
+
+extern "C" void openblas_set_num_threads(int num_threads);
+
+namespace cumulus {
+namespace {
+
+// y [rows][n_out] = x [rows][n_in] * W^T, W [n_out][n_in] row-major.
+void matmul(const float* x, int rows, const float* w, int n_out, int n_in, float* y) {
+  if (rows == 1) {
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, n_out, n_in, 1.0f, w, n_in, x, 1, 0.0f, y, 1);
+  } else {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n_out, n_in, 1.0f, x, n_in, w, n_in, 0.0f, y, n_out);
+  }
+}
+
+// out [dim] = x / rms(x) * g, rms with eps (float64 sum: the norm is tiny next to the
+// matmuls and this keeps it exact enough to match references).
+void rmsnorm(const float* x, const float* g, int dim, float eps, float* out) {
+  double ss = 0;
+  for (int i = 0; i < dim; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const float inv = static_cast<float>(1.0 / std::sqrt(ss / dim + eps));
+  for (int i = 0; i < dim; ++i) out[i] = x[i] * inv * g[i];
+}
+
+// Adjacent-pair RoPE on n_heads heads of head_dim at position pos: (x[2i], x[2i+1])
+// rotated by pos * theta^(-2i / head_dim) for the first rope_dim dimensions.
+void rope(float* x, int n_heads, int head_dim, int rope_dim, int pos, float theta) {
+  for (int i = 0; i < rope_dim; i += 2) {
+    const double freq = std::pow(static_cast<double>(theta), -static_cast<double>(i) / head_dim);
+    const double angle = pos * freq;
+    const float c = static_cast<float>(std::cos(angle)), s = static_cast<float>(std::sin(angle));
+    for (int h = 0; h < n_heads; ++h) {
+      float* p = x + h * head_dim + i;
+      const float a = p[0], b = p[1];
+      p[0] = a * c - b * s;
+      p[1] = a * s + b * c;
+    }
+  }
+}
+
+}  // namespace
+
+Session::Session(const ModelWeights& weights, const SessionOptions& options)
+    : w_(weights),
+      opt_(options),
+      pool_(options.n_threads),
+      kv_(weights.config.shape(), [&] {
+        KvCacheOptions kvo = options.kv;
+        kvo.max_tokens = options.max_tokens > 0 ? options.max_tokens : weights.config.context_length;
+        return kvo;
+      }()) {
+  const ModelConfig& c = w_.config;
+  CUMULUS_CHECK(opt_.prefill_chunk >= 1 && opt_.prefill_chunk <= 65536, "prefill_chunk={} must be in [1, 65536]",
+                opt_.prefill_chunk);
+  CUMULUS_CHECK(opt_.max_tokens >= 0, "max_tokens={} must be >= 0", opt_.max_tokens);
+  capacity_ = kv_.options().max_tokens;
+  method_ = Registry::builtin().make(opt_.method, c.shape(), opt_.params);
+  openblas_set_num_threads(opt_.n_threads);
+  const size_t rows = opt_.prefill_chunk;
+  x_.resize(rows * c.dim);
+  xn_.resize(rows * c.dim);
+  q_.resize(rows * c.n_heads * c.head_dim);
+  k_.resize(rows * c.n_kv_heads * c.head_dim);
+  v_.resize(rows * c.n_kv_heads * c.head_dim);
+  att_.resize(rows * c.n_heads * c.head_dim);
+  gate_.resize(rows * c.hidden_dim);
+  up_.resize(rows * c.hidden_dim);
+  lse_.resize(rows * c.n_heads);
+  logits_.resize(c.vocab_size);
+  last_.resize(c.n_layers);
+  for (int t = 0; t < pool_.n_threads(); ++t) single_.push_back(std::make_unique<ThreadPool>(1));
+}
+
+Session::~Session() = default;
+
+const std::vector<float>& Session::prefill(std::span<const int32_t> tokens) {
+  CUMULUS_CHECK(!tokens.empty(), "prompt is empty (0 tokens)");
+  CUMULUS_CHECK(!prefilled_, "prefill after decode started (position {}): one prompt per session", pos_);
+  CUMULUS_CHECK(pos_ + static_cast<int64_t>(tokens.size()) <= capacity_,
+                "prompt of {} tokens at position {} exceeds the context of {} tokens", tokens.size(), pos_, capacity_);
+  for (size_t i = 0; i < tokens.size(); i += opt_.prefill_chunk) {
+    const size_t n = std::min<size_t>(opt_.prefill_chunk, tokens.size() - i);
+    forward(tokens.subspan(i, n), false);
+  }
+  return logits_;
+}
+
+const std::vector<float>& Session::decode(int32_t token) {
+  CUMULUS_CHECK(pos_ > 0, "decode before prefill (position 0): prefill at least one token first");
+  CUMULUS_CHECK(pos_ + 1 <= capacity_, "decode at position {} exceeds the context of {} tokens", pos_, capacity_);
+  if (!prefilled_) {
+    DecodeContext ctx{&pool_, opt_.eval};
+    for (int l = 0; l < w_.config.n_layers; ++l) method_->on_prefill(l, kv_, ctx);
+    prefilled_ = true;
+  }
+  const int32_t t[1] = {token};
+  forward(t, true);
+  return logits_;
+}
+
+void Session::attention_prefill(int layer, int c, const float* q, float* out) {
+  // Query i of the chunk sits at position pos_ + i and attends causally to tokens
+  // [0, pos_ + i]: the same dense decode kernel over views truncated to that prefix.
+  // Queries run in parallel, each kernel call single-threaded, so the result does not
+  // depend on the thread count.
+  const ModelConfig& cfg = w_.config;
+  std::vector<PagedHeadView> base(cfg.n_kv_heads);
+  for (int h = 0; h < cfg.n_kv_heads; ++h) base[h] = kv_.view(layer, h);
+  const int qd = cfg.n_heads * cfg.head_dim;
+  pool_.parallel_for(c, [&](int64_t i, int worker) {
+    std::vector<PagedHeadView> views = base;
+    for (auto& v : views) v.n_tokens = pos_ + static_cast<int>(i) + 1;
+    DecodeAttnArgs a;
+    a.kv = views.data();
+    a.n_kv_heads = cfg.n_kv_heads;
+    a.group = cfg.n_heads / cfg.n_kv_heads;
+    a.scale = attention_scale(cfg.head_dim);
+    a.q = q + i * qd;
+    a.out = out + i * qd;
+    a.lse = lse_.data() + i * cfg.n_heads;
+    cpu::attention_decode_dense(a, *single_[worker]);
+  });
+}
+
+void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
+  const ModelConfig& c = w_.config;
+  const int n = static_cast<int>(tokens.size());
+  const int qd = c.n_heads * c.head_dim, kvd = c.n_kv_heads * c.head_dim;
+  for (int i = 0; i < n; ++i) {
+    CUMULUS_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab_size, "token id {} at position {} is outside the vocabulary [0, {})",
+                  tokens[i], pos_ + i, c.vocab_size);
+    std::copy_n(w_.token_embd.data() + static_cast<size_t>(tokens[i]) * c.dim, c.dim, x_.data() + i * c.dim);
+  }
+  DecodeContext ctx{&pool_, opt_.eval};
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights& L = w_.layers[l];
+    for (int i = 0; i < n; ++i) rmsnorm(x_.data() + i * c.dim, L.attn_norm.data(), c.dim, c.rms_eps, xn_.data() + i * c.dim);
+    matmul(xn_.data(), n, L.wq.data(), qd, c.dim, q_.data());
+    matmul(xn_.data(), n, L.wk.data(), kvd, c.dim, k_.data());
+    matmul(xn_.data(), n, L.wv.data(), kvd, c.dim, v_.data());
+    for (int i = 0; i < n; ++i) {
+      rope(q_.data() + i * qd, c.n_heads, c.head_dim, c.rope_dim, pos_ + i, c.rope_theta);
+      rope(k_.data() + i * kvd, c.n_kv_heads, c.head_dim, c.rope_dim, pos_ + i, c.rope_theta);
+    }
+    kv_.append(l, k_.data(), v_.data(), n);
+    if (decode_mode) {
+      method_->on_append(l, pos_, kv_);
+      AttnOutput& out = last_[l];
+      decode_step(*method_, l, q_.data(), kv_, ctx, out);
+      std::copy(out.out.begin(), out.out.end(), att_.begin());
+      const double dense_bytes = static_cast<double>(kv_.n_tokens(l)) * kv_.bytes_per_token_head() * c.n_kv_heads;
+      double bytes = 0;
+      for (const StepStats& st : out.stats) {
+        bytes += st.bytes_read;
+        summary_.tokens_sum += st.tokens_attended;
+        ++summary_.head_steps;
+        if (!std::isnan(st.mass_claimed)) summary_.claimed_sum += st.mass_claimed, ++summary_.claimed_count;
+        if (!std::isnan(st.mass_true)) summary_.true_sum += st.mass_true, ++summary_.true_count;
+      }
+      summary_.kv_fraction_sum += bytes / dense_bytes;
+      ++summary_.layer_steps;
+    } else {
+      attention_prefill(l, n, q_.data(), att_.data());
+    }
+    // x += att Wo^T (xn_ as scratch for the projection).
+    matmul(att_.data(), n, L.wo.data(), c.dim, qd, xn_.data());
+    for (int i = 0; i < n * c.dim; ++i) x_[i] += xn_[i];
+    for (int i = 0; i < n; ++i) rmsnorm(x_.data() + i * c.dim, L.ffn_norm.data(), c.dim, c.rms_eps, xn_.data() + i * c.dim);
+    matmul(xn_.data(), n, L.w_gate.data(), c.hidden_dim, c.dim, gate_.data());
+    matmul(xn_.data(), n, L.w_up.data(), c.hidden_dim, c.dim, up_.data());
+    for (int i = 0; i < n * c.hidden_dim; ++i) {
+      const float g = gate_[i];
+      gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
+    }
+    matmul(gate_.data(), n, L.w_down.data(), c.dim, c.hidden_dim, xn_.data());
+    for (int i = 0; i < n * c.dim; ++i) x_[i] += xn_[i];
+  }
+  pos_ += n;
+  // Logits of the last token only.
+  std::vector<float> last(c.dim);
+  rmsnorm(x_.data() + static_cast<size_t>(n - 1) * c.dim, w_.output_norm.data(), c.dim, c.rms_eps, last.data());
+  matmul(last.data(), 1, w_.output_weight(), c.vocab_size, c.dim, logits_.data());
+}
+
+}  // namespace cumulus
