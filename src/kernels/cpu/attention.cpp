@@ -65,6 +65,7 @@ namespace {
 
 constexpr int kBlock = kAttnBlock;
 constexpr int kMaxTile = 8;  // query heads per tile: 8 accumulators fit AVX2's 16 registers
+constexpr float kMaxSlack = 8.0f;
 
 // Lanes [j, j + Lanes(d)) of one K or V row stored as kT, widened to float32.
 template <DType kT, class D>
@@ -129,61 +130,127 @@ HWY_INLINE hn::Vec<D> attn_sum_rows(D d, const float* HWY_RESTRICT acc) {
   }
 }
 
+// Vector registers of the target: 2 x G accumulators (two tokens, or two vectors of the
+// head dimension, per step for more independent FMA chains) are used only where they fit.
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+constexpr int kVecRegs = 32;
+#else
+constexpr int kVecRegs = 16;
+#endif
+
 // One block of B <= kBlock tokens for a tile of G query heads.
-//   krow, vrow: [B] row pointers; q: [G][dim] scaled queries; o: [G][dim]; m, l: [G]
+//   krow, vrow: [B] row pointers; q: [G][dim] scaled queries; o: [G][dim]; m: [G];
+//   lsum: [G][N] lane-wise sums of the weights;
 //   accbuf: [G][kBlock][N] scratch; p: [G][kBlock] scratch (scores, then weights)
 template <DType kT, int G, class D>
 HWY_INLINE void attn_block_tile(D d, size_t dim, int B, const void* const* krow, const void* const* vrow,
-                                const float* HWY_RESTRICT q, float* HWY_RESTRICT o, float* m, float* l,
-                                float* HWY_RESTRICT accbuf, float* HWY_RESTRICT p) {
+                                const float* HWY_RESTRICT q, float* HWY_RESTRICT o, float* m,
+                                float* HWY_RESTRICT lsum, float* HWY_RESTRICT accbuf, float* HWY_RESTRICT p) {
   constexpr size_t N = hn::MaxLanes(D());
+  constexpr bool kPair = 2 * G + 4 <= kVecRegs;
   using V = hn::Vec<D>;
+  auto acc_at = [&](int g, int t) { return accbuf + (static_cast<size_t>(g) * kBlock + t) * N; };
 
-  // Scores: each K row is widened once per vector and feeds G accumulators.
-  for (int t = 0; t < B; ++t) {
+  // Scores: each K vector is widened once and feeds G accumulators; two tokens per step
+  // so each q vector load serves two FMAs and 2G chains run in parallel.
+  int t = 0;
+  if constexpr (kPair) {
+    for (; t + 2 <= B; t += 2) {
+      V a0[G], a1[G];
+      for (int g = 0; g < G; ++g) a0[g] = a1[g] = hn::Zero(d);
+      const void* r0 = krow[t];
+      const void* r1 = krow[t + 1];
+      for (size_t j = 0; j < dim; j += N) {
+        const V k0 = attn_load_row<kT>(d, r0, j);
+        const V k1 = attn_load_row<kT>(d, r1, j);
+        for (int g = 0; g < G; ++g) {
+          const V qv = hn::LoadU(d, q + g * dim + j);
+          a0[g] = hn::MulAdd(qv, k0, a0[g]);
+          a1[g] = hn::MulAdd(qv, k1, a1[g]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        hn::StoreU(a0[g], d, acc_at(g, t));
+        hn::StoreU(a1[g], d, acc_at(g, t + 1));
+      }
+    }
+  }
+  for (; t < B; ++t) {
     V acc[G];
     for (int g = 0; g < G; ++g) acc[g] = hn::Zero(d);
-    const void* krow_t = krow[t];
+    const void* r = krow[t];
     for (size_t j = 0; j < dim; j += N) {
-      const V k = attn_load_row<kT>(d, krow_t, j);
+      const V k = attn_load_row<kT>(d, r, j);
       for (int g = 0; g < G; ++g) acc[g] = hn::MulAdd(hn::LoadU(d, q + g * dim + j), k, acc[g]);
     }
-    for (int g = 0; g < G; ++g) hn::StoreU(acc[g], d, accbuf + (static_cast<size_t>(g) * kBlock + t) * N);
+    for (int g = 0; g < G; ++g) hn::StoreU(acc[g], d, acc_at(g, t));
   }
-  for (int t = B; t < kBlock; ++t)
-    for (int g = 0; g < G; ++g) hn::StoreU(hn::Zero(d), d, accbuf + (static_cast<size_t>(g) * kBlock + t) * N);
+  for (t = B; t < kBlock; ++t)
+    for (int g = 0; g < G; ++g) hn::StoreU(hn::Zero(d), d, acc_at(g, t));
   for (int g = 0; g < G; ++g)
     for (int t0 = 0; t0 < kBlock; t0 += static_cast<int>(N))
-      hn::StoreU(attn_sum_rows(d, accbuf + (static_cast<size_t>(g) * kBlock + t0) * N), d, p + g * kBlock + t0);
+      hn::StoreU(attn_sum_rows(d, acc_at(g, t0)), d, p + g * kBlock + t0);
 
-  // Online softmax over the block, vectorised over its tokens.
+  // Online softmax over the block, vectorised over its tokens. The running max m moves
+  // only when a score exceeds it by more than kMaxSlack (weights stay <= e^kMaxSlack, far
+  // from float overflow), so most blocks skip the horizontal max and the rescale, and the
+  // sum stays lane-wise in lsum [G][N] until the chunk ends.
   float alpha[G];
   for (int g = 0; g < G; ++g) {
     float* pg = p + g * kBlock;
-    for (int t = B; t < kBlock; ++t) pg[t] = -std::numeric_limits<float>::infinity();
+    for (int i = B; i < kBlock; ++i) pg[i] = -std::numeric_limits<float>::infinity();
     V vmax = hn::LoadU(d, pg);
     for (int t0 = static_cast<int>(N); t0 < kBlock; t0 += static_cast<int>(N)) vmax = hn::Max(vmax, hn::LoadU(d, pg + t0));
-    const float m_new = std::max(m[g], hn::GetLane(hn::MaxOfLanes(d, vmax)));
-    alpha[g] = std::exp(m[g] - m_new);  // 0 for the first block (m = -inf)
-    const V vm = hn::Set(d, m_new);
-    V vsum = hn::Zero(d);
+    V vl = hn::LoadU(d, lsum + g * N);
+    alpha[g] = 1.0f;
+    if (!hn::AllFalse(d, hn::Gt(vmax, hn::Set(d, m[g] + kMaxSlack)))) {
+      const float m_new = hn::GetLane(hn::MaxOfLanes(d, vmax));
+      alpha[g] = std::exp(m[g] - m_new);  // 0 for the first block (m = -inf)
+      m[g] = m_new;
+      vl = hn::Mul(vl, hn::Set(d, alpha[g]));
+    }
+    const V vm = hn::Set(d, m[g]);
     for (int t0 = 0; t0 < kBlock; t0 += static_cast<int>(N)) {
       const V e = hn::Exp(d, hn::Sub(hn::LoadU(d, pg + t0), vm));  // exp(-inf) = 0 for padding
       hn::StoreU(e, d, pg + t0);
-      vsum = hn::Add(vsum, e);
+      vl = hn::Add(vl, e);
     }
-    l[g] = l[g] * alpha[g] + hn::GetLane(hn::SumOfLanes(d, vsum));
-    m[g] = m_new;
+    hn::StoreU(vl, d, lsum + g * N);
   }
 
-  // o = alpha * o + sum_t p_t v_t, one vector of the head dimension at a time so the G
-  // accumulators stay in registers; each V vector is widened once for all G heads.
-  for (size_t j = 0; j < dim; j += N) {
+  // o = alpha * o + sum_t p_t v_t over vectors of the head dimension (two at a time where
+  // registers allow), so the accumulators stay in registers; each V vector is widened once
+  // for all G heads and each broadcast weight serves both vectors.
+  size_t j = 0;
+  if constexpr (kPair) {
+    for (; j + 2 * N <= dim; j += 2 * N) {
+      V a0[G], a1[G];
+      for (int g = 0; g < G; ++g) {
+        const V al = hn::Set(d, alpha[g]);
+        a0[g] = hn::Mul(hn::LoadU(d, o + g * dim + j), al);
+        a1[g] = hn::Mul(hn::LoadU(d, o + g * dim + j + N), al);
+      }
+      for (int i = 0; i < B; ++i) {
+        const V v0 = attn_load_row<kT>(d, vrow[i], j);
+        const V v1 = attn_load_row<kT>(d, vrow[i], j + N);
+        for (int g = 0; g < G; ++g) {
+          const V w = hn::Set(d, p[g * kBlock + i]);
+          a0[g] = hn::MulAdd(w, v0, a0[g]);
+          a1[g] = hn::MulAdd(w, v1, a1[g]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        hn::StoreU(a0[g], d, o + g * dim + j);
+        hn::StoreU(a1[g], d, o + g * dim + j + N);
+      }
+    }
+  }
+  for (; j < dim; j += N) {
     V acc[G];
     for (int g = 0; g < G; ++g) acc[g] = hn::Mul(hn::LoadU(d, o + g * dim + j), hn::Set(d, alpha[g]));
-    for (int t = 0; t < B; ++t) {
-      const V v = attn_load_row<kT>(d, vrow[t], j);
-      for (int g = 0; g < G; ++g) acc[g] = hn::MulAdd(hn::Set(d, p[g * kBlock + t]), v, acc[g]);
+    for (int i = 0; i < B; ++i) {
+      const V v = attn_load_row<kT>(d, vrow[i], j);
+      for (int g = 0; g < G; ++g) acc[g] = hn::MulAdd(hn::Set(d, p[g * kBlock + i]), v, acc[g]);
     }
     for (int g = 0; g < G; ++g) hn::StoreU(acc[g], d, o + g * dim + j);
   }
@@ -200,10 +267,9 @@ void attn_chunk_typed(D d, const AttentionChunk& job) {
   const PagedHeadView& kv = *job.kv;
   const size_t dim = static_cast<size_t>(kv.head_dim);
   const size_t row_bytes = kv.row_bytes();
-  for (int g = 0; g < job.group; ++g) {
-    job.m[g] = -std::numeric_limits<float>::infinity();
-    job.l[g] = 0.0f;
-  }
+  for (int g = 0; g < job.group; ++g) job.m[g] = -std::numeric_limits<float>::infinity();
+  // [group][N] lane-wise running sums of the softmax weights, reduced once at the end.
+  std::vector<float> lsum(static_cast<size_t>(job.group) * N, 0.0f);
   std::memset(job.o, 0, sizeof(float) * dim * static_cast<size_t>(job.group));
 
   HWY_ALIGN float accbuf[kMaxTile * kBlock * N];
@@ -213,12 +279,17 @@ void attn_chunk_typed(D d, const AttentionChunk& job) {
   // stops the hardware prefetcher at every page boundary).
   const void* krow[2][kBlock];
   const void* vrow[2][kBlock];
+  const char* const* k_pages = reinterpret_cast<const char* const*>(kv.k_pages);
+  const char* const* v_pages = reinterpret_cast<const char* const*>(kv.v_pages);
+  const int shift = kv.page_shift;
+  const int mask = kv.page_size - 1;
   auto fill_rows = [&](int pos, int cur) {
     const int n = std::min(kBlock, job.end - pos);
     for (int i = 0; i < n; ++i) {
       const int tok = job.idx != nullptr ? job.idx[pos + i] : pos + i;
-      krow[cur][i] = kv.key(tok);
-      vrow[cur][i] = kv.value(tok);
+      const size_t off = static_cast<size_t>(tok & mask) * row_bytes;
+      krow[cur][i] = k_pages[tok >> shift] + off;
+      vrow[cur][i] = v_pages[tok >> shift] + off;
     }
   };
   int cur = 0;
@@ -238,21 +309,26 @@ void attn_chunk_typed(D d, const AttentionChunk& job) {
       const float* q = job.q + g0 * dim;
       float* o = job.o + g0 * dim;
       if (rest >= 8) {
-        attn_block_tile<kT, 8>(d, dim, B, krow[cur], vrow[cur], q, o, job.m + g0, job.l + g0, accbuf, p);
+        attn_block_tile<kT, 8>(d, dim, B, krow[cur], vrow[cur], q, o, job.m + g0, lsum.data() + g0 * N, accbuf,
+                                 p);
         g0 += 8;
       } else if (rest >= 4) {
-        attn_block_tile<kT, 4>(d, dim, B, krow[cur], vrow[cur], q, o, job.m + g0, job.l + g0, accbuf, p);
+        attn_block_tile<kT, 4>(d, dim, B, krow[cur], vrow[cur], q, o, job.m + g0, lsum.data() + g0 * N, accbuf,
+                                 p);
         g0 += 4;
       } else if (rest >= 2) {
-        attn_block_tile<kT, 2>(d, dim, B, krow[cur], vrow[cur], q, o, job.m + g0, job.l + g0, accbuf, p);
+        attn_block_tile<kT, 2>(d, dim, B, krow[cur], vrow[cur], q, o, job.m + g0, lsum.data() + g0 * N, accbuf,
+                                 p);
         g0 += 2;
       } else {
-        attn_block_tile<kT, 1>(d, dim, B, krow[cur], vrow[cur], q, o, job.m + g0, job.l + g0, accbuf, p);
+        attn_block_tile<kT, 1>(d, dim, B, krow[cur], vrow[cur], q, o, job.m + g0, lsum.data() + g0 * N, accbuf,
+                                 p);
         g0 += 1;
       }
     }
     cur ^= 1;
   }
+  for (int g = 0; g < job.group; ++g) job.l[g] = hn::GetLane(hn::SumOfLanes(d, hn::LoadU(d, lsum.data() + g * N)));
 }
 
 }  // namespace

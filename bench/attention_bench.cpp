@@ -1,0 +1,310 @@
+// Decode attention benchmark: achieved read bandwidth of the dense and sparse kernels
+// against the machine's read bandwidth measured in the same run (a multi-threaded sum over
+// a 1 GiB buffer with the same thread count). Decode attention is memory-bound, so the
+// figure of merit is GB/s of K/V read as a share of that bandwidth.
+//
+// Pages are built here (one 64-byte aligned slab per kv head and K/V, carved into pages
+// that the page table visits in a shuffled order, as a cache that reuses pages would).
+//
+// usage: attention_bench [--threads 2] [--tokens 32768] [--reps 20] [--json FILE] [--quick]
+#include <hwy/targets.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cumulus/core/dtype.h"
+#include "cumulus/core/thread_pool.h"
+#include "cumulus/kernels/attention.h"
+
+using namespace cumulus;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+using Slab = std::unique_ptr<uint8_t, FreeDeleter>;
+
+Slab alloc_slab(size_t bytes) {
+  const size_t rounded = (bytes + 63) & ~size_t{63};
+  return Slab(static_cast<uint8_t*>(std::aligned_alloc(64, rounded)));
+}
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Median seconds of fn over reps runs after warmup runs.
+template <class Fn>
+double time_median(Fn&& fn, int warmup, int reps) {
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = Clock::now();
+    fn();
+    t.push_back(seconds_since(t0));
+  }
+  return median(t);
+}
+
+// Read bandwidth: every thread sums its share of a 1 GiB buffer of uint64 words (integer
+// adds vectorise without -ffast-math; four accumulators hide the add latency).
+double measure_read_bandwidth(ThreadPool& pool, int reps) {
+  const size_t bytes = size_t{1} << 30;
+  const size_t words = bytes / 8;
+  Slab buf = alloc_slab(bytes);
+  uint64_t* w = reinterpret_cast<uint64_t*>(buf.get());
+  // Written (not zero pages) so every read goes to DRAM.
+  pool.parallel_for(64, [&](int64_t t, int) {
+    const size_t b = words * t / 64, e = words * (t + 1) / 64;
+    for (size_t i = b; i < e; ++i) w[i] = i * 0x9E3779B97F4A7C15ull;
+  });
+  const int64_t n_tasks = 256;  // 4 MiB each
+  std::vector<uint64_t> sums(n_tasks);
+  const double s = time_median(
+      [&] {
+        pool.parallel_for(n_tasks, [&](int64_t t, int) {
+          const uint64_t* p = w + words * t / n_tasks;
+          const size_t n = words / n_tasks;
+          uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+          for (size_t i = 0; i < n; i += 4) {
+            a0 += p[i];
+            a1 += p[i + 1];
+            a2 += p[i + 2];
+            a3 += p[i + 3];
+          }
+          sums[t] = a0 + a1 + a2 + a3;
+        });
+      },
+      2, reps);
+  volatile uint64_t sink = std::accumulate(sums.begin(), sums.end(), uint64_t{0});
+  (void)sink;
+  return static_cast<double>(bytes) / s / 1e9;
+}
+
+// One layer of a paged cache: [n_kv][n_pages] pages of [page_size][head_dim] in dtype.
+struct BenchCache {
+  std::vector<Slab> k_slabs, v_slabs;
+  std::vector<std::vector<const void*>> k_ptrs, v_ptrs;
+  std::vector<PagedHeadView> views;
+};
+
+BenchCache make_cache(int n_kv, int n_tokens, int head_dim, DType dt, int page_size, bool shuffle_pages,
+                      std::mt19937& rng) {
+  BenchCache c;
+  const size_t row = static_cast<size_t>(head_dim) * dtype_size(dt);
+  const int n_pages = (n_tokens + page_size - 1) / page_size;
+  const size_t page_bytes = row * page_size;
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> tmp(static_cast<size_t>(page_size) * head_dim);
+  int shift = 0;
+  while ((1 << shift) < page_size) ++shift;
+  for (int h = 0; h < n_kv; ++h) {
+    c.k_slabs.push_back(alloc_slab(page_bytes * n_pages));
+    c.v_slabs.push_back(alloc_slab(page_bytes * n_pages));
+    std::vector<int> order(n_pages);
+    std::iota(order.begin(), order.end(), 0);
+    if (shuffle_pages) std::shuffle(order.begin(), order.end(), rng);
+    std::vector<const void*> kp(n_pages), vp(n_pages);
+    for (int p = 0; p < n_pages; ++p) {
+      uint8_t* k = c.k_slabs.back().get() + page_bytes * order[p];
+      uint8_t* v = c.v_slabs.back().get() + page_bytes * order[p];
+      for (auto& x : tmp) x = nd(rng);
+      convert_from_f32(tmp.data(), k, dt, tmp.size());
+      for (auto& x : tmp) x = nd(rng);
+      convert_from_f32(tmp.data(), v, dt, tmp.size());
+      kp[p] = k;
+      vp[p] = v;
+    }
+    c.k_ptrs.push_back(std::move(kp));
+    c.v_ptrs.push_back(std::move(vp));
+  }
+  for (int h = 0; h < n_kv; ++h) {
+    PagedHeadView v;
+    v.k_pages = c.k_ptrs[h].data();
+    v.v_pages = c.v_ptrs[h].data();
+    v.n_tokens = n_tokens;
+    v.head_dim = head_dim;
+    v.page_size = page_size;
+    v.page_shift = shift;
+    v.dtype = dt;
+    c.views.push_back(v);
+  }
+  return c;
+}
+
+struct Row {
+  std::string kernel, dtype, layout;
+  int n_q = 0, n_kv = 0, head_dim = 0, tokens = 0;
+  double tokens_per_head = 0.0;
+  double bytes = 0.0, ms = 0.0, gbs = 0.0, pct = 0.0;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int threads = 2, n_tokens = 32768, reps = 20;
+  bool quick = false;
+  std::string json_path = "attention_bench.json";
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "attention_bench: %s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--threads") threads = std::stoi(next());
+    else if (a == "--tokens") n_tokens = std::stoi(next());
+    else if (a == "--reps") reps = std::stoi(next());
+    else if (a == "--json") json_path = next();
+    else if (a == "--quick") quick = true;
+    else {
+      std::fprintf(stderr, "usage: attention_bench [--threads N] [--tokens N] [--reps N] [--json FILE] [--quick]\n");
+      return 2;
+    }
+  }
+  if (quick) reps = 5;
+
+  std::string cpu_name = "unknown";
+  {
+    std::ifstream f("/proc/cpuinfo");
+    std::string line;
+    while (std::getline(f, line))
+      if (line.rfind("model name", 0) == 0) {
+        cpu_name = line.substr(line.find(':') + 2);
+        break;
+      }
+  }
+  const char* target = hwy::TargetName(hwy::SupportedAndGeneratedTargets().front());
+  ThreadPool pool(threads);
+  std::printf("machine: %s, %u hardware threads; SIMD target %s; %d threads\n", cpu_name.c_str(),
+              std::thread::hardware_concurrency(), target, threads);
+
+  const double bw = measure_read_bandwidth(pool, quick ? 3 : 7);
+  std::printf("measured read bandwidth (sum over 1 GiB, %d threads, median): %.2f GB/s\n\n", threads, bw);
+
+  std::mt19937 rng(2024);
+  std::vector<Row> rows;
+  const int n_q = 32, n_kv = 8, dim = 128, page_size = 16;  // llama3-8b attention shape
+  std::vector<float> q(static_cast<size_t>(n_q) * dim);
+  {
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (auto& x : q) x = nd(rng);
+  }
+  std::vector<float> out(q.size()), lse(n_q);
+  DecodeAttnArgs args;
+  args.n_kv_heads = n_kv;
+  args.group = n_q / n_kv;
+  args.scale = 1.0f / std::sqrt(static_cast<float>(dim));
+  args.q = q.data();
+  args.out = out.data();
+  args.lse = lse.data();
+
+  auto add_row = [&](Row r, double seconds) {
+    r.ms = seconds * 1e3;
+    r.gbs = r.bytes / seconds / 1e9;
+    r.pct = 100.0 * r.gbs / bw;
+    rows.push_back(r);
+    std::printf("%-7s %-5s %-22s %5.0f tok/head  %8.3f ms/step  %7.2f GB/s  %5.1f%% of read bw\n", r.kernel.c_str(),
+                r.dtype.c_str(), r.layout.c_str(), r.tokens_per_head, r.ms, r.gbs, r.pct);
+    std::fflush(stdout);
+  };
+
+  const std::vector<DType> dtypes = quick ? std::vector<DType>{DType::f16}
+                                          : std::vector<DType>{DType::f16, DType::bf16, DType::f32};
+  for (DType dt : dtypes) {
+    for (bool shuffled : {false, true}) {
+      if (shuffled && dt != DType::f16) continue;
+      BenchCache c = make_cache(n_kv, n_tokens, dim, dt, page_size, shuffled, rng);
+      args.kv = c.views.data();
+      const double row_bytes = static_cast<double>(dim) * dtype_size(dt);
+
+      Row r;
+      r.kernel = "dense";
+      r.dtype = std::string(dtype_name(dt));
+      r.layout = shuffled ? "pages shuffled" : "pages in order";
+      r.n_q = n_q;
+      r.n_kv = n_kv;
+      r.head_dim = dim;
+      r.tokens = n_tokens;
+      r.tokens_per_head = n_tokens;
+      r.bytes = 2.0 * row_bytes * n_kv * n_tokens;
+      add_row(r, time_median([&] { cpu::attention_decode_dense(args, pool); }, 3, reps));
+
+      if (dt != DType::f16 || !shuffled) continue;
+      // Sparse: per kv head, lists of n_sel tokens, either uniformly random tokens or
+      // whole random pages (what page-level selectors such as Quest produce).
+      for (int n_sel : {2048, 4096, 8192}) {
+        if (n_sel > n_tokens) continue;
+        for (bool whole_pages : {false, true}) {
+          Selection sel;
+          for (int h = 0; h < n_kv; ++h) {
+            std::vector<int32_t> idx;
+            if (whole_pages) {
+              std::vector<int32_t> pages(n_tokens / page_size);
+              std::iota(pages.begin(), pages.end(), 0);
+              std::shuffle(pages.begin(), pages.end(), rng);
+              pages.resize(n_sel / page_size);
+              std::sort(pages.begin(), pages.end());
+              for (int32_t p : pages)
+                for (int i = 0; i < page_size; ++i) idx.push_back(p * page_size + i);
+            } else {
+              std::vector<int32_t> all(n_tokens);
+              std::iota(all.begin(), all.end(), 0);
+              std::shuffle(all.begin(), all.end(), rng);
+              all.resize(n_sel);
+              std::sort(all.begin(), all.end());
+              idx = std::move(all);
+            }
+            sel.tokens.push_back(std::move(idx));
+          }
+          Row s = r;
+          s.kernel = "sparse";
+          s.layout = whole_pages ? "whole pages, shuffled" : "random tokens, shuffled";
+          s.tokens_per_head = n_sel;
+          s.bytes = 2.0 * row_bytes * static_cast<double>(sel.total());
+          add_row(s, time_median([&] { cpu::attention_decode_sparse(args, sel, pool); }, 3, reps * 4));
+        }
+      }
+    }
+  }
+
+  nlohmann::json j;
+  j["machine"] = {{"cpu", cpu_name}, {"hardware_threads", std::thread::hardware_concurrency()},
+                  {"simd_target", target}};
+  j["threads"] = threads;
+  j["read_bandwidth_gbs"] = bw;
+  j["shape"] = {{"n_q_heads", n_q}, {"n_kv_heads", n_kv}, {"head_dim", dim}, {"page_size", page_size}};
+  for (const Row& r : rows)
+    j["rows"].push_back({{"kernel", r.kernel},
+                         {"dtype", r.dtype},
+                         {"layout", r.layout},
+                         {"cache_tokens", r.tokens},
+                         {"tokens_per_kv_head", r.tokens_per_head},
+                         {"bytes", r.bytes},
+                         {"ms_per_step", r.ms},
+                         {"gbs", r.gbs},
+                         {"pct_of_read_bw", r.pct}});
+  std::ofstream(json_path) << j.dump(2) << "\n";
+  std::printf("\nwrote %s\n", json_path.c_str());
+  return 0;
+}
