@@ -123,6 +123,8 @@ const Registry& Registry::builtin() {
     register_oracle_topp(r);
     register_streaming(r);
     register_quest(r);
+    register_tactic(r);
+    register_psa(r);
     return r;
   }();
   return registry;

@@ -75,5 +75,8 @@ void register_oracle_topk(Registry& r);
 void register_oracle_topp(Registry& r);
 void register_streaming(Registry& r);
 void register_quest(Registry& r);
+// Seed methods (issue 4): src/methods/{tactic,psa,lfps}.cpp.
+void register_tactic(Registry& r);
+void register_psa(Registry& r);
 
 }  // namespace cumulus

@@ -1,0 +1,352 @@
+// tactic: Tactic (001 section 4, Algorithm 1 in Appendix B; 000 is the LaTeX of section 4).
+// Selects, per query head, the fewest tokens whose ESTIMATED cumulative attention mass
+// reaches P:
+//   4.2 at prefill, per (layer, kv head): K-means on the keys, ceil(n / cluster_size)
+//       centroids initialised from randomly sampled keys (seeded), assignment by squared
+//       L2 distance, centroid = mean of its keys, until no assignment changes or max_iter;
+//   4.3 at decode: clusters ranked by q . centroid and unpacked into a partially sorted
+//       token list x_1..x_L (cluster by cluster);
+//   4.4 / Alg. 1: exp(q.k / sqrt(d)) is computed exactly for the first N = init_ratio * L
+//       tokens and for two windows around p1 = 10% and p2 = 60% of the list; y = a/x + b is
+//       fitted through the two window means and estimates every token past N; the budget
+//       is the minimal k with sum_{i<=k} w_i >= P * sum_i w_i;
+//   4.5 the GQA group attends the union of its heads' sets.
+// Tokens appended after clustering (the tail) are attended densely; once the tail reaches
+// recluster_interval tokens it is clustered and joins the index (001 section 1: "performs
+// full attention on newly generated tokens and updates the clustering every fixed number of
+// decoding steps (e.g., 2048)"). mode=cluster_optimal replaces the fit by the TRUE scores
+// in cluster order ("Cluster Optimal" of Table 1). The claim is the method's own estimate
+// of its set's mass (tail included, scored exactly); decode_step reports the true one.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "cumulus/core/error.h"
+#include "cumulus/kernels/kmeans.h"
+#include "cumulus/kernels/scoring.h"
+#include "cumulus/kernels/selection.h"
+#include "cumulus/methods/registry.h"
+#include "method_util.h"
+
+namespace cumulus {
+namespace {
+
+struct TacticOptions {
+  double p = 0.9;
+  int cluster_size = 16;
+  int max_iter = 10;
+  double init_ratio = 0.02;
+  int window = 64;
+  double p1 = 0.1, p2 = 0.6;
+  int recluster_interval = 2048;
+  uint32_t seed = 0;
+  bool cluster_optimal = false;
+};
+
+// The cluster index of one (layer, kv head): tokens [0, n_indexed) are in clusters.
+struct HeadIndex {
+  int n_indexed = 0;
+  std::vector<float> centroids;  // [n_clusters][head_dim]
+  std::vector<int32_t> begin;    // [n_clusters + 1] offsets into members
+  std::vector<int32_t> members;  // tokens grouped by cluster, ascending within a cluster
+  int n_clusters() const { return static_cast<int>(begin.size()) - 1; }
+};
+
+class Tactic final : public DecodeMethod {
+ public:
+  Tactic(const Shape& shape, const TacticOptions& o)
+      : shape_(shape), o_(o), index_(shape.n_layers), prefilled_(shape.n_layers, false) {}
+  std::string name() const override { return "tactic"; }
+
+  void on_prefill(int layer, const KvCache& kv, const DecodeContext& ctx) override {
+    CUMULUS_CHECK(layer >= 0 && layer < shape_.n_layers, "layer={} out of range [0, {})", layer, shape_.n_layers);
+    auto& heads = index_[layer];
+    heads.assign(shape_.n_kv_heads, HeadIndex{});
+    for (int h = 0; h < shape_.n_kv_heads; ++h) {
+      heads[h].begin = {0};
+      cluster_segment(kv, layer, h, 0, kv.n_tokens(layer), ctx.pool, heads[h]);
+    }
+    prefilled_[layer] = true;
+  }
+
+  void decode(int layer, const float* q, const KvCache& kv, const DecodeContext& ctx, AttnOutput& out) override {
+    CUMULUS_CHECK(prefilled_[layer], "tactic: decode on layer={} before on_prefill built its clusters", layer);
+    methods::attn_output_reset(shape_, out);
+    const int g = shape_.group();
+    const int d = shape_.head_dim;
+    const float scale = attention_scale(d);
+    for (int h = 0; h < shape_.n_kv_heads; ++h) {
+      HeadIndex& idx = index_[layer][h];
+      const int n = kv.n_tokens(layer);
+      if (n - idx.n_indexed >= o_.recluster_interval) cluster_segment(kv, layer, h, idx.n_indexed, n, ctx.pool, idx);
+      const PagedHeadView v = kv.view(layer, h);
+      const float* qg = q + static_cast<size_t>(h) * g * d;
+      const int n_list = idx.n_indexed, n_clusters = idx.n_clusters();
+      const double row = static_cast<double>(v.row_bytes());
+
+      // Centroid scores [g][n_clusters] (4.3) and exact tail scores [g][n_tail].
+      cscores_.resize(static_cast<size_t>(g) * std::max(n_clusters, 1));
+      if (n_clusters > 0) cpu::kmeans_centroid_score(idx.centroids.data(), n_clusters, d, qg, g, cscores_.data());
+      const int n_tail = n - n_list;
+      tail_idx_.resize(n_tail);
+      for (int i = 0; i < n_tail; ++i) tail_idx_[i] = n_list + i;
+      tail_scores_.resize(static_cast<size_t>(g) * n_tail);
+      if (n_tail > 0) cpu::token_score(v, qg, g, tail_idx_.data(), n_tail, tail_scores_.data());
+      // cluster_optimal reads every clustered key once for the group: scores by token id.
+      if (o_.cluster_optimal && n_list > 0) {
+        all_scores_.resize(static_cast<size_t>(g) * n_list);
+        cpu::token_score(v, qg, g, nullptr, n_list, all_scores_.data());
+      }
+      methods::add_kv_head_bytes(shape_, h,
+                                 static_cast<double>(n_clusters) * d * sizeof(float) +
+                                     (static_cast<double>(n_tail) + (o_.cluster_optimal ? n_list : 0)) * row,
+                                 out);
+
+      auto& uni = out.selection.tokens[h];
+      uni.clear();
+      for (int j = 0; j < g; ++j) {
+        const int qh = h * g + j;
+        // 4.3: clusters by q . centroid (descending, ties to the lower index), unpacked.
+        list_.clear();
+        if (n_clusters > 0) {
+          cpu::select_topk(cscores_.data() + static_cast<size_t>(j) * n_clusters, n_clusters, n_clusters, order_);
+          for (int32_t c : order_) list_.insert(list_.end(), idx.members.begin() + idx.begin[c],
+                                                idx.members.begin() + idx.begin[c + 1]);
+        }
+        const float* tail_j = tail_scores_.data() + static_cast<size_t>(j) * n_tail;
+        int scored = 0;
+        const int k = budget(v, qg + static_cast<size_t>(j) * d, scale, j, tail_j, n_tail,
+                             out.stats[qh].mass_claimed, scored);
+        out.stats[qh].bytes_read += scored * row;
+        uni.insert(uni.end(), list_.begin(), list_.begin() + k);
+      }
+      uni.insert(uni.end(), tail_idx_.begin(), tail_idx_.end());  // the dense tail
+      selection_normalize(uni);
+    }
+    methods::attend_selection(kv, layer, q, *ctx.pool, out);
+  }
+
+ private:
+  // K-means (4.2) on tokens [t0, t1) of (layer, kv head h); the non-empty clusters are
+  // appended to idx and idx.n_indexed becomes t1.
+  void cluster_segment(const KvCache& kv, int layer, int h, int t0, int t1, ThreadPool* pool, HeadIndex& idx) {
+    const int n = t1 - t0, d = shape_.head_dim;
+    idx.n_indexed = t1;
+    if (n <= 0) return;
+    // x: [n][head_dim] the stored keys widened to float32.
+    x_.resize(static_cast<size_t>(n) * d);
+    for (int i = 0; i < n; ++i) kv.key_f32(layer, h, t0 + i, x_.data() + static_cast<size_t>(i) * d);
+    const int k = std::min(n, (n + o_.cluster_size - 1) / o_.cluster_size);
+    // Initial centroids: k distinct keys sampled uniformly (partial Fisher-Yates), seeded
+    // by (seed, layer, kv head, segment start) so runs repeat exactly.
+    std::seed_seq seq{o_.seed, static_cast<uint32_t>(layer), static_cast<uint32_t>(h), static_cast<uint32_t>(t0)};
+    std::mt19937 rng(seq);
+    perm_.resize(n);
+    for (int i = 0; i < n; ++i) perm_[i] = i;
+    for (int i = 0; i < k; ++i) std::swap(perm_[i], perm_[i + static_cast<int>(rng() % static_cast<uint32_t>(n - i))]);
+    cent_.resize(static_cast<size_t>(k) * d);
+    for (int c = 0; c < k; ++c)
+      std::copy_n(x_.data() + static_cast<size_t>(perm_[c]) * d, d, cent_.data() + static_cast<size_t>(c) * d);
+    assign_.assign(n, -1);
+    counts_.resize(k);
+    for (int it = 0; it < o_.max_iter; ++it) {
+      if (cpu::kmeans_assign(x_.data(), n, d, cent_.data(), k, assign_.data(), pool) == 0) break;
+      cpu::kmeans_update(x_.data(), n, d, assign_.data(), k, cent_.data(), counts_.data());
+    }
+    // counts_ matches assign_ (the loop ends after an update or with no change).
+    std::vector<int32_t> slot(k, -1);
+    for (int c = 0; c < k; ++c) {
+      if (counts_[c] == 0) continue;  // an empty cluster ranks nothing: dropped
+      slot[c] = idx.n_clusters();
+      idx.centroids.insert(idx.centroids.end(), cent_.begin() + static_cast<size_t>(c) * d,
+                           cent_.begin() + static_cast<size_t>(c + 1) * d);
+      idx.begin.push_back(idx.begin.back() + counts_[c]);
+    }
+    const size_t base = idx.members.size();
+    idx.members.resize(base + n);
+    std::vector<int32_t> fill(k, 0);
+    for (int i = 0; i < n; ++i) {
+      const int c = assign_[i];
+      const int dst = idx.begin[slot[c]] + fill[c]++;
+      idx.members[dst] = t0 + i;  // ascending within a cluster: i visits tokens in order
+    }
+  }
+
+  // Algorithm 1 for query head j over list_ (n_list tokens): returns the budget k, sets
+  // `claimed` and `scored` (keys scored exactly for this head alone).
+  //   tail: [n_tail] raw scores of the dense tail for this head
+  int budget(const PagedHeadView& v, const float* q, float scale, int j, const float* tail, int n_tail,
+             double& claimed, int& scored) {
+    const int L = static_cast<int>(list_.size());
+    w_.assign(L, 0.0);
+    double shift = -std::numeric_limits<double>::infinity();
+    for (int i = 0; i < n_tail; ++i) shift = std::max(shift, static_cast<double>(scale * tail[i]));
+    scored = 0;
+    if (o_.cluster_optimal) {
+      const float* s = all_scores_.data() + static_cast<size_t>(j) * L;  // by token id (tokens 0..L-1)
+      for (int i = 0; i < L; ++i) shift = std::max(shift, static_cast<double>(scale * s[list_[i]]));
+      for (int i = 0; i < L; ++i) w_[i] = std::exp(scale * s[list_[i]] - shift);
+    } else if (L > 0) {
+      // Exactly scored list positions: [0, N) and the two windows (Alg. 1 lines 4 and 8).
+      const int N = std::clamp(static_cast<int>(std::ceil(o_.init_ratio * L)), 1, L);
+      auto window_at = [&](double p) {
+        const int b = std::clamp(static_cast<int>(p * L) - o_.window / 2, 0, std::max(0, L - o_.window));
+        return std::pair<int, int>{b, std::min(L, b + o_.window)};
+      };
+      const auto [b1, e1] = window_at(o_.p1);
+      const auto [b2, e2] = window_at(o_.p2);
+      // A list too short for two disjoint windows past N is scored exactly (no fit).
+      const bool exact_all = e1 > b2 || b1 < N || N >= L;
+      pos_.clear();
+      if (exact_all) {
+        for (int i = 0; i < L; ++i) pos_.push_back(i);
+      } else {
+        for (int i = 0; i < N; ++i) pos_.push_back(i);
+        for (int i = b1; i < e1; ++i) pos_.push_back(i);
+        for (int i = b2; i < e2; ++i) pos_.push_back(i);
+      }
+      gather_.resize(pos_.size());
+      for (size_t u = 0; u < pos_.size(); ++u) gather_[u] = list_[pos_[u]];
+      exact_.resize(pos_.size());
+      cpu::token_score(v, q, 1, gather_.data(), static_cast<int>(gather_.size()), exact_.data());
+      scored = static_cast<int>(pos_.size());
+      for (float s : exact_) shift = std::max(shift, static_cast<double>(scale * s));
+      ew_.resize(pos_.size());
+      for (size_t u = 0; u < pos_.size(); ++u) ew_[u] = std::exp(scale * exact_[u] - shift);
+      if (exact_all) {
+        for (int i = 0; i < L; ++i) w_[i] = ew_[i];
+      } else {
+        for (int i = 0; i < N; ++i) w_[i] = ew_[i];
+        // Window means of y and of 1/x (x = 1-based position): the mean of a/x + b over a
+        // window is a * mean(1/x) + b, so the curve passes through both window means.
+        auto means = [&](int off, int b, int e) {
+          double mu = 0, hx = 0;
+          for (int i = b; i < e; ++i) mu += ew_[off + i - b], hx += 1.0 / (i + 1);
+          return std::pair<double, double>{mu / (e - b), hx / (e - b)};
+        };
+        const auto [mu1, h1] = means(N, b1, e1);
+        const auto [mu2, h2] = means(N + (e1 - b1), b2, e2);
+        const double a = (mu1 - mu2) / (h1 - h2);
+        const double b = mu1 - a * h1;
+        // Estimates past N; a/x + b may cross zero (b < 0): a score is never negative.
+        for (int i = N; i < L; ++i) w_[i] = std::max(0.0, a / (i + 1) + b);
+      }
+    }
+    double tail_sum = 0;
+    for (int i = 0; i < n_tail; ++i) tail_sum += std::exp(scale * tail[i] - shift);
+    double total = 0;
+    for (double x : w_) total += x;
+    int k = L;
+    double prefix = total;
+    if (o_.p < 1.0 && total > 0) {
+      // Alg. 1 line 11: minimal k with sum_{i<=k} w_i >= P * sum_i w_i (list only; the
+      // tail is attended regardless).
+      const double target = o_.p * total;
+      prefix = 0;
+      k = 0;
+      while (k < L && prefix < target) prefix += w_[k++];
+    }
+    claimed = total + tail_sum > 0 ? (prefix + tail_sum) / (total + tail_sum) : 1.0;
+    return k;
+  }
+
+  Shape shape_;
+  TacticOptions o_;
+  std::vector<std::vector<HeadIndex>> index_;  // [n_layers][n_kv_heads]
+  std::vector<bool> prefilled_;                // [n_layers]
+  // Scratch.
+  std::vector<float> x_, cent_, cscores_, tail_scores_, all_scores_, exact_;
+  std::vector<double> w_, ew_;
+  std::vector<int32_t> assign_, counts_, perm_, order_, list_, tail_idx_, gather_;
+  std::vector<int> pos_;
+};
+
+}  // namespace
+
+void register_tactic(Registry& r) {
+  r.add({.name = "tactic",
+         .kind = "decode",
+         .paper = "Tactic (001) section 4 + Algorithm 1: K-means clusters, ranked by q . centroid, budget by "
+                  "fitting y = a/x + b",
+         .summary = "fewest tokens whose estimated cumulative mass reaches P (dense tail after prefill)",
+         .params = {{.name = "p",
+                     .type = ParamType::kDouble,
+                     .default_value = "0.9",
+                     .help = "target cumulative attention mass P, in (0, 1] (Tables 2 and 4 use 0.7-0.9)",
+                     .min = 0.0,
+                     .max = 1.0,
+                     .min_exclusive = true},
+                    {.name = "cluster_size",
+                     .type = ParamType::kInt,
+                     .default_value = "16",
+                     .help = "average tokens per cluster (section 5.1 uses 16; section 4.2 says 32)",
+                     .min = 1,
+                     .max = 1 << 20},
+                    {.name = "max_iter",
+                     .type = ParamType::kInt,
+                     .default_value = "10",
+                     .help = "K-means iterations at most (section 4.2)",
+                     .min = 1,
+                     .max = 1000},
+                    {.name = "init_ratio",
+                     .type = ParamType::kDouble,
+                     .default_value = "0.02",
+                     .help = "share of the list scored exactly at its head, N (section 4.4: 1-2%)",
+                     .min = 0.0,
+                     .max = 1.0},
+                    {.name = "window",
+                     .type = ParamType::kInt,
+                     .default_value = "64",
+                     .help = "tokens per sample window around p1 and p2 (not given in the paper)",
+                     .min = 1,
+                     .max = 1 << 20},
+                    {.name = "p1",
+                     .type = ParamType::kDouble,
+                     .default_value = "0.1",
+                     .help = "first sample window centre, share of the list (section 4.4: 10%)",
+                     .min = 0.0,
+                     .max = 1.0},
+                    {.name = "p2",
+                     .type = ParamType::kDouble,
+                     .default_value = "0.6",
+                     .help = "second sample window centre, share of the list (section 4.4: 60%)",
+                     .min = 0.0,
+                     .max = 1.0},
+                    {.name = "recluster_interval",
+                     .type = ParamType::kInt,
+                     .default_value = "2048",
+                     .help = "appended tokens attended densely before they are clustered (section 1: 2048)",
+                     .min = 1,
+                     .max = 1 << 30},
+                    {.name = "seed",
+                     .type = ParamType::kInt,
+                     .default_value = "0",
+                     .help = "seed of the K-means initial sample",
+                     .min = 0,
+                     .max = 2147483647},
+                    {.name = "mode",
+                     .type = ParamType::kString,
+                     .default_value = "fit",
+                     .help = "fit (Algorithm 1) or cluster_optimal (true scores in cluster order, Table 1)"}},
+         .make_decode = [](const Shape& s, const Params& p) {
+           TacticOptions o;
+           o.p = p.get_double("p");
+           o.cluster_size = p.get_int("cluster_size");
+           o.max_iter = p.get_int("max_iter");
+           o.init_ratio = p.get_double("init_ratio");
+           o.window = p.get_int("window");
+           o.p1 = p.get_double("p1");
+           o.p2 = p.get_double("p2");
+           o.recluster_interval = p.get_int("recluster_interval");
+           o.seed = static_cast<uint32_t>(p.get_int("seed"));
+           const std::string& mode = p.get_string("mode");
+           CUMULUS_CHECK(mode == "fit" || mode == "cluster_optimal",
+                         "method 'tactic': parameter mode='{}' must be fit or cluster_optimal", mode);
+           CUMULUS_CHECK(o.p1 < o.p2, "method 'tactic': parameters p1={} and p2={} need p1 < p2", o.p1, o.p2);
+           o.cluster_optimal = mode == "cluster_optimal";
+           return std::make_unique<Tactic>(s, o);
+         }});
+}
+
+}  // namespace cumulus
