@@ -1,5 +1,88 @@
-// STUB: `cumulus bench`
+// `cumulus bench`: every decode method on the synthetic workload; accuracy against dense,
+// time per decode step and GB/s against the read bandwidth measured in the same run.
+// The logic lives in src/eval/bench.cpp; this file maps options onto BenchOptions.
+//
+// Output: the table goes to stdout. `--json PATH` also writes the JSON report to PATH;
+// `--json -` writes the JSON to stdout instead and moves the table to stderr, so stdout
+// stays machine-readable. Progress lines go to stderr.
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+
 #include "cli.h"
+#include "cumulus/core/error.h"
+#include "cumulus/eval/bench.h"
+
 namespace cumulus::cli {
-void add_bench_command(CLI::App& app) { app.add_subcommand("bench", "Benchmark methods on a synthetic workload"); }
+
+namespace {
+
+struct BenchArgs {
+  BenchOptions o;
+  std::string dtype = "f16";
+  std::vector<std::string> params;  // method.key=value
+  std::string json;
+  int membw_mib = 1024;
+};
+
+// "method.key=value" -> o.params[method][key] = value
+void param_add(BenchOptions& o, const std::string& text) {
+  const size_t dot = text.find('.');
+  const size_t eq = text.find('=');
+  CUMULUS_CHECK(dot != std::string::npos && eq != std::string::npos && dot > 0 && eq > dot + 1,
+                "--param '{}' must look like method.key=value", text);
+  o.params[text.substr(0, dot)][text.substr(dot + 1, eq - dot - 1)] = text.substr(eq + 1);
+}
+
+void bench_command_run(const BenchArgs& a) {
+  BenchOptions o = a.o;
+  o.dtype = dtype_from_name(a.dtype);
+  for (const auto& p : a.params) param_add(o, p);
+  CUMULUS_CHECK(a.membw_mib >= 64, "--membw-mib={} must be >= 64", a.membw_mib);
+  o.membw_bytes = static_cast<size_t>(a.membw_mib) << 20;
+  const BenchReport rep = bench_run(o, stderr);
+  const std::string table = bench_table(rep);
+  if (a.json == "-") {
+    fmt::print(stderr, "\n{}", table);
+    fmt::print("{}", bench_json(rep));
+    return;
+  }
+  fmt::print("\n{}", table);
+  if (!a.json.empty()) {
+    std::ofstream f(a.json);
+    CUMULUS_CHECK(f.good(), "--json: cannot open '{}' for writing", a.json);
+    f << bench_json(rep);
+    CUMULUS_CHECK(f.good(), "--json: writing '{}' failed", a.json);
+    fmt::print("JSON report: {}\n", a.json);
+  }
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app) {
+  auto args = std::make_shared<BenchArgs>();
+  auto* cmd = app.add_subcommand("bench", "Benchmark decode methods on a synthetic workload (docs/workload.md)");
+  BenchOptions& o = args->o;
+  cmd->add_option("--shape", o.shape, "Attention shape: llama3-8b (32/8 heads, d 128) or smollm2-135m (9/3, d 64)")
+      ->capture_default_str();
+  cmd->add_option("--context", o.context, "Tokens in the KV cache, 4096..131072")->capture_default_str();
+  cmd->add_option("--methods", o.methods, "Comma-separated decode methods (default: all; dense always runs)")
+      ->delimiter(',');
+  cmd->add_option("--param", args->params, "Method parameter method.key=value (repeatable), e.g. oracle_topk.k=1024");
+  cmd->add_option("--dtype", args->dtype, "KV storage dtype: f16, bf16 or f32")->capture_default_str();
+  cmd->add_option("--threads", o.threads, "Threads for the methods and the bandwidth probe")->capture_default_str();
+  cmd->add_option("--steps", o.steps, "Decode steps (queries) per pass")->capture_default_str();
+  cmd->add_option("--warmup", o.warmup, "Untimed passes before timing")->capture_default_str();
+  cmd->add_option("--repeats", o.repeats, "Timed passes; ms/step is their median")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "Workload seed")->capture_default_str();
+  cmd->add_option("--concentration", o.concentration,
+                  "Workload concentration in (0, 16]: higher = fewer tokens hold the mass")
+      ->capture_default_str();
+  cmd->add_option("--membw-mib", args->membw_mib, "Buffer of the read-bandwidth probe in MiB")->capture_default_str();
+  cmd->add_option("--json", args->json, "Also write the JSON report to this path ('-': JSON to stdout, table to stderr)");
+  cmd->callback([args] { bench_command_run(*args); });
+}
+
 }  // namespace cumulus::cli

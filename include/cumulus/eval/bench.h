@@ -1,0 +1,92 @@
+// `cumulus bench`: every decode method on one synthetic workload (eval/synthetic.h), its
+// accuracy against dense attention and its speed against the machine's read bandwidth,
+// measured in the same run (docs/workload.md, docs/architecture.md "Performance rules").
+//
+// Per method: one untimed pass with ctx.eval = true gives tokens attended, K/V bytes read,
+// true and claimed mass and ||o - o_dense|| / ||o_dense|| per (step, query head); then
+// `warmup` untimed and `repeats` timed passes with ctx.eval = false over the same steps
+// give the time per decode step (one step = every head of one layer), median over repeats.
+// Dense is always timed so that speedups are ratios from the same run.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "cumulus/core/dtype.h"
+#include "cumulus/core/shape.h"
+#include "cumulus/eval/membw.h"
+#include "cumulus/eval/synthetic.h"
+
+namespace cumulus {
+
+struct BenchOptions {
+  std::string shape = "llama3-8b";   // shape_preset name
+  int context = 32768;               // tokens cached, [4096, 131072]
+  std::vector<std::string> methods;  // empty: every decode method of Registry::builtin()
+  // method -> key -> value, checked against the registry's spec; only for listed methods.
+  std::map<std::string, std::map<std::string, std::string>> params;
+  DType dtype = DType::f16;
+  int threads = 2;     // [1, 256], the same for the methods and the bandwidth probe
+  int steps = 16;      // decode queries, [1, 1024]
+  int warmup = 1;      // untimed passes over the steps, [0, 100]
+  int repeats = 5;     // timed passes over the steps, [1, 1000]
+  uint64_t seed = 1;
+  double concentration = 1.0;             // SyntheticOptions::concentration
+  size_t membw_bytes = size_t{1} << 30;   // bandwidth probe buffer
+
+  // Throws Error naming the first bad value (including unknown methods or parameters).
+  void validate() const;
+};
+
+struct BenchMethodResult {
+  std::string method;
+  std::map<std::string, std::string> params;  // resolved, defaults filled in
+  double prefill_ms = 0;        // on_prefill (index build), once
+  double tokens_attended = 0;   // mean over (step, query head)
+  double token_fraction = 0;    // tokens_attended / context
+  double bytes_per_step = 0;    // K/V bytes read per step (all heads), mean over steps
+  double bytes_fraction = 0;    // bytes_per_step / dense bytes per step
+  double mass_true = 0;         // mean over (step, query head) of the attended set's true mass
+  double mass_true_min = 0;
+  double mass_claimed = 0;      // mean claim; NaN for methods that make none
+  double rel_err = 0;           // mean over (step, query head) of ||o - o_dense|| / ||o_dense||
+  double rel_err_max = 0;
+  std::vector<double> ms;       // [repeats] mean ms per step of each timed pass
+  double ms_median = 0, ms_min = 0;
+  double gbps = 0;              // bytes_per_step / ms_median
+  double bw_fraction = 0;       // gbps / measured read bandwidth
+  double speedup = 0;           // dense ms_median / ms_median
+};
+
+struct BenchMachine {
+  std::string cpu;       // "model name" from /proc/cpuinfo
+  int logical_cpus = 0;  // std::thread::hardware_concurrency
+  std::string date;      // UTC, ISO 8601
+  std::string compiler;
+};
+
+struct BenchReport {
+  BenchOptions options;
+  Shape shape;
+  BenchMachine machine;
+  MemBwResult membw;
+  AttentionProfile profile;  // of the workload's queries (top-p 0.9)
+  int n_sinks = 0, recent_window = 0;
+  double dense_bytes_per_step = 0;
+  double generate_s = 0;     // seconds to build the workload
+  std::vector<BenchMethodResult> methods;
+};
+
+BenchMachine bench_machine();
+
+// Runs the benchmark. Progress lines go to `log` when it is not null.
+BenchReport bench_run(const BenchOptions& options, std::FILE* log = nullptr);
+
+// Human-readable table (fmt) and machine-readable JSON of a report.
+std::string bench_table(const BenchReport& report);
+std::string bench_json(const BenchReport& report);
+
+}  // namespace cumulus

@@ -1,0 +1,330 @@
+// The decode benchmark behind `cumulus bench` (include/cumulus/eval/bench.h): builds the
+// synthetic workload, measures the machine's read bandwidth with the same thread pool,
+// then runs every method once in eval mode (accuracy) and repeatedly without it (time).
+#include "cumulus/eval/bench.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "cumulus/core/error.h"
+#include "cumulus/kv/kv_cache.h"
+#include "cumulus/methods/method.h"
+#include "cumulus/methods/registry.h"
+
+namespace cumulus {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+double median(std::vector<double> x) {
+  std::sort(x.begin(), x.end());
+  const size_t n = x.size();
+  return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
+// The methods to run: the listed ones (or every decode method), with dense first so that
+// every speedup has its reference in the same run.
+std::vector<std::string> bench_method_names(const BenchOptions& o) {
+  std::vector<std::string> names = o.methods;
+  if (names.empty())
+    for (const auto& m : Registry::builtin().list())
+      if (m.make_decode) names.push_back(m.name);
+  auto it = std::find(names.begin(), names.end(), "dense");
+  if (it != names.end()) names.erase(it);
+  names.insert(names.begin(), "dense");
+  return names;
+}
+
+void log_line(std::FILE* log, const std::string& s) {
+  if (log == nullptr) return;
+  fmt::print(log, "{}\n", s);
+  std::fflush(log);
+}
+
+std::string params_text(const std::map<std::string, std::string>& p) {
+  std::string s;
+  for (const auto& [k, v] : p) s += (s.empty() ? "" : ",") + k + "=" + v;
+  return s;
+}
+
+}  // namespace
+
+void BenchOptions::validate() const {
+  shape_preset(shape);
+  CUMULUS_CHECK(context >= 4096 && context <= 131072, "context={} must be in [4096, 131072]", context);
+  CUMULUS_CHECK(threads >= 1 && threads <= 256, "threads={} must be in [1, 256]", threads);
+  CUMULUS_CHECK(steps >= 1 && steps <= 1024, "steps={} must be in [1, 1024]", steps);
+  CUMULUS_CHECK(warmup >= 0 && warmup <= 100, "warmup={} must be in [0, 100]", warmup);
+  CUMULUS_CHECK(repeats >= 1 && repeats <= 1000, "repeats={} must be in [1, 1000]", repeats);
+  CUMULUS_CHECK(std::isfinite(concentration) && concentration > 0 && concentration <= 16,
+                "concentration={} must be in (0, 16]", concentration);
+  CUMULUS_CHECK(membw_bytes >= (size_t{64} << 20), "membw_bytes={} must be >= 64 MiB", membw_bytes);
+  const Registry& reg = Registry::builtin();
+  for (size_t i = 0; i < methods.size(); ++i) {
+    const MethodInfo& m = reg.find(methods[i]);  // throws listing the known names
+    CUMULUS_CHECK(m.make_decode != nullptr, "method '{}' is a {} method, not a decode method", m.name, m.kind);
+    for (size_t j = 0; j < i; ++j) CUMULUS_CHECK(methods[j] != methods[i], "method '{}' listed twice", methods[i]);
+  }
+  const std::vector<std::string> names = bench_method_names(*this);
+  for (const auto& [method, kv] : params) {
+    CUMULUS_CHECK(std::find(names.begin(), names.end(), method) != names.end(),
+                  "--param for method '{}', which is not benchmarked (methods: {})", method, fmt::join(names, ","));
+    reg.parse(method, kv);  // unknown key, bad value: Error naming method, key and value
+  }
+}
+
+BenchMachine bench_machine() {
+  BenchMachine m;
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  for (std::string line; std::getline(cpuinfo, line);) {
+    if (line.rfind("model name", 0) == 0) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) m.cpu = line.substr(line.find_first_not_of(" \t", colon + 1));
+      break;
+    }
+  }
+  if (m.cpu.empty()) m.cpu = "unknown";
+  m.logical_cpus = static_cast<int>(std::thread::hardware_concurrency());
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  m.date = buf;
+#if defined(__VERSION__)
+  m.compiler = __VERSION__;
+#endif
+  return m;
+}
+
+BenchReport bench_run(const BenchOptions& o, std::FILE* log) {
+  o.validate();
+  BenchReport rep;
+  rep.options = o;
+  rep.shape = shape_preset(o.shape);
+  rep.machine = bench_machine();
+  const Shape& s = rep.shape;
+  ThreadPool pool(o.threads);
+
+  // Bandwidth first, while the workload does not yet hold memory.
+  MemBwOptions bw;
+  bw.bytes = o.membw_bytes;
+  rep.membw = membw_measure(pool, bw);
+  log_line(log, fmt::format("read bandwidth: {:.1f} GB/s ({} threads, {} MiB buffer)", rep.membw.gbps_median,
+                            rep.membw.threads, rep.membw.bytes >> 20));
+
+  const auto t_gen = Clock::now();
+  KvCacheOptions kvo;
+  kvo.dtype = o.dtype;
+  kvo.max_tokens = o.context;
+  KvCache kv(s, kvo);
+  SyntheticOptions so;
+  so.shape = s;
+  so.n_tokens = o.context;
+  so.n_steps = o.steps;
+  so.seed = o.seed;
+  so.concentration = o.concentration;
+  const SyntheticWorkload w = synthetic_generate(so, kv, pool);
+  rep.generate_s = seconds_since(t_gen);
+  rep.n_sinks = so.n_sinks;
+  rep.recent_window = so.recent_window;
+  rep.profile = attention_profile(kv, w, 0, 0.9, pool);
+  log_line(log, fmt::format("workload: {} tokens x {} steps in {:.1f} s", o.context, o.steps, rep.generate_s));
+
+  const int n_q = s.n_q_heads;
+  const int d = s.head_dim;
+  rep.dense_bytes_per_step = static_cast<double>(o.context) * s.n_kv_heads * kv.bytes_per_token_head();
+
+  // ||o_dense|| per (step, query head), the denominator of the relative error.
+  std::vector<double> dense_norm(static_cast<size_t>(o.steps) * n_q);
+  {
+    auto dense = Registry::builtin().make("dense", s);
+    DecodeContext ctx{.pool = &pool, .eval = false};
+    AttnOutput out;
+    for (int step = 0; step < o.steps; ++step) {
+      decode_step(*dense, 0, w.query(0, step), kv, ctx, out);
+      for (int h = 0; h < n_q; ++h) {
+        double n2 = 0;
+        for (int i = 0; i < d; ++i) n2 += static_cast<double>(out.out[h * d + i]) * out.out[h * d + i];
+        dense_norm[static_cast<size_t>(step) * n_q + h] = std::sqrt(n2);
+      }
+    }
+  }
+
+  const Registry& reg = Registry::builtin();
+  for (const std::string& name : bench_method_names(o)) {
+    BenchMethodResult r;
+    r.method = name;
+    const auto pit = o.params.find(name);
+    const std::map<std::string, std::string> overrides = pit == o.params.end() ? std::map<std::string, std::string>{}
+                                                                               : pit->second;
+    r.params = reg.parse(name, overrides).values();
+    auto method = reg.make(name, s, overrides);
+
+    DecodeContext ctx{.pool = &pool, .eval = false};
+    const auto t_pre = Clock::now();
+    method->on_prefill(0, kv, ctx);
+    r.prefill_ms = seconds_since(t_pre) * 1e3;
+
+    // Accuracy pass.
+    AttnOutput out;
+    DecodeContext eval_ctx{.pool = &pool, .eval = true};
+    double tokens = 0, bytes = 0, mass = 0, claimed = 0, err = 0;
+    r.mass_true_min = std::numeric_limits<double>::infinity();
+    r.rel_err_max = 0;
+    bool claims = true;
+    for (int step = 0; step < o.steps; ++step) {
+      decode_step(*method, 0, w.query(0, step), kv, eval_ctx, out);
+      for (int h = 0; h < n_q; ++h) {
+        const StepStats& st = out.stats[h];
+        const double rel = st.out_err / std::max(dense_norm[static_cast<size_t>(step) * n_q + h], 1e-30);
+        tokens += st.tokens_attended;
+        bytes += st.bytes_read;
+        mass += st.mass_true;
+        err += rel;
+        r.mass_true_min = std::min(r.mass_true_min, st.mass_true);
+        r.rel_err_max = std::max(r.rel_err_max, rel);
+        if (std::isnan(st.mass_claimed)) claims = false;
+        claimed += st.mass_claimed;
+      }
+    }
+    const double head_steps = static_cast<double>(o.steps) * n_q;
+    r.tokens_attended = tokens / head_steps;
+    r.token_fraction = r.tokens_attended / o.context;
+    r.bytes_per_step = bytes / o.steps;
+    r.bytes_fraction = r.bytes_per_step / rep.dense_bytes_per_step;
+    r.mass_true = mass / head_steps;
+    r.mass_claimed = claims ? claimed / head_steps : std::numeric_limits<double>::quiet_NaN();
+    r.rel_err = err / head_steps;
+
+    // Timing passes.
+    for (int pass = 0; pass < o.warmup + o.repeats; ++pass) {
+      const auto t0 = Clock::now();
+      for (int step = 0; step < o.steps; ++step) decode_step(*method, 0, w.query(0, step), kv, ctx, out);
+      const double ms = seconds_since(t0) * 1e3 / o.steps;
+      if (pass >= o.warmup) r.ms.push_back(ms);
+    }
+    r.ms_median = median(r.ms);
+    r.ms_min = *std::min_element(r.ms.begin(), r.ms.end());
+    r.gbps = r.bytes_per_step / (r.ms_median * 1e-3) * 1e-9;
+    r.bw_fraction = r.gbps / rep.membw.gbps_median;
+    rep.methods.push_back(std::move(r));
+    log_line(log, fmt::format("{}: {:.3f} ms/step", name, rep.methods.back().ms_median));
+  }
+  const double dense_ms = rep.methods.front().ms_median;
+  for (auto& r : rep.methods) r.speedup = dense_ms / r.ms_median;
+  return rep;
+}
+
+std::string bench_table(const BenchReport& rep) {
+  const BenchOptions& o = rep.options;
+  const Shape& s = rep.shape;
+  const AttentionProfile& p = rep.profile;
+  std::string t;
+  t += fmt::format("cumulus bench: {} ({} q heads, {} kv heads, head_dim {}), context {}, {} KV, {} steps x {} repeats "
+                   "(+{} warm-up), {} threads\n",
+                   o.shape, s.n_q_heads, s.n_kv_heads, s.head_dim, o.context, dtype_name(o.dtype), o.steps, o.repeats,
+                   o.warmup, o.threads);
+  t += fmt::format("machine:  {} ({} logical CPUs), {}\n", rep.machine.cpu, rep.machine.logical_cpus,
+                   rep.machine.date);
+  t += fmt::format("memory:   read bandwidth {:.1f} GB/s (median of {}, {} MiB, {} threads)\n", rep.membw.gbps_median,
+                   rep.membw.gbps.size(), rep.membw.bytes >> 20, rep.membw.threads);
+  t += fmt::format("workload: seed {}, concentration {}; {} sinks hold {:.1f}% of the mass, the last {} tokens "
+                   "{:.1f}%; top-p {} needs {:.2f}% of tokens (p10 {:.2f}%, p50 {:.2f}%, p90 {:.2f}%)\n\n",
+                   o.seed, o.concentration, rep.n_sinks, 100 * p.sink_mass, rep.recent_window, 100 * p.recent_mass,
+                   p.topp, 100 * p.topp_fraction, 100 * p.topp_fraction_p10, 100 * p.topp_fraction_p50,
+                   100 * p.topp_fraction_p90);
+  t += fmt::format("{:<12} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6} {:>8}\n", "method", "tokens", "tokens%", "KV read%", "mass", "claimed", "rel err", "max err", "ms/step",
+                   "GB/s", "%bw", "speedup");
+  for (const auto& r : rep.methods) {
+    const std::string claimed = std::isnan(r.mass_claimed) ? "-" : fmt::format("{:.4f}", r.mass_claimed);
+    t += fmt::format("{:<12} {:>8.0f} {:>8.2f} {:>8.2f} {:>9.4f} {:>9} {:>9.2e} {:>9.2e} {:>9.3f} {:>7.1f} "
+                     "{:>5.0f}% {:>7.2f}x\n",
+                     r.method, r.tokens_attended, 100 * r.token_fraction,
+                     100 * r.bytes_fraction, r.mass_true, claimed, r.rel_err, r.rel_err_max, r.ms_median, r.gbps,
+                     100 * r.bw_fraction, r.speedup);
+  }
+  t += "\nparameters:\n";
+  for (const auto& r : rep.methods)
+    if (!r.params.empty()) t += fmt::format("  {:<12} {}\n", r.method, params_text(r.params));
+  t += "\nmass: true softmax mass of the attended set (mean over step x query head); claimed: the method's own\n"
+       "claim (- = none); rel err: ||o - o_dense|| / ||o_dense||; ms/step: median over repeats of one decode\n"
+       "step (all heads of one layer); GB/s: K/V bytes read / time; %bw: of the read bandwidth above.\n";
+  return t;
+}
+
+std::string bench_json(const BenchReport& rep) {
+  using nlohmann::json;
+  const BenchOptions& o = rep.options;
+  const AttentionProfile& p = rep.profile;
+  json j;
+  j["machine"] = {{"cpu", rep.machine.cpu},
+                  {"logical_cpus", rep.machine.logical_cpus},
+                  {"threads", o.threads},
+                  {"date", rep.machine.date},
+                  {"compiler", rep.machine.compiler},
+                  {"read_bandwidth_gbps", rep.membw.gbps_median},
+                  {"read_bandwidth_gbps_max", rep.membw.gbps_max},
+                  {"read_bandwidth_samples_gbps", rep.membw.gbps},
+                  {"read_bandwidth_buffer_bytes", rep.membw.bytes}};
+  j["workload"] = {{"shape", o.shape},
+                   {"n_q_heads", rep.shape.n_q_heads},
+                   {"n_kv_heads", rep.shape.n_kv_heads},
+                   {"head_dim", rep.shape.head_dim},
+                   {"context", o.context},
+                   {"dtype", std::string(dtype_name(o.dtype))},
+                   {"steps", o.steps},
+                   {"warmup", o.warmup},
+                   {"repeats", o.repeats},
+                   {"seed", o.seed},
+                   {"concentration", o.concentration},
+                   {"generate_s", rep.generate_s},
+                   {"dense_bytes_per_step", rep.dense_bytes_per_step},
+                   {"n_sinks", rep.n_sinks},
+                   {"recent_window", rep.recent_window},
+                   {"sink_mass", p.sink_mass},
+                   {"recent_mass", p.recent_mass},
+                   {"topp", p.topp},
+                   {"topp_fraction_mean", p.topp_fraction},
+                   {"topp_fraction_p10", p.topp_fraction_p10},
+                   {"topp_fraction_p50", p.topp_fraction_p50},
+                   {"topp_fraction_p90", p.topp_fraction_p90}};
+  json methods = json::array();
+  for (const auto& r : rep.methods) {
+    // NaN (no claim) is written as null.
+    methods.push_back({{"method", r.method},
+                       {"params", r.params},
+                       {"prefill_ms", r.prefill_ms},
+                       {"tokens_attended", r.tokens_attended},
+                       {"token_fraction", r.token_fraction},
+                       {"bytes_per_step", r.bytes_per_step},
+                       {"bytes_fraction", r.bytes_fraction},
+                       {"mass_true", r.mass_true},
+                       {"mass_true_min", r.mass_true_min},
+                       {"mass_claimed", std::isnan(r.mass_claimed) ? json(nullptr) : json(r.mass_claimed)},
+                       {"rel_err", r.rel_err},
+                       {"rel_err_max", r.rel_err_max},
+                       {"ms_per_step_median", r.ms_median},
+                       {"ms_per_step_min", r.ms_min},
+                       {"ms_per_step_samples", r.ms},
+                       {"gbps", r.gbps},
+                       {"bandwidth_fraction", r.bw_fraction},
+                       {"speedup_vs_dense", r.speedup}});
+  }
+  j["methods"] = methods;
+  return j.dump(2) + "\n";
+}
+
+}  // namespace cumulus
