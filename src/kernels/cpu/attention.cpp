@@ -66,6 +66,7 @@ namespace {
 constexpr int kBlock = kAttnBlock;
 constexpr int kMaxTile = 8;  // query heads per tile: 8 accumulators fit AVX2's 16 registers
 constexpr float kMaxSlack = 8.0f;
+constexpr int kPrefetchBlocks = 2;  // how many blocks ahead rows are prefetched
 
 // Lanes [j, j + Lanes(d)) of one K or V row stored as kT, widened to float32.
 template <DType kT, class D>
@@ -130,6 +131,26 @@ HWY_INLINE hn::Vec<D> attn_sum_rows(D d, const float* HWY_RESTRICT acc) {
   }
 }
 
+// Rows of a block kPrefetchBlocks ahead, prefetched a K row and a V row at a time between
+// the score computations of the current block, so the requests are spread out instead of
+// filling the line-fill buffers in one burst. Pages are separate buffers, so the hardware
+// prefetcher stops at every page boundary (and sparse lists jump between rows).
+struct RowPrefetch {
+  const void* const* k = nullptr;
+  const void* const* v = nullptr;
+  int n = 0;
+  size_t bytes = 0;
+  HWY_INLINE void rows(int i) const {
+    if (i >= n) return;
+    const char* kc = static_cast<const char*>(k[i]);
+    const char* vc = static_cast<const char*>(v[i]);
+    for (size_t off = 0; off < bytes; off += 64) {
+      hwy::Prefetch(kc + off);
+      hwy::Prefetch(vc + off);
+    }
+  }
+};
+
 // Vector registers of the target: 2 x G accumulators (two tokens, or two vectors of the
 // head dimension, per step for more independent FMA chains) are used only where they fit.
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
@@ -142,10 +163,12 @@ constexpr int kVecRegs = 16;
 //   krow, vrow: [B] row pointers; q: [G][dim] scaled queries; o: [G][dim]; m: [G];
 //   lsum: [G][N] lane-wise sums of the weights;
 //   accbuf: [G][kBlock][N] scratch; p: [G][kBlock] scratch (scores, then weights)
+//   pf: rows of a later block to prefetch, one K and one V row per token of this block
 template <DType kT, int G, class D>
 HWY_INLINE void attn_block_tile(D d, size_t dim, int B, const void* const* krow, const void* const* vrow,
                                 const float* HWY_RESTRICT q, float* HWY_RESTRICT o, float* m,
-                                float* HWY_RESTRICT lsum, float* HWY_RESTRICT accbuf, float* HWY_RESTRICT p) {
+                                float* HWY_RESTRICT lsum, float* HWY_RESTRICT accbuf, float* HWY_RESTRICT p,
+                                const RowPrefetch& pf) {
   constexpr size_t N = hn::MaxLanes(D());
   constexpr bool kPair = 2 * G + 4 <= kVecRegs;
   using V = hn::Vec<D>;
@@ -173,6 +196,8 @@ HWY_INLINE void attn_block_tile(D d, size_t dim, int B, const void* const* krow,
         hn::StoreU(a0[g], d, acc_at(g, t));
         hn::StoreU(a1[g], d, acc_at(g, t + 1));
       }
+      pf.rows(t);
+      pf.rows(t + 1);
     }
   }
   for (; t < B; ++t) {
@@ -184,6 +209,7 @@ HWY_INLINE void attn_block_tile(D d, size_t dim, int B, const void* const* krow,
       for (int g = 0; g < G; ++g) acc[g] = hn::MulAdd(hn::LoadU(d, q + g * dim + j), k, acc[g]);
     }
     for (int g = 0; g < G; ++g) hn::StoreU(acc[g], d, acc_at(g, t));
+    pf.rows(t);
   }
   for (t = B; t < kBlock; ++t)
     for (int g = 0; g < G; ++g) hn::StoreU(hn::Zero(d), d, acc_at(g, t));
@@ -256,11 +282,6 @@ HWY_INLINE void attn_block_tile(D d, size_t dim, int B, const void* const* krow,
   }
 }
 
-HWY_INLINE void attn_prefetch_row(const void* row, size_t bytes) {
-  const char* c = static_cast<const char*>(row);
-  for (size_t off = 0; off < bytes; off += 64) hwy::Prefetch(c + off);
-}
-
 template <DType kT, class D>
 void attn_chunk_typed(D d, const AttentionChunk& job) {
   constexpr size_t N = hn::MaxLanes(D());
@@ -274,59 +295,64 @@ void attn_chunk_typed(D d, const AttentionChunk& job) {
 
   HWY_ALIGN float accbuf[kMaxTile * kBlock * N];
   HWY_ALIGN float p[kMaxTile * kBlock];
-  // Row pointers of the current and the next block; the next block's rows are
-  // prefetched while the current one is computed (pages are separate buffers, which
-  // stops the hardware prefetcher at every page boundary).
-  const void* krow[2][kBlock];
-  const void* vrow[2][kBlock];
+  // Row pointers of blocks in a ring of kRing: the current block and the ones up to
+  // kPrefetchBlocks ahead, whose rows are prefetched while the current block computes.
+  constexpr int kRing = 4;
+  const void* krow[kRing][kBlock];
+  const void* vrow[kRing][kBlock];
   const char* const* k_pages = reinterpret_cast<const char* const*>(kv.k_pages);
   const char* const* v_pages = reinterpret_cast<const char* const*>(kv.v_pages);
   const int shift = kv.page_shift;
   const int mask = kv.page_size - 1;
-  auto fill_rows = [&](int pos, int cur) {
+  auto fill_rows = [&](int blk) {
+    const int pos = job.begin + blk * kBlock;
     const int n = std::min(kBlock, job.end - pos);
     for (int i = 0; i < n; ++i) {
       const int tok = job.idx != nullptr ? job.idx[pos + i] : pos + i;
       const size_t off = static_cast<size_t>(tok & mask) * row_bytes;
-      krow[cur][i] = k_pages[tok >> shift] + off;
-      vrow[cur][i] = v_pages[tok >> shift] + off;
+      krow[blk % kRing][i] = k_pages[tok >> shift] + off;
+      vrow[blk % kRing][i] = v_pages[tok >> shift] + off;
     }
   };
-  int cur = 0;
-  fill_rows(job.begin, cur);
-  for (int pos = job.begin; pos < job.end; pos += kBlock) {
+  const int n_blocks = (job.end - job.begin + kBlock - 1) / kBlock;
+  const int pd = std::min(kPrefetchBlocks, kRing - 1);
+  for (int b = 0; b < std::min(pd, n_blocks); ++b) fill_rows(b);
+  // The first blocks have nobody to prefetch them.
+  for (int b = 0; b < std::min(pd, n_blocks); ++b) {
+    const int pos = job.begin + b * kBlock;
+    RowPrefetch first{krow[b % kRing], vrow[b % kRing], std::min(kBlock, job.end - pos), row_bytes};
+    for (int i = 0; i < first.n; ++i) first.rows(i);
+  }
+  for (int b = 0; b < n_blocks; ++b) {
+    const int pos = job.begin + b * kBlock;
     const int B = std::min(kBlock, job.end - pos);
-    if (pos + kBlock < job.end) {
-      fill_rows(pos + kBlock, cur ^ 1);
-      const int nb = std::min(kBlock, job.end - pos - kBlock);
-      for (int i = 0; i < nb; ++i) {
-        attn_prefetch_row(krow[cur ^ 1][i], row_bytes);
-        attn_prefetch_row(vrow[cur ^ 1][i], row_bytes);
-      }
+    RowPrefetch pf;
+    if (b + pd < n_blocks) {
+      fill_rows(b + pd);
+      pf = {krow[(b + pd) % kRing], vrow[(b + pd) % kRing], std::min(kBlock, job.end - pos - pd * kBlock), row_bytes};
     }
+    const void* const* kr = krow[b % kRing];
+    const void* const* vr = vrow[b % kRing];
     for (int g0 = 0; g0 < job.group;) {
       const int rest = job.group - g0;
       const float* q = job.q + g0 * dim;
       float* o = job.o + g0 * dim;
+      float* ls = lsum.data() + g0 * N;
       if (rest >= 8) {
-        attn_block_tile<kT, 8>(d, dim, B, krow[cur], vrow[cur], q, o, job.m + g0, lsum.data() + g0 * N, accbuf,
-                                 p);
+        attn_block_tile<kT, 8>(d, dim, B, kr, vr, q, o, job.m + g0, ls, accbuf, p, pf);
         g0 += 8;
       } else if (rest >= 4) {
-        attn_block_tile<kT, 4>(d, dim, B, krow[cur], vrow[cur], q, o, job.m + g0, lsum.data() + g0 * N, accbuf,
-                                 p);
+        attn_block_tile<kT, 4>(d, dim, B, kr, vr, q, o, job.m + g0, ls, accbuf, p, pf);
         g0 += 4;
       } else if (rest >= 2) {
-        attn_block_tile<kT, 2>(d, dim, B, krow[cur], vrow[cur], q, o, job.m + g0, lsum.data() + g0 * N, accbuf,
-                                 p);
+        attn_block_tile<kT, 2>(d, dim, B, kr, vr, q, o, job.m + g0, ls, accbuf, p, pf);
         g0 += 2;
       } else {
-        attn_block_tile<kT, 1>(d, dim, B, krow[cur], vrow[cur], q, o, job.m + g0, lsum.data() + g0 * N, accbuf,
-                                 p);
+        attn_block_tile<kT, 1>(d, dim, B, kr, vr, q, o, job.m + g0, ls, accbuf, p, pf);
         g0 += 1;
       }
+      pf.n = 0;  // only the first tile prefetches
     }
-    cur ^= 1;
   }
   for (int g = 0; g < job.group; ++g) job.l[g] = hn::GetLane(hn::SumOfLanes(d, hn::LoadU(d, lsum.data() + g * N)));
 }
