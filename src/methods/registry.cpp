@@ -125,6 +125,7 @@ const Registry& Registry::builtin() {
     register_quest(r);
     register_tactic(r);
     register_psa(r);
+    register_lfps(r);
     return r;
   }();
   return registry;

@@ -78,5 +78,6 @@ void register_quest(Registry& r);
 // Seed methods (issue 4): src/methods/{tactic,psa,lfps}.cpp.
 void register_tactic(Registry& r);
 void register_psa(Registry& r);
+void register_lfps(Registry& r);
 
 }  // namespace cumulus

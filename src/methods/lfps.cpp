@@ -1,0 +1,377 @@
+// lfps: Learn From the Past for Sparse indexing (002, section 4.2, Algorithm 1, Eq. 4-10,
+// Appendix B). Each query head keeps two score tables over key positions, learnt from past
+// attention: vertical (fixed positions) and slash (fixed distances to the query).
+//   on_prefill (Eq. 4): the tables from the attention of the last s prompt queries,
+//     scaled by 1 / (2 s (1 - r)) so each sums to 0.5 / (1 - r) (Eq. 15); per head the
+//     mean key, mean value and sigma-hat^2 = Var(q.k / sqrt(d)) / ||q||^2 of the last
+//     prompt query (section 4.2).
+//   decode (Algorithm 1): the sink ratio rho = w_sink / (w_sink + w_global + w_local)
+//     (Eq. 5-6); rho > epsilon: output the mean value vector (bypass). Otherwise
+//     thresholds tau = a * mean / kappa from the tables' kurtosis (Eq. 8), candidates
+//     C0 = {Phi_ver > tau_ver} u {Phi_sla > tau_sla} (Eq. 7), expanded by offsets
+//     {-1, 0, 1, 2} keeping positions whose Phi_ver or Phi_sla exceeds its mean (Eq. 9),
+//     exact top-k over the candidates (C2), attended with the first `sinks` tokens, and
+//     the tables updated with decay r (Eq. 10) using C2's attention weights.
+// The sink tokens are outside the tables (footnote 1: they stay on the GPU "to prevent
+// bias"); the weights that feed the tables are renormalised over the non-sink tokens,
+// which is what makes Eq. 15 hold exactly. A fixed-budget method: no mass claim (NaN).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "cumulus/core/error.h"
+#include "cumulus/kernels/scoring.h"
+#include "cumulus/kernels/selection.h"
+#include "cumulus/methods/registry.h"
+#include "lfps_tables.h"
+#include "method_util.h"
+
+namespace cumulus {
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+// w_local sums the keys at positions t-6 .. t-1 (Eq. 5).
+constexpr int kLocalWindow = 6;
+// Expansion offsets of Eq. 9.
+constexpr int kOffsets[] = {-1, 0, 1, 2};
+
+// probs[i] = exp(scale * s[i]) / sum_j exp(scale * s[j]) in float64: the table updates
+// must keep Eq. 15's sums to double precision over thousands of steps.
+void softmax_f64(const float* s, int n, float scale, std::vector<double>& probs) {
+  probs.resize(n);
+  double mx = -std::numeric_limits<double>::infinity();
+  for (int i = 0; i < n; ++i) mx = std::max(mx, static_cast<double>(scale) * s[i]);
+  double sum = 0;
+  for (int i = 0; i < n; ++i) sum += (probs[i] = std::exp(static_cast<double>(scale) * s[i] - mx));
+  for (auto& p : probs) p /= sum;
+}
+
+double log_sum_exp(double a, double b) {
+  if (a == kNegInf) return b;
+  if (b == kNegInf) return a;
+  const double m = std::max(a, b);
+  return m + std::log(std::exp(a - m) + std::exp(b - m));
+}
+
+struct LfpsOptions {
+  double a = 0.2, r = 0.95, epsilon = 0.85;
+  int s = 32;
+  int budget = 0;  // 0: budget_ratio * n_tokens
+  double budget_ratio = 0.02;
+  int sinks = 4;
+};
+
+// Mean and the kurtosis-like kappa of Eq. 8 over x[b, e):
+//   kappa = sum (x - mean)^4 / (sum (x - mean)^2)^2   (no factor n, as printed).
+void table_stats(const std::vector<double>& x, int b, int e, double& mean, double& kappa) {
+  const int n = e - b;
+  mean = 0;
+  for (int i = b; i < e; ++i) mean += x[i];
+  mean /= n;
+  double m2 = 0, m4 = 0;
+  for (int i = b; i < e; ++i) {
+    const double dlt = x[i] - mean, d2 = dlt * dlt;
+    m2 += d2;
+    m4 += d2 * d2;
+  }
+  kappa = m2 > 0 ? m4 / (m2 * m2) : 0.0;
+}
+
+class Lfps final : public DecodeMethod {
+ public:
+  Lfps(const Shape& shape, const LfpsOptions& o)
+      : shape_(shape),
+        o_(o),
+        tables_(static_cast<size_t>(shape.n_layers) * shape.n_q_heads),
+        kmean_(static_cast<size_t>(shape.n_layers) * shape.n_kv_heads),
+        vmean_(kmean_.size()),
+        prefilled_(shape.n_layers, false) {}
+  std::string name() const override { return "lfps"; }
+
+  const methods::LfpsTables& tables(int layer, int qh) const {
+    CUMULUS_CHECK(layer >= 0 && layer < shape_.n_layers && qh >= 0 && qh < shape_.n_q_heads,
+                  "layer={} q_head={} out of range", layer, qh);
+    return tables_[static_cast<size_t>(layer) * shape_.n_q_heads + qh];
+  }
+
+  void on_prefill(int layer, const KvCache& kv, const DecodeContext& ctx) override {
+    CUMULUS_CHECK(layer >= 0 && layer < shape_.n_layers, "layer={} out of range [0, {})", layer, shape_.n_layers);
+    CUMULUS_CHECK(ctx.prompt_q != nullptr && ctx.prompt_q_rows > 0,
+                  "lfps needs the last prompt queries of layer={} (DecodeContext::prompt_q, prompt_q_rows={}) to "
+                  "build its score tables (002 Eq. 4)",
+                  layer, ctx.prompt_q_rows);
+    const int n = kv.n_tokens(layer);
+    CUMULUS_CHECK(ctx.prompt_q_rows <= n, "prompt_q_rows={} exceeds the layer's n_tokens={}", ctx.prompt_q_rows, n);
+    const int g = shape_.group(), d = shape_.head_dim;
+    const float scale = attention_scale(d);
+    const int n_sink = std::min(o_.sinks, n);
+    const int rows = std::min(o_.s, ctx.prompt_q_rows);
+    std::vector<float> key(d), val(d);
+    for (int h = 0; h < shape_.n_kv_heads; ++h) {
+      // Mean key over the non-sink token positions [1, n) (w_global models "all tokens
+      // excluding the sink token", Appendix B.1); mean value over all n (Algorithm 1 line 5).
+      std::vector<double> ks(d, 0.0), vs(d, 0.0);
+      const int k0 = n > 1 ? 1 : 0;
+      for (int t = 0; t < n; ++t) {
+        kv.value_f32(layer, h, t, val.data());
+        for (int j = 0; j < d; ++j) vs[j] += val[j];
+        if (t < k0) continue;
+        kv.key_f32(layer, h, t, key.data());
+        for (int j = 0; j < d; ++j) ks[j] += key[j];
+      }
+      auto& km = kmean_[static_cast<size_t>(layer) * shape_.n_kv_heads + h];
+      auto& vm = vmean_[static_cast<size_t>(layer) * shape_.n_kv_heads + h];
+      km.resize(d);
+      vm.resize(d);
+      for (int j = 0; j < d; ++j) km[j] = static_cast<float>(ks[j] / (n - k0)), vm[j] = static_cast<float>(vs[j] / n);
+
+      const PagedHeadView v = kv.view(layer, h);
+      for (int jq = 0; jq < g; ++jq) {
+        const int qh = h * g + jq;
+        methods::LfpsTables& tb = tables_[static_cast<size_t>(layer) * shape_.n_q_heads + qh];
+        tb = methods::LfpsTables{};
+        tb.vertical.assign(n, 0.0);
+        tb.slash.assign(n, 0.0);
+        // Eq. 4: rows j = 1..s are the queries at positions n - j; each attends [0, n - j].
+        int used = 0;
+        for (int jd = 1; jd <= rows; ++jd) {
+          const int pos = n - jd;
+          if (pos < n_sink) break;  // no non-sink key to attend
+          const float* qr =
+              ctx.prompt_q + (static_cast<size_t>(ctx.prompt_q_rows - jd) * shape_.n_q_heads + qh) * d;
+          scores_.resize(pos + 1);
+          cpu::token_score(v, qr, 1, nullptr, pos + 1, scores_.data());
+          // Weights over the non-sink keys [n_sink, pos], renormalised (see the top).
+          softmax_f64(scores_.data() + n_sink, pos + 1 - n_sink, scale, probs_);
+          for (int i = n_sink; i <= pos; ++i) {
+            tb.vertical[i] += probs_[i - n_sink];
+            tb.slash[i + jd - 1] += probs_[i - n_sink];
+          }
+          ++used;
+        }
+        const double norm = used > 0 ? 1.0 / (2.0 * used * (1.0 - o_.r)) : 0.0;
+        for (auto& x : tb.vertical) x *= norm;
+        for (auto& x : tb.slash) x *= norm;
+        // sigma-hat^2 from the last prompt query over the non-sink keys [1, n).
+        const float* ql = ctx.prompt_q + (static_cast<size_t>(ctx.prompt_q_rows - 1) * shape_.n_q_heads + qh) * d;
+        if (n > 2) {
+          scores_.resize(n);
+          cpu::token_score(v, ql, 1, nullptr, n, scores_.data());
+          double mu = 0, m2 = 0;
+          for (int i = 1; i < n; ++i) mu += scale * scores_[i];
+          mu /= n - 1;
+          for (int i = 1; i < n; ++i) m2 += (scale * scores_[i] - mu) * (scale * scores_[i] - mu);
+          double qn2 = 0;
+          for (int j = 0; j < d; ++j) qn2 += static_cast<double>(ql[j]) * ql[j];
+          tb.sigma_hat2 = qn2 > 0 ? (m2 / (n - 1)) / qn2 : 0.0;
+        }
+      }
+    }
+    prefilled_[layer] = true;
+  }
+
+  void decode(int layer, const float* q, const KvCache& kv, const DecodeContext& ctx, AttnOutput& out) override {
+    CUMULUS_CHECK(prefilled_[layer], "lfps: decode on layer={} before on_prefill built its score tables", layer);
+    methods::attn_output_reset(shape_, out);
+    const int g = shape_.group(), d = shape_.head_dim;
+    const float scale = attention_scale(d);
+    const int n = kv.n_tokens(layer);
+    const int n_sink = std::min(o_.sinks, n);
+    const int k = o_.budget > 0 ? o_.budget : std::max(1, static_cast<int>(std::ceil(o_.budget_ratio * n)));
+    for (int h = 0; h < shape_.n_kv_heads; ++h) {
+      const PagedHeadView v = kv.view(layer, h);
+      const float* km = kmean_[static_cast<size_t>(layer) * shape_.n_kv_heads + h].data();
+      const double row = static_cast<double>(v.row_bytes());
+      // Eq. 5 reads the sink key (token 0) and the last kLocalWindow keys (not the sink).
+      rho_idx_.assign(1, 0);
+      for (int t = std::max(1, n - kLocalWindow); t < n; ++t) rho_idx_.push_back(t);
+      const int m = static_cast<int>(rho_idx_.size());
+      rho_scores_.resize(static_cast<size_t>(g) * m);
+      cpu::token_score(v, q + static_cast<size_t>(h) * g * d, g, rho_idx_.data(), m, rho_scores_.data());
+      methods::add_kv_head_bytes(shape_, h, m * row + 2.0 * d * sizeof(float), out);
+
+      auto& uni = out.selection.tokens[h];
+      uni.clear();
+      for (int j = 0; j < g; ++j) {
+        const int qh = h * g + j;
+        const float* qj = q + static_cast<size_t>(qh) * d;
+        methods::LfpsTables& tb = tables_[static_cast<size_t>(layer) * shape_.n_q_heads + qh];
+        // Eq. 5-6 in log space: log w_sink, log w_global, log w_local.
+        const float* sc = rho_scores_.data() + static_cast<size_t>(j) * m;
+        const double l_sink = scale * sc[0];
+        double l_local = kNegInf;
+        for (int u = 1; u < m; ++u) l_local = log_sum_exp(l_local, scale * sc[u]);
+        double qk = 0, qn2 = 0;
+        for (int x = 0; x < d; ++x) qk += static_cast<double>(qj[x]) * km[x], qn2 += static_cast<double>(qj[x]) * qj[x];
+        const double l_global = scale * qk + qn2 * tb.sigma_hat2 / 2 + std::log(static_cast<double>(n));
+        tb.rho = std::exp(l_sink - log_sum_exp(log_sum_exp(l_sink, l_global), l_local));
+        tb.bypass = tb.rho > o_.epsilon;
+        out.stats[qh].bypass = tb.bypass;
+        if (tb.bypass) continue;  // Algorithm 1 lines 4-5: steps 2-4 skipped
+
+        select_head(v, qj, scale, n, n_sink, k, tb);
+        out.stats[qh].bytes_read += cand_.size() * row + 2.0 * n * sizeof(double);
+        for (int i = 0; i < n_sink; ++i) uni.push_back(i);  // the first `sinks` tokens, always
+        uni.insert(uni.end(), chosen_.begin(), chosen_.end());
+      }
+      selection_normalize(uni);
+    }
+    methods::attend_selection(kv, layer, q, *ctx.pool, out);
+    for (int h = 0; h < shape_.n_kv_heads; ++h) {
+      const float* vm = vmean_[static_cast<size_t>(layer) * shape_.n_kv_heads + h].data();
+      for (int j = 0; j < g; ++j) {
+        StepStats& st = out.stats[h * g + j];
+        st.mass_claimed = methods::kNoClaim;
+        if (!st.bypass) continue;
+        std::copy_n(vm, d, out.out.data() + static_cast<size_t>(h * g + j) * d);
+        st.tokens_attended = 0;
+      }
+    }
+  }
+
+ private:
+  // Steps 2-4 of Algorithm 1 for one query head: chosen_ = C2 (exact top-k over the
+  // expanded candidates), and the tables updated by Eq. 10.
+  void select_head(const PagedHeadView& v, const float* q, float scale, int n, int n_sink, int k,
+                   methods::LfpsTables& tb) {
+    if (static_cast<int>(tb.vertical.size()) < n) tb.vertical.resize(n, 0.0);
+    if (static_cast<int>(tb.slash.size()) < n) tb.slash.resize(n, 0.0);
+    cand_.clear();
+    if (k >= n - n_sink) {
+      // The exact top-k of every non-sink token is all of them: no candidate filter can add
+      // anything (this makes budget >= n equal dense).
+      for (int i = n_sink; i < n; ++i) cand_.push_back(i);
+    } else {
+      double mean_v, kappa_v, mean_s, kappa_s;
+      table_stats(tb.vertical, n_sink, n, mean_v, kappa_v);
+      table_stats(tb.slash, n_sink, n, mean_s, kappa_s);
+      // Eq. 8; a flat table (kappa = 0) gives no candidates.
+      const double inf = std::numeric_limits<double>::infinity();
+      const double tau_v = kappa_v > 0 ? o_.a * mean_v / kappa_v : inf;
+      const double tau_s = kappa_s > 0 ? o_.a * mean_s / kappa_s : inf;
+      mark_.assign(n, 0);
+      for (int i = n_sink; i < n; ++i) {
+        if (!(tb.vertical[i] > tau_v || tb.slash[i] > tau_s)) continue;  // Eq. 7
+        for (int off : kOffsets) {                                        // Eq. 9
+          const int x = i + off;
+          if (x < n_sink || x >= n || mark_[x]) continue;
+          if (tb.vertical[x] > mean_v || tb.slash[x] > mean_s) {
+            mark_[x] = 1;
+          }
+        }
+      }
+      for (int i = n_sink; i < n; ++i)
+        if (mark_[i]) cand_.push_back(i);
+    }
+    chosen_.clear();
+    if (cand_.empty()) return;  // nothing to attend beyond the sinks, nothing to learn
+    scores_.resize(cand_.size());
+    cpu::token_score(v, q, 1, cand_.data(), static_cast<int>(cand_.size()), scores_.data());
+    cpu::select_topk(scores_.data(), static_cast<int>(cand_.size()), k, top_);
+    chosen_.resize(top_.size());
+    c2_scores_.resize(top_.size());
+    for (size_t u = 0; u < top_.size(); ++u) chosen_[u] = cand_[top_[u]], c2_scores_[u] = scores_[top_[u]];
+    // Eq. 10: w_i = softmax over C2 (sums to 1); positions outside C2 have w_i = 1/(2|C2|),
+    // so they only decay. The slash table shifts by one (aligned to the next query).
+    softmax_f64(c2_scores_.data(), static_cast<int>(c2_scores_.size()), scale, probs_);
+    const double c = 1.0 / (2.0 * chosen_.size());
+    for (auto& x : tb.vertical) x *= o_.r;
+    tb.slash.push_back(0.0);
+    for (size_t i = tb.slash.size() - 1; i > 0; --i) tb.slash[i] = o_.r * tb.slash[i - 1];
+    tb.slash[0] = 0.0;
+    for (size_t u = 0; u < chosen_.size(); ++u) {
+      tb.vertical[chosen_[u]] += probs_[u] - c;
+      tb.slash[chosen_[u]] += probs_[u] - c;
+    }
+    selection_normalize(chosen_);
+  }
+
+  Shape shape_;
+  LfpsOptions o_;
+  std::vector<methods::LfpsTables> tables_;   // [n_layers][n_q_heads]
+  std::vector<std::vector<float>> kmean_;     // [n_layers][n_kv_heads] -> [head_dim]
+  std::vector<std::vector<float>> vmean_;     // [n_layers][n_kv_heads] -> [head_dim]
+  std::vector<bool> prefilled_;               // [n_layers]
+  // Scratch.
+  std::vector<float> scores_, rho_scores_, c2_scores_;
+  std::vector<double> probs_;
+  std::vector<int32_t> rho_idx_, cand_, top_, chosen_;
+  std::vector<uint8_t> mark_;
+};
+
+}  // namespace
+
+namespace methods {
+const LfpsTables& lfps_tables(const DecodeMethod& method, int layer, int q_head) {
+  const auto* m = dynamic_cast<const Lfps*>(&method);
+  CUMULUS_CHECK(m != nullptr, "method '{}' is not lfps", method.name());
+  return m->tables(layer, q_head);
+}
+}  // namespace methods
+
+void register_lfps(Registry& r) {
+  r.add({.name = "lfps",
+         .kind = "decode",
+         .paper = "LFPS (002) section 4.2, Algorithm 1, Eq. 4-10: candidates from vertical/slash score tables of "
+                  "past attention, exact top-k over them, sink bypass",
+         .summary = "top-k over candidates predicted from past attention (no mass claim); mean value vector when "
+                    "the sink dominates",
+         .params = {{.name = "a",
+                     .type = ParamType::kDouble,
+                     .default_value = "0.2",
+                     .help = "threshold scale of Eq. 8 (section 5: 0.2 and 0.3)",
+                     .min = 0.0,
+                     .max = 1e6,
+                     .min_exclusive = true},
+                    {.name = "r",
+                     .type = ParamType::kDouble,
+                     .default_value = "0.95",
+                     .help = "table decay of Eq. 10, in [0, 1) (section 5: 0.95)",
+                     .min = 0.0,
+                     .max = 1.0},
+                    {.name = "epsilon",
+                     .type = ParamType::kDouble,
+                     .default_value = "0.85",
+                     .help = "sink ratio above which a head outputs the mean value (Eq. 6; 1 disables)",
+                     .min = 0.0,
+                     .max = 1.0},
+                    {.name = "s",
+                     .type = ParamType::kInt,
+                     .default_value = "32",
+                     .help = "prompt queries that build the tables (Eq. 4; section 5: 32)",
+                     .min = 1,
+                     .max = 1 << 20},
+                    {.name = "budget",
+                     .type = ParamType::kInt,
+                     .default_value = "0",
+                     .help = "top-k size per query head in tokens (0: budget_ratio of the cache)",
+                     .min = 0,
+                     .max = 1 << 30},
+                    {.name = "budget_ratio",
+                     .type = ParamType::kDouble,
+                     .default_value = "0.02",
+                     .help = "top-k size as a share of the cache when budget=0 (Tables 1-2: 2%)",
+                     .min = 0.0,
+                     .max = 1.0,
+                     .min_exclusive = true},
+                    {.name = "sinks",
+                     .type = ParamType::kInt,
+                     .default_value = "4",
+                     .help = "first tokens always attended and kept out of the tables (section 5: four)",
+                     .min = 1,
+                     .max = 1 << 20}},
+         .make_decode = [](const Shape& s, const Params& p) {
+           LfpsOptions o;
+           o.a = p.get_double("a");
+           o.r = p.get_double("r");
+           o.epsilon = p.get_double("epsilon");
+           o.s = p.get_int("s");
+           o.budget = p.get_int("budget");
+           o.budget_ratio = p.get_double("budget_ratio");
+           o.sinks = p.get_int("sinks");
+           CUMULUS_CHECK(o.r < 1.0, "method 'lfps': parameter r={} must be in [0, 1)", o.r);
+           return std::make_unique<Lfps>(s, o);
+         }});
+}
+
+}  // namespace cumulus
