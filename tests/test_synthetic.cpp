@@ -277,6 +277,7 @@ TEST(Bench, SmallRunReportsEveryMethod) {
   o.warmup = 0;
   o.repeats = 1;
   o.membw_bytes = size_t{64} << 20;
+  o.evict_bytes = size_t{4} << 20;
   const BenchReport r = bench_run(o);
   ASSERT_EQ(r.methods.size(), 3u);
   EXPECT_EQ(r.methods[0].method, "dense");  // always first: the speedup reference

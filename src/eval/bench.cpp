@@ -12,6 +12,7 @@
 #include <ctime>
 #include <fstream>
 #include <limits>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -25,6 +26,8 @@ namespace cumulus {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+constexpr int kPromptQueryRows = 16;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -110,6 +113,7 @@ BenchMachine bench_machine() {
 }
 
 BenchReport bench_run(const BenchOptions& o, std::FILE* log) {
+  const auto t_start = Clock::now();
   o.validate();
   BenchReport rep;
   rep.options = o;
@@ -133,7 +137,9 @@ BenchReport bench_run(const BenchOptions& o, std::FILE* log) {
   SyntheticOptions so;
   so.shape = s;
   so.n_tokens = o.context;
-  so.n_steps = o.steps;
+  // The first kPromptQueryRows queries stand for the prompt's last positions (methods that
+  // learn from the prompt's own attention get them in on_prefill); the rest are decoded.
+  so.n_steps = kPromptQueryRows + o.steps;
   so.seed = o.seed;
   so.concentration = o.concentration;
   const SyntheticWorkload w = synthetic_generate(so, kv, pool);
@@ -142,6 +148,13 @@ BenchReport bench_run(const BenchOptions& o, std::FILE* log) {
   rep.recent_window = so.recent_window;
   rep.profile = attention_profile(kv, w, 0, 0.9, pool);
   log_line(log, fmt::format("workload: {} tokens x {} steps in {:.1f} s", o.context, o.steps, rep.generate_s));
+
+  rep.llc_bytes = llc_bytes();
+  rep.evict_bytes = o.evict_bytes;
+  if (rep.evict_bytes == BenchOptions::kEvictAuto)
+    rep.evict_bytes = std::clamp<size_t>(2 * rep.llc_bytes, size_t{64} << 20, size_t{1} << 30);
+  std::unique_ptr<CacheEvictor> evictor;
+  if (rep.evict_bytes > 0) evictor = std::make_unique<CacheEvictor>(rep.evict_bytes, pool);
 
   const int n_q = s.n_q_heads;
   const int d = s.head_dim;
@@ -154,7 +167,7 @@ BenchReport bench_run(const BenchOptions& o, std::FILE* log) {
     DecodeContext ctx{.pool = &pool, .eval = false};
     AttnOutput out;
     for (int step = 0; step < o.steps; ++step) {
-      decode_step(*dense, 0, w.query(0, step), kv, ctx, out);
+      decode_step(*dense, 0, w.query(0, kPromptQueryRows + step), kv, ctx, out);
       for (int h = 0; h < n_q; ++h) {
         double n2 = 0;
         for (int i = 0; i < d; ++i) n2 += static_cast<double>(out.out[h * d + i]) * out.out[h * d + i];
@@ -174,30 +187,39 @@ BenchReport bench_run(const BenchOptions& o, std::FILE* log) {
     auto method = reg.make(name, s, overrides);
 
     DecodeContext ctx{.pool = &pool, .eval = false};
+    DecodeContext prefill_ctx{.pool = &pool, .eval = false, .prompt_q = w.query(0, 0), .prompt_q_rows = kPromptQueryRows};
     const auto t_pre = Clock::now();
-    method->on_prefill(0, kv, ctx);
+    method->on_prefill(0, kv, prefill_ctx);
     r.prefill_ms = seconds_since(t_pre) * 1e3;
 
     // Accuracy pass.
     AttnOutput out;
     DecodeContext eval_ctx{.pool = &pool, .eval = true};
     double tokens = 0, bytes = 0, mass = 0, claimed = 0, err = 0;
+    int n_mass = 0, n_bypass = 0;
     r.mass_true_min = std::numeric_limits<double>::infinity();
     r.rel_err_max = 0;
     bool claims = true;
     for (int step = 0; step < o.steps; ++step) {
-      decode_step(*method, 0, w.query(0, step), kv, eval_ctx, out);
+      decode_step(*method, 0, w.query(0, kPromptQueryRows + step), kv, eval_ctx, out);
       for (int h = 0; h < n_q; ++h) {
         const StepStats& st = out.stats[h];
         const double rel = st.out_err / std::max(dense_norm[static_cast<size_t>(step) * n_q + h], 1e-30);
         tokens += st.tokens_attended;
         bytes += st.bytes_read;
-        mass += st.mass_true;
         err += rel;
-        r.mass_true_min = std::min(r.mass_true_min, st.mass_true);
+        if (st.bypass || std::isnan(st.mass_true)) {
+          ++n_bypass;  // no attended set whose mass could be checked
+        } else {
+          mass += st.mass_true;
+          ++n_mass;
+          r.mass_true_min = std::min(r.mass_true_min, st.mass_true);
+        }
         r.rel_err_max = std::max(r.rel_err_max, rel);
-        if (std::isnan(st.mass_claimed)) claims = false;
-        claimed += st.mass_claimed;
+        if (!st.bypass) {
+          if (std::isnan(st.mass_claimed)) claims = false;
+          claimed += st.mass_claimed;
+        }
       }
     }
     const double head_steps = static_cast<double>(o.steps) * n_q;
@@ -205,26 +227,35 @@ BenchReport bench_run(const BenchOptions& o, std::FILE* log) {
     r.token_fraction = r.tokens_attended / o.context;
     r.bytes_per_step = bytes / o.steps;
     r.bytes_fraction = r.bytes_per_step / rep.dense_bytes_per_step;
-    r.mass_true = mass / head_steps;
-    r.mass_claimed = claims ? claimed / head_steps : std::numeric_limits<double>::quiet_NaN();
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    r.bypass_fraction = n_bypass / head_steps;
+    r.mass_true = n_mass > 0 ? mass / n_mass : nan;
+    if (n_mass == 0) r.mass_true_min = nan;
+    r.mass_claimed = claims && n_mass > 0 ? claimed / (head_steps - n_bypass) : nan;
     r.rel_err = err / head_steps;
 
-    // Timing passes.
+    // Timing passes: each step timed on its own, after the caches were swept.
     for (int pass = 0; pass < o.warmup + o.repeats; ++pass) {
-      const auto t0 = Clock::now();
-      for (int step = 0; step < o.steps; ++step) decode_step(*method, 0, w.query(0, step), kv, ctx, out);
-      const double ms = seconds_since(t0) * 1e3 / o.steps;
-      if (pass >= o.warmup) r.ms.push_back(ms);
+      double total = 0;
+      for (int step = 0; step < o.steps; ++step) {
+        if (evictor) evictor->run();
+        const auto t0 = Clock::now();
+        decode_step(*method, 0, w.query(0, kPromptQueryRows + step), kv, ctx, out);
+        total += seconds_since(t0);
+      }
+      if (pass >= o.warmup) r.ms.push_back(total * 1e3 / o.steps);
     }
     r.ms_median = median(r.ms);
     r.ms_min = *std::min_element(r.ms.begin(), r.ms.end());
     r.gbps = r.bytes_per_step / (r.ms_median * 1e-3) * 1e-9;
     r.bw_fraction = r.gbps / rep.membw.gbps_median;
     rep.methods.push_back(std::move(r));
-    log_line(log, fmt::format("{}: {:.3f} ms/step", name, rep.methods.back().ms_median));
+    log_line(log, fmt::format("{}: prefill {:.1f} ms, {:.3f} ms/step ({:.1f} s since start)", name,
+                              rep.methods.back().prefill_ms, rep.methods.back().ms_median, seconds_since(t_start)));
   }
   const double dense_ms = rep.methods.front().ms_median;
   for (auto& r : rep.methods) r.speedup = dense_ms / r.ms_median;
+  rep.total_s = seconds_since(t_start);
   return rep;
 }
 
@@ -239,29 +270,34 @@ std::string bench_table(const BenchReport& rep) {
                    o.warmup, o.threads);
   t += fmt::format("machine:  {} ({} logical CPUs), {}\n", rep.machine.cpu, rep.machine.logical_cpus,
                    rep.machine.date);
-  t += fmt::format("memory:   read bandwidth {:.1f} GB/s (median of {}, {} MiB, {} threads)\n", rep.membw.gbps_median,
-                   rep.membw.gbps.size(), rep.membw.bytes >> 20, rep.membw.threads);
+  t += fmt::format("memory:   read bandwidth {:.1f} GB/s (median of {}, {} MiB, {} threads); LLC {} MiB; {}\n",
+                   rep.membw.gbps_median, rep.membw.gbps.size(), rep.membw.bytes >> 20, rep.membw.threads,
+                   rep.llc_bytes >> 20,
+                   rep.evict_bytes > 0 ? fmt::format("{} MiB swept before each timed step", rep.evict_bytes >> 20)
+                                       : std::string("warm caches"));
   t += fmt::format("workload: seed {}, concentration {}; {} sinks hold {:.1f}% of the mass, the last {} tokens "
                    "{:.1f}%; top-p {} needs {:.2f}% of tokens (p10 {:.2f}%, p50 {:.2f}%, p90 {:.2f}%)\n\n",
                    o.seed, o.concentration, rep.n_sinks, 100 * p.sink_mass, rep.recent_window, 100 * p.recent_mass,
                    p.topp, 100 * p.topp_fraction, 100 * p.topp_fraction_p10, 100 * p.topp_fraction_p50,
                    100 * p.topp_fraction_p90);
-  t += fmt::format("{:<12} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6} {:>8}\n", "method", "tokens", "tokens%", "KV read%", "mass", "claimed", "rel err", "max err", "ms/step",
-                   "GB/s", "%bw", "speedup");
+  t += fmt::format("{:<12} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6} {:>8} {:>10}\n", "method", "tokens", "tokens%", "KV read%", "mass", "claimed", "rel err", "max err", "ms/step",
+                   "GB/s", "%bw", "speedup", "prefill ms");
   for (const auto& r : rep.methods) {
     const std::string claimed = std::isnan(r.mass_claimed) ? "-" : fmt::format("{:.4f}", r.mass_claimed);
     t += fmt::format("{:<12} {:>8.0f} {:>8.2f} {:>8.2f} {:>9.4f} {:>9} {:>9.2e} {:>9.2e} {:>9.3f} {:>7.1f} "
-                     "{:>5.0f}% {:>7.2f}x\n",
+                     "{:>5.0f}% {:>7.2f}x {:>10.1f}\n",
                      r.method, r.tokens_attended, 100 * r.token_fraction,
                      100 * r.bytes_fraction, r.mass_true, claimed, r.rel_err, r.rel_err_max, r.ms_median, r.gbps,
-                     100 * r.bw_fraction, r.speedup);
+                     100 * r.bw_fraction, r.speedup, r.prefill_ms);
   }
   t += "\nparameters:\n";
   for (const auto& r : rep.methods)
     if (!r.params.empty()) t += fmt::format("  {:<12} {}\n", r.method, params_text(r.params));
   t += "\nmass: true softmax mass of the attended set (mean over step x query head); claimed: the method's own\n"
        "claim (- = none); rel err: ||o - o_dense|| / ||o_dense||; ms/step: median over repeats of one decode\n"
-       "step (all heads of one layer); GB/s: K/V bytes read / time; %bw: of the read bandwidth above.\n";
+       "step (all heads of one layer), caches swept before each; GB/s: K/V bytes read / time; %bw: of the\n"
+       "read bandwidth above; prefill ms: on_prefill (index build) once, not in ms/step.\n";
+  t += fmt::format("total {:.1f} s (workload {:.1f} s)\n", rep.total_s, rep.generate_s);
   return t;
 }
 
@@ -286,11 +322,15 @@ std::string bench_json(const BenchReport& rep) {
                    {"context", o.context},
                    {"dtype", std::string(dtype_name(o.dtype))},
                    {"steps", o.steps},
+                   {"prompt_query_rows", kPromptQueryRows},
                    {"warmup", o.warmup},
                    {"repeats", o.repeats},
                    {"seed", o.seed},
                    {"concentration", o.concentration},
                    {"generate_s", rep.generate_s},
+                   {"total_s", rep.total_s},
+                   {"llc_bytes", rep.llc_bytes},
+                   {"evict_bytes", rep.evict_bytes},
                    {"dense_bytes_per_step", rep.dense_bytes_per_step},
                    {"n_sinks", rep.n_sinks},
                    {"recent_window", rep.recent_window},
@@ -311,8 +351,9 @@ std::string bench_json(const BenchReport& rep) {
                        {"token_fraction", r.token_fraction},
                        {"bytes_per_step", r.bytes_per_step},
                        {"bytes_fraction", r.bytes_fraction},
-                       {"mass_true", r.mass_true},
-                       {"mass_true_min", r.mass_true_min},
+                       {"mass_true", std::isnan(r.mass_true) ? json(nullptr) : json(r.mass_true)},
+                       {"mass_true_min", std::isnan(r.mass_true_min) ? json(nullptr) : json(r.mass_true_min)},
+                       {"bypass_fraction", r.bypass_fraction},
                        {"mass_claimed", std::isnan(r.mass_claimed) ? json(nullptr) : json(r.mass_claimed)},
                        {"rel_err", r.rel_err},
                        {"rel_err_max", r.rel_err_max},

@@ -10,6 +10,8 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <fstream>
+#include <string>
 #include <memory>
 
 #include "cumulus/core/buffer.h"
@@ -73,6 +75,54 @@ MemBwResult membw_measure(ThreadPool& pool, const MemBwOptions& o) {
                                     : 0.5 * (sorted[sorted.size() / 2 - 1] + sorted[sorted.size() / 2]);
   r.gbps_max = sorted.back();
   return r;
+}
+
+size_t llc_bytes() {
+  size_t best = 0;
+  int best_level = 0;
+  for (int i = 0; i < 16; ++i) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
+    std::ifstream level_f(dir + "level"), type_f(dir + "type"), size_f(dir + "size");
+    if (!level_f || !type_f || !size_f) break;
+    int level = 0;
+    std::string type, size;
+    level_f >> level;
+    type_f >> type;
+    size_f >> size;
+    if (type == "Instruction" || size.empty() || level < best_level) continue;
+    size_t v = 0;
+    size_t i_end = 0;
+    while (i_end < size.size() && size[i_end] >= '0' && size[i_end] <= '9') v = v * 10 + (size[i_end++] - '0');
+    const char unit = i_end < size.size() ? size[i_end] : 'B';
+    if (unit == 'K') v <<= 10;
+    if (unit == 'M') v <<= 20;
+    if (unit == 'G') v <<= 30;
+    best = v;
+    best_level = level;
+  }
+  return best;
+}
+
+CacheEvictor::CacheEvictor(size_t bytes, ThreadPool& pool) : pool_(pool) {
+  CUMULUS_CHECK(bytes >= kBlock, "bytes={} must be >= 1 MiB", bytes);
+  n_blocks_ = bytes / kBlock;
+  buf_ = static_cast<uint64_t*>(std::aligned_alloc(kAlignment, n_blocks_ * kBlock));
+  CUMULUS_CHECK(buf_ != nullptr, "cannot allocate bytes={}", n_blocks_ * kBlock);
+  sums_.resize(n_blocks_);
+  const size_t words = kBlock / sizeof(uint64_t);
+  pool_.parallel_for(static_cast<int64_t>(n_blocks_), [&](int64_t b, int) {
+    for (size_t i = 0; i < words; ++i) buf_[b * words + i] = i ^ static_cast<uint64_t>(b);
+  });
+}
+
+CacheEvictor::~CacheEvictor() { std::free(buf_); }
+
+void CacheEvictor::run() {
+  const size_t words = kBlock / sizeof(uint64_t);
+  pool_.parallel_for(static_cast<int64_t>(n_blocks_),
+                     [&](int64_t b, int) { sums_[b] = block_sum(buf_ + b * words, words / 8); });
+  volatile uint64_t keep = 0;
+  for (uint64_t s : sums_) keep = keep + s;
 }
 
 }  // namespace cumulus

@@ -25,6 +25,7 @@ struct BenchArgs {
   std::vector<std::string> params;  // method.key=value
   std::string json;
   int membw_mib = 1024;
+  int evict_mib = -1;  // -1: BenchOptions' default (2 x LLC)
 };
 
 // "method.key=value" -> o.params[method][key] = value
@@ -42,6 +43,8 @@ void bench_command_run(const BenchArgs& a) {
   for (const auto& p : a.params) param_add(o, p);
   CUMULUS_CHECK(a.membw_mib >= 64, "--membw-mib={} must be >= 64", a.membw_mib);
   o.membw_bytes = static_cast<size_t>(a.membw_mib) << 20;
+  CUMULUS_CHECK(a.evict_mib >= -1 && a.evict_mib <= 16384, "--evict-mib={} must be in [0, 16384]", a.evict_mib);
+  if (a.evict_mib >= 0) o.evict_bytes = static_cast<size_t>(a.evict_mib) << 20;
   const BenchReport rep = bench_run(o, stderr);
   const std::string table = bench_table(rep);
   if (a.json == "-") {
@@ -81,6 +84,9 @@ void add_bench_command(CLI::App& app) {
                   "Workload concentration in (0, 16]: higher = fewer tokens hold the mass")
       ->capture_default_str();
   cmd->add_option("--membw-mib", args->membw_mib, "Buffer of the read-bandwidth probe in MiB")->capture_default_str();
+  cmd->add_option("--evict-mib", args->evict_mib,
+                  "MiB swept before each timed step to start it from cold caches (0: warm; default 2 x LLC, "
+                  "64..1024)");
   cmd->add_option("--json", args->json, "Also write the JSON report to this path ('-': JSON to stdout, table to stderr)");
   cmd->callback([args] { bench_command_run(*args); });
 }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include "cumulus/core/thread_pool.h"
@@ -27,5 +28,29 @@ struct MemBwResult {
 
 // Throws Error naming a bad option.
 MemBwResult membw_measure(ThreadPool& pool, const MemBwOptions& options = {});
+
+// Size of the last-level cache from sysfs (cpu0's highest-level unified cache); 0 when
+// unknown.
+size_t llc_bytes();
+
+// Pushes other data out of the caches by streaming over its own buffer, so that a timed
+// step that follows reads its K/V from memory, as it does in a model where every other
+// layer's cache passes through the LLC between two visits of one layer.
+class CacheEvictor {
+ public:
+  CacheEvictor(size_t bytes, ThreadPool& pool);  // bytes >= 1 MiB
+  ~CacheEvictor();
+  CacheEvictor(const CacheEvictor&) = delete;
+  CacheEvictor& operator=(const CacheEvictor&) = delete;
+  void run();
+  size_t bytes() const { return n_blocks_ * kBlock; }
+
+ private:
+  static constexpr size_t kBlock = size_t{1} << 20;
+  ThreadPool& pool_;
+  size_t n_blocks_ = 0;
+  uint64_t* buf_ = nullptr;
+  std::vector<uint64_t> sums_;
+};
 
 }  // namespace cumulus
