@@ -116,7 +116,7 @@ TEST(Tactic, AchievedMassNearTargetOnMostHeadSteps) {
   // Algorithm 1 aimed at; 4096-token heavy-tailed caches (sigma 2.5 and 3), 6 caches x 8
   // heads = 48 head-steps per target, 240 in all. Stated promise: |true - P| <= 0.05 on at
   // least 40% of head-steps at every target and on at least 55% of all 240, and the mean
-  // achieved mass within 0.05 of P at every target. Measured when written (2025-11):
+  // achieved mass within 0.05 of P at every target. Measured when written:
   // 25, 21, 29, 37, 45 of 48 for P = 0.5..0.9 (157/240), mean true mass 0.474, 0.574,
   // 0.688, 0.795, 0.912, with 2.3-3.3x the optimal set's tokens (Table 1 of the paper:
   // 2.2-2.6x, and its achieved mass overshoots low targets: 66% at P = 50%).
