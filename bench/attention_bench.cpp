@@ -199,8 +199,17 @@ int main(int argc, char** argv) {
   std::printf("machine: %s, %u hardware threads; SIMD target %s; %d threads\n", cpu_name.c_str(),
               std::thread::hardware_concurrency(), target, threads);
 
+  // Other processes on the machine distort both numbers; the load average says how much.
+  auto load_average = [] {
+    std::ifstream f("/proc/loadavg");
+    double l = -1.0;
+    f >> l;
+    return l;
+  };
+  const double load_before = load_average();
   const double bw = measure_read_bandwidth(pool, quick ? 3 : 7);
-  std::printf("measured read bandwidth (sum over 1 GiB, %d threads, median): %.2f GB/s\n\n", threads, bw);
+  std::printf("load average %.2f; measured read bandwidth (sum over 1 GiB, %d threads, median): %.2f GB/s\n\n",
+              load_before, threads, bw);
 
   std::mt19937 rng(2024);
   std::vector<Row> rows;
@@ -224,7 +233,7 @@ int main(int argc, char** argv) {
     r.gbs = r.bytes / seconds / 1e9;
     r.pct = 100.0 * r.gbs / bw;
     rows.push_back(r);
-    std::printf("%-7s %-5s %-22s %5.0f tok/head  %8.3f ms/step  %7.2f GB/s  %5.1f%% of read bw\n", r.kernel.c_str(),
+    std::printf("%-7s %-5s %-24s %6.0f tok/head  %8.3f ms/step  %7.2f GB/s  %5.1f%% of read bw\n", r.kernel.c_str(),
                 r.dtype.c_str(), r.layout.c_str(), r.tokens_per_head, r.ms, r.gbs, r.pct);
     std::fflush(stdout);
   };
@@ -288,11 +297,18 @@ int main(int argc, char** argv) {
     }
   }
 
+  // Bandwidth again after the kernels: a large change means the machine was not quiet.
+  const double bw_after = measure_read_bandwidth(pool, quick ? 3 : 7);
+  std::printf("\nread bandwidth measured again after the kernels: %.2f GB/s (load average %.2f)\n", bw_after,
+              load_average());
+
   nlohmann::json j;
   j["machine"] = {{"cpu", cpu_name}, {"hardware_threads", std::thread::hardware_concurrency()},
                   {"simd_target", target}};
   j["threads"] = threads;
   j["read_bandwidth_gbs"] = bw;
+  j["read_bandwidth_after_gbs"] = bw_after;
+  j["load_average_before"] = load_before;
   j["shape"] = {{"n_q_heads", n_q}, {"n_kv_heads", n_kv}, {"head_dim", dim}, {"page_size", page_size}};
   for (const Row& r : rows)
     j["rows"].push_back({{"kernel", r.kernel},
