@@ -106,6 +106,8 @@ BenchMachine bench_machine() {
   char buf[32];
   std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
   m.date = buf;
+  std::ifstream loadavg("/proc/loadavg");
+  if (!(loadavg >> m.load_average)) m.load_average = -1;
 #if defined(__VERSION__)
   m.compiler = __VERSION__;
 #endif
@@ -268,9 +270,9 @@ std::string bench_table(const BenchReport& rep) {
                    "(+{} warm-up), {} threads\n",
                    o.shape, s.n_q_heads, s.n_kv_heads, s.head_dim, o.context, dtype_name(o.dtype), o.steps, o.repeats,
                    o.warmup, o.threads);
-  t += fmt::format("machine:  {} ({} logical CPUs), {}\n", rep.machine.cpu, rep.machine.logical_cpus,
-                   rep.machine.date);
-  t += fmt::format("memory:   read bandwidth {:.1f} GB/s (median of {}, {} MiB, {} threads); LLC {} MiB; {}\n",
+  t += fmt::format("machine:  {} ({} logical CPUs), load average {:.2f}, {}\n", rep.machine.cpu,
+                   rep.machine.logical_cpus, rep.machine.load_average, rep.machine.date);
+  t += fmt::format("memory:   read bandwidth {:.1f} GB/s (best median of plain and prefetching sums, {} passes, {} MiB, {} threads); LLC {} MiB; {}\n",
                    rep.membw.gbps_median, rep.membw.gbps.size(), rep.membw.bytes >> 20, rep.membw.threads,
                    rep.llc_bytes >> 20,
                    rep.evict_bytes > 0 ? fmt::format("{} MiB swept before each timed step", rep.evict_bytes >> 20)
@@ -314,6 +316,9 @@ std::string bench_json(const BenchReport& rep) {
                   {"read_bandwidth_gbps", rep.membw.gbps_median},
                   {"read_bandwidth_gbps_max", rep.membw.gbps_max},
                   {"read_bandwidth_samples_gbps", rep.membw.gbps},
+                  {"read_bandwidth_plain_samples_gbps", rep.membw.gbps_plain},
+                  {"read_bandwidth_prefetch_samples_gbps", rep.membw.gbps_prefetch},
+                  {"load_average", rep.machine.load_average},
                   {"read_bandwidth_buffer_bytes", rep.membw.bytes}};
   j["workload"] = {{"shape", o.shape},
                    {"n_q_heads", rep.shape.n_q_heads},

@@ -27,11 +27,26 @@ struct FreeDeleter {
 
 constexpr size_t kBlockBytes = size_t{1} << 20;  // 1 MiB per task
 
-// p: [n_groups][8] words.
+// p: [n_groups][8] words (one 64-byte line per group).
 uint64_t block_sum(const uint64_t* p, size_t n_groups) {
   uint64_t acc[8] = {};
   for (size_t g = 0; g < n_groups; ++g)
     for (int j = 0; j < 8; ++j) acc[j] += p[g * 8 + j];
+  uint64_t s = 0;
+  for (uint64_t a : acc) s += a;
+  return s;
+}
+
+// The same with a software prefetch kPrefetchBytes ahead, as the attention kernels do.
+// Prefetching past the buffer's end is harmless: prefetches never fault.
+constexpr size_t kPrefetchBytes = 4096;
+uint64_t block_sum_prefetch(const uint64_t* p, size_t n_groups) {
+  uint64_t acc[8] = {};
+  const char* c = reinterpret_cast<const char*>(p);
+  for (size_t g = 0; g < n_groups; ++g) {
+    __builtin_prefetch(c + g * 64 + kPrefetchBytes);
+    for (int j = 0; j < 8; ++j) acc[j] += p[g * 8 + j];
+  }
   uint64_t s = 0;
   for (uint64_t a : acc) s += a;
   return s;
@@ -60,20 +75,29 @@ MemBwResult membw_measure(ThreadPool& pool, const MemBwOptions& o) {
   r.bytes = n_blocks * kBlockBytes;
   r.threads = pool.n_threads();
   volatile uint64_t sink = 0;  // the sums feed a value the optimiser must keep
-  for (int pass = 0; pass < o.warmup + o.repeats; ++pass) {
-    const auto t0 = std::chrono::steady_clock::now();
-    pool.parallel_for(static_cast<int64_t>(n_blocks), [&](int64_t b, int) {
-      sums[b] = block_sum(buf.get() + b * words_per_block, words_per_block / 8);
-    });
-    const auto t1 = std::chrono::steady_clock::now();
-    for (uint64_t s : sums) sink = sink + s;
-    if (pass >= o.warmup) r.gbps.push_back(static_cast<double>(r.bytes) / std::chrono::duration<double>(t1 - t0).count() * 1e-9);
+  auto median = [](std::vector<double> x) {
+    std::sort(x.begin(), x.end());
+    return x.size() % 2 ? x[x.size() / 2] : 0.5 * (x[x.size() / 2 - 1] + x[x.size() / 2]);
+  };
+  for (int prefetch = 0; prefetch < 2; ++prefetch) {
+    std::vector<double>& samples = prefetch ? r.gbps_prefetch : r.gbps_plain;
+    for (int pass = 0; pass < o.warmup + o.repeats; ++pass) {
+      const auto t0 = std::chrono::steady_clock::now();
+      pool.parallel_for(static_cast<int64_t>(n_blocks), [&](int64_t b, int) {
+        const uint64_t* p = buf.get() + b * words_per_block;
+        sums[b] = prefetch ? block_sum_prefetch(p, words_per_block / 8) : block_sum(p, words_per_block / 8);
+      });
+      const auto t1 = std::chrono::steady_clock::now();
+      for (uint64_t s : sums) sink = sink + s;
+      if (pass >= o.warmup)
+        samples.push_back(static_cast<double>(r.bytes) / std::chrono::duration<double>(t1 - t0).count() * 1e-9);
+    }
   }
-  std::vector<double> sorted = r.gbps;
-  std::sort(sorted.begin(), sorted.end());
-  r.gbps_median = sorted.size() % 2 ? sorted[sorted.size() / 2]
-                                    : 0.5 * (sorted[sorted.size() / 2 - 1] + sorted[sorted.size() / 2]);
-  r.gbps_max = sorted.back();
+  // The reference is the better of the two loops, so that no kernel's share is overstated.
+  const double plain = median(r.gbps_plain), pre = median(r.gbps_prefetch);
+  r.gbps = plain >= pre ? r.gbps_plain : r.gbps_prefetch;
+  r.gbps_median = std::max(plain, pre);
+  r.gbps_max = *std::max_element(r.gbps.begin(), r.gbps.end());
   return r;
 }
 

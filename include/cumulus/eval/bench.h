@@ -76,6 +76,7 @@ struct BenchMachine {
   int logical_cpus = 0;  // std::thread::hardware_concurrency
   std::string date;      // UTC, ISO 8601
   std::string compiler;
+  double load_average = -1;  // 1-minute load from /proc/loadavg at the start (-1: unknown)
 };
 
 struct BenchReport {
