@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 
@@ -235,6 +236,15 @@ std::unique_ptr<Tokenizer> tokenizer_from_llama2c(const std::string& path, int32
   v.add_space_prefix = true;
   v.space_symbol.assign(1, ' ');  // (assign: GCC 12 -Wrestrict false positive on = " ")
   return std::make_unique<SpmTokenizer>(TokenizerKind::llama2c, path, std::move(v));
+}
+
+std::string tokenizer_find_llama2c(const std::string& model_path, int32_t vocab_size) {
+  const std::filesystem::path dir = std::filesystem::path(model_path).parent_path();
+  for (const std::string& name : {"tok" + std::to_string(vocab_size) + ".bin", std::string("tokenizer.bin")}) {
+    const std::filesystem::path p = dir / name;
+    if (std::filesystem::is_regular_file(p)) return p.string();
+  }
+  return "";
 }
 
 }  // namespace cumulus

@@ -83,4 +83,8 @@ std::unique_ptr<Tokenizer> tokenizer_from_hf_json(const std::string& path, int32
 // vocab_size is the model's (the file has no count); the file must hold exactly that many.
 std::unique_ptr<Tokenizer> tokenizer_from_llama2c(const std::string& path, int32_t vocab_size);
 
+// The tokenizer that llama2.c keeps next to a model: `tok<vocab_size>.bin`, then
+// `tokenizer.bin`, in the model's folder; "" when neither exists.
+std::string tokenizer_find_llama2c(const std::string& model_path, int32_t vocab_size);
+
 }  // namespace cumulus
