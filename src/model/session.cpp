@@ -16,13 +16,26 @@ extern "C" void openblas_set_num_threads(int num_threads);
 namespace cumulus {
 namespace {
 
+// Output rows per matmul task. OpenBLAS runs single-threaded inside each task; the split
+// depends on n_out alone, so every output element is computed by the same call on the
+// same slice whatever the thread count, and results are bit-identical for 1 or N threads
+// (OpenBLAS's own threading splits by thread count and changes the rounding).
+constexpr int kMatmulSliceRows = 64;
+
 // y [rows][n_out] = x [rows][n_in] * W^T, W [n_out][n_in] row-major.
-void matmul(const float* x, int rows, const float* w, int n_out, int n_in, float* y) {
-  if (rows == 1) {
-    cblas_sgemv(CblasRowMajor, CblasNoTrans, n_out, n_in, 1.0f, w, n_in, x, 1, 0.0f, y, 1);
-  } else {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n_out, n_in, 1.0f, x, n_in, w, n_in, 0.0f, y, n_out);
-  }
+void matmul(ThreadPool& pool, const float* x, int rows, const float* w, int n_out, int n_in, float* y) {
+  const int slices = (n_out + kMatmulSliceRows - 1) / kMatmulSliceRows;
+  pool.parallel_for(slices, [&](int64_t s, int) {
+    const int r0 = static_cast<int>(s) * kMatmulSliceRows;
+    const int nr = std::min(kMatmulSliceRows, n_out - r0);
+    const float* ws = w + static_cast<size_t>(r0) * n_in;
+    if (rows == 1) {
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, nr, n_in, 1.0f, ws, n_in, x, 1, 0.0f, y + r0, 1);
+    } else {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, nr, n_in, 1.0f, x, n_in, ws, n_in, 0.0f, y + r0,
+                  n_out);
+    }
+  });
 }
 
 // out [dim] = x / rms(x) * g, rms with eps (float64 sum: the norm is tiny next to the
@@ -67,7 +80,7 @@ Session::Session(const ModelWeights& weights, const SessionOptions& options)
   CUMULUS_CHECK(opt_.max_tokens >= 0, "max_tokens={} must be >= 0", opt_.max_tokens);
   capacity_ = kv_.options().max_tokens;
   method_ = Registry::builtin().make(opt_.method, c.shape(), opt_.params);
-  openblas_set_num_threads(opt_.n_threads);
+  openblas_set_num_threads(1);  // threads come from pool_ (see matmul)
   const size_t rows = opt_.prefill_chunk;
   x_.resize(rows * c.dim);
   xn_.resize(rows * c.dim);
@@ -147,9 +160,9 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = w_.layers[l];
     for (int i = 0; i < n; ++i) rmsnorm(x_.data() + i * c.dim, L.attn_norm.data(), c.dim, c.rms_eps, xn_.data() + i * c.dim);
-    matmul(xn_.data(), n, L.wq.data(), qd, c.dim, q_.data());
-    matmul(xn_.data(), n, L.wk.data(), kvd, c.dim, k_.data());
-    matmul(xn_.data(), n, L.wv.data(), kvd, c.dim, v_.data());
+    matmul(pool_, xn_.data(), n, L.wq.data(), qd, c.dim, q_.data());
+    matmul(pool_, xn_.data(), n, L.wk.data(), kvd, c.dim, k_.data());
+    matmul(pool_, xn_.data(), n, L.wv.data(), kvd, c.dim, v_.data());
     for (int i = 0; i < n; ++i) {
       rope(q_.data() + i * qd, c.n_heads, c.head_dim, c.rope_dim, pos_ + i, c.rope_theta);
       rope(k_.data() + i * kvd, c.n_kv_heads, c.head_dim, c.rope_dim, pos_ + i, c.rope_theta);
@@ -175,23 +188,23 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
       attention_prefill(l, n, q_.data(), att_.data());
     }
     // x += att Wo^T (xn_ as scratch for the projection).
-    matmul(att_.data(), n, L.wo.data(), c.dim, qd, xn_.data());
+    matmul(pool_, att_.data(), n, L.wo.data(), c.dim, qd, xn_.data());
     for (int i = 0; i < n * c.dim; ++i) x_[i] += xn_[i];
     for (int i = 0; i < n; ++i) rmsnorm(x_.data() + i * c.dim, L.ffn_norm.data(), c.dim, c.rms_eps, xn_.data() + i * c.dim);
-    matmul(xn_.data(), n, L.w_gate.data(), c.hidden_dim, c.dim, gate_.data());
-    matmul(xn_.data(), n, L.w_up.data(), c.hidden_dim, c.dim, up_.data());
+    matmul(pool_, xn_.data(), n, L.w_gate.data(), c.hidden_dim, c.dim, gate_.data());
+    matmul(pool_, xn_.data(), n, L.w_up.data(), c.hidden_dim, c.dim, up_.data());
     for (int i = 0; i < n * c.hidden_dim; ++i) {
       const float g = gate_[i];
       gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
     }
-    matmul(gate_.data(), n, L.w_down.data(), c.dim, c.hidden_dim, xn_.data());
+    matmul(pool_, gate_.data(), n, L.w_down.data(), c.dim, c.hidden_dim, xn_.data());
     for (int i = 0; i < n * c.dim; ++i) x_[i] += xn_[i];
   }
   pos_ += n;
   // Logits of the last token only.
   std::vector<float> last(c.dim);
   rmsnorm(x_.data() + static_cast<size_t>(n - 1) * c.dim, w_.output_norm.data(), c.dim, c.rms_eps, last.data());
-  matmul(last.data(), 1, w_.output_weight(), c.vocab_size, c.dim, logits_.data());
+  matmul(pool_, last.data(), 1, w_.output_weight(), c.vocab_size, c.dim, logits_.data());
 }
 
 }  // namespace cumulus
