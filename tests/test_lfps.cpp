@@ -154,6 +154,7 @@ TEST(Lfps, BypassFiresWhenTheSinkHoldsMoreThanEpsilon) {
         double e2 = 0;
         for (int j = 0; j < d; ++j) e2 += std::pow(out.out[qh * d + j] - dense.out[qh * d + j], 2);
         EXPECT_NEAR(out.stats[qh].out_err, std::sqrt(e2), 1e-5);
+        EXPECT_TRUE(std::isnan(out.stats[qh].mass_true)) << "a bypassed head attended no set";
       } else if (share < 0.5) {
         EXPECT_FALSE(out.stats[qh].bypass);
         EXPECT_GE(out.stats[qh].tokens_attended, 4);  // the sinks at least (flat tables: only them)

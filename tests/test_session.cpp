@@ -108,13 +108,48 @@ TEST_F(Stories260K, EveryMethodAtFullBudgetMatchesDense) {
            {"oracle_topp", {{"p", "1"}}},
            {"oracle_topk", {{"k", "512"}}},
            {"streaming", {{"window", "512"}}},
-           {"quest", {{"budget", "512"}}}}) {
+           {"quest", {{"budget", "512"}}},
+           {"tactic", {{"p", "1"}}},
+           {"psa", {{"threshold", "1"}}},
+           {"psa", {{"threshold", "1"}, {"stop", "certified"}, {"criticality", "bound"}}},
+           {"lfps", {{"budget", "512"}, {"epsilon", "1"}}}}) {
     SessionOptions o;
     o.method = m;
     o.params = params;
     Generated g = generate(*weights_, *tok_, o, 256);
     EXPECT_EQ(g.text.substr(0, sample_.size()), sample_) << m;
   }
+}
+
+// With a real prompt, on_prefill builds every index (Tactic's clusters, LFPS's tables from
+// the prompt's last queries); at full budget each method still decodes what dense does.
+TEST_F(Stories260K, EveryMethodAtFullBudgetMatchesDenseAfterAPrompt) {
+  const std::vector<int32_t> prompt = tok_->encode(
+      "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun. One day, she "
+      "saw a big red ball in the park. She ran to the ball and",
+      true);
+  ASSERT_GT(prompt.size(), 40u);
+  auto run = [&](const std::string& m, const std::map<std::string, std::string>& params) {
+    SessionOptions o;
+    o.method = m;
+    o.params = params;
+    Session s(*weights_, o);
+    Sampler greedy({});
+    std::vector<int32_t> ids;
+    const std::vector<float>* logits = &s.prefill(prompt);
+    for (int i = 0; i < 48; ++i) {
+      ids.push_back(greedy.sample(*logits));
+      logits = &s.decode(ids.back());
+    }
+    return ids;
+  };
+  const std::vector<int32_t> dense = run("dense", {});
+  for (const auto& [m, params] : std::vector<std::pair<std::string, std::map<std::string, std::string>>>{
+           {"oracle_topp", {{"p", "1"}}},
+           {"tactic", {{"p", "1"}, {"cluster_size", "4"}}},
+           {"psa", {{"threshold", "1"}}},
+           {"lfps", {{"budget", "512"}, {"epsilon", "1"}, {"s", "8"}}}})
+    EXPECT_EQ(run(m, params), dense) << m;
 }
 
 TEST_F(Stories260K, DeterministicAcrossRunsAndThreads) {

@@ -87,6 +87,7 @@ class Lfps final : public DecodeMethod {
         vmean_(kmean_.size()),
         prefilled_(shape.n_layers, false) {}
   std::string name() const override { return "lfps"; }
+  int prompt_queries() const override { return o_.s; }
 
   const methods::LfpsTables& tables(int layer, int qh) const {
     CUMULUS_CHECK(layer >= 0 && layer < shape_.n_layers && qh >= 0 && qh < shape_.n_q_heads,

@@ -3,6 +3,7 @@
 #include "cumulus/methods/method.h"
 
 #include <cmath>
+#include <limits>
 
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/attention.h"
@@ -57,7 +58,8 @@ void decode_step(DecodeMethod& method, int layer, const float* q, const KvCache&
       const double diff = static_cast<double>(out.out[h * s.head_dim + d]) - o_dense[h * s.head_dim + d];
       err += diff * diff;
     }
-    out.stats[h].mass_true = mass[h];
+    // A bypassed head (LFPS's sink bypass) attended no set: it has no mass to check.
+    out.stats[h].mass_true = out.stats[h].bypass ? std::numeric_limits<double>::quiet_NaN() : mass[h];
     out.stats[h].out_err = std::sqrt(err);
   }
 }

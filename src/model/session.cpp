@@ -103,6 +103,10 @@ const std::vector<float>& Session::prefill(std::span<const int32_t> tokens) {
   CUMULUS_CHECK(!prefilled_, "prefill after decode started (position {}): one prompt per session", pos_);
   CUMULUS_CHECK(pos_ + static_cast<int64_t>(tokens.size()) <= capacity_,
                 "prompt of {} tokens at position {} exceeds the context of {} tokens", tokens.size(), pos_, capacity_);
+  prompt_end_ = pos_ + static_cast<int>(tokens.size());
+  prompt_q_rows_ = std::min(method_->prompt_queries(), prompt_end_);
+  prompt_q_.assign(w_.config.n_layers,
+                   std::vector<float>(static_cast<size_t>(prompt_q_rows_) * w_.config.n_heads * w_.config.head_dim));
   for (size_t i = 0; i < tokens.size(); i += opt_.prefill_chunk) {
     const size_t n = std::min<size_t>(opt_.prefill_chunk, tokens.size() - i);
     forward(tokens.subspan(i, n), false);
@@ -115,7 +119,12 @@ const std::vector<float>& Session::decode(int32_t token) {
   CUMULUS_CHECK(pos_ + 1 <= capacity_, "decode at position {} exceeds the context of {} tokens", pos_, capacity_);
   if (!prefilled_) {
     DecodeContext ctx{&pool_, opt_.eval};
-    for (int l = 0; l < w_.config.n_layers; ++l) method_->on_prefill(l, kv_, ctx);
+    for (int l = 0; l < w_.config.n_layers; ++l) {
+      ctx.prompt_q = prompt_q_rows_ > 0 ? prompt_q_[l].data() : nullptr;
+      ctx.prompt_q_rows = prompt_q_rows_;
+      method_->on_prefill(l, kv_, ctx);
+    }
+    prompt_q_.clear();
     prefilled_ = true;
   }
   const int32_t t[1] = {token};
@@ -168,6 +177,13 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
       rope(k_.data() + i * kvd, c.n_kv_heads, c.head_dim, c.rope_dim, pos_ + i, c.rope_theta);
     }
     kv_.append(l, k_.data(), v_.data(), n);
+    if (!decode_mode && prompt_q_rows_ > 0) {
+      // Keep the queries of positions [prompt_end_ - prompt_q_rows_, prompt_end_).
+      const int first = prompt_end_ - prompt_q_rows_;
+      for (int i = std::max(0, first - pos_); i < n; ++i)
+        std::copy_n(q_.data() + static_cast<size_t>(i) * qd, qd,
+                    prompt_q_[l].data() + static_cast<size_t>(pos_ + i - first) * qd);
+    }
     if (decode_mode) {
       method_->on_append(l, pos_, kv_);
       AttnOutput& out = last_[l];

@@ -63,6 +63,9 @@ class DecodeMethod {
   virtual void decode(int layer, const float* q, const KvCache& kv, const DecodeContext& ctx, AttnOutput& out) = 0;
   // Token `pos` was appended to `layer`.
   virtual void on_append(int layer, int pos, const KvCache& kv) {}
+  // How many of the prompt's last queries on_prefill wants in DecodeContext::prompt_q
+  // (0: none). A Session keeps that many rows per layer while it prefills.
+  virtual int prompt_queries() const { return 0; }
 };
 
 // Runs method.decode and, in eval mode, fills mass_true (the true softmax mass of the

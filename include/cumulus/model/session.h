@@ -11,7 +11,8 @@
 //              x += W_down (silu(xn W_gate^T) * (xn W_up^T)), xn = RMSNorm(x) * ffn_norm
 //   logits [vocab] = RMSNorm(x_last) * output_norm, times the classifier
 // Prefill (C > 1) attends densely and causally; once the whole prompt is cached, each
-// layer's decode method gets on_prefill. Decode (C = 1) goes through decode_step.
+// layer's decode method gets on_prefill (with the prompt's last queries when the method
+// asks for them). Decode (C = 1) goes through decode_step.
 #pragma once
 
 #include <cstdint>
@@ -94,6 +95,12 @@ class Session {
   std::vector<float> logits_;
   // Scratch, sized for prefill_chunk rows.
   std::vector<float> x_, xn_, q_, k_, v_, att_, gate_, up_, lse_;
+  // The last prompt_q_rows_ queries of the prompt (after RoPE), per layer, for methods that
+  // learn from the prompt's attention (DecodeMethod::prompt_queries):
+  //   prompt_q_[layer]: [prompt_q_rows_][n_heads][head_dim]
+  int prompt_end_ = 0;
+  int prompt_q_rows_ = 0;
+  std::vector<std::vector<float>> prompt_q_;
 };
 
 }  // namespace cumulus
