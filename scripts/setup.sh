@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Installs cumulus's build dependencies from Debian packages. Idempotent: packages already
-# present are not reinstalled, and apt-get update runs only when something is missing.
+# Installs cumulus's build dependencies from Debian packages (clang and its runtime are for
+# the libFuzzer target in tools/fuzz). Idempotent: packages already present are not
+# reinstalled, and apt-get update runs only when something is missing.
 set -euo pipefail
 
 packages=(
   build-essential cmake ninja-build pkg-config
   libhwy-dev nlohmann-json3-dev libcli11-dev libfmt-dev
   libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
+  clang libclang-rt-dev
 )
 
 missing=()
