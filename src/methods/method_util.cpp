@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "cumulus/core/error.h"
+#include "cumulus/kernels/scoring.h"
 
 namespace cumulus::methods {
 
@@ -57,6 +58,33 @@ double softmax_scaled(const float* scores, int n, float scale, std::vector<float
   const double lse = mx + std::log(sum);
   for (int i = 0; i < n; ++i) probs[i] = static_cast<float>(std::exp(static_cast<double>(scores[i] * scale) - lse));
   return lse;
+}
+
+void oracle_decode(const Shape& shape, int layer, const float* q, const KvCache& kv, const DecodeContext& ctx,
+                   AttnOutput& out, OracleScratch& scratch, const OracleChoose& choose) {
+  attn_output_reset(shape, out);
+  const int n = kv.n_tokens(layer);
+  const int g = shape.group();
+  const float scale = attention_scale(shape.head_dim);
+  scratch.scores.resize(static_cast<size_t>(g) * n);
+  for (int h = 0; h < shape.n_kv_heads; ++h) {
+    const PagedHeadView v = kv.view(layer, h);
+    cpu::token_score(v, q + static_cast<size_t>(h) * g * shape.head_dim, g, nullptr, n, scratch.scores.data());
+    auto& uni = out.selection.tokens[h];
+    uni.clear();
+    for (int j = 0; j < g; ++j) {
+      const float* s = scratch.scores.data() + static_cast<size_t>(j) * n;
+      softmax_scaled(s, n, scale, scratch.probs);
+      choose(s, n, scratch.probs, scratch.chosen);
+      double claimed = 0;
+      for (int32_t i : scratch.chosen) claimed += scratch.probs[i];
+      out.stats[h * g + j].mass_claimed = claimed;
+      uni.insert(uni.end(), scratch.chosen.begin(), scratch.chosen.end());
+    }
+    selection_normalize(uni);
+    add_kv_head_bytes(shape, h, static_cast<double>(n) * kv.bytes_per_token_head() / 2, out);
+  }
+  attend_selection(kv, layer, q, *ctx.pool, out);
 }
 
 }  // namespace cumulus::methods

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -33,5 +34,18 @@ void add_kv_head_bytes(const Shape& shape, int kv_head, double bytes, AttnOutput
 // Exact softmax over `scores` [n] (raw q.k) with `scale`: probs [n] and returns the
 // log-sum-exp of scale * scores (double accumulation).
 double softmax_scaled(const float* scores, int n, float scale, std::vector<float>& probs);
+
+// The oracles (oracle_topk, oracle_topp): every key of the layer is scored exactly, once
+// per kv head for its group; `choose` picks one query head's set from its raw scores
+// [n] and softmax probabilities [n]; each head claims the exact mass of its own set, and
+// the group attends the union (Tactic 4.5). Bytes read: every key once per kv head.
+struct OracleScratch {
+  std::vector<float> scores, probs;  // [group][n], [n]
+  std::vector<int32_t> chosen;
+};
+using OracleChoose =
+    std::function<void(const float* scores, int n, const std::vector<float>& probs, std::vector<int32_t>& chosen)>;
+void oracle_decode(const Shape& shape, int layer, const float* q, const KvCache& kv, const DecodeContext& ctx,
+                   AttnOutput& out, OracleScratch& scratch, const OracleChoose& choose);
 
 }  // namespace cumulus::methods

@@ -4,7 +4,6 @@
 #include <algorithm>
 
 #include "cumulus/core/error.h"
-#include "cumulus/kernels/scoring.h"
 #include "cumulus/kernels/selection.h"
 #include "cumulus/methods/registry.h"
 #include "method_util.h"
@@ -18,36 +17,16 @@ class OracleTopK final : public DecodeMethod {
   std::string name() const override { return "oracle_topk"; }
 
   void decode(int layer, const float* q, const KvCache& kv, const DecodeContext& ctx, AttnOutput& out) override {
-    methods::attn_output_reset(shape_, out);
-    const int n = kv.n_tokens(layer);
-    const int g = shape_.group();
-    const float scale = attention_scale(shape_.head_dim);
-    scores_.resize(static_cast<size_t>(g) * n);
-    for (int h = 0; h < shape_.n_kv_heads; ++h) {
-      const PagedHeadView v = kv.view(layer, h);
-      cpu::token_score(v, q + static_cast<size_t>(h) * g * shape_.head_dim, g, nullptr, n, scores_.data());
-      auto& uni = out.selection.tokens[h];
-      uni.clear();
-      for (int j = 0; j < g; ++j) {
-        const float* s = scores_.data() + static_cast<size_t>(j) * n;
-        cpu::select_topk(s, n, k_, chosen_);
-        methods::softmax_scaled(s, n, scale, probs_);
-        double claimed = 0;
-        for (int32_t i : chosen_) claimed += probs_[i];
-        out.stats[h * g + j].mass_claimed = claimed;
-        uni.insert(uni.end(), chosen_.begin(), chosen_.end());
-      }
-      selection_normalize(uni);
-      methods::add_kv_head_bytes(shape_, h, static_cast<double>(n) * kv.bytes_per_token_head() / 2, out);
-    }
-    methods::attend_selection(kv, layer, q, *ctx.pool, out);
+    methods::oracle_decode(shape_, layer, q, kv, ctx, out, scratch_,
+                           [&](const float* scores, int n, const std::vector<float>& probs, std::vector<int32_t>& chosen) {
+                             cpu::select_topk(scores, n, k_, chosen);
+                           });
   }
 
  private:
   Shape shape_;
   int k_;
-  std::vector<float> scores_, probs_;
-  std::vector<int32_t> chosen_;
+  methods::OracleScratch scratch_;
 };
 
 }  // namespace

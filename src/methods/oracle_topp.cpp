@@ -4,7 +4,6 @@
 // attends the union of its heads' sets (Tactic 4.5); each head claims the exact mass of
 // its own set, so the union's true mass is >= the claim.
 #include "cumulus/core/error.h"
-#include "cumulus/kernels/scoring.h"
 #include "cumulus/kernels/selection.h"
 #include "cumulus/methods/registry.h"
 #include "method_util.h"
@@ -18,36 +17,16 @@ class OracleTopP final : public DecodeMethod {
   std::string name() const override { return "oracle_topp"; }
 
   void decode(int layer, const float* q, const KvCache& kv, const DecodeContext& ctx, AttnOutput& out) override {
-    methods::attn_output_reset(shape_, out);
-    const int n = kv.n_tokens(layer);
-    const int g = shape_.group();
-    const float scale = attention_scale(shape_.head_dim);
-    scores_.resize(static_cast<size_t>(g) * n);
-    for (int h = 0; h < shape_.n_kv_heads; ++h) {
-      const PagedHeadView v = kv.view(layer, h);
-      // scores_: [group][n] raw q.k for every token (all keys read once for the group).
-      cpu::token_score(v, q + static_cast<size_t>(h) * g * shape_.head_dim, g, nullptr, n, scores_.data());
-      auto& uni = out.selection.tokens[h];
-      uni.clear();
-      for (int j = 0; j < g; ++j) {
-        methods::softmax_scaled(scores_.data() + static_cast<size_t>(j) * n, n, scale, probs_);
-        cpu::select_top_mass(probs_.data(), n, p_, chosen_);
-        double claimed = 0;
-        for (int32_t i : chosen_) claimed += probs_[i];
-        out.stats[h * g + j].mass_claimed = claimed;
-        uni.insert(uni.end(), chosen_.begin(), chosen_.end());
-      }
-      selection_normalize(uni);
-      methods::add_kv_head_bytes(shape_, h, static_cast<double>(n) * kv.bytes_per_token_head() / 2, out);
-    }
-    methods::attend_selection(kv, layer, q, *ctx.pool, out);
+    methods::oracle_decode(shape_, layer, q, kv, ctx, out, scratch_,
+                           [&](const float* scores, int n, const std::vector<float>& probs, std::vector<int32_t>& chosen) {
+                             cpu::select_top_mass(probs.data(), n, p_, chosen);
+                           });
   }
 
  private:
   Shape shape_;
   double p_;
-  std::vector<float> scores_, probs_;
-  std::vector<int32_t> chosen_;
+  methods::OracleScratch scratch_;
 };
 
 }  // namespace
