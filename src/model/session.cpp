@@ -186,6 +186,7 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
     }
     if (decode_mode) {
       method_->on_append(l, pos_, kv_);
+      if (opt_.on_decode_query) opt_.on_decode_query(l, pos_, q_.data());
       AttnOutput& out = last_[l];
       decode_step(*method_, l, q_.data(), kv_, ctx, out);
       std::copy(out.out.begin(), out.out.end(), att_.begin());

@@ -10,5 +10,6 @@ void add_methods_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_generate_command(CLI::App& app);
 void add_info_command(CLI::App& app);
+void add_trace_command(CLI::App& app);
 
 }  // namespace cumulus::cli

@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   cumulus::cli::add_bench_command(app);
   cumulus::cli::add_generate_command(app);
   cumulus::cli::add_info_command(app);
+  cumulus::cli::add_trace_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

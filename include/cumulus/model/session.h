@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -37,6 +38,9 @@ struct SessionOptions {
   int prefill_chunk = 256;                      // tokens per prefill forward (GEMM rows)
   bool eval = false;                            // decode_step eval mode (true mass, error)
   int max_tokens = 0;                           // cache capacity; 0 = model context length
+  // Called in every decode step for every layer with the query (after RoPE) that layer's
+  // method receives: q [n_heads][head_dim] at `position` (`cumulus trace` records it).
+  std::function<void(int layer, int position, const float* q)> on_decode_query;
 };
 
 // Running sums over decode steps (all layers, all query heads).

@@ -1,0 +1,611 @@
+// GPU decode benchmark (docs/cuda.md): our dense paged decode kernel and the GPU sparse
+// methods (tactic, psa, quest, oracle_topp) on the synthetic workload (docs/workload.md) in
+// the llama3-8b shape (32 query heads, 8 kv heads, head_dim 128, f16) at several contexts and
+// batch sizes, and on real K/V/Q traces recorded by `cumulus trace`. PyTorch's
+// scaled_dot_product_attention runs in tools/device/torch_sdpa_bench.py on the same GPU in
+// the same device run; tools/device/summary.py joins the two JSON files.
+//
+// Method: every timed region is a CUDA graph replay between two events, preceded (outside
+// the events) by a 256 MiB memset that evicts the 60 MB L2, so K/V come from HBM as they
+// would in a model whose other layers pass through the cache; warm-up replays first, then
+// the median of --iters replays. The reference bandwidth is a device-to-device copy of 1 GiB
+// measured the same way in the same run, counting bytes read plus bytes written. A sparse
+// step is timed whole (select + attend) and in its two parts (select alone, attend alone
+// over the lists of the last select). Accuracy per query head comes from one untimed step:
+// the true softmax mass of the attended union (exp(lse_sparse - lse_dense)), the claim, the
+// share of tokens attended and ||o - o_dense|| / ||o_dense||. Batch b decodes synthetic query
+// step b of sequence copies that each live in their own memory.
+//
+// Usage: cuda_decode_bench [--contexts 8192,32768,131072] [--batches 1,16] [--iters 30]
+//          [--warmup 5] [--p 0.9] [--concentration 1.0] [--seed 1] [--methods LIST]
+//          [--trace FILE]... [--json PATH]
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cumulus/core/error.h"
+#include "cumulus/core/thread_pool.h"
+#include "cumulus/eval/synthetic.h"
+#include "cumulus/kernels/attention.h"
+#include "cumulus/kernels/cuda.h"
+#include "cumulus/kernels/cuda_methods.h"
+#include "cumulus/methods/method.h"
+#include "cumulus/kv/kv_cache.h"
+
+using namespace cumulus;
+using json = nlohmann::json;
+
+namespace {
+
+struct Options {
+  std::vector<int> contexts{8192, 32768, 131072};
+  std::vector<int> batches{1, 16};
+  std::vector<std::string> methods{"tactic", "psa", "quest", "oracle_topp"};
+  std::vector<std::string> traces;
+  int iters = 30, warmup = 5;
+  double p = 0.9, concentration = 1.0;
+  uint64_t seed = 1;
+  std::string json_path = "cuda_decode_bench.json";
+};
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string x;
+  while (std::getline(ss, x, ',')) out.push_back(x);
+  return out;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      CUMULUS_CHECK(i + 1 < argc, "option {} needs a value", a);
+      return argv[++i];
+    };
+    auto ints = [&](const std::string& v) {
+      std::vector<int> r;
+      for (const auto& x : split(v)) r.push_back(std::stoi(x));
+      return r;
+    };
+    if (a == "--contexts") o.contexts = ints(next());
+    else if (a == "--batches") o.batches = ints(next());
+    else if (a == "--methods") o.methods = split(next());
+    else if (a == "--trace") o.traces.push_back(next());
+    else if (a == "--iters") o.iters = std::stoi(next());
+    else if (a == "--warmup") o.warmup = std::stoi(next());
+    else if (a == "--p") o.p = std::stod(next());
+    else if (a == "--concentration") o.concentration = std::stod(next());
+    else if (a == "--seed") o.seed = std::stoull(next());
+    else if (a == "--json") o.json_path = next();
+    else CUMULUS_FAIL("unknown option '{}'", a);
+  }
+  CUMULUS_CHECK(o.iters >= 1 && o.warmup >= 0, "--iters={} must be >= 1 and --warmup={} >= 0", o.iters, o.warmup);
+  return o;
+}
+
+double median(std::vector<double> x) {
+  std::sort(x.begin(), x.end());
+  const size_t n = x.size();
+  return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
+// Times graph replays: flush (untimed), events around one replay; returns microseconds.
+struct Timer {
+  cuda::Stream& stream;
+  cuda::DeviceBuffer& flush;
+  int warmup, iters;
+  std::vector<double> run(const cuda::Graph& g) {
+    cuda::EventTimer t;
+    for (int i = 0; i < warmup; ++i) g.launch(stream.handle());
+    std::vector<double> us;
+    for (int i = 0; i < iters; ++i) {
+      cuda::memset_async(flush.data(), i & 0xff, flush.size(), stream.handle());
+      t.start(stream.handle());
+      g.launch(stream.handle());
+      t.stop(stream.handle());
+      us.push_back(1e3 * t.elapsed_ms());
+    }
+    return us;
+  }
+};
+
+double copy_bandwidth(cuda::Stream& stream, int iters, json& out) {
+  const size_t bytes = size_t{1} << 30;
+  cuda::DeviceBuffer a(bytes), b(bytes);
+  cuda::memset_async(a.data(), 1, bytes, stream.handle());
+  cuda::EventTimer t;
+  std::vector<double> gbps;
+  for (int i = 0; i < iters + 3; ++i) {
+    t.start(stream.handle());
+    cuda::memcpy_device_async(b.data(), a.data(), bytes, stream.handle());
+    t.stop(stream.handle());
+    const double ms = t.elapsed_ms();
+    if (i >= 3) gbps.push_back(2.0 * bytes / (ms * 1e-3) / 1e9);
+  }
+  out = {{"bytes", bytes}, {"counted", "read + write"}, {"gbps_samples", gbps}, {"gbps_median", median(gbps)}};
+  return median(gbps);
+}
+
+struct Accuracy {
+  double mass = 0, claimed = 0, tokens_frac = 0, rel_err = 0, max_err = 0;
+  int claimed_n = 0;
+};
+
+// Per-head accuracy of one sparse step against dense outputs.
+Accuracy accuracy(const std::vector<float>& out, const std::vector<float>& dense_out, const std::vector<float>& mass,
+                  const cuda::SparseStepStats& st, int n_q, int n_kv, int d, const std::vector<int>& n_tokens) {
+  Accuracy a;
+  const size_t heads = mass.size();
+  for (size_t i = 0; i < heads; ++i) {
+    a.mass += mass[i] / heads;
+    if (!std::isnan(st.claimed[i])) a.claimed += st.claimed[i], ++a.claimed_n;
+    double num = 0, den = 0;
+    for (int j = 0; j < d; ++j) {
+      const double x = out[i * d + j], y = dense_out[i * d + j];
+      num += (x - y) * (x - y);
+      den += y * y;
+    }
+    const double e = std::sqrt(num / std::max(den, 1e-30));
+    a.rel_err += e / heads;
+    a.max_err = std::max(a.max_err, e);
+  }
+  if (a.claimed_n) a.claimed /= a.claimed_n;
+  const size_t lists = st.tokens.size();
+  for (size_t l = 0; l < lists; ++l) a.tokens_frac += static_cast<double>(st.tokens[l]) / n_tokens[l / n_kv] / lists;
+  (void)n_q;
+  return a;
+}
+
+struct Problem {
+  cuda::DeviceKvCache* dev;
+  int group;
+  cuda::DeviceBuffer* q;
+  size_t dense_bytes;
+};
+
+// Our dense kernel in several plans (SIMT and tensor cores, 4 and 8 warps per CTA). Every
+// variant's output for sequence 0 is compared with the float64 reference (ref_out0:
+// [n_q_heads][head_dim]) before its time counts: a variant whose normalised error exceeds
+// 1e-4 is reported and not chosen.
+json run_dense(const Problem& pb, cuda::Stream& st, Timer& timer, cuda::DeviceBuffer& out, cuda::DeviceBuffer& lse,
+               double copy_gbps, const std::vector<float>& ref_out0, double& best_us,
+               cuda::AttentionPlanOptions& best_opts) {
+  json variants = json::array();
+  best_us = 1e300;
+  json best;
+  const cuda::DeviceKvView kv = pb.dev->view();
+  const size_t n_out = static_cast<size_t>(kv.n_seqs) * kv.n_kv_heads * pb.group * kv.head_dim;
+  std::vector<float> reference;
+  for (const cuda::AttentionPlanOptions& po :
+       {cuda::AttentionPlanOptions{4, 0, 0, false}, cuda::AttentionPlanOptions{8, 0, 0, false},
+        cuda::AttentionPlanOptions{4, 0, 0, true}, cuda::AttentionPlanOptions{8, 0, 0, true},
+        cuda::AttentionPlanOptions{8, 0, 0, true, 1 << 20}}) {
+    json v = {{"warps", po.warps}, {"tensor_cores", po.tensor_cores}, {"ctas_per_sm", po.ctas_per_sm},
+              {"max_chunk", po.max_chunk}};
+    try {
+      cuda::AttentionPlan plan(kv, pb.group, po);
+      cuda::DeviceDecodeArgs a;
+      a.kv = kv;
+      a.group = pb.group;
+      a.scale = 1.0f / std::sqrt(static_cast<float>(kv.head_dim));
+      a.q = pb.q->as<float>();
+      a.out = out.as<float>();
+      a.lse = lse.as<float>();
+      cuda::attention_decode(a, plan, st.handle());
+      plan.check(st.handle());
+      const auto o = cuda::to_host<float>(out, n_out);
+      double num = 0, den = 0;
+      if (reference.empty()) reference = o;
+      for (size_t i = 0; i < n_out; ++i) {
+        num += (static_cast<double>(o[i]) - reference[i]) * (static_cast<double>(o[i]) - reference[i]);
+        den += static_cast<double>(reference[i]) * reference[i];
+      }
+      const double err_simt = std::sqrt(num / std::max(den, 1e-30));
+      num = den = 0;
+      for (size_t i = 0; i < ref_out0.size(); ++i) {
+        num += (static_cast<double>(o[i]) - ref_out0[i]) * (static_cast<double>(o[i]) - ref_out0[i]);
+        den += static_cast<double>(ref_out0[i]) * ref_out0[i];
+      }
+      const double err = std::sqrt(num / std::max(den, 1e-30));
+      cuda::Graph g = cuda::Graph::capture(st.handle(), [&] { cuda::attention_decode(a, plan, st.handle()); });
+      const auto us = timer.run(g);
+      plan.check(st.handle());
+      const double med = median(us);
+      const double gbps = pb.dense_bytes / (med * 1e-6) / 1e9;
+      v.update({{"us_median", med}, {"us_samples", us}, {"gbps", gbps}, {"pct_copy", 100.0 * gbps / copy_gbps},
+                {"err_vs_ref_seq0", err}, {"err_vs_simt", err_simt}, {"valid", err <= 1e-4}});
+      if (err <= 1e-4 && med < best_us) best_us = med, best = v, best_opts = po;
+    } catch (const std::exception& e) {
+      v["error"] = e.what();
+    }
+    variants.push_back(v);
+  }
+  // Leave the outputs of the best valid plan in out/lse (the reference for accuracy).
+  cuda::AttentionPlan plan(kv, pb.group, best_opts);
+  cuda::DeviceDecodeArgs a;
+  a.kv = kv;
+  a.group = pb.group;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(kv.head_dim));
+  a.q = pb.q->as<float>();
+  a.out = out.as<float>();
+  a.lse = lse.as<float>();
+  cuda::attention_decode(a, plan, st.handle());
+  plan.check(st.handle());
+  return {{"best", best}, {"variants", variants}, {"bytes", pb.dense_bytes}};
+}
+
+std::unique_ptr<cuda::SparseDecoder> make_method(const std::string& name, const cuda::DeviceKvView& kv, int group,
+                                                 double p, int n_seqs, int quest_budget,
+                                                 const cuda::AttentionPlanOptions& po) {
+  if (name == "tactic") {
+    cuda::TacticGpuOptions o;
+    o.p = p;
+    o.replica_of.assign(n_seqs, 0);  // copies of one cache: one clustering
+    return cuda::make_tactic_gpu(kv, group, o, po);
+  }
+  if (name == "psa") {
+    cuda::PsaGpuOptions o;
+    o.threshold = p;
+    return cuda::make_psa_gpu(kv, group, o, po);
+  }
+  if (name == "psa_mb4") {
+    cuda::PsaGpuOptions o;
+    o.threshold = p;
+    o.microbatch = 4;
+    return cuda::make_psa_gpu(kv, group, o, po);
+  }
+  if (name == "quest") return cuda::make_quest_gpu(kv, group, quest_budget, po);
+  if (name == "oracle_topp") return cuda::make_oracle_topp_gpu(kv, group, p, po);
+  CUMULUS_FAIL("unknown method '{}' (tactic, psa, psa_mb4, quest, oracle_topp)", name);
+}
+
+// One sparse method on one problem: prefill, accuracy step, timed select / attend / step.
+json run_sparse(const std::string& name, const Problem& pb, cuda::Stream& st, Timer& timer,
+                const std::vector<float>& dense_out, cuda::DeviceBuffer& dense_lse, double dense_us, double copy_gbps,
+                int quest_budget, double p, bool time_it, Accuracy* acc_out = nullptr,
+                const cuda::AttentionPlanOptions& po = {}) {
+  const cuda::DeviceKvView kv = pb.dev->view();
+  const int n_q = kv.n_kv_heads * pb.group, d = kv.head_dim;
+  auto m = make_method(name, kv, pb.group, p, kv.n_seqs, quest_budget, po);
+  const auto t0 = std::chrono::steady_clock::now();
+  m->prefill(st.handle());
+  st.synchronize();
+  const double prefill_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const size_t nq = static_cast<size_t>(kv.n_seqs) * n_q;
+  cuda::DeviceBuffer out(nq * d * sizeof(float)), lse(nq * sizeof(float)), mass(nq * sizeof(float));
+  m->select(pb.q->as<float>(), st.handle());
+  m->attend(pb.q->as<float>(), out.as<float>(), lse.as<float>(), dense_lse.as<float>(), mass.as<float>(), st.handle());
+  m->check(st.handle());
+  const cuda::SparseStepStats ss = m->stats(st.handle());
+  const Accuracy acc = accuracy(cuda::to_host<float>(out, nq * d), dense_out, cuda::to_host<float>(mass, nq), ss, n_q,
+                                kv.n_kv_heads, d, pb.dev->n_tokens());
+  if (acc_out != nullptr) *acc_out = acc;
+  size_t attended = 0;
+  for (int t : ss.tokens) attended += t;
+  json r = {{"method", name}, {"prefill_s", prefill_s}, {"true_mass", acc.mass}, {"tokens_frac", acc.tokens_frac},
+            {"rel_err", acc.rel_err}, {"max_err", acc.max_err}, {"attended_tokens", attended}};
+  r["claimed"] = acc.claimed_n ? json(acc.claimed) : json(nullptr);
+  double budget_mean = 0;
+  for (int b : ss.budget) budget_mean += static_cast<double>(b) / ss.budget.size();
+  r["budget_mean"] = budget_mean;
+  if (!time_it) return r;
+  cuda::Graph gs = cuda::Graph::capture(st.handle(), [&] { m->select(pb.q->as<float>(), st.handle()); });
+  cuda::Graph ga = cuda::Graph::capture(st.handle(), [&] {
+    m->attend(pb.q->as<float>(), out.as<float>(), lse.as<float>(), nullptr, nullptr, st.handle());
+  });
+  cuda::Graph gt = cuda::Graph::capture(st.handle(), [&] {
+    m->select(pb.q->as<float>(), st.handle());
+    m->attend(pb.q->as<float>(), out.as<float>(), lse.as<float>(), nullptr, nullptr, st.handle());
+  });
+  const auto us_sel = timer.run(gs), us_att = timer.run(ga), us_step = timer.run(gt);
+  m->check(st.handle());
+  const double step = median(us_step), sel = median(us_sel), att = median(us_att);
+  const double att_bytes = static_cast<double>(attended) * d * 2 * 2;
+  r["select_us"] = sel;
+  r["attend_us"] = att;
+  r["step_us"] = step;
+  r["step_us_samples"] = us_step;
+  r["select_share"] = sel / step;
+  r["attend_gbps"] = att_bytes / (att * 1e-6) / 1e9;
+  r["attend_pct_copy"] = 100.0 * att_bytes / (att * 1e-6) / 1e9 / copy_gbps;
+  r["speedup_vs_our_dense"] = dense_us / step;
+  return r;
+}
+
+// ---- traces (tools/cli/trace_command.cpp) ----
+struct Trace {
+  json header;
+  int n_kv = 0, n_q = 0, d = 0, n = 0, prompt = 0, steps = 0;
+  std::vector<int> layers;
+  std::vector<std::vector<uint16_t>> k, v;  // [layer][n][n_kv][d] f16 bits
+  std::vector<std::vector<float>> q;        // [layer][steps][n_q][d]
+};
+
+Trace trace_load(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  CUMULUS_CHECK(f.good(), "trace {}: cannot open", path);
+  char magic[8];
+  uint32_t version = 0, hb = 0;
+  f.read(magic, 8);
+  f.read(reinterpret_cast<char*>(&version), 4);
+  f.read(reinterpret_cast<char*>(&hb), 4);
+  CUMULUS_CHECK(f.good() && std::memcmp(magic, "CUMTRACE", 8) == 0 && version == 1,
+                "trace {}: not a cumulus trace (magic or version {})", path, version);
+  CUMULUS_CHECK(hb > 0 && hb < (1u << 20), "trace {}: header_bytes={} out of range", path, hb);
+  std::string h(hb, '\0');
+  f.read(h.data(), hb);
+  Trace t;
+  t.header = json::parse(h);
+  t.n_kv = t.header.at("n_kv_heads");
+  t.n_q = t.header.at("n_q_heads");
+  t.d = t.header.at("head_dim");
+  t.n = t.header.at("n_tokens");
+  t.prompt = t.header.at("prompt_tokens");
+  t.steps = t.header.at("steps");
+  t.layers = t.header.at("layers").get<std::vector<int>>();
+  CUMULUS_CHECK(t.n_kv >= 1 && t.n_q % t.n_kv == 0 && t.d >= 8 && t.n == t.prompt + t.steps && t.steps >= 1 &&
+                    t.n <= (1 << 22),
+                "trace {}: inconsistent header {}", path, h);
+  for (size_t i = 0; i < t.layers.size(); ++i) {
+    const size_t kvn = static_cast<size_t>(t.n) * t.n_kv * t.d;
+    t.k.emplace_back(kvn);
+    t.v.emplace_back(kvn);
+    t.q.emplace_back(static_cast<size_t>(t.steps) * t.n_q * t.d);
+    f.read(reinterpret_cast<char*>(t.k.back().data()), static_cast<std::streamsize>(kvn * 2));
+    f.read(reinterpret_cast<char*>(t.v.back().data()), static_cast<std::streamsize>(kvn * 2));
+    f.read(reinterpret_cast<char*>(t.q.back().data()), static_cast<std::streamsize>(t.q.back().size() * 4));
+    CUMULUS_CHECK(f.good(), "trace {}: truncated in layer {}", path, t.layers[i]);
+  }
+  return t;
+}
+
+json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Timer& timer, double copy_gbps) {
+  const Trace t = trace_load(path);
+  const int group = t.n_q / t.n_kv;
+  json layers = json::array();
+  for (size_t li = 0; li < t.layers.size(); ++li) {
+    KvCache kv(Shape{1, t.n_q, t.n_kv, t.d}, KvCacheOptions{16, DType::f16, t.n});
+    std::vector<float> kf(t.k[li].size()), vf(t.v[li].size());
+    for (size_t i = 0; i < kf.size(); ++i) kf[i] = f16_to_f32(t.k[li][i]), vf[i] = f16_to_f32(t.v[li][i]);
+    kv.append(0, kf.data(), vf.data(), t.n);
+    std::vector<PagedHeadView> views;
+    for (int h = 0; h < t.n_kv; ++h) views.push_back(kv.view(0, h));
+    cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload({views});
+    json lj = {{"layer", t.layers[li]}};
+    std::map<std::string, std::vector<Accuracy>> accs;
+    std::map<std::string, double> step_us;
+    double dense_us = 0;
+    const size_t nq = t.n_q;
+    cuda::DeviceBuffer q(nq * t.d * sizeof(float)), dout(nq * t.d * sizeof(float)), dlse(nq * sizeof(float));
+    // tactic clusters the prompt once (the tokens decoded since form its dense tail, as on
+    // the CPU); the other methods are stateless.
+    std::unique_ptr<cuda::SparseDecoder> tactic;
+    if (std::find(o.methods.begin(), o.methods.end(), "tactic") != o.methods.end()) {
+      dev.set_n_tokens({t.prompt});
+      cuda::TacticGpuOptions to;
+      to.p = o.p;
+      to.layer = t.layers[li];
+      tactic = cuda::make_tactic_gpu(dev.view(), group, to);
+      tactic->prefill(st.handle());
+    }
+    for (int j = 0; j < t.steps; ++j) {
+      const int n_j = t.prompt + j + 1;
+      q.upload(t.q[li].data() + static_cast<size_t>(j) * nq * t.d, nq * t.d * sizeof(float));
+      dev.set_n_tokens({n_j});
+      Problem pb{&dev, group, &q, static_cast<size_t>(n_j) * t.n_kv * t.d * 4};
+      cuda::AttentionPlan plan(dev.view(), group);
+      cuda::DeviceDecodeArgs a;
+      a.kv = dev.view();
+      a.group = group;
+      a.scale = 1.0f / std::sqrt(static_cast<float>(t.d));
+      a.q = q.as<float>();
+      a.out = dout.as<float>();
+      a.lse = dlse.as<float>();
+      cuda::attention_decode(a, plan, st.handle());
+      plan.check(st.handle());
+      const auto dense_out = cuda::to_host<float>(dout, nq * t.d);
+      const bool last = j == t.steps - 1;
+      if (last) {
+        cuda::Graph g = cuda::Graph::capture(st.handle(), [&] { cuda::attention_decode(a, plan, st.handle()); });
+        dense_us = median(timer.run(g));
+      }
+      for (const auto& name : o.methods) {
+        Accuracy acc;
+        if (name == "tactic") {
+          cuda::SparseDecoder* m = tactic.get();
+          cuda::DeviceBuffer out(nq * t.d * sizeof(float)), lse(nq * sizeof(float)), mass(nq * sizeof(float));
+          m->select(q.as<float>(), st.handle());
+          m->attend(q.as<float>(), out.as<float>(), lse.as<float>(), dlse.as<float>(), mass.as<float>(), st.handle());
+          m->check(st.handle());
+          acc = accuracy(cuda::to_host<float>(out, nq * t.d), dense_out, cuda::to_host<float>(mass, nq),
+                         m->stats(st.handle()), t.n_q, t.n_kv, t.d, dev.n_tokens());
+          if (last) {
+            cuda::Graph g = cuda::Graph::capture(st.handle(), [&] {
+              m->select(q.as<float>(), st.handle());
+              m->attend(q.as<float>(), out.as<float>(), lse.as<float>(), nullptr, nullptr, st.handle());
+            });
+            step_us[name] = median(timer.run(g));
+          }
+        } else {
+          const json r = run_sparse(name, pb, st, timer, dense_out, dlse, 1.0, copy_gbps, std::max(16, n_j / 20), o.p,
+                                    last, &acc);
+          if (last) step_us[name] = r["step_us"];
+        }
+        accs[name].push_back(acc);
+      }
+    }
+    lj["dense_us"] = dense_us;
+    for (const auto& [name, v] : accs) {
+      Accuracy m;
+      for (const auto& a : v) {
+        m.mass += a.mass / v.size();
+        m.tokens_frac += a.tokens_frac / v.size();
+        m.rel_err += a.rel_err / v.size();
+        m.max_err = std::max(m.max_err, a.max_err);
+        m.claimed += a.claimed / v.size();
+      }
+      lj[name] = {{"true_mass", m.mass}, {"tokens_frac", m.tokens_frac}, {"rel_err", m.rel_err},
+                  {"max_err", m.max_err}, {"claimed", m.claimed}, {"step_us", step_us[name]},
+                  {"speedup_vs_our_dense", dense_us / step_us[name]}};
+    }
+    layers.push_back(lj);
+  }
+  return {{"path", path}, {"header", t.header}, {"layers", layers}};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Options o = parse(argc, argv);
+    if (!cuda::device_available()) {
+      fmt::print(stderr, "cuda_decode_bench: no CUDA device\n");
+      return 1;
+    }
+    const cuda::DeviceInfo di = cuda::device_info();
+    fmt::print("device: {} (sm_{}{}, {} SMs, {:.1f} GiB, L2 {} MiB), driver {}, runtime {}\n", di.name, di.cc_major,
+               di.cc_minor, di.sm_count, di.memory_bytes / 1073741824.0, di.l2_bytes >> 20, di.driver_version,
+               di.runtime_version);
+    json report;
+    report["device"] = {{"name", di.name}, {"sm_count", di.sm_count}, {"cc", fmt::format("{}.{}", di.cc_major, di.cc_minor)},
+                        {"memory_bytes", di.memory_bytes}, {"l2_bytes", di.l2_bytes}};
+    cuda::Stream st;
+    json copy;
+    const double copy_gbps = copy_bandwidth(st, 20, copy);
+    report["copy"] = copy;
+    fmt::print("device-to-device copy: {:.0f} GB/s (read + write, median of 20 x 1 GiB)\n", copy_gbps);
+    cuda::DeviceBuffer flush(size_t{256} << 20);
+    Timer timer{st, flush, o.warmup, o.iters};
+    report["options"] = {{"iters", o.iters}, {"warmup", o.warmup}, {"p", o.p}, {"concentration", o.concentration},
+                         {"seed", o.seed}, {"flush_bytes", flush.size()}};
+    ThreadPool pool(0);
+    json runs = json::array();
+    const int max_batch = *std::max_element(o.batches.begin(), o.batches.end());
+    for (int n : o.contexts) {
+      SyntheticOptions so;
+      so.shape = shape_preset("llama3-8b");
+      so.n_tokens = n;
+      so.n_steps = std::max(max_batch, 1);
+      so.seed = o.seed;
+      so.concentration = o.concentration;
+      KvCache kv(so.shape, KvCacheOptions{16, DType::f16, n});
+      const auto t0 = std::chrono::steady_clock::now();
+      const SyntheticWorkload w = synthetic_generate(so, kv, pool);
+      fmt::print("context {}: synthetic workload generated in {:.1f} s\n", n,
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      std::vector<PagedHeadView> views;
+      for (int h = 0; h < so.shape.n_kv_heads; ++h) views.push_back(kv.view(0, h));
+      // Float64 reference of sequence 0 (query step 0) for checking every dense variant.
+      std::vector<float> ref_out0(static_cast<size_t>(so.shape.n_q_heads) * so.shape.head_dim),
+          ref_lse0(so.shape.n_q_heads);
+      {
+        DecodeAttnArgs a;
+        a.kv = views.data();
+        a.n_kv_heads = so.shape.n_kv_heads;
+        a.group = so.shape.group();
+        a.scale = attention_scale(so.shape.head_dim);
+        a.q = w.query(0, 0);
+        a.out = ref_out0.data();
+        a.lse = ref_lse0.data();
+        ref::attention_decode_dense(a);
+      }
+      for (int b : o.batches) {
+        cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views, b);
+        std::vector<float> qh;
+        for (int s = 0; s < b; ++s) {
+          const float* qs = w.query(0, s);
+          qh.insert(qh.end(), qs, qs + static_cast<size_t>(so.shape.n_q_heads) * so.shape.head_dim);
+        }
+        cuda::DeviceBuffer q = cuda::to_device(qh);
+        const size_t nq = static_cast<size_t>(b) * so.shape.n_q_heads;
+        cuda::DeviceBuffer out(nq * so.shape.head_dim * sizeof(float)), lse(nq * sizeof(float));
+        Problem pb{&dev, so.shape.group(), &q,
+                   static_cast<size_t>(b) * n * so.shape.n_kv_heads * so.shape.head_dim * 2 * 2};
+        double dense_us = 0;
+        cuda::AttentionPlanOptions best_opts;
+        json run = {{"context", n}, {"batch", b}};
+        run["dense"] = run_dense(pb, st, timer, out, lse, copy_gbps, ref_out0, dense_us, best_opts);
+        for (const auto& v : run["dense"]["variants"]) {
+          if (v.contains("error")) {
+            fmt::print("  batch {:>2}: dense {:<12} warps {} error: {}\n", b,
+                       v["tensor_cores"].get<bool>() ? "tensor-cores" : "simt", v["warps"].get<int>(),
+                       v["error"].get<std::string>());
+            continue;
+          }
+          fmt::print("  batch {:>2}: dense {:<12} warps {} max_chunk {:>7} {:8.1f} us  {:6.0f} GB/s  {:5.1f}% of copy  "
+                     "err vs float64 {:.1e}{}\n",
+                     b, v["tensor_cores"].get<bool>() ? "tensor-cores" : "simt", v["warps"].get<int>(),
+                     v["max_chunk"].get<int>(),
+                     v["us_median"].get<double>(), v["gbps"].get<double>(), v["pct_copy"].get<double>(),
+                     v["err_vs_ref_seq0"].get<double>(), v["valid"].get<bool>() ? "" : "  INVALID");
+        }
+        const auto dense_out = cuda::to_host<float>(out, nq * so.shape.head_dim);
+        json methods = json::array();
+        int quest_budget = std::max(16, n / 20);
+        for (const auto& name : o.methods) {
+          json r;
+          try {
+            // The sparse methods attend with the plan that was fastest for dense here.
+            r = run_sparse(name, pb, st, timer, dense_out, lse, dense_us, copy_gbps, quest_budget, o.p, true, nullptr,
+                           best_opts);
+          } catch (const std::exception& e) {  // keep the other methods' results
+            fmt::print("  batch {:>2}: {:<12} error: {}\n", b, name, e.what());
+            methods.push_back({{"method", name}, {"error", e.what()}});
+            continue;
+          }
+          if (name == "tactic") quest_budget = std::max(16, static_cast<int>(r["budget_mean"].get<double>()));
+          if (name == "quest") r["budget_tokens"] = quest_budget;
+          fmt::print("  batch {:>2}: {:<12} step {:8.1f} us (select {:7.1f}, attend {:7.1f})  x{:5.2f} vs dense  "
+                     "mass {:.3f}  tokens {:5.2f}%  err {:.4f}\n",
+                     b, name, r["step_us"].get<double>(), r["select_us"].get<double>(), r["attend_us"].get<double>(),
+                     r["speedup_vs_our_dense"].get<double>(), r["true_mass"].get<double>(),
+                     100 * r["tokens_frac"].get<double>(), r["rel_err"].get<double>());
+          methods.push_back(r);
+        }
+        run["methods"] = methods;
+        runs.push_back(run);
+        json partial = report;  // written after every run: a later failure keeps the earlier results
+        partial["runs"] = runs;
+        std::ofstream(o.json_path) << partial.dump(1);
+      }
+    }
+    report["runs"] = runs;
+    json traces = json::array();
+    for (const auto& path : o.traces) {
+      fmt::print("trace {}\n", path);
+      try {
+        traces.push_back(run_trace(path, o, st, timer, copy_gbps));
+      } catch (const std::exception& e) {
+        fmt::print("  error: {}\n", e.what());
+        traces.push_back({{"path", path}, {"error", e.what()}, {"layers", json::array()}, {"header", json::object()}});
+        continue;
+      }
+      for (const auto& l : traces.back()["layers"])
+        for (const auto& name : o.methods)
+          if (l.contains(name))
+            fmt::print("  layer {:>2} {:<12} mass {:.3f} tokens {:5.1f}% err {:.4f} step {:6.1f} us (dense {:6.1f} us)\n",
+                       l["layer"].get<int>(), name, l[name]["true_mass"].get<double>(),
+                       100 * l[name]["tokens_frac"].get<double>(), l[name]["rel_err"].get<double>(),
+                       l[name]["step_us"].get<double>(), l["dense_us"].get<double>());
+    }
+    report["traces"] = traces;
+    std::ofstream(o.json_path) << report.dump(1);
+    fmt::print("wrote {}\n", o.json_path);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "cuda_decode_bench: error: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}

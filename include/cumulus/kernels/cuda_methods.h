@@ -1,0 +1,107 @@
+// Sparse decode methods on the GPU (src/kernels/cuda; docs/cuda.md, docs/methods.md): the
+// select-then-attend pipelines of tactic, psa, quest and oracle_topp over a DeviceKvCache,
+// for a batch of sequences, entirely on the device. A decode step is select() then
+// attend(): selection ends in per-kv-head sorted token lists (each the union of its GQA
+// group's choices, Tactic 4.5), attention runs the shared split-KV kernel over them
+// (Tactic 4.6 balancing); neither synchronises with the host, so a step can be captured in
+// a CUDA graph. Plain C++: no CUDA header here.
+//
+// These mirror the CPU methods in src/methods (same equations, same parameters); the
+// deviations are listed in docs/cuda.md (centroids scored in f16, no re-clustering on the
+// GPU, psa's estimate rule only, progressive rounds).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cumulus/kernels/cuda.h"
+
+namespace cumulus::cuda {
+
+// Host copy of one step's selection (download: synchronises).
+struct SparseStepStats {
+  std::vector<int> tokens;     // [n_seqs][n_kv_heads] tokens each kv head attended (the union)
+  std::vector<float> claimed;  // [n_seqs][n_q_heads] mass claimed (NaN: the method makes no claim)
+  std::vector<int> budget;     // [n_seqs][n_q_heads] the head's own choice (tactic: tokens; psa,
+                               // quest: pages; oracle_topp: tokens)
+};
+
+class SparseDecoder {
+ public:
+  virtual ~SparseDecoder();
+  SparseDecoder(const SparseDecoder&) = delete;
+  SparseDecoder& operator=(const SparseDecoder&) = delete;
+
+  virtual std::string name() const = 0;
+  // Builds indexes over the cached prompt (tactic: k-means per sequence and kv head).
+  // May synchronise (prefill is not a decode step).
+  virtual void prefill(void* stream = nullptr) {}
+  // Selection of one decode step. q: [n_seqs][n_q_heads][head_dim] on the device.
+  virtual void select(const float* q, void* stream = nullptr) = 0;
+  // Sparse attention over the lists of the last select() (DeviceDecodeArgs semantics:
+  // lse_ref and mass optional, both or neither).
+  void attend(const float* q, float* out, float* lse, const float* lse_ref = nullptr, float* mass = nullptr,
+              void* stream = nullptr);
+
+  // The lists of the last select(): idx [n_seqs][n_kv_heads][stride], len [n_seqs][n_kv_heads].
+  const int32_t* list_idx() const;
+  const int32_t* list_len() const;
+  int list_stride() const;
+  SparseStepStats stats(void* stream = nullptr) const;
+  // Throws Error if a kernel flagged bad input (synchronises).
+  void check(void* stream = nullptr);
+
+  struct Base;
+
+ protected:
+  SparseDecoder(const DeviceKvView& kv, int group, const AttentionPlanOptions& plan);
+  Base& base() const { return *base_; }
+
+ private:
+  std::unique_ptr<Base> base_;
+};
+
+// tactic (001 section 4, Algorithm 1): k-means of the keys at prefill; per step clusters
+// ranked by q . centroid, the exactly scored head and windows of the unpacked list, the
+// a/x + b fit, the budget reaching P, the group's union, plus the dense tail.
+struct TacticGpuOptions {
+  double p = 0.9;
+  int cluster_size = 16;
+  int max_iter = 10;
+  double init_ratio = 0.02;
+  int window = 64;
+  double p1 = 0.1, p2 = 0.6;
+  uint32_t seed = 0;
+  int layer = 0;  // seeds the k-means initial sample as on the CPU (seed, layer, kv head, 0)
+  // replica_of[s] = r < s: sequence s holds the same keys as sequence r and reuses its
+  // clustering (the result would be identical: the sample is seeded per layer and head).
+  std::vector<int> replica_of;
+};
+std::unique_ptr<SparseDecoder> make_tactic_gpu(const DeviceKvView& kv, int group, const TacticGpuOptions& o,
+                                               const AttentionPlanOptions& plan = {});
+
+// psa (004 section 3.2, Algorithm 1; estimate rule): pages ranked by criticality, visited
+// in microbatches until AS_acc / (AS_acc + AS_min N_left) >= threshold. The visits run in
+// rounds of growing size; after each round a verifying pass (the round's last CTA for each
+// head) finds the exact stopping microbatch on the device and marks the head done, and
+// later rounds skip done heads: no host round trip per microbatch (section 3.3).
+struct PsaGpuOptions {
+  double threshold = 0.95;
+  int microbatch = 1;
+  PageScoreKind criticality = PageScoreKind::kMean;
+  int first_round_pages = 0;  // 0: max(microbatch, max_pages / 64) rounded to microbatches
+};
+std::unique_ptr<SparseDecoder> make_psa_gpu(const DeviceKvView& kv, int group, const PsaGpuOptions& o,
+                                            const AttentionPlanOptions& plan = {});
+
+// quest: the ceil(budget / page_size) pages with the largest Quest bound per query head.
+std::unique_ptr<SparseDecoder> make_quest_gpu(const DeviceKvView& kv, int group, int budget_tokens,
+                                              const AttentionPlanOptions& plan = {});
+
+// oracle_topp: every key scored; the fewest tokens whose true softmax mass reaches p.
+std::unique_ptr<SparseDecoder> make_oracle_topp_gpu(const DeviceKvView& kv, int group, double p,
+                                                    const AttentionPlanOptions& plan = {});
+
+}  // namespace cumulus::cuda

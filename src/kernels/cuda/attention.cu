@@ -1,0 +1,882 @@
+// Paged decode attention on the GPU, dense and sparse over per-kv-head token lists, for a
+// batch of sequences (the CPU contract of kernels/attention.h with a batch dimension).
+//
+// Work split (split-KV, "flash decoding"): a *list* is one (sequence, kv head, head tile):
+// the token range [0, n_tokens) when dense, or the kv head's index list when sparse. Every
+// CTA of the one launch reads all list lengths, cuts every list into equal chunks sized so
+// that the chunks of all lists together fill one balanced wave of the GPU (attn_plan) and
+// takes chunk number blockIdx.x. Lists of different
+// lengths (heads that selected more tokens than others) simply get more chunks: Tactic
+// section 4.6's per-kv-head subrequests, which turn head imbalance into sequence imbalance,
+// planned on the device so a decode step needs no host round trip. A CTA writes a partial
+// (max m, sum l, unnormalised output o) per query head; the last CTA of a list to finish
+// (a ticket counter) merges the list's partials by log-sum-exp and writes out and lse.
+//
+// Inside a CTA each warp takes blocks of tokens in turn and streams them through its own
+// shared-memory ring with cp.async, kStages blocks in flight (attn_pipeline). Each K/V row
+// is read from memory once for all query heads of its kv head in the tile (GQA): up to
+// G = 8 heads per tile, larger groups take several tiles. Two kernels compute a block:
+//   - SIMT: CUDA-core FMAs, 16 bytes of a row per lane, dot products reduced by shuffles;
+//   - tensor cores: mma.sync m16n8k16 with the tile's heads as rows of A, Q and the softmax
+//     weights split into 16-bit parts so the result keeps float32 accuracy.
+// With a GQA group of 4 the SIMT kernel needs ~4 FMAs per byte read, about what an H200's
+// CUDA cores can feed at its memory bandwidth; the tensor-core kernel leaves them idle.
+// Scores are scaled by scale * log2(e) once in q so the online softmax uses exp2.
+#include <algorithm>
+#include <climits>
+#include <cmath>
+
+#include "cuda_util.cuh"
+#include "cumulus/kernels/cuda.h"
+
+namespace cumulus::cuda {
+namespace {
+
+constexpr int kMaxLists = 512;  // (sequence, kv head, head tile) lists per launch
+constexpr int kMaxWarps = 8;
+
+struct AttnParams {
+  const void* k;
+  const void* v;
+  const int32_t* page_table;  // [n_seqs][n_kv][max_pages]
+  const int32_t* n_tokens;    // [n_seqs]
+  int n_kv, page_shift, max_pages;
+  int group, n_tiles, n_lists;
+  float qscale;               // scale * log2(e)
+  const float* q;             // [n_seqs][n_q][D]
+  const int32_t* idx;         // [n_seqs][n_kv][idx_stride] or null
+  const int32_t* idx_len;     // [n_seqs][n_kv]
+  int idx_stride;
+  float* out;                 // [n_seqs][n_q][D]
+  float* lse;                 // [n_seqs][n_q]
+  const float* lse_ref;
+  float* mass;
+  float* part_o;              // [max_items][G][D]
+  float* part_m;              // [max_items][G]
+  float* part_l;              // [max_items][G]
+  int* tickets;               // [n_lists]
+  int* error;                 // bit 0: index out of range; bit 1: list longer than stride
+  int target_ctas, min_chunk, max_chunk;
+};
+
+// SIMT kernel: a K or V row of D 16-bit values is 16 bytes per lane over D/8 lanes, so one
+// warp load covers 32/(D/8) tokens; a lane handles U rows per block.
+template <int D, int G>
+struct AttnShape {
+  static constexpr int kRowLanes = D / 8;              // lanes covering one row (16 B each)
+  static constexpr int kTokPerLoad = 32 / kRowLanes;   // tokens one warp load covers
+  static constexpr int kUnroll = G <= 4 ? 8 : 4;       // rows per lane per block (K and V each)
+  static constexpr int kBlock = kTokPerLoad * kUnroll; // tokens per warp block
+};
+
+// Tensor-core kernel: 16 tokens per block (two n8 tiles of mma.m16n8k16).
+template <int D>
+struct MmaShape {
+  static constexpr int kRowLanes = D / 8;
+  static constexpr int kTokPerLoad = 32 / kRowLanes;
+  static constexpr int kBlock = 16;
+  static constexpr int kUnroll = kBlock / kTokPerLoad;
+};
+
+constexpr int kStages = 3;  // blocks in flight per warp
+
+// One stage of a warp's ring: K [BT][D + 8] then V [BT][D + 8] (16-byte padding per row:
+// ldmatrix reads 8 rows at once without bank conflicts).
+template <int D>
+__host__ __device__ constexpr int ring_row() {
+  return D + 8;
+}
+template <int D, int BT>
+__host__ __device__ constexpr int stage_bytes() {
+  return 2 * BT * ring_row<D>() * 2;
+}
+
+__device__ __forceinline__ int attn_list_len(const AttnParams& p, int l) {
+  const int seq = l / (p.n_kv * p.n_tiles);
+  const int h = (l / p.n_tiles) % p.n_kv;
+  if (p.idx == nullptr) return max(0, p.n_tokens[seq]);
+  int len = p.idx_len[seq * p.n_kv + h];
+  if (len < 0 || len > p.idx_stride) {
+    atomicOr(p.error, 2);
+    len = min(max(len, 0), p.idx_stride);
+  }
+  return len;
+}
+
+// In-place exclusive scan of a[0..n) (n <= kMaxLists) by the whole block; a[n] = total.
+__device__ void block_exclusive_scan(int* a, int n) {
+  __shared__ int warp_tot[32];
+  const int per = (n + blockDim.x - 1) / blockDim.x;
+  const int b = min(n, static_cast<int>(threadIdx.x) * per), e = min(n, b + per);
+  int sum = 0;
+  for (int i = b; i < e; ++i) sum += a[i];
+  // inclusive scan of sum over the block
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int x = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_tot[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    const int nw = blockDim.x >> 5;
+    int w = lane < nw ? warp_tot[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    if (lane < nw) warp_tot[lane] = w;
+  }
+  __syncthreads();
+  int run = x - sum + (warp > 0 ? warp_tot[warp - 1] : 0);
+  for (int i = b; i < e; ++i) {
+    const int v = a[i];
+    a[i] = run;
+    run += v;
+  }
+  if (threadIdx.x == blockDim.x - 1) a[n] = run;
+  __syncthreads();
+}
+
+// Writes the final out/lse/mass of query head (tile * G + g) of list l's kv head.
+template <int D, int G>
+__device__ __forceinline__ void attn_write_final(const AttnParams& p, int seq, int h, int tile, int g, int d, float m,
+                                                 float l, float o) {
+  const int qi = tile * G + g;
+  if (qi >= p.group) return;
+  const size_t qh = static_cast<size_t>(seq) * p.n_kv * p.group + static_cast<size_t>(h) * p.group + qi;
+  p.out[qh * D + d] = l > 0.0f ? o / l : 0.0f;
+  if (d == 0) {
+    const float lse = l > 0.0f ? (m + log2f(l)) * kLn2 : -INFINITY;
+    p.lse[qh] = lse;
+    if (p.mass != nullptr && p.lse_ref != nullptr) p.mass[qh] = expf(lse - p.lse_ref[qh]);
+  }
+}
+
+// cp.async (sm_80+): 16 bytes global -> shared without registers; src_size 0 fills zeros.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// The work of one CTA: chunk [begin, end) of list `list`.
+struct AttnWork {
+  int item, list, n_chunks, begin, end, seq, h, tile;
+};
+
+// The split plan, the same in every CTA. From all list lengths: a chunk size C (a multiple
+// of `step`, within [min_chunk, max_chunk]) such that the lists' chunks fit one wave of
+// target_ctas when the cap allows (a few rounds of C <- C * chunks / target), then each
+// list's own chunk length ceil(len / c_l) for its c_l = ceil(len / C) chunks, so the chunks
+// of one list are equal. Returns this CTA's chunk, or false when it has none.
+__device__ bool attn_plan(const AttnParams& p, int step, int* s_start, int* s_len, AttnWork& w) {
+  __shared__ long long s_total;
+  __shared__ int s_items;
+  if (threadIdx.x == 0) s_total = 0;
+  __syncthreads();
+  long long local = 0;
+  for (int l = threadIdx.x; l < p.n_lists; l += blockDim.x) {
+    const int len = attn_list_len(p, l);
+    s_len[l] = len;
+    local += len;
+  }
+  atomicAdd(reinterpret_cast<unsigned long long*>(&s_total), static_cast<unsigned long long>(local));
+  __syncthreads();
+  const long long cap = max(static_cast<long long>(step), static_cast<long long>(p.max_chunk) / step * step);
+  auto round_up = [&](long long x) { return (x + step - 1) / step * step; };
+  long long chunk = (s_total + p.target_ctas - 1) / p.target_ctas;
+  chunk = min(cap, round_up(max(chunk, static_cast<long long>(p.min_chunk))));
+  for (int round = 0; round < 4; ++round) {
+    if (threadIdx.x == 0) s_items = 0;
+    __syncthreads();
+    int items = 0;
+    for (int l = threadIdx.x; l < p.n_lists; l += blockDim.x)
+      items += max(1, static_cast<int>((s_len[l] + chunk - 1) / chunk));
+    atomicAdd(&s_items, items);
+    __syncthreads();
+    const int total_items = s_items;
+    __syncthreads();
+    if (total_items <= p.target_ctas || chunk >= cap) break;
+    chunk = min(cap, round_up((chunk * total_items + p.target_ctas - 1) / p.target_ctas));
+  }
+  for (int l = threadIdx.x; l < p.n_lists; l += blockDim.x)
+    s_start[l] = max(1, static_cast<int>((s_len[l] + chunk - 1) / chunk));
+  __syncthreads();
+  block_exclusive_scan(s_start, p.n_lists);
+  w.item = blockIdx.x;
+  if (w.item >= s_start[p.n_lists]) return false;
+  int lo = 0, hi = p.n_lists - 1;  // largest l with s_start[l] <= item
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (s_start[mid] <= w.item) lo = mid; else hi = mid - 1;
+  }
+  w.list = lo;
+  w.n_chunks = s_start[lo + 1] - s_start[lo];
+  const int len = s_len[lo];
+  const int own = static_cast<int>(round_up((len + w.n_chunks - 1) / w.n_chunks));  // this list's chunk length
+  w.begin = (w.item - s_start[lo]) * own;
+  w.end = min(len, w.begin + own);
+  w.seq = lo / (p.n_kv * p.n_tiles);
+  w.h = (lo / p.n_tiles) % p.n_kv;
+  w.tile = lo % p.n_tiles;
+  return true;
+}
+
+// The warps' results are in shared memory (sm_o [warps][G][D], sm_m, sm_l [warps][G]):
+// combine them into the CTA's partial (or the final output when the list has one chunk);
+// the last CTA of a list to finish merges the list's partials (loads batched 8 chunks at a
+// time so their latencies overlap).
+template <int D, int G>
+__device__ void attn_finish(const AttnParams& p, const AttnWork& w, const float* sm_o, const float* sm_m,
+                            const float* sm_l, int warps, const int* s_start) {
+  __shared__ int s_last;
+  const bool single = w.n_chunks == 1;
+  for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+    const int g = i / D, d = i % D;
+    float mm = -INFINITY;
+    for (int k = 0; k < warps; ++k) mm = fmaxf(mm, sm_m[k * G + g]);
+    float oo = 0.0f, ll = 0.0f;
+    if (mm != -INFINITY)
+      for (int k = 0; k < warps; ++k) {
+        const float f = exp2f(sm_m[k * G + g] - mm);
+        oo += f * sm_o[(k * G + g) * D + d];
+        ll += f * sm_l[k * G + g];
+      }
+    if (single) {
+      attn_write_final<D, G>(p, w.seq, w.h, w.tile, g, d, mm, ll, oo);
+    } else {
+      p.part_o[(static_cast<size_t>(w.item) * G + g) * D + d] = oo;
+      if (d == 0) {
+        p.part_m[w.item * G + g] = mm;
+        p.part_l[w.item * G + g] = ll;
+      }
+    }
+  }
+  if (single) return;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(p.tickets + w.list, 1) == w.n_chunks - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const int first = s_start[w.list];
+  constexpr int kB = 8;
+  for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+    const int g = i / D, d = i % D;
+    float mm = -INFINITY;
+    for (int c0 = 0; c0 < w.n_chunks; c0 += kB) {
+      float mv[kB];
+#pragma unroll
+      for (int c = 0; c < kB; ++c) mv[c] = c0 + c < w.n_chunks ? __ldcg(p.part_m + (first + c0 + c) * G + g) : -INFINITY;
+#pragma unroll
+      for (int c = 0; c < kB; ++c) mm = fmaxf(mm, mv[c]);
+    }
+    float oo = 0.0f, ll = 0.0f;
+    if (mm != -INFINITY)
+      for (int c0 = 0; c0 < w.n_chunks; c0 += kB) {
+        float mv[kB], lv[kB], ov[kB];
+#pragma unroll
+        for (int c = 0; c < kB; ++c) {
+          const bool in = c0 + c < w.n_chunks;
+          const int it = first + c0 + c;
+          mv[c] = in ? __ldcg(p.part_m + it * G + g) : -INFINITY;
+          lv[c] = in ? __ldcg(p.part_l + it * G + g) : 0.0f;
+          ov[c] = in ? __ldcg(p.part_o + (static_cast<size_t>(it) * G + g) * D + d) : 0.0f;
+        }
+#pragma unroll
+        for (int c = 0; c < kB; ++c) {
+          const float f = mv[c] == -INFINITY ? 0.0f : exp2f(mv[c] - mm);
+          oo += f * ov[c];
+          ll += f * lv[c];
+        }
+      }
+    attn_write_final<D, G>(p, w.seq, w.h, w.tile, g, d, mm, ll, oo);
+  }
+  if (threadIdx.x == 0) p.tickets[w.list] = 0;  // ready for the next launch
+}
+
+// A warp's pipeline over its blocks j = 0 .. nb-1 (block j = list entries first + j * step
+// .. + BT): each lane copies U rows of K and V per block (row u * TPL + tsub, its 16-byte
+// column slice) into stage j % kStages of the warp's ring with cp.async, kStages - 1
+// blocks ahead of the compute; the page-table lookups (and for lists the index loads) run
+// one and two blocks ahead of the copies, so their latency overlaps the compute too.
+// compute(stage, j) runs once block j has landed. Every lane later reads only what it
+// copied itself (SIMT), or the warp reads the whole stage (tensor cores: __syncwarp).
+template <int D, class T, int BT, int U, int TPL, bool kWarpSync, class F>
+__device__ __forceinline__ void attn_pipeline(const AttnParams& p, unsigned char* ring, int first, int nb, int step,
+                                              int end, int n_tok, const int32_t* idx, const int32_t* pt,
+                                              F&& compute) {
+  constexpr int RS = ring_row<D>();
+  constexpr int kStage = stage_bytes<D, BT>();
+  constexpr int kNone = INT_MIN;
+  const int lane = threadIdx.x & 31;
+  const int row_lane = lane % (D / 8), tsub = lane / (D / 8);
+  const int shift = p.page_shift, mask = (1 << shift) - 1;
+  const T* kb = static_cast<const T*>(p.k);
+  const T* vb = static_cast<const T*>(p.v);
+  auto load_tok = [&](int j, int (&t)[U]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int pos = first + j * step + u * TPL + tsub;
+      t[u] = (j < nb && pos < end) ? (idx != nullptr ? __ldg(idx + pos) : pos) : kNone;
+    }
+  };
+  auto load_page = [&](const int (&t)[U], int (&pg)[U]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      pg[u] = -1;
+      if (t[u] != kNone) {
+        if (static_cast<unsigned>(t[u]) < static_cast<unsigned>(n_tok)) pg[u] = __ldg(pt + (t[u] >> shift));
+        else atomicOr(p.error, 1);
+      }
+    }
+  };
+  auto issue = [&](int j, const int (&t)[U], const int (&pg)[U]) {
+    unsigned char* st = ring + (j % kStages) * kStage;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const bool valid = pg[u] >= 0;
+      const size_t row = valid ? ((static_cast<size_t>(pg[u]) << shift) | static_cast<size_t>(t[u] & mask)) : 0;
+      const size_t off = row * D + row_lane * 8;
+      const int slot = ((u * TPL + tsub) * RS + row_lane * 8) * 2;
+      cp_async16(st + slot, kb + off, valid);
+      cp_async16(st + BT * RS * 2 + slot, vb + off, valid);
+    }
+    cp_async_commit();
+  };
+  int ta[U], tb[U], pb[U];
+#pragma unroll
+  for (int j = 0; j < kStages - 1; ++j) {
+    int t[U], pg[U];
+    load_tok(j, t);
+    load_page(t, pg);
+    issue(j, t, pg);
+  }
+  load_tok(kStages - 1, tb);
+  load_page(tb, pb);
+  load_tok(kStages, ta);
+  for (int j = 0; j < nb; ++j) {
+    if (kWarpSync) __syncwarp();     // every lane is done with the stage about to be refilled
+    issue(j + kStages - 1, tb, pb);  // an empty group past the last block
+#pragma unroll
+    for (int u = 0; u < U; ++u) tb[u] = ta[u];
+    load_page(tb, pb);              // for block j + kStages, used next iteration
+    load_tok(j + kStages + 1, ta);  // for block j + kStages + 1
+    cp_async_wait<kStages - 1>();   // block j has landed (this lane's copies)
+    if (kWarpSync) __syncwarp();    // ... and every lane's
+    compute(ring + (j % kStages) * kStage, j);
+  }
+  cp_async_wait<0>();
+}
+
+// One block of U rows per lane (SIMT): scores for every head of the tile, online softmax,
+// weighted values. kr/vr: the lane's 16 bytes of each of its rows; ok: row valid.
+template <int D, class T, int G>
+__device__ __forceinline__ void attn_block(const uint4 (&kr)[AttnShape<D, G>::kUnroll],
+                                           const uint4 (&vr)[AttnShape<D, G>::kUnroll],
+                                           const bool (&ok)[AttnShape<D, G>::kUnroll], const float (&q)[G][8],
+                                           float (&m)[G], float (&l)[G], float (&o)[G][8]) {
+  using S = AttnShape<D, G>;
+  constexpr int RL = S::kRowLanes, U = S::kUnroll;
+  float s[U][G];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    float kf[8];
+    widen8(kr[u], kf, T());
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc = fmaf(q[g][e], kf[e], acc);
+      s[u][g] = acc;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int off = RL / 2; off >= 1; off >>= 1) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], off);
+      if (!ok[u]) s[u][g] = -INFINITY;
+    }
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    float mx = s[0][g];
+#pragma unroll
+    for (int u = 1; u < U; ++u) mx = fmaxf(mx, s[u][g]);
+#pragma unroll
+    for (int off = RL; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float mn = fmaxf(m[g], mx);
+    if (mn == -INFINITY) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) s[u][g] = 0.0f;
+      continue;
+    }
+    const float alpha = exp2f(m[g] - mn);
+    m[g] = mn;
+    l[g] *= alpha;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[g][e] *= alpha;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      s[u][g] = exp2f(s[u][g] - mn);
+      l[g] += s[u][g];
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    float vf[8];
+    widen8(vr[u], vf, T());
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[g][e] = fmaf(s[u][g], vf[e], o[g][e]);
+  }
+}
+
+// SIMT kernel: CUDA-core FMAs, every row of a block read once for all heads of the tile.
+template <int D, class T, int G>
+__global__ void __launch_bounds__(kMaxWarps * 32) attention_simt_kernel(AttnParams p) {
+  using S = AttnShape<D, G>;
+  constexpr int RL = S::kRowLanes, TPL = S::kTokPerLoad, U = S::kUnroll, BT = S::kBlock;
+  constexpr int RS = ring_row<D>();
+  const int warps = blockDim.x >> 5;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  extern __shared__ __align__(16) unsigned char dyn_smem[];
+  __shared__ int s_start[kMaxLists + 1];
+  __shared__ int s_len[kMaxLists];
+  AttnWork w;
+  if (!attn_plan(p, warps * BT, s_start, s_len, w)) return;
+  const int row_lane = lane % RL, tsub = lane / RL;
+  float q[G][8];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const int qi = w.tile * G + g;
+    const size_t qh = static_cast<size_t>(w.seq) * p.n_kv * p.group + static_cast<size_t>(w.h) * p.group + qi;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) q[g][e] = qi < p.group ? p.q[qh * D + row_lane * 8 + e] * p.qscale : 0.0f;
+  }
+  float m[G], l[G], o[G][8];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[g][e] = 0.0f;
+  }
+  const int step = warps * BT;
+  const int first = w.begin + warp * BT;
+  const int nb = first < w.end ? (w.end - first + step - 1) / step : 0;
+  const int32_t* pt = p.page_table + (static_cast<size_t>(w.seq) * p.n_kv + w.h) * p.max_pages;
+  const int32_t* idx = p.idx != nullptr ? p.idx + (static_cast<size_t>(w.seq) * p.n_kv + w.h) * p.idx_stride : nullptr;
+  unsigned char* ring = dyn_smem + static_cast<size_t>(warp) * kStages * stage_bytes<D, BT>();
+  attn_pipeline<D, T, BT, U, TPL, false>(
+      p, ring, first, nb, step, w.end, p.n_tokens[w.seq], idx, pt, [&](const unsigned char* st, int j) {
+        uint4 kr[U], vr[U];
+        bool ok[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int slot = ((u * TPL + tsub) * RS + row_lane * 8) * 2;
+          kr[u] = *reinterpret_cast<const uint4*>(st + slot);
+          vr[u] = *reinterpret_cast<const uint4*>(st + BT * RS * 2 + slot);
+          ok[u] = first + j * step + u * TPL + tsub < w.end;
+        }
+        attn_block<D, T, G>(kr, vr, ok, q, m, l, o);
+      });
+  __syncthreads();  // the merge below reuses the rings
+  // Token groups of the warp hold disjoint tokens: sum them (m is warp-uniform).
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int off = RL; off < 32; off <<= 1) {
+      l[g] += __shfl_xor_sync(0xffffffffu, l[g], off);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[g][e] += __shfl_xor_sync(0xffffffffu, o[g][e], off);
+    }
+  float* sm_o = reinterpret_cast<float*>(dyn_smem);  // [warps][G][D]
+  float* sm_m = sm_o + warps * G * D;                 // [warps][G]
+  float* sm_l = sm_m + warps * G;                     // [warps][G]
+  if (lane < RL)
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sm_o[(warp * G + g) * D + row_lane * 8 + e] = o[g][e];
+  if (lane == 0)
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      sm_m[warp * G + g] = m[g];
+      sm_l[warp * G + g] = l[g];
+    }
+  __syncthreads();
+  attn_finish<D, G>(p, w, sm_o, sm_m, sm_l, warps, s_start);
+}
+
+// ---- tensor cores: mma.sync.m16n8k16 with split operands ----
+// Q (the tile's heads as the 16 rows of A, rows >= G zero) and the softmax weights P are
+// rounded to the 16-bit type of the cache; to keep float32 accuracy each is split into
+// NS parts (hi + lo [+ lo2]) whose sum carries 22 (f16) or 24 (bf16) significant bits, and
+// one mma per part accumulates in float32. K and V enter exactly.
+template <class T>
+struct MmaOps;
+template <>
+struct MmaOps<__half> {
+  static constexpr int kSplits = 2;
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ float2 unpack(uint32_t x) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&x));
+  }
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <>
+struct MmaOps<__nv_bfloat16> {
+  static constexpr int kSplits = 3;
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ float2 unpack(uint32_t x) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
+  }
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// x ~= sum of NS packed pairs: part k = round(x - parts 0..k-1).
+template <class T>
+__device__ __forceinline__ void split_pack(float a, float b, uint32_t (&out)[MmaOps<T>::kSplits]) {
+#pragma unroll
+  for (int k = 0; k < MmaOps<T>::kSplits; ++k) {
+    out[k] = MmaOps<T>::pack(a, b);
+    const float2 r = MmaOps<T>::unpack(out[k]);
+    a -= r.x;
+    b -= r.y;
+  }
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem, bool trans) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if (trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// Tensor-core kernel. Per 16-token block and warp: S = Q K^T as 2 n8 tiles (D/16 k-steps,
+// NS mmas each), the online softmax on the accumulator fragments (row = lane / 4 is the
+// head, columns 2 (lane % 4) + {0, 1} the tokens), then O += P V with P taken straight from
+// those fragments as the A operand (D/8 n8 tiles). G <= 8 heads use rows 0..7 of the 16.
+template <int D, class T, int G>
+__global__ void __launch_bounds__(kMaxWarps * 32) attention_mma_kernel(AttnParams p) {
+  using S = MmaShape<D>;
+  using Ops = MmaOps<T>;
+  constexpr int TPL = S::kTokPerLoad, U = S::kUnroll, BT = S::kBlock, NS = Ops::kSplits;
+  constexpr int RS = ring_row<D>();
+  constexpr int KS = D / 16;  // k-steps of Q K^T, and 16-dim slabs of P V
+  const int warps = blockDim.x >> 5;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  extern __shared__ __align__(16) unsigned char dyn_smem[];
+  __shared__ int s_start[kMaxLists + 1];
+  __shared__ int s_len[kMaxLists];
+  AttnWork w;
+  if (!attn_plan(p, warps * BT, s_start, s_len, w)) return;
+  const int r = lane >> 2, c = lane & 3;  // accumulator row (head) and column pair
+  const int qi = w.tile * G + r;
+  const bool head_ok = r < G && qi < p.group;
+  // A fragments of Q: a0 = (row r, dims 16 ks + 2c, +1), a2 = (row r, dims + 8); rows 8..15
+  // (a1, a3) are zero.
+  uint32_t qa[NS][KS][2];
+  {
+    const size_t qh = static_cast<size_t>(w.seq) * p.n_kv * p.group + static_cast<size_t>(w.h) * p.group + qi;
+    const float* qrow = p.q + qh * D;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int d0 = ks * 16 + half * 8 + 2 * c;
+        const float x0 = head_ok ? qrow[d0] * p.qscale : 0.0f, x1 = head_ok ? qrow[d0 + 1] * p.qscale : 0.0f;
+        uint32_t parts[NS];
+        split_pack<T>(x0, x1, parts);
+#pragma unroll
+        for (int k = 0; k < NS; ++k) qa[k][ks][half] = parts[k];
+      }
+  }
+  float o[D / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
+  float m = -INFINITY, l = 0.0f;
+  const int step = warps * BT;
+  const int first = w.begin + warp * BT;
+  const int nb = first < w.end ? (w.end - first + step - 1) / step : 0;
+  const int32_t* pt = p.page_table + (static_cast<size_t>(w.seq) * p.n_kv + w.h) * p.max_pages;
+  const int32_t* idx = p.idx != nullptr ? p.idx + (static_cast<size_t>(w.seq) * p.n_kv + w.h) * p.idx_stride : nullptr;
+  unsigned char* ring = dyn_smem + static_cast<size_t>(warp) * kStages * stage_bytes<D, BT>();
+  // ldmatrix row addresses: lane i feeds row i % 8 of matrix i / 8.
+  const int mi = lane >> 3, mr = lane & 7;
+  const int k_tok = (mi >> 1) * 8 + mr, k_dim = (mi & 1) * 8;   // K: [tok 0-7 | 8-15] x [dims +0 | +8]
+  const int v_tok = (mi & 1) * 8 + mr, v_dim = (mi >> 1) * 8;   // V (transposed): tokens, dims
+  attn_pipeline<D, T, BT, U, TPL, true>(
+      p, ring, first, nb, step, w.end, p.n_tokens[w.seq], idx, pt, [&](const unsigned char* st, int j) {
+        const unsigned char* ks_base = st + (k_tok * RS + k_dim) * 2;
+        const unsigned char* vs_base = st + BT * RS * 2 + (v_tok * RS + v_dim) * 2;
+        float sc[2][4] = {};
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+          uint32_t kb[4];
+          ldmatrix_x4(kb, ks_base + ks * 32, false);
+#pragma unroll
+          for (int k = 0; k < NS; ++k) {
+            const uint32_t a[4] = {qa[k][ks][0], 0u, qa[k][ks][1], 0u};
+            Ops::mma(sc[0], a, kb[0], kb[1]);
+            Ops::mma(sc[1], a, kb[2], kb[3]);
+          }
+        }
+        // Online softmax of row r over the block's 16 tokens (4 per lane, 4 lanes per row).
+        const int t0 = first + j * step;
+        float sv[4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) sv[nt * 2 + e] = t0 + nt * 8 + 2 * c + e < w.end ? sc[nt][e] : -INFINITY;
+        float mx = fmaxf(fmaxf(sv[0], sv[1]), fmaxf(sv[2], sv[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mn = fmaxf(m, mx);
+        float pv[4];
+        if (mn == -INFINITY) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pv[e] = 0.0f;
+        } else {
+          const float alpha = exp2f(m - mn);
+          m = mn;
+          l *= alpha;
+#pragma unroll
+          for (int nt = 0; nt < D / 8; ++nt) {
+            o[nt][0] *= alpha;
+            o[nt][1] *= alpha;
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            pv[e] = exp2f(sv[e] - mn);
+            l += pv[e];
+          }
+        }
+        // P as the A operand: a0 = (row r, tokens 2c, 2c+1), a2 = (row r, tokens 8 + 2c, +1).
+        uint32_t pa0[NS], pa2[NS];
+        split_pack<T>(pv[0], pv[1], pa0);
+        split_pack<T>(pv[2], pv[3], pa2);
+#pragma unroll
+        for (int vs = 0; vs < KS; ++vs) {
+          uint32_t vb[4];
+          ldmatrix_x4(vb, vs_base + vs * 32, true);
+#pragma unroll
+          for (int k = 0; k < NS; ++k) {
+            const uint32_t a[4] = {pa0[k], 0u, pa2[k], 0u};
+            Ops::mma(o[2 * vs], a, vb[0], vb[1]);
+            Ops::mma(o[2 * vs + 1], a, vb[2], vb[3]);
+          }
+        }
+      });
+  __syncthreads();  // the merge below reuses the rings
+  // l: sum over the 4 lanes of the row (m is already the same on them).
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  float* sm_o = reinterpret_cast<float*>(dyn_smem);  // [warps][G][D]
+  float* sm_m = sm_o + warps * G * D;                 // [warps][G]
+  float* sm_l = sm_m + warps * G;                     // [warps][G]
+  if (r < G) {
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      sm_o[(warp * G + r) * D + nt * 8 + 2 * c] = o[nt][0];
+      sm_o[(warp * G + r) * D + nt * 8 + 2 * c + 1] = o[nt][1];
+    }
+    if (c == 0) {
+      sm_m[warp * G + r] = m;
+      sm_l[warp * G + r] = l;
+    }
+  }
+  __syncthreads();
+  attn_finish<D, G>(p, w, sm_o, sm_m, sm_l, warps, s_start);
+}
+
+using AttnKernel = void (*)(AttnParams);
+
+// Instantiated for head tiles of 1, 4 and 8 query heads (a group of 2 or 3 runs in a tile
+// of 4 with the rest masked), head_dim 64 and 128, f16 and bf16, SIMT and tensor cores:
+// 24 kernels per architecture.
+template <int D, class T, int G>
+AttnKernel attn_kernel_ptr(bool mma) {
+  return mma ? attention_mma_kernel<D, T, G> : attention_simt_kernel<D, T, G>;
+}
+
+template <int D, class T>
+AttnKernel pick_g(int g, bool mma) {
+  switch (g) {
+    case 1: return attn_kernel_ptr<D, T, 1>(mma);
+    case 4: return attn_kernel_ptr<D, T, 4>(mma);
+    default: return attn_kernel_ptr<D, T, 8>(mma);
+  }
+}
+
+template <class T>
+AttnKernel pick_d(int d, int g, bool mma) {
+  return d == 64 ? pick_g<64, T>(g, mma) : pick_g<128, T>(g, mma);
+}
+
+int tile_heads(int group) { return group <= 1 ? 1 : group <= 4 ? 4 : 8; }
+
+// Tokens per warp block: SIMT U rows per lane, tensor cores 16.
+int block_tokens(int d, int g, bool mma) {
+  if (mma) return 16;
+  const int tpl = 32 / (d / 8);
+  return tpl * (g <= 4 ? 8 : 4);
+}
+
+}  // namespace
+
+struct AttentionPlan::Impl {
+  DeviceKvView kv;
+  int group = 1, g = 1, n_tiles = 1, n_lists = 0, warps = 4, target = 0, min_chunk = 0, max_chunk = 0, max_items = 0;
+  bool mma = false;
+  size_t smem = 0;
+  AttnKernel kernel = nullptr;
+  DeviceBuffer part_o, part_m, part_l, tickets, error;
+};
+
+AttentionPlan::AttentionPlan(const DeviceKvView& kv, int group, const AttentionPlanOptions& o) {
+  kv.validate("AttentionPlan");
+  CUMULUS_CHECK(group >= 1, "group={} must be >= 1", group);
+  CUMULUS_CHECK(o.warps == 2 || o.warps == 4 || o.warps == 8, "options.warps={} must be 2, 4 or 8", o.warps);
+  CUMULUS_CHECK(o.ctas_per_sm >= 0 && o.ctas_per_sm <= 32, "options.ctas_per_sm={} must be in [0, 32]",
+                o.ctas_per_sm);
+  CUMULUS_CHECK(o.min_chunk >= 0, "options.min_chunk={} must be >= 0", o.min_chunk);
+  CUMULUS_CHECK(o.max_chunk >= 0, "options.max_chunk={} must be >= 0", o.max_chunk);
+  auto im = std::make_unique<Impl>();
+  im->kv = kv;
+  im->group = group;
+  im->g = tile_heads(group);
+  im->n_tiles = ceil_div(group, im->g);
+  im->n_lists = kv.n_seqs * kv.n_kv_heads * im->n_tiles;
+  CUMULUS_CHECK(im->n_lists <= kMaxLists,
+                "n_seqs={} x n_kv_heads={} x head tiles={} = {} lists exceed the kernel's limit of {}", kv.n_seqs,
+                kv.n_kv_heads, im->n_tiles, im->n_lists, kMaxLists);
+  im->warps = o.warps;
+  im->mma = o.tensor_cores;
+  im->kernel = kv.dtype == DType::f16 ? pick_d<__half>(kv.head_dim, im->g, im->mma)
+                                      : pick_d<__nv_bfloat16>(kv.head_dim, im->g, im->mma);
+  // Dynamic shared memory: the warps' cp.async rings; the merge scratch reuses them.
+  const size_t merge = static_cast<size_t>(im->warps) * im->g * (kv.head_dim + 2) * sizeof(float);
+  const size_t ring = static_cast<size_t>(im->warps) * kStages * 2 * block_tokens(kv.head_dim, im->g, im->mma) *
+                      (kv.head_dim + 8) * 2;  // padded rows of 16-bit values
+  im->smem = std::max(merge, ring);
+  CUMULUS_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(im->kernel),
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(im->smem)));
+  int per_sm = 0;
+  CUMULUS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, im->kernel, im->warps * 32, im->smem));
+  CUMULUS_CHECK(per_sm >= 1, "the attention kernel does not fit a multiprocessor (warps={}, smem={})", im->warps,
+                im->smem);
+  im->target = sm_count() * (o.ctas_per_sm > 0 ? std::min(o.ctas_per_sm, per_sm) : per_sm);
+  im->min_chunk = o.min_chunk > 0 ? o.min_chunk : 2 * block_tokens(kv.head_dim, im->g, im->mma) * im->warps;
+  // A grid that holds every chunk: one wave when the cap allows, else each list cut into
+  // chunks of at most max_chunk entries.
+  const int step = block_tokens(kv.head_dim, im->g, im->mma) * im->warps;
+  im->max_chunk = std::max(step, (o.max_chunk > 0 ? o.max_chunk : 32768) / step * step);
+  im->max_items = std::max(im->target + im->n_lists,
+                           im->n_lists * (ceil_div(std::max(1, kv.max_tokens), im->max_chunk) + 1));
+  const size_t gd = static_cast<size_t>(im->g) * kv.head_dim;
+  im->part_o = DeviceBuffer(im->max_items * gd * sizeof(float));
+  im->part_m = DeviceBuffer(static_cast<size_t>(im->max_items) * im->g * sizeof(float));
+  im->part_l = DeviceBuffer(static_cast<size_t>(im->max_items) * im->g * sizeof(float));
+  im->tickets = DeviceBuffer(static_cast<size_t>(im->n_lists) * sizeof(int));
+  im->tickets.fill_bytes(0);
+  im->error = DeviceBuffer(sizeof(int));
+  im->error.fill_bytes(0);
+  impl_ = im.release();
+}
+
+AttentionPlan::~AttentionPlan() { delete impl_; }
+
+void AttentionPlan::check(void* stream) {
+  CUMULUS_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
+  int err = 0;
+  impl_->error.download(&err, sizeof(int));
+  if (err != 0) {
+    impl_->error.fill_bytes(0);
+    throw Error(fmt::format("attention_decode: {}{}", (err & 1) ? "a list holds a token index outside [0, n_tokens) " : "",
+                            (err & 2) ? "a list length is negative or exceeds idx_stride" : ""));
+  }
+}
+
+void attention_decode(const DeviceDecodeArgs& a, AttentionPlan& plan, void* stream) {
+  AttentionPlan::Impl& im = *plan.impl();
+  a.kv.validate(__func__);
+  CUMULUS_CHECK(a.kv.n_seqs == im.kv.n_seqs && a.kv.n_kv_heads == im.kv.n_kv_heads &&
+                    a.kv.head_dim == im.kv.head_dim && a.kv.dtype == im.kv.dtype && a.group == im.group,
+                "the plan was made for n_seqs={} n_kv_heads={} head_dim={} dtype={} group={}, the call has {} {} {} {} {}",
+                im.kv.n_seqs, im.kv.n_kv_heads, im.kv.head_dim, dtype_name(im.kv.dtype), im.group, a.kv.n_seqs,
+                a.kv.n_kv_heads, a.kv.head_dim, dtype_name(a.kv.dtype), a.group);
+  CUMULUS_CHECK(std::isfinite(a.scale) && a.scale > 0.0f, "scale={} must be finite and > 0", a.scale);
+  CUMULUS_CHECK(a.q != nullptr && a.out != nullptr && a.lse != nullptr, "q, out and lse must be non-null");
+  CUMULUS_CHECK((a.idx == nullptr) == (a.idx_len == nullptr), "idx and idx_len must be both set or both null");
+  CUMULUS_CHECK(a.idx == nullptr || a.idx_stride >= 1, "idx_stride={} must be >= 1 with a list", a.idx_stride);
+  CUMULUS_CHECK((a.mass == nullptr) == (a.lse_ref == nullptr), "mass and lse_ref must be both set or both null");
+  AttnParams p{};
+  p.k = a.kv.k;
+  p.v = a.kv.v;
+  p.page_table = a.kv.page_table;
+  p.n_tokens = a.kv.n_tokens;
+  p.n_kv = a.kv.n_kv_heads;
+  p.page_shift = a.kv.page_shift;
+  p.max_pages = a.kv.max_pages;
+  p.group = a.group;
+  p.n_tiles = im.n_tiles;
+  p.n_lists = im.n_lists;
+  p.qscale = a.scale * kLog2e;
+  p.q = a.q;
+  p.idx = a.idx;
+  p.idx_len = a.idx_len;
+  p.idx_stride = a.idx_stride;
+  p.out = a.out;
+  p.lse = a.lse;
+  p.lse_ref = a.lse_ref;
+  p.mass = a.mass;
+  p.part_o = im.part_o.as<float>();
+  p.part_m = im.part_m.as<float>();
+  p.part_l = im.part_l.as<float>();
+  p.tickets = im.tickets.as<int>();
+  p.error = im.error.as<int>();
+  p.target_ctas = im.target;
+  p.min_chunk = im.min_chunk;
+  p.max_chunk = im.max_chunk;
+  im.kernel<<<im.max_items, im.warps * 32, im.smem, as_stream(stream)>>>(p);
+  CUMULUS_CUDA_LAUNCH("attention_kernel");
+}
+
+}  // namespace cumulus::cuda

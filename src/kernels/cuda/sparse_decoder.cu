@@ -1,0 +1,236 @@
+// The part every GPU sparse method shares (kernels/cuda_methods.h): union bitmaps compacted
+// into per-kv-head lists, sparse attention over them, host statistics; and the two
+// baselines that are plain compositions of the ops: quest (Quest bound, top-k pages per
+// query head, Quest section 3.2) and oracle_topp (every key scored, the fewest tokens whose
+// true mass reaches p; Tactic section 3's "Optimal").
+#include <cmath>
+#include <limits>
+
+#include "cuda_internal.cuh"
+#include "cumulus/kernels/cuda_methods.h"
+
+namespace cumulus::cuda {
+
+SparseDecoder::Base::Base(const DeviceKvView& v, int g, const AttentionPlanOptions& po) : kv(v), group(g) {
+  kv.validate("SparseDecoder");
+  CUMULUS_CHECK(g >= 1, "group={} must be >= 1", g);
+  n_q = kv.n_kv_heads * g;
+  n_lists = kv.n_seqs * kv.n_kv_heads;
+  stride = std::max(1, kv.max_tokens);
+  words = (stride + 31) / 32;
+  bits = DeviceBuffer(static_cast<size_t>(n_lists) * words * sizeof(uint32_t));
+  bits.fill_bytes(0);
+  idx = DeviceBuffer(static_cast<size_t>(n_lists) * stride * sizeof(int32_t));
+  len = DeviceBuffer(static_cast<size_t>(n_lists) * sizeof(int32_t));
+  len.fill_bytes(0);
+  claimed = DeviceBuffer(static_cast<size_t>(kv.n_seqs) * n_q * sizeof(float));
+  budget = DeviceBuffer(static_cast<size_t>(kv.n_seqs) * n_q * sizeof(int32_t));
+  counts = DeviceBuffer(static_cast<size_t>(n_lists) * bitmap_tiles(words) * sizeof(int));
+  plan = std::make_unique<AttentionPlan>(kv, g, po);
+}
+
+SparseDecoder::SparseDecoder(const DeviceKvView& kv, int group, const AttentionPlanOptions& plan)
+    : base_(std::make_unique<Base>(kv, group, plan)) {}
+SparseDecoder::~SparseDecoder() = default;
+
+void SparseDecoder::attend(const float* q, float* out, float* lse, const float* lse_ref, float* mass, void* stream) {
+  Base& b = *base_;
+  DeviceDecodeArgs a;
+  a.kv = b.kv;
+  a.group = b.group;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(b.kv.head_dim));
+  a.q = q;
+  a.idx = b.idx.as<int32_t>();
+  a.idx_len = b.len.as<int32_t>();
+  a.idx_stride = b.stride;
+  a.out = out;
+  a.lse = lse;
+  a.lse_ref = lse_ref;
+  a.mass = mass;
+  attention_decode(a, *b.plan, stream);
+}
+
+const int32_t* SparseDecoder::list_idx() const { return base_->idx.as<int32_t>(); }
+const int32_t* SparseDecoder::list_len() const { return base_->len.as<int32_t>(); }
+int SparseDecoder::list_stride() const { return base_->stride; }
+
+SparseStepStats SparseDecoder::stats(void* stream) const {
+  CUMULUS_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
+  const Base& b = *base_;
+  SparseStepStats st;
+  st.tokens = to_host<int>(b.len, b.n_lists);
+  st.claimed = to_host<float>(b.claimed, static_cast<size_t>(b.kv.n_seqs) * b.n_q);
+  st.budget = to_host<int>(b.budget, static_cast<size_t>(b.kv.n_seqs) * b.n_q);
+  return st;
+}
+
+void SparseDecoder::check(void* stream) { base_->plan->check(stream); }
+
+namespace {
+
+// rowlen[s * n_q + qh] = pages (per_page) or tokens of sequence s.
+__global__ void row_len_kernel(const int32_t* __restrict__ n_tokens, int n_seqs, int n_q, int page_size,
+                               int page_shift, int per_page, int32_t* __restrict__ rowlen) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n_seqs * n_q) return;
+  const int n = n_tokens[i / n_q];
+  rowlen[i] = per_page ? (n + page_size - 1) >> page_shift : n;
+}
+
+// One CTA per (seq, q head) row: the chosen pages' tokens into the group's bitmap.
+__global__ void quest_mark_kernel(const int32_t* __restrict__ pages, const int32_t* __restrict__ n_chosen, int k,
+                                  const int32_t* __restrict__ n_tokens, int n_q, int group, int n_kv, int page_size,
+                                  uint32_t* bits, int words, float* claimed, int32_t* budget) {
+  const int row = blockIdx.x;
+  const int s = row / n_q, qh = row % n_q;
+  const int n = n_tokens[s];
+  uint32_t* w = bits + (static_cast<size_t>(s) * n_kv + qh / group) * words;
+  const int c = n_chosen[row];
+  for (int i = threadIdx.x; i < c; i += blockDim.x) {
+    const int p = pages[static_cast<size_t>(row) * k + i];
+    bitmap_set_range(w, p * page_size, min(n, (p + 1) * page_size));
+  }
+  if (threadIdx.x == 0) {
+    claimed[row] = __int_as_float(0x7fc00000);  // NaN: a fixed budget makes no claim
+    budget[row] = c;
+  }
+}
+
+// weights[row][i] = exp(scale * (s_i - max_i s)) over the row's valid tokens, in place.
+__global__ void softmax_weights_kernel(float* __restrict__ scores, const int32_t* __restrict__ rowlen, int stride,
+                                       float scale) {
+  __shared__ float s_max[32];
+  const int row = blockIdx.x;
+  const int n = rowlen[row];
+  float* r = scores + static_cast<size_t>(row) * stride;
+  float mx = -INFINITY;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) mx = fmaxf(mx, r[i]);
+  mx = warp_max(mx);
+  if ((threadIdx.x & 31) == 0) s_max[threadIdx.x >> 5] = mx;
+  __syncthreads();
+  mx = -INFINITY;
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) mx = fmaxf(mx, s_max[w]);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) r[i] = expf(scale * (r[i] - mx));
+}
+
+__global__ void topp_mark_kernel(const float* __restrict__ weights, const int32_t* __restrict__ rowlen, int stride,
+                                 const int32_t* __restrict__ chosen, const int32_t* __restrict__ n_chosen, int n_q,
+                                 int group, int n_kv, uint32_t* bits, int words, float* claimed, int32_t* budget) {
+  __shared__ double s_part[2][32];
+  const int row = blockIdx.x;
+  const int s = row / n_q, qh = row % n_q;
+  const int n = rowlen[row], c = n_chosen[row];
+  const float* wr = weights + static_cast<size_t>(row) * stride;
+  const int32_t* ch = chosen + static_cast<size_t>(row) * stride;
+  uint32_t* w = bits + (static_cast<size_t>(s) * n_kv + qh / group) * words;
+  double tot = 0, sel = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) tot += wr[i];
+  for (int i = threadIdx.x; i < c; i += blockDim.x) {
+    const int t = ch[i];
+    sel += wr[t];
+    atomicOr(w + (t >> 5), 1u << (t & 31));
+  }
+  for (int o = 16; o >= 1; o >>= 1) {
+    tot += __shfl_xor_sync(0xffffffffu, tot, o);
+    sel += __shfl_xor_sync(0xffffffffu, sel, o);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    s_part[0][threadIdx.x >> 5] = tot;
+    s_part[1][threadIdx.x >> 5] = sel;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double t = 0, sl = 0;
+    for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i) t += s_part[0][i], sl += s_part[1][i];
+    claimed[row] = t > 0 ? static_cast<float>(sl / t) : 1.0f;
+    budget[row] = c;
+  }
+}
+
+class QuestGpu final : public SparseDecoder {
+ public:
+  QuestGpu(const DeviceKvView& kv, int group, int budget_tokens, const AttentionPlanOptions& po)
+      : SparseDecoder(kv, group, po) {
+    CUMULUS_CHECK(budget_tokens >= 1, "quest: budget={} must be >= 1", budget_tokens);
+    CUMULUS_CHECK(kv.kmin != nullptr && kv.kmax != nullptr, "quest: kv.kmin and kv.kmax must be non-null");
+    k_ = std::max(1, (budget_tokens + kv.page_size - 1) / kv.page_size);
+    const size_t rows = static_cast<size_t>(kv.n_seqs) * base().n_q;
+    scores_ = DeviceBuffer(rows * kv.max_pages * sizeof(float));
+    rowlen_ = DeviceBuffer(rows * sizeof(int32_t));
+    chosen_ = DeviceBuffer(rows * k_ * sizeof(int32_t));
+    n_chosen_ = DeviceBuffer(rows * sizeof(int32_t));
+  }
+  std::string name() const override { return "quest"; }
+  void select(const float* q, void* stream) override {
+    Base& b = base();
+    const cudaStream_t s = as_stream(stream);
+    const int rows = b.kv.n_seqs * b.n_q;
+    row_len_kernel<<<ceil_div(rows, 256), 256, 0, s>>>(b.kv.n_tokens, b.kv.n_seqs, b.n_q, b.kv.page_size,
+                                                       b.kv.page_shift, 1, rowlen_.as<int32_t>());
+    CUMULUS_CUDA_LAUNCH("row_len_kernel");
+    page_score(b.kv, b.group, PageScoreKind::kBound, q, scores_.as<float>(), stream);
+    select_topk_rows(scores_.as<float>(), rowlen_.as<int32_t>(), rows, b.kv.max_pages, k_, chosen_.as<int32_t>(),
+                     n_chosen_.as<int32_t>(), stream);
+    quest_mark_kernel<<<rows, 128, 0, s>>>(chosen_.as<int32_t>(), n_chosen_.as<int32_t>(), k_, b.kv.n_tokens, b.n_q,
+                                           b.group, b.kv.n_kv_heads, b.kv.page_size, b.bits.as<uint32_t>(), b.words,
+                                           b.claimed.as<float>(), b.budget.as<int32_t>());
+    CUMULUS_CUDA_LAUNCH("quest_mark_kernel");
+    b.compact(s);
+  }
+
+ private:
+  int k_ = 1;
+  DeviceBuffer scores_, rowlen_, chosen_, n_chosen_;
+};
+
+class OracleToppGpu final : public SparseDecoder {
+ public:
+  OracleToppGpu(const DeviceKvView& kv, int group, double p, const AttentionPlanOptions& po)
+      : SparseDecoder(kv, group, po), p_(p) {
+    CUMULUS_CHECK(p > 0 && p <= 1, "oracle_topp: p={} must be in (0, 1]", p);
+    const size_t rows = static_cast<size_t>(kv.n_seqs) * base().n_q;
+    scores_ = DeviceBuffer(rows * base().stride * sizeof(float));
+    chosen_ = DeviceBuffer(rows * base().stride * sizeof(int32_t));
+    rowlen_ = DeviceBuffer(rows * sizeof(int32_t));
+    n_chosen_ = DeviceBuffer(rows * sizeof(int32_t));
+  }
+  std::string name() const override { return "oracle_topp"; }
+  void select(const float* q, void* stream) override {
+    Base& b = base();
+    const cudaStream_t s = as_stream(stream);
+    const int rows = b.kv.n_seqs * b.n_q;
+    row_len_kernel<<<ceil_div(rows, 256), 256, 0, s>>>(b.kv.n_tokens, b.kv.n_seqs, b.n_q, b.kv.page_size,
+                                                       b.kv.page_shift, 0, rowlen_.as<int32_t>());
+    CUMULUS_CUDA_LAUNCH("row_len_kernel");
+    token_score(b.kv, b.group, q, nullptr, nullptr, 0, scores_.as<float>(), b.stride, stream);
+    softmax_weights_kernel<<<rows, 512, 0, s>>>(scores_.as<float>(), rowlen_.as<int32_t>(), b.stride,
+                                                1.0f / std::sqrt(static_cast<float>(b.kv.head_dim)));
+    CUMULUS_CUDA_LAUNCH("softmax_weights_kernel");
+    select_top_mass_rows(scores_.as<float>(), rowlen_.as<int32_t>(), rows, b.stride, p_, chosen_.as<int32_t>(),
+                         n_chosen_.as<int32_t>(), stream);
+    topp_mark_kernel<<<rows, 256, 0, s>>>(scores_.as<float>(), rowlen_.as<int32_t>(), b.stride,
+                                          chosen_.as<int32_t>(), n_chosen_.as<int32_t>(), b.n_q, b.group,
+                                          b.kv.n_kv_heads, b.bits.as<uint32_t>(), b.words, b.claimed.as<float>(),
+                                          b.budget.as<int32_t>());
+    CUMULUS_CUDA_LAUNCH("topp_mark_kernel");
+    b.compact(s);
+  }
+
+ private:
+  double p_;
+  DeviceBuffer scores_, chosen_, rowlen_, n_chosen_;
+};
+
+}  // namespace
+
+std::unique_ptr<SparseDecoder> make_quest_gpu(const DeviceKvView& kv, int group, int budget_tokens,
+                                              const AttentionPlanOptions& plan) {
+  return std::make_unique<QuestGpu>(kv, group, budget_tokens, plan);
+}
+
+std::unique_ptr<SparseDecoder> make_oracle_topp_gpu(const DeviceKvView& kv, int group, double p,
+                                                    const AttentionPlanOptions& plan) {
+  return std::make_unique<OracleToppGpu>(kv, group, p, plan);
+}
+
+}  // namespace cumulus::cuda

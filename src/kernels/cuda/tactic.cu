@@ -1,0 +1,711 @@
+// tactic on the GPU (001 section 4, Algorithm 1; the CPU method is src/methods/tactic.cpp
+// and docs/methods.md gives the equations). Prefill, per (sequence, kv head): k-means of
+// the stored keys (k = ceil(n / cluster_size) centroids sampled with the CPU's seeded
+// partial Fisher-Yates, assignment as a matrix product, deterministic means, until no
+// assignment changes or max_iter), empty clusters dropped, members grouped by cluster in
+// ascending token order. A decode step, all on the device with no host synchronisation:
+//   1. centroid scores q . c for every query head (4.3), each centroid row read once for
+//      its whole GQA group (centroids kept in f16 for this read: half the bytes);
+//   2. clusters of every query head sorted by score, descending, ties to the lower index;
+//   3. one CTA per query head: list positions of the ranked clusters (prefix sums of their
+//      sizes), the first N = ceil(init_ratio L) positions and the windows around p1 L and
+//      p2 L scored exactly, y = a/x + b fitted through the two window means, the budget k
+//      = minimal prefix reaching P of the estimated total (Alg. 1 line 11), the claim, and
+//      the head's first k list entries (plus the dense tail of tokens appended after
+//      prefill) marked in its kv head's bitmap (the group's union, 4.5);
+//   4. the bitmaps compacted into sorted lists for the sparse attention kernel (4.6).
+// Step 3 runs as four kernels: positions and gathered tokens (one CTA per head), exact
+// scores (many CTAs per head), fit and budget (one CTA per head, the fitted sum in closed
+// form), and the marks (many CTAs per head).
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <random>
+
+#include "cuda_internal.cuh"
+#include "cumulus/kernels/cuda_methods.h"
+
+namespace cumulus::cuda {
+namespace {
+
+// Exactly scored list positions of Algorithm 1 for a list of L entries (the CPU rule,
+// src/methods/tactic.cpp): [0, N) and the windows [b1, e1), [b2, e2); every position when
+// the windows overlap each other or the head (short lists).
+struct TacticWindows {
+  int N = 0, b1 = 0, e1 = 0, b2 = 0, e2 = 0, n_exact = 0;
+  bool exact_all = true;
+};
+
+__host__ __device__ inline TacticWindows tactic_windows(int L, double init_ratio, int window, double p1, double p2) {
+  TacticWindows w;
+  if (L <= 0) return w;
+  w.N = static_cast<int>(ceil(init_ratio * L));
+  w.N = w.N < 1 ? 1 : (w.N > L ? L : w.N);
+  const int hi = L - window > 0 ? L - window : 0;
+  auto at = [&](double p, int& b, int& e) {
+    b = static_cast<int>(p * L) - window / 2;
+    b = b < 0 ? 0 : (b > hi ? hi : b);
+    e = b + window < L ? b + window : L;
+  };
+  at(p1, w.b1, w.e1);
+  at(p2, w.b2, w.e2);
+  w.exact_all = w.e1 > w.b2 || w.b1 < w.N || w.N >= L;
+  w.n_exact = w.exact_all ? L : w.N + (w.e1 - w.b1) + (w.e2 - w.b2);
+  return w;
+}
+
+__device__ __forceinline__ int tactic_position(const TacticWindows& w, int u) {
+  if (w.exact_all || u < w.N) return u;
+  if (u < w.N + (w.e1 - w.b1)) return w.b1 + (u - w.N);
+  return w.b2 + (u - w.N - (w.e1 - w.b1));
+}
+
+struct TacticParams {
+  DeviceKvView kv;
+  int group, n_q, kc_max, max_exact;
+  float scale;
+  double p, init_ratio, p1, p2;
+  int window;
+  const float* q;             // [n_seqs][n_q][D]
+  const __half* cent;         // [n_lists][kc_max][D]
+  const int32_t* csize;       // [n_lists][kc_max]
+  const int32_t* cbeg;        // [n_lists][kc_max]
+  const int32_t* members;     // [n_lists][max_tokens]
+  const int32_t* n_clu;       // [n_lists]
+  const int32_t* n_idx;       // [n_lists]
+  float* cscore;              // [rows][kc_max]
+  const int32_t* order;       // [rows][kc_max]
+  int32_t* pos;               // [rows][kc_max + 1]
+  int32_t* tok;               // [rows][max_exact]
+  float* exact;               // [rows][max_exact]
+  float2* tail_part;          // [rows][max_exact_ctas] (max, sum) of each CTA's tail tokens
+  int max_exact_ctas;
+  uint32_t* bits;             // [n_lists][words]
+  int words;
+  float* claimed;             // [rows]
+  int32_t* budget;            // [rows]
+};
+
+// Gathers the keys of tokens [0, n) of one (seq, kv head) as float32 rows. x: [n][D]
+template <class T>
+__global__ void gather_keys_kernel(DeviceKvView kv, int seq, int h, int n, float* __restrict__ x) {
+  const size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+  const int D = kv.head_dim;
+  if (i >= static_cast<size_t>(n) * D) return;
+  const int t = static_cast<int>(i / D), j = static_cast<int>(i % D);
+  const int32_t* pt = kv.page_table + (static_cast<size_t>(seq) * kv.n_kv_heads + h) * kv.max_pages;
+  const size_t row = (static_cast<size_t>(pt[t >> kv.page_shift]) << kv.page_shift) | (t & (kv.page_size - 1));
+  x[i] = to_float(static_cast<const T*>(kv.k)[row * D + j]);
+}
+
+__global__ void gather_rows_kernel(const float* __restrict__ x, int dim, const int32_t* __restrict__ rows, int n_rows,
+                                   float* __restrict__ out) {
+  const size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+  if (i >= static_cast<size_t>(n_rows) * dim) return;
+  out[i] = x[static_cast<size_t>(rows[i / dim]) * dim + i % dim];
+}
+
+__global__ void rows_to_half_kernel(const float* __restrict__ x, int dim, const int32_t* __restrict__ rows, int n_rows,
+                                    __half* __restrict__ out) {
+  const size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+  if (i >= static_cast<size_t>(n_rows) * dim) return;
+  out[i] = __float2half_rn(x[static_cast<size_t>(rows[i / dim]) * dim + i % dim]);
+}
+
+// Step 1. grid: (ceil(kc_max / (warps * block)), n_kv, n_seqs). cscore[row][c] = q . c.
+template <int D>
+__global__ void centroid_score_step_kernel(TacticParams p) {
+  constexpr int RL = D / 8, TPL = 32 / RL, U = 4, BT = TPL * U;
+  const int seq = blockIdx.z, h = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row_lane = lane % RL, tsub = lane / RL;
+  const int list = seq * p.kv.n_kv_heads + h;
+  const int n_c = p.n_clu[list];
+  const int c0 = (blockIdx.x * (blockDim.x >> 5) + warp) * BT;
+  if (c0 >= n_c) return;
+  uint4 cr[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int c = c0 + u * TPL + tsub;
+    cr[u] = c < n_c ? load16(p.cent + (static_cast<size_t>(list) * p.kc_max + c) * D + row_lane * 8)
+                    : make_uint4(0, 0, 0, 0);
+  }
+  for (int g = 0; g < p.group; ++g) {
+    const int row = seq * p.n_q + h * p.group + g;
+    const float* qg = p.q + static_cast<size_t>(row) * D + row_lane * 8;
+    float qv[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) qv[e] = qg[e];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float cf[8];
+      widen8(cr[u], cf, __half());
+      float acc = 0.0f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc = fmaf(qv[e], cf[e], acc);
+#pragma unroll
+      for (int off = RL / 2; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      const int c = c0 + u * TPL + tsub;
+      if (row_lane == 0 && c < n_c) p.cscore[static_cast<size_t>(row) * p.kc_max + c] = acc;
+    }
+  }
+}
+
+__global__ void crow_len_kernel(const int32_t* __restrict__ n_clu, int n_rows, int n_q, int group, int n_kv,
+                                int32_t* __restrict__ rowlen) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= n_rows) return;
+  rowlen[r] = n_clu[(r / n_q) * n_kv + (r % n_q) / group];
+}
+
+// H(n) = sum_{x=1}^{n} 1/x: exact below 64, the asymptotic series above (error < 1e-16).
+__host__ __device__ inline double harmonic(long long n) {
+  if (n <= 0) return 0.0;
+  if (n < 64) {
+    double s = 0;
+    for (long long x = n; x >= 1; --x) s += 1.0 / static_cast<double>(x);
+    return s;
+  }
+  const double x = static_cast<double>(n), x2 = x * x;
+  return log(x) + 0.57721566490153286061 + 1.0 / (2 * x) - 1.0 / (12 * x2) + 1.0 / (120 * x2 * x2) -
+         1.0 / (252 * x2 * x2 * x2);
+}
+
+// sum_{i=i0}^{i1-1} max(0, a/(i+1) + b) in closed form: the fitted weights past the exact
+// head of the list (Algorithm 1 line 9) summed without visiting every position. Agrees
+// with the term-by-term sum to ~1e-9 relative.
+__host__ __device__ inline double fit_sum(double a, double b, long long i0, long long i1) {
+  if (i1 <= i0) return 0.0;
+  long long lo = i0, hi = i1;  // [lo, hi): where a/(i+1) + b > 0
+  if (a <= 0 && b <= 0) return 0.0;
+  if (b < 0) {  // a > 0: positive while i + 1 < a / -b
+    long long cut = static_cast<long long>(ceil(a / -b)) - 1;
+    if (cut < 0) cut = 0;
+    while (cut > 0 && a / static_cast<double>(cut) + b <= 0) --cut;
+    while (a / static_cast<double>(cut + 1) + b > 0) ++cut;
+    hi = hi < cut ? hi : cut;
+  } else if (a < 0) {  // b > 0: positive once i + 1 > -a / b
+    long long start = static_cast<long long>(floor(-a / b));
+    if (start < 0) start = 0;
+    while (start > 0 && a / static_cast<double>(start) + b > 0) --start;
+    while (a / static_cast<double>(start + 1) + b <= 0) ++start;
+    lo = lo > start ? lo : start;
+  }
+  if (hi <= lo) return 0.0;
+  return a * (harmonic(hi) - harmonic(lo)) + b * static_cast<double>(hi - lo);
+}
+
+constexpr int kPosThreads = 512;
+constexpr int kPosSmemInts = 12000;  // rank arrays kept in shared memory up to this many clusters
+constexpr int kExactItems = 64;      // exactly scored entries per CTA of step 3b (one load round)
+constexpr int kExactThreads = 256;
+constexpr int kBudgetThreads = 256;
+constexpr size_t kPosSmemBytes = 2 * kPosSmemInts * sizeof(int);
+
+// Step 3a, one CTA per (seq, q head) row: list positions of the ranked clusters (prefix
+// sums of their sizes) and the tokens at the exactly scored positions.
+__global__ void __launch_bounds__(kPosThreads) tactic_positions_kernel(TacticParams p) {
+  extern __shared__ int pos_smem[];
+  const int row = blockIdx.x;
+  const int seq = row / p.n_q, qh = row % p.n_q, h = qh / p.group;
+  const int list = seq * p.kv.n_kv_heads + h;
+  const int n_c = p.n_clu[list];
+  const int n = p.kv.n_tokens[seq];
+  const int L = min(p.n_idx[list], n);
+  const int32_t* order = p.order + static_cast<size_t>(row) * p.kc_max;
+  const int32_t* csize = p.csize + static_cast<size_t>(list) * p.kc_max;
+  const int32_t* cbeg = p.cbeg + static_cast<size_t>(list) * p.kc_max;
+  const int32_t* members = p.members + static_cast<size_t>(list) * p.kv.max_tokens;
+  int32_t* gpos = p.pos + static_cast<size_t>(row) * (p.kc_max + 1);
+  // Shared memory (when the clusters fit): P = list position of each rank, RB = where the
+  // members of the cluster at each rank start.
+  const bool in_smem = n_c + 1 <= kPosSmemInts;
+  int* P = in_smem ? pos_smem : gpos;
+  int* RB = pos_smem + kPosSmemInts;
+  // Sizes in rank order (coalesced over ranks), then an in-place exclusive scan.
+#pragma unroll 4
+  for (int r = threadIdx.x; r < n_c; r += blockDim.x) {
+    const int c = order[r];
+    P[r] = csize[c];
+    if (in_smem) RB[r] = cbeg[c];
+  }
+  __syncthreads();
+  const int per = (n_c + blockDim.x - 1) / blockDim.x;
+  const int b = min(n_c, static_cast<int>(threadIdx.x) * per), e = min(n_c, b + per);
+  int sum = 0;
+  for (int r = b; r < e; ++r) sum += P[r];
+  int total = 0;
+  int run = block_scan_exclusive<int>(sum, &total);
+  for (int r = b; r < e; ++r) {
+    const int x = P[r];
+    P[r] = run;
+    run += x;
+  }
+  if (threadIdx.x == 0) P[n_c] = total;
+  __syncthreads();
+  if (in_smem)
+    for (int r = threadIdx.x; r <= n_c; r += blockDim.x) gpos[r] = P[r];
+  const TacticWindows w = tactic_windows(L, p.init_ratio, p.window, p.p1, p.p2);
+  int32_t* tok = p.tok + static_cast<size_t>(row) * p.max_exact;
+#pragma unroll 4
+  for (int u = threadIdx.x; u < w.n_exact; u += blockDim.x) {
+    const int i = tactic_position(w, u);
+    int lo = 0, hi = n_c - 1;  // largest r with P[r] <= i
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (P[mid] <= i) lo = mid; else hi = mid - 1;
+    }
+    tok[u] = members[(in_smem ? RB[lo] : cbeg[order[lo]]) + (i - P[lo])];
+  }
+}
+
+// Step 3b. grid: (chunks of kExactItems, rows). Raw scores of the exactly scored tokens
+// into exact[row][u]; the tail [L, n) as one (max, sum of exp) pair per CTA.
+template <int D, class T>
+__global__ void __launch_bounds__(kExactThreads) tactic_exact_kernel(TacticParams p) {
+  constexpr int RL = D / 8, TPL = 32 / RL, U = 4, BT = TPL * U;
+  const int row = blockIdx.y;
+  const int seq = row / p.n_q, h = (row % p.n_q) / p.group;
+  const int list = seq * p.kv.n_kv_heads + h;
+  const int n = p.kv.n_tokens[seq];
+  const int L = min(p.n_idx[list], n);
+  const TacticWindows w = tactic_windows(L, p.init_ratio, p.window, p.p1, p.p2);
+  const int n_items = w.n_exact + (n - L);
+  const int c0 = blockIdx.x * kExactItems;
+  float2* tail_part = p.tail_part + static_cast<size_t>(row) * p.max_exact_ctas;
+  if (c0 >= n_items) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  const int row_lane = lane % RL, tsub = lane / RL;
+  float qv[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) qv[e] = p.q[static_cast<size_t>(row) * D + row_lane * 8 + e];
+  const int32_t* tok = p.tok + static_cast<size_t>(row) * p.max_exact;
+  float* ex = p.exact + static_cast<size_t>(row) * p.max_exact;
+  const int32_t* pt = p.kv.page_table + static_cast<size_t>(list) * p.kv.max_pages;
+  const int shift = p.kv.page_shift, mask = p.kv.page_size - 1;
+  const T* kb = static_cast<const T*>(p.kv.k);
+  const int c1 = min(n_items, c0 + kExactItems);
+  float tail_m = -INFINITY, tail_s = 0.0f;  // natural units
+  for (int b0 = c0 + warp * BT; b0 < c1; b0 += nw * BT) {
+    uint4 kr[U];
+    int it[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      it[u] = b0 + u * TPL + tsub;
+      kr[u] = make_uint4(0, 0, 0, 0);
+      if (it[u] < c1) {
+        const int t = it[u] < w.n_exact ? tok[it[u]] : L + (it[u] - w.n_exact);
+        const size_t r = (static_cast<size_t>(__ldg(pt + (t >> shift))) << shift) | (t & mask);
+        kr[u] = load16(kb + r * D + row_lane * 8);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float kf[8];
+      widen8(kr[u], kf, T());
+      float acc = 0.0f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc = fmaf(qv[e], kf[e], acc);
+#pragma unroll
+      for (int off = RL / 2; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      if (it[u] < w.n_exact) {
+        if (row_lane == 0) ex[it[u]] = acc;
+      } else if (it[u] < c1 && row_lane == 0) {
+        const float x = p.scale * acc;
+        if (x > tail_m) {
+          tail_s = tail_s * expf(tail_m - x) + 1.0f;
+          tail_m = x;
+        } else {
+          tail_s += expf(x - tail_m);
+        }
+      }
+    }
+  }
+  // (max, sum) of the CTA's tail tokens.
+  const float mw = block_max(tail_m);
+  float sw = tail_m == -INFINITY ? 0.0f : tail_s * expf(tail_m - mw);
+  sw = block_sum<float>(sw);
+  if (threadIdx.x == 0) tail_part[blockIdx.x] = make_float2(mw, sw);
+}
+
+// Step 3c, one CTA per row: the fit, the budget, the claim, and the marks.
+__global__ void __launch_bounds__(kBudgetThreads) tactic_budget_kernel(TacticParams p) {
+  const int row = blockIdx.x;
+  const int seq = row / p.n_q, h = (row % p.n_q) / p.group;
+  const int list = seq * p.kv.n_kv_heads + h;
+  const int n = p.kv.n_tokens[seq];
+  const int L = min(p.n_idx[list], n);
+  const float* ex = p.exact + static_cast<size_t>(row) * p.max_exact;
+  const float2* tail_part = p.tail_part + static_cast<size_t>(row) * p.max_exact_ctas;
+  const TacticWindows w = tactic_windows(L, p.init_ratio, p.window, p.p1, p.p2);
+  const int n_items = w.n_exact + (n - L);
+  const int n_ctas = (n_items + kExactItems - 1) / kExactItems;
+  const int tail_cta0 = w.n_exact / kExactItems;  // first CTA that saw tail tokens
+
+  // Shift: the largest scaled score among the exact and the tail tokens.
+  float mx = -INFINITY;
+  for (int u = threadIdx.x; u < w.n_exact; u += blockDim.x) mx = fmaxf(mx, ex[u]);
+  float tm = -INFINITY;
+  for (int c = tail_cta0 + threadIdx.x; c < n_ctas; c += blockDim.x) tm = fmaxf(tm, tail_part[c].x);
+  const float ex_max = block_max(mx);
+  const float tail_max = block_max(tm);
+  const double shift_v = fmax(static_cast<double>(p.scale) * ex_max, static_cast<double>(tail_max));
+  double ts = 0;
+  if (n > L)
+    for (int c = tail_cta0 + threadIdx.x; c < n_ctas; c += blockDim.x) {
+      const float2 t = tail_part[c];
+      if (t.x != -INFINITY) ts += static_cast<double>(t.y) * exp(static_cast<double>(t.x) - shift_v);
+    }
+  const double tail_sum = block_sum<double>(ts);
+  auto weight_exact = [&](int u) { return exp(p.scale * static_cast<double>(ex[u]) - shift_v); };
+
+  // The fit through the two window means (warp 0).
+  __shared__ double s_fit[2];
+  if (!w.exact_all && threadIdx.x < 32) {
+    const int n1 = w.e1 - w.b1, n2 = w.e2 - w.b2;
+    double mu1 = 0, h1 = 0, mu2 = 0, h2 = 0;
+    for (int i = threadIdx.x; i < n1; i += 32) mu1 += weight_exact(w.N + i), h1 += 1.0 / (w.b1 + i + 1);
+    for (int i = threadIdx.x; i < n2; i += 32) mu2 += weight_exact(w.N + n1 + i), h2 += 1.0 / (w.b2 + i + 1);
+    for (int o = 16; o >= 1; o >>= 1) {
+      mu1 += __shfl_xor_sync(0xffffffffu, mu1, o);
+      h1 += __shfl_xor_sync(0xffffffffu, h1, o);
+      mu2 += __shfl_xor_sync(0xffffffffu, mu2, o);
+      h2 += __shfl_xor_sync(0xffffffffu, h2, o);
+    }
+    if (threadIdx.x == 0) {
+      mu1 /= n1, h1 /= n1, mu2 /= n2, h2 /= n2;
+      const double a = (mu1 - mu2) / (h1 - h2);
+      s_fit[0] = a;
+      s_fit[1] = mu1 - a * h1;
+    }
+  }
+  __syncthreads();
+  const double fa = w.exact_all ? 0.0 : s_fit[0], fb = w.exact_all ? 0.0 : s_fit[1];
+  const int n_head = w.exact_all ? L : w.N;  // exactly weighted prefix of the list
+
+  // Head sums in order (one contiguous segment per thread), the fitted part in closed form.
+  const int per = (n_head + blockDim.x - 1) / blockDim.x;
+  const int hb = min(n_head, static_cast<int>(threadIdx.x) * per), he = min(n_head, hb + per);
+  double seg = 0;
+  for (int u = hb; u < he; ++u) seg += weight_exact(u);
+  double head_total = 0;
+  const double pre = block_scan_exclusive<double>(seg, &head_total);
+  const double fit_total = fit_sum(fa, fb, n_head, L);
+  const double total = head_total + fit_total;
+
+  // The budget: minimal k with sum_{i<k} w_i >= P * total (Alg. 1 line 11).
+  __shared__ int s_k, s_first;
+  __shared__ double s_prefix;
+  if (threadIdx.x == 0) {
+    s_k = L;
+    s_prefix = total;
+    s_first = blockDim.x;
+  }
+  __syncthreads();
+  const bool search = p.p < 1.0 && total > 0;
+  const double target = p.p * total;
+  if (search && target <= head_total) {
+    if (he > hb && pre + seg >= target) atomicMin(&s_first, static_cast<int>(threadIdx.x));
+    __syncthreads();
+    if (threadIdx.x == s_first) {
+      double acc = pre;
+      int k = hb;
+      while (k < he && acc < target) acc += weight_exact(k++);
+      s_k = k;
+      s_prefix = acc;
+    }
+  } else if (search && threadIdx.x == 0) {
+    // Past the head: F(k) = head_total + fit_sum(n_head, k) is nondecreasing in k.
+    int lo = n_head + 1, hi = L;
+    while (lo < hi) {
+      const int mid = lo + (hi - lo) / 2;
+      if (head_total + fit_sum(fa, fb, n_head, mid) >= target) hi = mid; else lo = mid + 1;
+    }
+    s_k = lo;
+    s_prefix = head_total + fit_sum(fa, fb, n_head, lo);
+  }
+  __syncthreads();
+  const int k = s_k;
+  if (threadIdx.x == 0) {
+    const double den = total + tail_sum;
+    p.claimed[row] = den > 0 ? static_cast<float>((s_prefix + tail_sum) / den) : 1.0f;
+    p.budget[row] = k;
+  }
+}
+
+constexpr int kMarkRanks = 128;  // ranked clusters per CTA of step 3d (32 per warp)
+
+// Step 3d. grid: (ceil(kc_max / kMarkRanks), rows). The row's first k list entries (the
+// members of its top-ranked clusters, the last one cut) and, for the group's first head,
+// the dense tail, into the kv head's bitmap. A lane loads one rank's cluster metadata;
+// the warp then marks the 32 clusters' members together, lanes over members.
+__global__ void __launch_bounds__(kMarkRanks) tactic_mark_kernel(TacticParams p) {
+  const int row = blockIdx.y;
+  const int seq = row / p.n_q, qh = row % p.n_q, h = qh / p.group;
+  const int list = seq * p.kv.n_kv_heads + h;
+  const int n_c = p.n_clu[list];
+  const int k = p.budget[row];
+  uint32_t* bw = p.bits + static_cast<size_t>(list) * p.words;
+  if (blockIdx.x == 0 && qh % p.group == 0) {
+    const int n = p.kv.n_tokens[seq];
+    const int L = min(p.n_idx[list], n);
+    for (int t0 = L + threadIdx.x * 32; t0 < n; t0 += blockDim.x * 32) bitmap_set_range(bw, t0, min(n, t0 + 32));
+  }
+  const int lane = threadIdx.x & 31;
+  const int r = blockIdx.x * kMarkRanks + threadIdx.x;
+  const int32_t* pos = p.pos + static_cast<size_t>(row) * (p.kc_max + 1);
+  int p0 = INT_MAX, cnt = 0, cb = 0;
+  if (r < n_c) {
+    p0 = pos[r];
+    if (p0 < k) {
+      const int c = p.order[static_cast<size_t>(row) * p.kc_max + r];
+      cnt = min(p.csize[static_cast<size_t>(list) * p.kc_max + c], k - p0);
+      cb = p.cbeg[static_cast<size_t>(list) * p.kc_max + c];
+    }
+  }
+  const int32_t* members = p.members + static_cast<size_t>(list) * p.kv.max_tokens;
+  unsigned todo = __ballot_sync(0xffffffffu, cnt > 0);
+  while (todo != 0) {
+    const int i = __ffs(todo) - 1;
+    todo &= todo - 1;
+    const int n_i = __shfl_sync(0xffffffffu, cnt, i), b_i = __shfl_sync(0xffffffffu, cb, i);
+    for (int j = lane; j < n_i; j += 32) {
+      const int t = members[b_i + j];
+      atomicOr(bw + (t >> 5), 1u << (t & 31));
+    }
+  }
+}
+
+class TacticGpu final : public SparseDecoder {
+ public:
+  TacticGpu(const DeviceKvView& kv, int group, const TacticGpuOptions& o, const AttentionPlanOptions& po)
+      : SparseDecoder(kv, group, po), o_(o) {
+    CUMULUS_CHECK(o.p > 0 && o.p <= 1, "tactic: p={} must be in (0, 1]", o.p);
+    CUMULUS_CHECK(o.cluster_size >= 1, "tactic: cluster_size={} must be >= 1", o.cluster_size);
+    CUMULUS_CHECK(o.max_iter >= 1, "tactic: max_iter={} must be >= 1", o.max_iter);
+    CUMULUS_CHECK(o.init_ratio >= 0 && o.init_ratio <= 1, "tactic: init_ratio={} must be in [0, 1]", o.init_ratio);
+    CUMULUS_CHECK(o.window >= 1, "tactic: window={} must be >= 1", o.window);
+    CUMULUS_CHECK(o.p1 >= 0 && o.p1 < o.p2 && o.p2 <= 1, "tactic: p1={} and p2={} need 0 <= p1 < p2 <= 1", o.p1, o.p2);
+    CUMULUS_CHECK(o.replica_of.empty() || static_cast<int>(o.replica_of.size()) == kv.n_seqs,
+                  "tactic: replica_of has {} entries, n_seqs={}", o.replica_of.size(), kv.n_seqs);
+    for (size_t s = 0; s < o.replica_of.size(); ++s)
+      CUMULUS_CHECK(o.replica_of[s] >= 0 && o.replica_of[s] <= static_cast<int>(s) &&
+                        (o.replica_of[s] == static_cast<int>(s) || o.replica_of[o.replica_of[s]] == o.replica_of[s]),
+                    "tactic: replica_of[{}]={} must name an earlier sequence that is its own source", s,
+                    o.replica_of[s]);
+    const Base& b = base();
+    const int n_lists = b.n_lists, rows = kv.n_seqs * b.n_q, mt = std::max(1, kv.max_tokens);
+    kc_max_ = std::max(1, std::min(mt, (mt + o.cluster_size - 1) / o.cluster_size));
+    max_exact_ = 1;
+    for (int L = 1; L <= mt; ++L)
+      max_exact_ = std::max(max_exact_, tactic_windows(L, o.init_ratio, o.window, o.p1, o.p2).n_exact);
+    cent_ = DeviceBuffer(static_cast<size_t>(n_lists) * kc_max_ * kv.head_dim * sizeof(__half));
+    csize_ = DeviceBuffer(static_cast<size_t>(n_lists) * kc_max_ * sizeof(int32_t));
+    cbeg_ = DeviceBuffer(static_cast<size_t>(n_lists) * kc_max_ * sizeof(int32_t));
+    members_ = DeviceBuffer(static_cast<size_t>(n_lists) * mt * sizeof(int32_t));
+    n_clu_ = DeviceBuffer(n_lists * sizeof(int32_t));
+    n_clu_.fill_bytes(0);
+    n_idx_ = DeviceBuffer(n_lists * sizeof(int32_t));
+    n_idx_.fill_bytes(0);
+    cscore_ = DeviceBuffer(static_cast<size_t>(rows) * kc_max_ * sizeof(float));
+    crowlen_ = DeviceBuffer(rows * sizeof(int32_t));
+    order_ = DeviceBuffer(static_cast<size_t>(rows) * kc_max_ * sizeof(int32_t));
+    pos_ = DeviceBuffer(static_cast<size_t>(rows) * (kc_max_ + 1) * sizeof(int32_t));
+    tok_ = DeviceBuffer(static_cast<size_t>(rows) * max_exact_ * sizeof(int32_t));
+    exact_ = DeviceBuffer(static_cast<size_t>(rows) * max_exact_ * sizeof(float));
+    sort_ = std::make_unique<SortWorkspace>(rows, kc_max_);
+    CUMULUS_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(tactic_positions_kernel),
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(kPosSmemBytes)));
+  }
+  std::string name() const override { return "tactic"; }
+
+  void prefill(void* stream) override {
+    const Base& b = base();
+    const DeviceKvView& kv = b.kv;
+    const cudaStream_t s = as_stream(stream);
+    const int D = kv.head_dim, n_kv = kv.n_kv_heads;
+    std::vector<int32_t> n_tok(kv.n_seqs);
+    CUMULUS_CUDA_CHECK(cudaMemcpyAsync(n_tok.data(), kv.n_tokens, kv.n_seqs * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+    CUMULUS_CUDA_CHECK(cudaStreamSynchronize(s));
+    std::vector<int32_t> n_clu(b.n_lists, 0), n_idx(b.n_lists, 0);
+    for (int seq = 0; seq < kv.n_seqs; ++seq) {
+      const int src = o_.replica_of.empty() ? seq : o_.replica_of[seq];
+      for (int h = 0; h < n_kv; ++h) {
+        const int list = seq * n_kv + h;
+        if (src != seq) {
+          const int from = src * n_kv + h;
+          CUMULUS_CHECK(n_tok[src] == n_tok[seq], "tactic: replica_of[{}]={} but the sequences hold {} and {} tokens",
+                        seq, src, n_tok[seq], n_tok[src]);
+          copy_list(from, list, s);
+          n_clu[list] = n_clu[from];
+          n_idx[list] = n_idx[from];
+          continue;
+        }
+        n_idx[list] = n_tok[seq];
+        n_clu[list] = cluster(seq, h, n_tok[seq], s);
+      }
+    }
+    (void)D;
+    n_clu_.upload(n_clu.data(), n_clu.size() * sizeof(int32_t));
+    n_idx_.upload(n_idx.data(), n_idx.size() * sizeof(int32_t));
+    // Step 3b covers the exact entries and the tail that later appends can add (up to the
+    // cache's capacity): its grid is fixed here, so a step needs no host decision.
+    const int min_idx = *std::min_element(n_idx.begin(), n_idx.end());
+    max_exact_ctas_ = std::max(1, ceil_div(static_cast<int64_t>(max_exact_) + std::max(0, kv.max_tokens - min_idx),
+                                           kExactItems));
+    tail_part_ = DeviceBuffer(static_cast<size_t>(kv.n_seqs) * b.n_q * max_exact_ctas_ * sizeof(float2));
+    const int rows = kv.n_seqs * b.n_q;
+    crow_len_kernel<<<ceil_div(rows, 256), 256, 0, s>>>(n_clu_.as<int32_t>(), rows, b.n_q, b.group, n_kv,
+                                                        crowlen_.as<int32_t>());
+    CUMULUS_CUDA_LAUNCH("crow_len_kernel");
+    CUMULUS_CUDA_CHECK(cudaStreamSynchronize(s));
+    prefilled_ = true;
+  }
+
+  void select(const float* q, void* stream) override {
+    CUMULUS_CHECK(prefilled_, "tactic: select before prefill built the clusters");
+    Base& b = base();
+    const cudaStream_t s = as_stream(stream);
+    TacticParams p = params(q);
+    const int rows = b.kv.n_seqs * b.n_q;
+    constexpr int kWarps = 4;
+    const int bt = (32 / (b.kv.head_dim / 8)) * 4;
+    const dim3 grid(ceil_div(kc_max_, kWarps * bt), b.kv.n_kv_heads, b.kv.n_seqs);
+    if (b.kv.head_dim == 64)
+      centroid_score_step_kernel<64><<<grid, kWarps * 32, 0, s>>>(p);
+    else
+      centroid_score_step_kernel<128><<<grid, kWarps * 32, 0, s>>>(p);
+    CUMULUS_CUDA_LAUNCH("centroid_score_step_kernel");
+    sort_rows_desc(cscore_.as<float>(), crowlen_.as<int32_t>(), rows, kc_max_, order_.as<int32_t>(), *sort_, stream);
+    tactic_positions_kernel<<<rows, kPosThreads, kPosSmemBytes, s>>>(p);
+    CUMULUS_CUDA_LAUNCH("tactic_positions_kernel");
+    const dim3 egrid(max_exact_ctas_, rows);
+    auto launch = [&](auto kernel) { kernel<<<egrid, kExactThreads, 0, s>>>(p); };
+    if (b.kv.dtype == DType::f16)
+      b.kv.head_dim == 64 ? launch(tactic_exact_kernel<64, __half>) : launch(tactic_exact_kernel<128, __half>);
+    else
+      b.kv.head_dim == 64 ? launch(tactic_exact_kernel<64, __nv_bfloat16>)
+                          : launch(tactic_exact_kernel<128, __nv_bfloat16>);
+    CUMULUS_CUDA_LAUNCH("tactic_exact_kernel");
+    tactic_budget_kernel<<<rows, kBudgetThreads, 0, s>>>(p);
+    CUMULUS_CUDA_LAUNCH("tactic_budget_kernel");
+    tactic_mark_kernel<<<dim3(ceil_div(kc_max_, kMarkRanks), rows), kMarkRanks, 0, s>>>(p);
+    CUMULUS_CUDA_LAUNCH("tactic_mark_kernel");
+    b.compact(s);
+  }
+
+ private:
+  TacticParams params(const float* q) {
+    Base& b = base();
+    TacticParams p{};
+    p.kv = b.kv;
+    p.group = b.group;
+    p.n_q = b.n_q;
+    p.kc_max = kc_max_;
+    p.max_exact = max_exact_;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(b.kv.head_dim));
+    p.p = o_.p;
+    p.init_ratio = o_.init_ratio;
+    p.p1 = o_.p1;
+    p.p2 = o_.p2;
+    p.window = o_.window;
+    p.q = q;
+    p.cent = cent_.as<__half>();
+    p.csize = csize_.as<int32_t>();
+    p.cbeg = cbeg_.as<int32_t>();
+    p.members = members_.as<int32_t>();
+    p.n_clu = n_clu_.as<int32_t>();
+    p.n_idx = n_idx_.as<int32_t>();
+    p.cscore = cscore_.as<float>();
+    p.order = order_.as<int32_t>();
+    p.pos = pos_.as<int32_t>();
+    p.tok = tok_.as<int32_t>();
+    p.exact = exact_.as<float>();
+    p.tail_part = tail_part_.as<float2>();
+    p.max_exact_ctas = max_exact_ctas_;
+    p.bits = b.bits.as<uint32_t>();
+    p.words = b.words;
+    p.claimed = b.claimed.as<float>();
+    p.budget = b.budget.as<int32_t>();
+    return p;
+  }
+
+  void copy_list(int from, int to, cudaStream_t s) {
+    const int D = base().kv.head_dim, mt = std::max(1, base().kv.max_tokens);
+    auto cp = [&](DeviceBuffer& buf, size_t per_list) {
+      CUMULUS_CUDA_CHECK(cudaMemcpyAsync(buf.as<char>() + to * per_list, buf.as<char>() + from * per_list, per_list,
+                                         cudaMemcpyDeviceToDevice, s));
+    };
+    cp(cent_, static_cast<size_t>(kc_max_) * D * sizeof(__half));
+    cp(csize_, static_cast<size_t>(kc_max_) * sizeof(int32_t));
+    cp(cbeg_, static_cast<size_t>(kc_max_) * sizeof(int32_t));
+    cp(members_, static_cast<size_t>(mt) * sizeof(int32_t));
+  }
+
+  // K-means of tokens [0, n) of (seq, h); returns the number of non-empty clusters.
+  int cluster(int seq, int h, int n, cudaStream_t s) {
+    if (n <= 0) return 0;
+    const DeviceKvView& kv = base().kv;
+    const int D = kv.head_dim, list = seq * kv.n_kv_heads + h;
+    const int k = std::min(n, (n + o_.cluster_size - 1) / o_.cluster_size);
+    DeviceBuffer x(static_cast<size_t>(n) * D * sizeof(float));
+    const int blocks = ceil_div(static_cast<int64_t>(n) * D, 256);
+    if (kv.dtype == DType::f16)
+      gather_keys_kernel<__half><<<blocks, 256, 0, s>>>(kv, seq, h, n, x.as<float>());
+    else
+      gather_keys_kernel<__nv_bfloat16><<<blocks, 256, 0, s>>>(kv, seq, h, n, x.as<float>());
+    CUMULUS_CUDA_LAUNCH("gather_keys_kernel");
+    // The CPU's initial sample: seeded by (seed, layer, kv head, segment start 0).
+    std::seed_seq seq_seed{o_.seed, static_cast<uint32_t>(o_.layer), static_cast<uint32_t>(h), 0u};
+    std::mt19937 rng(seq_seed);
+    std::vector<int32_t> perm(n);
+    for (int i = 0; i < n; ++i) perm[i] = i;
+    for (int i = 0; i < k; ++i) std::swap(perm[i], perm[i + static_cast<int>(rng() % static_cast<uint32_t>(n - i))]);
+    perm.resize(k);
+    DeviceBuffer init = to_device(perm);
+    DeviceBuffer cent(static_cast<size_t>(k) * D * sizeof(float));
+    gather_rows_kernel<<<ceil_div(static_cast<int64_t>(k) * D, 256), 256, 0, s>>>(x.as<float>(), D,
+                                                                                  init.as<int32_t>(), k,
+                                                                                  cent.as<float>());
+    CUMULUS_CUDA_LAUNCH("gather_rows_kernel");
+    DeviceBuffer assign(static_cast<size_t>(n) * sizeof(int32_t)), counts(static_cast<size_t>(k) * sizeof(int32_t));
+    CUMULUS_CUDA_CHECK(cudaMemsetAsync(assign.data(), 0xff, assign.size(), s));
+    for (int it = 0; it < o_.max_iter; ++it) {
+      if (kmeans_assign(x.as<float>(), n, D, cent.as<float>(), k, assign.as<int32_t>(), s) == 0) break;
+      kmeans_update(x.as<float>(), n, D, assign.as<int32_t>(), k, cent.as<float>(), counts.as<int32_t>(), s);
+    }
+    DeviceBuffer begin(static_cast<size_t>(k) * sizeof(int32_t));
+    int32_t* members = members_.as<int32_t>() + static_cast<size_t>(list) * std::max(1, kv.max_tokens);
+    kmeans_group(assign.as<int32_t>(), n, k, members, begin.as<int32_t>(), counts.as<int32_t>(), s);
+    // Drop empty clusters (they rank nothing), keeping cluster order.
+    const std::vector<int32_t> cnt = to_host<int32_t>(counts, k), beg = to_host<int32_t>(begin, k);
+    std::vector<int32_t> keep, sizes, begins;
+    for (int c = 0; c < k; ++c)
+      if (cnt[c] > 0) keep.push_back(c), sizes.push_back(cnt[c]), begins.push_back(beg[c]);
+    const int kk = static_cast<int>(keep.size());
+    csize_.upload(sizes.data(), kk * sizeof(int32_t), static_cast<size_t>(list) * kc_max_ * sizeof(int32_t));
+    cbeg_.upload(begins.data(), kk * sizeof(int32_t), static_cast<size_t>(list) * kc_max_ * sizeof(int32_t));
+    DeviceBuffer keep_d = to_device(keep);
+    rows_to_half_kernel<<<ceil_div(static_cast<int64_t>(kk) * D, 256), 256, 0, s>>>(
+        cent.as<float>(), D, keep_d.as<int32_t>(), kk, cent_.as<__half>() + static_cast<size_t>(list) * kc_max_ * D);
+    CUMULUS_CUDA_LAUNCH("rows_to_half_kernel");
+    CUMULUS_CUDA_CHECK(cudaStreamSynchronize(s));
+    return kk;
+  }
+
+  TacticGpuOptions o_;
+  int kc_max_ = 1, max_exact_ = 1, max_exact_ctas_ = 1;
+  bool prefilled_ = false;
+  DeviceBuffer cent_, csize_, cbeg_, members_, n_clu_, n_idx_, cscore_, crowlen_, order_, pos_, tok_, exact_, tail_part_;
+  std::unique_ptr<SortWorkspace> sort_;
+};
+
+}  // namespace
+
+std::unique_ptr<SparseDecoder> make_tactic_gpu(const DeviceKvView& kv, int group, const TacticGpuOptions& o,
+                                               const AttentionPlanOptions& plan) {
+  return std::make_unique<TacticGpu>(kv, group, o, plan);
+}
+
+}  // namespace cumulus::cuda

@@ -1,0 +1,95 @@
+// Helpers of the CUDA tests: a skip when no device is present, random batches of paged
+// caches built with the real KvCache (so page statistics come from the stored keys), their
+// upload with a scrambled page table, and the normalised error used by every comparison.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cumulus/kernels/cuda.h"
+#include "cumulus/kv/kv_cache.h"
+
+#define CUMULUS_REQUIRE_GPU()                                                                   \
+  do {                                                                                          \
+    if (!::cumulus::cuda::device_available())                                                   \
+      GTEST_SKIP() << "no CUDA device: CUDA tests run on a GPU machine (tools/device/run.sh)"; \
+  } while (0)
+
+namespace cumulus::cuda_test {
+
+// One sequence = one single-layer KvCache with random keys (N(0,1) plus a per-dimension
+// offset and occasional heavy tokens, so the softmax is far from uniform) and values N(0,1).
+inline KvCache random_cache(int n_kv, int head_dim, int n_tokens, DType dt, int page_size, std::mt19937& rng) {
+  KvCache kv(Shape{1, n_kv, n_kv, head_dim}, KvCacheOptions{page_size, dt, std::max(n_tokens, 1)});
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> k(static_cast<size_t>(n_tokens) * n_kv * head_dim), v(k.size());
+  for (int t = 0; t < n_tokens; ++t)
+    for (int h = 0; h < n_kv; ++h) {
+      const float boost = (rng() % 37 == 0) ? 3.0f : 1.0f;
+      for (int j = 0; j < head_dim; ++j) {
+        const size_t i = (static_cast<size_t>(t) * n_kv + h) * head_dim + j;
+        k[i] = boost * nd(rng) + 0.25f * static_cast<float>((j % 7) - 3);
+        v[i] = nd(rng);
+      }
+    }
+  if (n_tokens > 0) kv.append(0, k.data(), v.data(), n_tokens);
+  return kv;
+}
+
+inline std::vector<PagedHeadView> views_of(const KvCache& kv) {
+  std::vector<PagedHeadView> v;
+  for (int h = 0; h < kv.shape().n_kv_heads; ++h) v.push_back(kv.view(0, h));
+  return v;
+}
+
+inline std::vector<std::vector<PagedHeadView>> views_of(const std::vector<KvCache>& seqs) {
+  std::vector<std::vector<PagedHeadView>> v;
+  for (const auto& kv : seqs) v.push_back(views_of(kv));
+  return v;
+}
+
+inline std::vector<float> random_vec(size_t n, std::mt19937& rng, float sd = 1.0f) {
+  std::normal_distribution<float> nd(0.0f, sd);
+  std::vector<float> x(n);
+  for (auto& e : x) e = nd(rng);
+  return x;
+}
+
+inline double norm_err(const float* a, const float* b, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(a[i]) - b[i];
+    num += d * d;
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+inline double jaccard(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  size_t i = 0, j = 0, inter = 0;
+  while (i < a.size() && j < b.size()) {
+    if (a[i] == b[j]) ++inter, ++i, ++j;
+    else if (a[i] < b[j]) ++i;
+    else ++j;
+  }
+  const size_t uni = a.size() + b.size() - inter;
+  return uni == 0 ? 1.0 : static_cast<double>(inter) / uni;
+}
+
+// Device lists idx [n_lists][stride], len [n_lists] downloaded as vectors.
+inline std::vector<std::vector<int32_t>> download_lists(const int32_t* idx, const int32_t* len, int n_lists,
+                                                        int stride) {
+  std::vector<int32_t> l(n_lists), all(static_cast<size_t>(n_lists) * stride);
+  cuda::memcpy_to_host(l.data(), len, l.size() * sizeof(int32_t));
+  cuda::memcpy_to_host(all.data(), idx, all.size() * sizeof(int32_t));
+  std::vector<std::vector<int32_t>> out(n_lists);
+  for (int i = 0; i < n_lists; ++i)
+    out[i].assign(all.begin() + static_cast<size_t>(i) * stride, all.begin() + static_cast<size_t>(i) * stride + l[i]);
+  return out;
+}
+
+}  // namespace cumulus::cuda_test

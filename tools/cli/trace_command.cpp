@@ -1,0 +1,149 @@
+// `cumulus trace`: runs a real model (CPU, dense attention) on a long real text and records
+// the K/V cache and the decode queries of chosen layers into one compact file, so the GPU
+// benchmark (bench/cuda_decode_bench.cu) can replay real attention on the device. The
+// queries are the ones each layer's decode method receives (after RoPE), recorded through
+// SessionOptions::on_decode_query.
+//
+// File format (little-endian; docs/cuda.md):
+//   "CUMTRACE" | uint32 version = 1 | uint32 header_bytes | header (JSON, UTF-8)
+//   then for every recorded layer, in the header's order:
+//     K [n_tokens][n_kv_heads][head_dim] f16, V likewise, Q [steps][n_q_heads][head_dim] f32
+// n_tokens = prompt_tokens + steps. Decode step j's query sits at position
+// prompt_tokens + j and attends tokens [0, prompt_tokens + j + 1). K and V are the stored
+// (f16) cache values, so the file holds exactly what the attention kernels read.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "cli.h"
+#include "cumulus/core/dtype.h"
+#include "cumulus/core/error.h"
+#include "cumulus/model/gguf.h"
+#include "cumulus/model/model_weights.h"
+#include "cumulus/model/session.h"
+#include "cumulus/model/text.h"
+#include "cumulus/model/tokenizer.h"
+
+namespace cumulus::cli {
+namespace {
+
+struct TraceOptions {
+  std::string model = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+  std::string text = "../shared/data/text/pg1342_pride_and_prejudice.txt";
+  std::string out = "trace.bin";
+  std::vector<int> layers{3, 15, 27};
+  int prompt_tokens = 8000;
+  int steps = 16;
+  int threads = 2;
+};
+
+void run_trace(const TraceOptions& o) {
+  CUMULUS_CHECK(o.prompt_tokens >= 1, "--prompt-tokens={} must be >= 1", o.prompt_tokens);
+  CUMULUS_CHECK(o.steps >= 1 && o.steps <= 4096, "--steps={} must be in [1, 4096]", o.steps);
+  CUMULUS_CHECK(!o.layers.empty(), "--layers must name at least one layer");
+  ModelWeights w = model_weights_load(o.model);
+  CUMULUS_CHECK(w.config.format == ModelFormat::gguf, "--model {}: cumulus trace reads GGUF models", o.model);
+  const ModelConfig& c = w.config;
+  for (int l : o.layers)
+    CUMULUS_CHECK(l >= 0 && l < c.n_layers, "--layers: layer {} out of range [0, {})", l, c.n_layers);
+  CUMULUS_CHECK(o.prompt_tokens + o.steps <= c.context_length,
+                "--prompt-tokens {} + --steps {} exceed the model's context of {} tokens", o.prompt_tokens, o.steps,
+                c.context_length);
+  auto tok = tokenizer_from_gguf(GgufFile::open(o.model));
+  std::vector<int32_t> prompt = tok->encode(text_strip_gutenberg(text_read_file(o.text)), tok->add_bos_default());
+  CUMULUS_CHECK(static_cast<int>(prompt.size()) >= o.prompt_tokens,
+                "--text {} has {} tokens, fewer than --prompt-tokens {}", o.text, prompt.size(), o.prompt_tokens);
+  prompt.resize(o.prompt_tokens);
+
+  const int qd = c.n_heads * c.head_dim;
+  std::vector<int> slot(c.n_layers, -1);
+  for (size_t i = 0; i < o.layers.size(); ++i) slot[o.layers[i]] = static_cast<int>(i);
+  // queries[i]: [steps][n_heads][head_dim] of recorded layer i
+  std::vector<std::vector<float>> queries(o.layers.size(), std::vector<float>(static_cast<size_t>(o.steps) * qd));
+  SessionOptions so;
+  so.n_threads = o.threads;
+  so.kv.dtype = DType::f16;
+  so.max_tokens = o.prompt_tokens + o.steps;
+  so.on_decode_query = [&](int layer, int position, const float* q) {
+    const int step = position - o.prompt_tokens;
+    if (slot[layer] < 0 || step < 0 || step >= o.steps) return;
+    std::copy_n(q, qd, queries[slot[layer]].data() + static_cast<size_t>(step) * qd);
+  };
+  Session s(w, so);
+  fmt::print(stderr, "trace: prefill of {} tokens on {} threads...\n", o.prompt_tokens, o.threads);
+  const std::vector<float>* logits = &s.prefill(prompt);
+  for (int j = 0; j < o.steps; ++j) {  // greedy decode
+    const auto it = std::max_element(logits->begin(), logits->end());
+    logits = &s.decode(static_cast<int32_t>(it - logits->begin()));
+  }
+  const int n = o.prompt_tokens + o.steps;
+  CUMULUS_CHECK(s.kv().n_tokens(o.layers[0]) == n, "cache holds {} tokens, expected {}", s.kv().n_tokens(o.layers[0]),
+                n);
+
+  nlohmann::json h;
+  h["model"] = o.model;
+  h["text"] = o.text;
+  h["layers"] = o.layers;
+  h["n_model_layers"] = c.n_layers;
+  h["n_q_heads"] = c.n_heads;
+  h["n_kv_heads"] = c.n_kv_heads;
+  h["head_dim"] = c.head_dim;
+  h["prompt_tokens"] = o.prompt_tokens;
+  h["steps"] = o.steps;
+  h["n_tokens"] = n;
+  h["kv_dtype"] = "f16";
+  h["q_dtype"] = "f32";
+  h["attend"] = "step j attends tokens [0, prompt_tokens + j + 1)";
+  const std::string header = h.dump();
+  std::ofstream f(o.out, std::ios::binary);
+  CUMULUS_CHECK(f.good(), "--out {}: cannot open for writing", o.out);
+  const uint32_t version = 1, hb = static_cast<uint32_t>(header.size());
+  f.write("CUMTRACE", 8);
+  f.write(reinterpret_cast<const char*>(&version), 4);
+  f.write(reinterpret_cast<const char*>(&hb), 4);
+  f.write(header.data(), hb);
+  std::vector<float> row(c.head_dim);
+  std::vector<uint16_t> half(static_cast<size_t>(n) * c.n_kv_heads * c.head_dim);
+  for (size_t i = 0; i < o.layers.size(); ++i) {
+    for (int which = 0; which < 2; ++which) {
+      for (int t = 0; t < n; ++t)
+        for (int kh = 0; kh < c.n_kv_heads; ++kh) {
+          if (which == 0)
+            s.kv().key_f32(o.layers[i], kh, t, row.data());
+          else
+            s.kv().value_f32(o.layers[i], kh, t, row.data());
+          uint16_t* dst = half.data() + (static_cast<size_t>(t) * c.n_kv_heads + kh) * c.head_dim;
+          for (int j = 0; j < c.head_dim; ++j) dst[j] = f32_to_f16(row[j]);
+        }
+      f.write(reinterpret_cast<const char*>(half.data()), static_cast<std::streamsize>(half.size() * 2));
+    }
+    f.write(reinterpret_cast<const char*>(queries[i].data()), static_cast<std::streamsize>(queries[i].size() * 4));
+  }
+  CUMULUS_CHECK(f.good(), "--out {}: write failed", o.out);
+  f.close();
+  fmt::print("trace: {} layers x ({} tokens K/V f16 + {} queries), {} kv heads, {} query heads, head_dim {} -> {}\n",
+             o.layers.size(), n, o.steps, c.n_kv_heads, c.n_heads, c.head_dim, o.out);
+}
+
+}  // namespace
+
+void add_trace_command(CLI::App& app) {
+  auto o = std::make_shared<TraceOptions>();
+  auto* cmd = app.add_subcommand("trace", "Record real K/V and decode queries of chosen layers into a trace file");
+  cmd->add_option("--model", o->model, "GGUF model")->capture_default_str();
+  cmd->add_option("--text", o->text, "long text for the prompt (Gutenberg header/footer stripped)")
+      ->capture_default_str();
+  cmd->add_option("--prompt-tokens", o->prompt_tokens, "prompt length in tokens")->capture_default_str();
+  cmd->add_option("--steps", o->steps, "greedy decode steps recorded")->capture_default_str();
+  cmd->add_option("--layers", o->layers, "layers to record, comma-separated")->delimiter(',')->capture_default_str();
+  cmd->add_option("--threads", o->threads, "threads")->capture_default_str();
+  cmd->add_option("--out", o->out, "output file")->capture_default_str();
+  cmd->callback([o] { run_trace(*o); });
+}
+
+}  // namespace cumulus::cli
