@@ -8,7 +8,7 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libhwy-dev nlohmann-json3-dev libcli11-dev libfmt-dev
   libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
-  clang libclang-rt-dev
+  clang libclang-rt-dev ccache
 )
 
 missing=()
