@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -175,6 +176,52 @@ TEST(KvCache, ClearThenRefillRecomputesMetadata) {
   for (auto& x : k) x *= -3.0f;
   kv.append(0, k.data(), v.data(), 21);
   check_cache(kv, 0, k, v);
+}
+
+TEST(KvCache, TruncateThenAppendEqualsAFreshCache) {
+  // Truncation points inside a page, on a page boundary and at 0; dropped rows must read
+  // back as zero (the padding of a fresh partial page) and statistics must be recomputed.
+  const Shape s{2, 4, 2, 24};
+  for (DType dt : {DType::f16, DType::f32}) {
+    for (int cut : {0, 5, 16, 37}) {
+      std::mt19937 rng(11 + cut);
+      KvCacheOptions opt;
+      opt.page_size = 16;
+      opt.dtype = dt;
+      KvCache kv(s, opt), fresh(s, opt);
+      std::vector<float> k, v, keep_k, keep_v, more_k, more_v;
+      random_kv(rng, s, 60, k, v);
+      for (int l = 0; l < 2; ++l) kv.append(l, k.data(), v.data(), 60);
+      kv.truncate(cut);
+      EXPECT_EQ(kv.n_tokens(0), cut);
+      EXPECT_EQ(kv.n_tokens(1), cut);
+      const size_t row = static_cast<size_t>(s.n_kv_heads) * s.head_dim;
+      keep_k.assign(k.begin(), k.begin() + cut * row);
+      keep_v.assign(v.begin(), v.begin() + cut * row);
+      random_kv(rng, s, 9, more_k, more_v);  // ends inside a page for every cut
+      for (auto& x : more_k) x *= -2.0f;
+      for (int l = 0; l < 2; ++l) {
+        if (cut > 0) fresh.append(l, keep_k.data(), keep_v.data(), cut);
+        fresh.append(l, more_k.data(), more_v.data(), 9);
+        kv.append(l, more_k.data(), more_v.data(), 9);
+      }
+      keep_k.insert(keep_k.end(), more_k.begin(), more_k.end());
+      keep_v.insert(keep_v.end(), more_v.begin(), more_v.end());
+      for (int l = 0; l < 2; ++l) {
+        check_cache(kv, l, keep_k, keep_v);
+        for (int h = 0; h < s.n_kv_heads; ++h) {
+          const PagedHeadView a = kv.view(l, h), b = fresh.view(l, h);
+          for (int p = 0; p < a.n_pages(); ++p) {  // whole pages, padding rows included
+            EXPECT_EQ(std::memcmp(a.k_pages[p], b.k_pages[p], a.page_size * a.row_bytes()), 0) << "cut " << cut;
+            EXPECT_EQ(std::memcmp(a.v_pages[p], b.v_pages[p], a.page_size * a.row_bytes()), 0) << "cut " << cut;
+          }
+        }
+      }
+    }
+  }
+  KvCache kv(Shape{1, 4, 2, 32}, {});
+  expect_error([&] { kv.truncate(1); }, "n=1 exceeds the 0 tokens cached in layer 0");
+  expect_error([&] { kv.truncate(-1); }, "n=-1 must be >= 0");
 }
 
 TEST(KvCache, BadInputNamesTheValue) {

@@ -177,3 +177,50 @@ TEST_F(Stories260K, BadInputIsAnError) {
   o.params = {{"p", "2"}};
   EXPECT_THROW(Session(*weights_, o), Error);
 }
+
+// restart_decode lets several methods continue one prefill (the eval harness): each
+// restarted run decodes exactly what a fresh session with that method decodes, whatever
+// ran before it (including lfps, which needs the prompt's last queries kept).
+TEST_F(Stories260K, RestartDecodeEqualsAFreshSession) {
+  const std::vector<int32_t> prompt = tok_->encode(
+      "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun. One day, she "
+      "saw a big red ball in the park.",
+      true);
+  const std::vector<std::pair<std::string, std::map<std::string, std::string>>> methods = {
+      {"dense", {}}, {"tactic", {{"p", "0.7"}, {"cluster_size", "4"}}}, {"lfps", {{"s", "8"}}}, {"quest", {}}};
+  auto continue_greedy = [](Session& s, const std::vector<float>& first_logits) {
+    Sampler greedy({});
+    std::vector<int32_t> ids;
+    std::vector<float> logits = first_logits;
+    for (int i = 0; i < 20; ++i) {
+      ids.push_back(greedy.sample(logits));
+      logits = s.decode(ids.back());
+    }
+    return std::make_pair(ids, logits);
+  };
+  SessionOptions shared_opt;
+  shared_opt.keep_prompt_queries = 8;
+  Session shared(*weights_, shared_opt);
+  const std::vector<float> prompt_logits = shared.prefill(prompt);
+  for (int round = 0; round < 2; ++round) {
+    for (const auto& [m, params] : methods) {
+      SessionOptions o;
+      o.method = m;
+      o.params = params;
+      Session fresh(*weights_, o);
+      const auto want = continue_greedy(fresh, fresh.prefill(prompt));
+      shared.restart_decode(m, params);
+      EXPECT_EQ(shared.position(), static_cast<int>(prompt.size()));
+      const auto got = continue_greedy(shared, prompt_logits);
+      EXPECT_EQ(got.first, want.first) << m << " round " << round;
+      EXPECT_EQ(got.second, want.second) << m << " round " << round;
+      EXPECT_EQ(shared.summary().layer_steps, fresh.summary().layer_steps);
+    }
+  }
+  Session none(*weights_, {});
+  EXPECT_THROW(none.restart_decode("dense"), Error);  // nothing prefilled
+  Session few(*weights_, {});
+  few.prefill(prompt);
+  EXPECT_THROW(few.restart_decode("lfps", {{"s", "8"}}), Error);  // kept no prompt queries
+  EXPECT_THROW(shared.restart_decode("no_such_method"), Error);
+}

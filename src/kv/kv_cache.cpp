@@ -172,7 +172,49 @@ void KvCache::append(int layer, const float* k, const float* v, int n) {
   n_tokens_[layer] = t0 + n;
 }
 
-void KvCache::clear() { std::fill(n_tokens_.begin(), n_tokens_.end(), 0); }
+void KvCache::clear() { truncate(0); }
+
+void KvCache::truncate(int n) {
+  CUMULUS_CHECK(n >= 0, "n={} must be >= 0", n);
+  for (int l = 0; l < shape_.n_layers; ++l)
+    CUMULUS_CHECK(n <= n_tokens_[l], "n={} exceeds the {} tokens cached in layer {}", n, n_tokens_[l], l);
+  const int ps = options_.page_size;
+  const int d = shape_.head_dim;
+  const DType dt = options_.dtype;
+  const size_t row_bytes = static_cast<size_t>(d) * dtype_size(dt);
+  const int p = n / ps, rows = n % ps;  // the page cut short and the rows it keeps
+  std::vector<float> stored(d);
+  for (int l = 0; l < shape_.n_layers; ++l) {
+    const int old_n = n_tokens_[l];
+    if (old_n == n) continue;
+    n_tokens_[l] = n;
+    for (int h = 0; h < shape_.n_kv_heads; ++h) {
+      HeadStore& s = head(l, h);
+      // Zero the dropped rows, as a fresh slab holds zeros: kernels may read the padding
+      // rows of a partial page, and later appends must see what a fresh cache would.
+      for (int t = n; t < old_n;) {
+        const int r = t % ps, len = std::min(ps - r, old_n - t);
+        for (const void* page : {s.k_pages[t / ps], s.v_pages[t / ps]})
+          std::memset(static_cast<std::byte*>(const_cast<void*>(page)) + r * row_bytes, 0, len * row_bytes);
+        t += len;
+      }
+      if (rows == 0) continue;  // page p is empty: the next append starts its statistics afresh
+      float* mn = s.kmin.data() + static_cast<size_t>(p) * d;
+      float* mx = s.kmax.data() + static_cast<size_t>(p) * d;
+      float* mean = s.kmean.data() + static_cast<size_t>(p) * d;
+      double* sum = s.ksum.data() + static_cast<size_t>(p) * d;
+      for (int r = 0; r < rows; ++r) {
+        convert_to_f32(static_cast<const std::byte*>(s.k_pages[p]) + r * row_bytes, dt, stored.data(), d);
+        for (int j = 0; j < d; ++j) {
+          mn[j] = r == 0 ? stored[j] : std::min(mn[j], stored[j]);
+          mx[j] = r == 0 ? stored[j] : std::max(mx[j], stored[j]);
+          sum[j] = (r == 0 ? 0.0 : sum[j]) + stored[j];
+        }
+      }
+      for (int j = 0; j < d; ++j) mean[j] = static_cast<float>(sum[j] / rows);
+    }
+  }
+}
 
 PagedHeadView KvCache::view(int layer, int kv_head) const {
   CUMULUS_CHECK(layer >= 0 && layer < shape_.n_layers, "layer={} out of range [0, {})", layer, shape_.n_layers);

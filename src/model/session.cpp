@@ -104,7 +104,7 @@ const std::vector<float>& Session::prefill(std::span<const int32_t> tokens) {
   CUMULUS_CHECK(pos_ + static_cast<int64_t>(tokens.size()) <= capacity_,
                 "prompt of {} tokens at position {} exceeds the context of {} tokens", tokens.size(), pos_, capacity_);
   prompt_end_ = pos_ + static_cast<int>(tokens.size());
-  prompt_q_rows_ = std::min(method_->prompt_queries(), prompt_end_);
+  prompt_q_rows_ = std::min(std::max(method_->prompt_queries(), opt_.keep_prompt_queries), prompt_end_);
   prompt_q_.assign(w_.config.n_layers,
                    std::vector<float>(static_cast<size_t>(prompt_q_rows_) * w_.config.n_heads * w_.config.head_dim));
   for (size_t i = 0; i < tokens.size(); i += opt_.prefill_chunk) {
@@ -124,12 +124,28 @@ const std::vector<float>& Session::decode(int32_t token) {
       ctx.prompt_q_rows = prompt_q_rows_;
       method_->on_prefill(l, kv_, ctx);
     }
-    prompt_q_.clear();
     prefilled_ = true;
   }
   const int32_t t[1] = {token};
   forward(t, true);
   return logits_;
+}
+
+void Session::restart_decode(const std::string& method, const std::map<std::string, std::string>& params) {
+  CUMULUS_CHECK(prompt_end_ > 0, "restart_decode(method={}) before a prefill: there is no prompt to restart from", method);
+  auto made = Registry::builtin().make(method, w_.config.shape(), params);
+  CUMULUS_CHECK(made->prompt_queries() <= prompt_q_rows_ || prompt_q_rows_ == prompt_end_,
+                "restart_decode(method={}) needs the prompt's last {} queries but the session kept {} "
+                "(set SessionOptions::keep_prompt_queries)",
+                method, made->prompt_queries(), prompt_q_rows_);
+  method_ = std::move(made);
+  opt_.method = method;
+  opt_.params = params;
+  kv_.truncate(prompt_end_);
+  pos_ = prompt_end_;
+  prefilled_ = false;
+  summary_ = {};
+  for (AttnOutput& o : last_) o = {};
 }
 
 void Session::attention_prefill(int layer, int c, const float* q, float* out) {

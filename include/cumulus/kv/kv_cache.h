@@ -45,6 +45,12 @@ class KvCache {
   // Drops every token of every layer (keeps allocated pages for reuse).
   void clear();
 
+  // Keeps the first n tokens of every layer and drops the rest (keeps allocated pages).
+  // The statistics of a page cut short are recomputed from its remaining keys and its
+  // dropped rows read back as zero, exactly as if only n tokens had been appended.
+  // Throws when a layer holds fewer than n tokens.
+  void truncate(int n);
+
   // Read-only view of one (layer, kv head) for the kernels. Valid until the next append
   // or clear.
   PagedHeadView view(int layer, int kv_head) const;

@@ -38,6 +38,9 @@ struct SessionOptions {
   int prefill_chunk = 256;                      // tokens per prefill forward (GEMM rows)
   bool eval = false;                            // decode_step eval mode (true mass, error)
   int max_tokens = 0;                           // cache capacity; 0 = model context length
+  // Keep at least this many of the prompt's last queries per layer (besides what the
+  // method asks for), so restart_decode can start a method that learns from them (lfps).
+  int keep_prompt_queries = 0;
   // Called in every decode step for every layer with the query (after RoPE) that layer's
   // method receives: q [n_heads][head_dim] at `position` (`cumulus trace` records it).
   std::function<void(int layer, int position, const float* q)> on_decode_query;
@@ -72,8 +75,14 @@ class Session {
   const std::vector<float>& prefill(std::span<const int32_t> tokens);
   // Feeds one token through the decode method; returns logits [vocab].
   const std::vector<float>& decode(int32_t token);
+  // Drops every token after the prompt and starts decoding again with a new decode method
+  // (its on_prefill runs at the next decode), so several methods continue one prefill.
+  // The prompt's logits are not recomputed: keep prefill's return value. Throws before a
+  // prefill, or for an unknown method or parameter.
+  void restart_decode(const std::string& method, const std::map<std::string, std::string>& params = {});
 
   int position() const { return pos_; }
+  int prompt_length() const { return prompt_end_; }
   int capacity() const { return capacity_; }
   const KvCache& kv() const { return kv_; }
   const DecodeMethod& method() const { return *method_; }
