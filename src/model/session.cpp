@@ -79,6 +79,9 @@ Session::Session(const ModelWeights& weights, const SessionOptions& options)
                 opt_.prefill_chunk);
   CUMULUS_CHECK(opt_.max_tokens >= 0, "max_tokens={} must be >= 0", opt_.max_tokens);
   capacity_ = kv_.options().max_tokens;
+  CUMULUS_CHECK(opt_.prefill_method == "dense" && opt_.prefill_params.empty(),
+                "prefill_method={} ({} parameters): only dense prefill is available", opt_.prefill_method,
+                opt_.prefill_params.size());
   method_ = Registry::builtin().make(opt_.method, c.shape(), opt_.params);
   openblas_set_num_threads(1);  // threads come from pool_ (see matmul)
   const size_t rows = opt_.prefill_chunk;

@@ -33,6 +33,8 @@ namespace cumulus {
 struct SessionOptions {
   std::string method = "dense";                 // decode method (Registry::builtin())
   std::map<std::string, std::string> params;    // its parameters
+  std::string prefill_method = "dense";         // prefill attention (dense causal; flexprefill: issue 7)
+  std::map<std::string, std::string> prefill_params;
   KvCacheOptions kv;                            // page size, storage dtype
   int n_threads = 2;
   int prefill_chunk = 256;                      // tokens per prefill forward (GEMM rows)
