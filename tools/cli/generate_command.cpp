@@ -11,6 +11,7 @@
 
 #include "cli.h"
 #include "cumulus/core/error.h"
+#include "cumulus/eval/method_spec.h"
 #include "cumulus/methods/registry.h"
 #include "cumulus/model/gguf.h"
 #include "cumulus/model/model_weights.h"
@@ -45,28 +46,11 @@ struct RunResult {
 };
 
 // "--param key=value" applies to every selected method that declares `key`;
-// "--param method.key=value" to that method only.
+// "--param method.key=value" to that method only (eval/method_spec.h, shared with eval).
 std::map<std::string, std::map<std::string, std::string>> split_params(const std::vector<std::string>& params,
                                                                        const std::vector<std::string>& methods) {
   std::map<std::string, std::map<std::string, std::string>> out;
-  for (const auto& p : params) {
-    const size_t eq = p.find('=');
-    CUMULUS_CHECK(eq != std::string::npos && eq > 0, "--param '{}' must be key=value or method.key=value", p);
-    std::string key = p.substr(0, eq), value = p.substr(eq + 1);
-    const size_t dot = key.find('.');
-    bool used = false;
-    for (const auto& m : methods) {
-      const MethodInfo& info = Registry::builtin().find(m);
-      std::string k = key;
-      if (dot != std::string::npos) {
-        if (key.substr(0, dot) != m) continue;
-        k = key.substr(dot + 1);
-      }
-      for (const auto& spec : info.params)
-        if (spec.name == k) out[m][k] = value, used = true;
-    }
-    CUMULUS_CHECK(used, "--param '{}': no selected method has parameter '{}'", p, key);
-  }
+  for (const auto& s : method_specs_parse(methods, params)) out[s.method] = s.params;
   return out;
 }
 
