@@ -211,6 +211,9 @@ TEST_F(EvalTasks, BadOptionsAreErrors) {
   o = options("matched");
   o.baselines = {"tactic"};  // no budget to match
   EXPECT_THROW(eval_run(*model_, o), Error);
+  o = options("mass");
+  o.methods = {"tactic"};  // mass runs its fixed variants
+  EXPECT_THROW(eval_run(*model_, o), Error);
   o = options("kl");
   o.context = 64;
   o.steps = 4;

@@ -529,6 +529,9 @@ void EvalOptions::validate() const {
   for (double p : targets) CUMULUS_CHECK(p > 0 && p <= 1, "target={} must be in (0, 1]", p);
   CUMULUS_CHECK(match_iters >= 1 && match_iters <= 10, "match_iters={} must be in [1, 10]", match_iters);
   for (const auto& b : baselines) budget_param(b);
+  CUMULUS_CHECK(task != "mass" || (methods.empty() && sweeps.empty()),
+                "mass runs fixed variants (optimal, cluster_optimal, tactic, psa_mean, psa_bound, psa_certified, lfps, "
+                "quest) at --targets: tune them with --param, not --method/--sweep");
 }
 
 EvalReport eval_run(const EvalModel& model, const EvalOptions& options, std::FILE* progress_out) {
