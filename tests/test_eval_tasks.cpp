@@ -87,6 +87,13 @@ TEST_F(EvalTasks, KlAndPerplexityEqualAnIndependentComputation) {
   EXPECT_NEAR(dense.mass_true_mean, 1.0, 1e-6);
   EXPECT_DOUBLE_EQ(streaming.tokens_mean, 4 + 20);  // sinks + window
   EXPECT_LT(tactic.kl_summary.max, 1e-6);           // P = 1 equals dense
+  // Per layer: every layer has as many head-steps, so the layers' mean is the overall mean.
+  ASSERT_EQ(tactic.layer_mass_true.size(), 5u);
+  double layer_sum = 0;
+  for (double m : tactic.layer_mass_true) layer_sum += m;
+  EXPECT_NEAR(layer_sum / 5, tactic.mass_true_mean, 1e-12);
+  for (double r : tactic.layer_reached) EXPECT_EQ(r, 1.0);  // P = 1: the whole cache
+  EXPECT_TRUE(std::isnan(streaming.layer_reached[0]));      // no target
 
   // Independent: plain sessions (no eval mode, no restart), long-double softmax.
   const std::vector<int32_t> x = eval_text_tokens(*model_->tokenizer, kText.string(), 161);

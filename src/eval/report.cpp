@@ -43,7 +43,11 @@ json run_json(const RunStats& r) {
          {"claimed_mean", number(r.claimed_mean)},
          {"out_err_mean", r.out_err_mean},
          {"bypass_fraction", r.bypass_fraction},
-         {"seconds", r.seconds}};
+         {"seconds", r.seconds},
+         {"per_layer",
+          {{"mass_true_mean", numbers(r.layer_mass_true)},
+           {"claimed_mean", numbers(r.layer_claimed)},
+           {"reached", numbers(r.layer_reached)}}}};
   if (!r.kl.empty()) {
     j["kl"] = {{"mean", r.kl_summary.mean},     {"median", r.kl_summary.median}, {"p95", r.kl_summary.p95},
                {"max", r.kl_summary.max},       {"per_step", numbers(r.kl)}};

@@ -46,21 +46,31 @@ struct StepAccumulator {
   double target = kNaN;
   int64_t head_steps = 0, set_steps = 0, reached = 0, claimed_n = 0, bypass = 0;
   double tokens = 0, fraction = 0, mass = 0, mass_min = INFINITY, claimed = 0, err = 0;
+  // Per layer: [n_layers] sums of true mass, claims, head-steps reaching the target.
+  struct Layer {
+    double mass = 0, claimed = 0;
+    int64_t set_steps = 0, claimed_n = 0, reached = 0;
+  };
+  std::vector<Layer> layers;
 
-  void add(const std::vector<AttnOutput>& layers, int n_cached) {
-    for (const AttnOutput& o : layers)
-      for (const StepStats& st : o.stats) {
+  void add(const std::vector<AttnOutput>& outs, int n_cached) {
+    layers.resize(outs.size());
+    for (size_t l = 0; l < outs.size(); ++l)
+      for (const StepStats& st : outs[l].stats) {
+        Layer& L = layers[l];
         ++head_steps;
         tokens += st.tokens_attended;
         fraction += static_cast<double>(st.tokens_attended) / n_cached;
         if (!std::isnan(st.out_err)) err += st.out_err;
-        if (!std::isnan(st.mass_claimed)) claimed += st.mass_claimed, ++claimed_n;
+        if (!std::isnan(st.mass_claimed)) claimed += st.mass_claimed, ++claimed_n, L.claimed += st.mass_claimed, ++L.claimed_n;
         if (st.bypass) ++bypass;
         if (st.bypass || std::isnan(st.mass_true)) continue;
         ++set_steps;
+        ++L.set_steps;
         mass += st.mass_true;
+        L.mass += st.mass_true;
         mass_min = std::min(mass_min, st.mass_true);
-        if (!std::isnan(target) && st.mass_true >= target - kReachTolerance) ++reached;
+        if (!std::isnan(target) && st.mass_true >= target - kReachTolerance) ++reached, ++L.reached;
       }
   }
 
@@ -78,6 +88,12 @@ struct StepAccumulator {
       if (!std::isnan(target)) r.reached = static_cast<double>(reached) / set_steps;
     }
     if (claimed_n > 0) r.claimed_mean = claimed / claimed_n;
+    for (const Layer& L : layers) {
+      r.layer_mass_true.push_back(L.set_steps ? L.mass / L.set_steps : kNaN);
+      r.layer_claimed.push_back(L.claimed_n ? L.claimed / L.claimed_n : kNaN);
+      r.layer_reached.push_back(L.set_steps && !std::isnan(target) ? static_cast<double>(L.reached) / L.set_steps
+                                                                    : kNaN);
+    }
   }
 };
 
@@ -174,7 +190,8 @@ RunStats Evaluator::run_continuation(Session& s, const MethodSpec& spec, const s
   progress_.label(fmt::format("{}: {}", o_.task, name.empty() ? spec.label : name));
   const auto t0 = Clock::now();
   RunStats r = start_run(s, spec, name);
-  StepAccumulator acc{.target = r.target};
+  StepAccumulator acc;
+  acc.target = r.target;
   // The first run of a continuation is dense: the reference of every KL.
   const bool is_reference = dense_log_probs_.empty();
   CUMULUS_CHECK(!is_reference || spec.method == "dense", "the first run must be dense, not {}", spec.method);
@@ -198,7 +215,8 @@ RunStats Evaluator::run_answer(Session& s, const MethodSpec& spec, const std::st
   progress_.label(fmt::format("{}: {}", o_.task, name.empty() ? spec.label : name));
   const auto t0 = Clock::now();
   RunStats r = start_run(s, spec, name);
-  StepAccumulator acc{.target = r.target};
+  StepAccumulator acc;
+  acc.target = r.target;
   const Tokenizer& tok = *m_.tokenizer;
   Sampler greedy({});
   const std::vector<float>* logits = &s.decode(first);

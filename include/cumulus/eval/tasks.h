@@ -113,6 +113,8 @@ struct RunStats {
   double claimed_mean = kNaN;   // over head-steps with a claim
   double out_err_mean = 0;      // ||o - o_dense|| per head-step
   double bypass_fraction = 0;   // LFPS sink bypass
+  // Per layer [n_layers] (NaN where undefined): mean true mass, mean claim, share reaching P.
+  std::vector<double> layer_mass_true, layer_claimed, layer_reached;
   double seconds = 0;
   // Budget matching (matched, mass): the mean tokens per head-step aimed at, the budget
   // parameter and value used, how many budget runs it took.
