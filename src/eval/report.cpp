@@ -66,6 +66,12 @@ json run_json(const RunStats& r) {
   return j;
 }
 
+json runs_json(const std::vector<RunStats>& runs) {
+  json a = json::array();
+  for (const auto& r : runs) a.push_back(run_json(r));
+  return a;
+}
+
 std::string pct(double v, int decimals = 1) {
   return std::isnan(v) ? std::string("-") : fmt::format("{:.{}f}", 100 * v, decimals);
 }
@@ -307,13 +313,11 @@ std::string eval_json(const EvalReport& r) {
                   {"load_average", r.machine.load_average}};
   j["total_s"] = r.total_s;
   if (r.continuation.steps > 0) {
-    json runs = json::array();
-    for (const auto& run : r.continuation.runs) runs.push_back(run_json(run));
     j["continuation"] = {{"context", r.continuation.context},
                          {"prompt_tokens", r.continuation.prompt_tokens},
                          {"steps", r.continuation.steps},
                          {"prefill_s", r.continuation.prefill_s},
-                         {"runs", runs}};
+                         {"runs", runs_json(r.continuation.runs)}};
   }
   if (!r.mass.empty()) {
     json rows = json::array();
@@ -326,18 +330,13 @@ std::string eval_json(const EvalReport& r) {
   }
   if (!r.matched.empty()) {
     json groups = json::array();
-    for (const auto& g : r.matched) {
-      json b = json::array();
-      for (const auto& run : g.baselines) b.push_back(run_json(run));
-      groups.push_back({{"adaptive", run_json(g.adaptive)}, {"baselines", b}});
-    }
+    for (const auto& g : r.matched)
+      groups.push_back({{"adaptive", run_json(g.adaptive)}, {"baselines", runs_json(g.baselines)}});
     j["matched"] = groups;
   }
   if (!r.niah.empty()) {
     json cells = json::array();
     for (const auto& c : r.niah) {
-      json runs = json::array();
-      for (const auto& run : c.runs) runs.push_back(run_json(run));
       cells.push_back({{"length", c.length},
                        {"depth", c.depth},
                        {"depth_achieved", c.depth_achieved},
@@ -345,7 +344,7 @@ std::string eval_json(const EvalReport& r) {
                        {"number", c.number},
                        {"prompt_tokens", c.prompt_tokens},
                        {"prefill_s", c.prefill_s},
-                       {"runs", runs}});
+                       {"runs", runs_json(c.runs)}});
     }
     j["niah"] = cells;
   }
