@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "attention_test_util.h"
+#include "kernel_check.h"
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/prefill.h"
 #include "cumulus/methods/registry.h"
@@ -25,22 +26,14 @@
 #include "cumulus/model/session.h"
 #include "cumulus/model/tokenizer.h"
 #include "methods/flexprefill.h"
+#include "methods/method_util.h"
 
 using namespace cumulus;
 using namespace cumulus::attn_test;
+using namespace cumulus::check;
 using flexprefill::Pattern;
 
 namespace {
-
-template <class Fn>
-void expect_error(Fn fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error, wanted one mentioning " << needle;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
 
 using Lists = std::vector<std::vector<int32_t>>;
 
@@ -279,20 +272,9 @@ TEST(FlexPrefillMethod, OutputIsBlockSparseAttentionOverItsSelection) {
     for (auto& v : views) v.n_tokens = pos + c;
     const float* q = f.q.data() + static_cast<size_t>(pos) * 6 * 64;
     const auto sel = flexprefill::select_layer(cfg, {pos, c, 64}, views.data(), 2, 3, q, pool);
-    PrefillAttnArgs a;
-    a.kv = views.data();
-    a.n_kv_heads = 2;
-    a.group = 3;
-    a.scale = 0.125f;
-    a.pos = pos;
-    a.n_q = c;
-    a.q = q;
     std::vector<float> want(got.size());
-    a.out = want.data();
-    ref::attention_prefill_block_sparse(a, sel.layout);
-    double num = 0, den = 0;
-    for (size_t i = 0; i < got.size(); ++i) num += (got[i] - want[i]) * (got[i] - want[i]), den += want[i] * want[i];
-    EXPECT_LE(std::sqrt(num / den), 2e-5) << "pos=" << pos;
+    ref::attention_prefill_block_sparse(methods::prefill_args(f.shape, views, pos, c, q, want.data()), sel.layout);
+    EXPECT_LE(norm_err(got, want), 2e-5) << "pos=" << pos;
     const PrefillStats& st = flex->stats();
     EXPECT_EQ(st.blocks_computed, static_cast<int64_t>(sel.layout.blocks.size()));
     EXPECT_LT(st.blocks_computed, st.blocks_causal);
@@ -352,12 +334,6 @@ class FlexPrefillStories : public ::testing::Test {
   std::vector<int32_t> prompt_;
 };
 
-double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) num += (a[i] - b[i]) * (a[i] - b[i]), den += b[i] * b[i];
-  return std::sqrt(num / den);
-}
-
 }  // namespace
 
 // Through the session: flexprefill at gamma = 1 in the dense session's chunks gives the same
@@ -365,9 +341,9 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
 TEST_F(FlexPrefillStories, GammaOneEqualsDenseThroughTheSession) {
   const std::vector<float> dense = prefill("dense", {});
   EXPECT_EQ(prefill("flexprefill", {{"gamma", "1"}, {"chunk", "256"}}), dense);
-  EXPECT_LT(rel_err(prefill("flexprefill", {{"gamma", "1"}}), dense), 1e-4);
+  EXPECT_LT(norm_err(prefill("flexprefill", {{"gamma", "1"}}), dense), 1e-4);
   // Dense prefill in one chunk of the whole prompt agrees as well.
-  EXPECT_LT(rel_err(prefill("dense", {}, 2, 4096), dense), 1e-4);
+  EXPECT_LT(norm_err(prefill("dense", {}, 2, 4096), dense), 1e-4);
 }
 
 TEST_F(FlexPrefillStories, SparsePrefillCountsItsBlocksAndIsDeterministic) {

@@ -4,7 +4,6 @@
 #include <chrono>
 
 #include "cumulus/core/error.h"
-#include "cumulus/kernels/prefill.h"
 #include "cumulus/methods/registry.h"
 #include "method_util.h"
 
@@ -54,17 +53,8 @@ class DensePrefill final : public PrefillMethod {
   void prefill(int layer, int pos, int c, const float* q, const KvCache& kv, const PrefillContext& ctx,
                float* out) override {
     const auto t0 = std::chrono::steady_clock::now();
-    std::vector<PagedHeadView> views = methods::layer_views(kv, layer);
-    PrefillAttnArgs a;
-    a.kv = views.data();
-    a.n_kv_heads = shape_.n_kv_heads;
-    a.group = shape_.group();
-    a.scale = attention_scale(shape_.head_dim);
-    a.pos = pos;
-    a.n_q = c;
-    a.q = q;
-    a.out = out;
-    cpu::attention_prefill_dense(a, *ctx.pool);
+    const std::vector<PagedHeadView> views = methods::layer_views(kv, layer);
+    cpu::attention_prefill_dense(methods::prefill_args(shape_, views, pos, c, q, out), *ctx.pool);
     stats_.heads_dense += shape_.n_q_heads;
     stats_.attention_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }

@@ -324,16 +324,7 @@ class FlexPrefill final : public PrefillMethod {
     flexprefill::LayerSelection sel =
         flexprefill::select_layer(cfg_, g, views.data(), shape_.n_kv_heads, shape_.group(), q, *ctx.pool);
     const auto t1 = clock::now();
-    PrefillAttnArgs a;
-    a.kv = views.data();
-    a.n_kv_heads = shape_.n_kv_heads;
-    a.group = shape_.group();
-    a.scale = attention_scale(shape_.head_dim);
-    a.pos = pos;
-    a.n_q = c;
-    a.q = q;
-    a.out = out;
-    cpu::attention_prefill_block_sparse(a, sel.layout, *ctx.pool);
+    cpu::attention_prefill_block_sparse(methods::prefill_args(shape_, views, pos, c, q, out), sel.layout, *ctx.pool);
     const auto t2 = clock::now();
 
     int64_t causal = 0;
