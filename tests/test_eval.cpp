@@ -401,7 +401,10 @@ EvalReport fake_report(const std::string& task) {
   r.options.task = task;
   r.model = "models/x.gguf";
   r.text = "t.txt";
-  r.continuation = {1000, 2, 1002, 1.0, {}};
+  r.continuation.prompt_tokens = 1000;
+  r.continuation.steps = 2;
+  r.continuation.context = 1002;
+  r.continuation.prefill_s = 1.0;
   r.continuation.runs.push_back(fake_run("dense", "dense", 1.0, 0.0, kNaN, 1.0));
   r.continuation.runs.push_back(fake_run("tactic p=0.5", "tactic", 0.1, 0.2, 0.5, 0.7));
   r.continuation.runs.back().spec.curve = "tactic";

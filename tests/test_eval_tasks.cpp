@@ -116,6 +116,46 @@ TEST_F(EvalTasks, KlAndPerplexityEqualAnIndependentComputation) {
   EXPECT_LT(streaming.kv_fraction, 0.5);
 }
 
+// With a sparse prefill, the reference is all-dense (dense prefill + dense decode), and the
+// dense-decode run after the sparse prefill differs from it by what the prefill costs:
+// checked against plain sessions, one with each prefill method.
+TEST_F(EvalTasks, SparsePrefillKlIsAgainstAllDense) {
+  EvalOptions o = options("kl");
+  o.context = 400;
+  o.steps = 4;
+  o.methods = {"dense"};
+  o.prefill_method = "flexprefill";
+  o.prefill_params = {{"block_size", "32"}, {"gamma", "0.5"}, {"min_budget", "32"}};
+  const EvalReport rep = eval_run(*model_, o);
+  const ContinuationReport& c = rep.continuation;
+  ASSERT_EQ(c.runs.size(), 2u);
+  EXPECT_EQ(c.runs[0].name, "dense prefill + dense");
+  for (double k : c.runs[0].kl) EXPECT_EQ(k, 0.0);
+  EXPECT_FALSE(std::isnan(c.reference_prefill_s));
+  EXPECT_GT(c.prefill_stats.blocks_causal, 0);
+  EXPECT_LT(c.prefill_stats.block_share(), 1.0);  // gamma 0.5 drops blocks
+
+  const std::vector<int32_t> x = eval_text_tokens(*model_->tokenizer, kText.string(), 401);
+  const auto ref_dense = plain_run(model_->weights, x, 396, 400, "dense", {});
+  SessionOptions so;
+  so.prefill_method = "flexprefill";
+  so.prefill_params = o.prefill_params;
+  Session s(model_->weights, so);
+  s.prefill(std::span<const int32_t>(x).first(396));
+  double kl_sum = 0;
+  for (int i = 0; i < 4; ++i) {
+    const std::vector<float>& l = s.decode(x[396 + i]);
+    long double kl = 0;
+    for (size_t v = 0; v < l.size(); ++v) {
+      const long double lp = log_softmax_at(ref_dense[i], v), lq = log_softmax_at(l, v);
+      kl += std::exp(lp) * (lp - lq);
+    }
+    EXPECT_NEAR(c.runs[1].kl[i], static_cast<double>(kl), 1e-7 + 1e-5 * static_cast<double>(kl)) << "step " << i;
+    kl_sum += static_cast<double>(kl);
+  }
+  EXPECT_GT(kl_sum, 0.0);  // the sparse prefill changed the model's outputs
+}
+
 TEST_F(EvalTasks, MassTableKeepsThePromises) {
   EvalOptions o = options("mass");
   o.context = 256;

@@ -92,6 +92,13 @@ std::string md_header(const EvalReport& r) {
                      "(prefill {:.1f} s)\n",
                      r.continuation.context, r.continuation.prompt_tokens, r.continuation.steps,
                      r.continuation.prefill_s);
+  if (!std::isnan(r.continuation.reference_prefill_s)) {
+    const PrefillStats& ps = r.continuation.prefill_stats;
+    s += fmt::format("- {} prefill computed {:.1f}% of the causal blocks (query-aware / vertical-slash / dense heads "
+                     "{} / {} / {}); dense prefill took {:.1f} s; every KL is against all-dense (the first row)\n",
+                     o.prefill_method, 100 * ps.block_share(), ps.heads_query_aware, ps.heads_vertical_slash,
+                     ps.heads_dense, r.continuation.reference_prefill_s);
+  }
   if (!r.niah.empty())
     s += fmt::format("- niah: lengths {}, depths {}, {} needle(s) per cell, template {}, seed {}, answer <= {} tokens\n",
                      fmt::join(o.lengths, "/"), fmt::join(o.depths, "/"), o.needles, r.niah_template, o.seed,
@@ -318,6 +325,18 @@ std::string eval_json(const EvalReport& r) {
                          {"steps", r.continuation.steps},
                          {"prefill_s", r.continuation.prefill_s},
                          {"runs", runs_json(r.continuation.runs)}};
+    if (!std::isnan(r.continuation.reference_prefill_s)) {
+      const PrefillStats& ps = r.continuation.prefill_stats;
+      j["continuation"]["reference_prefill_s"] = r.continuation.reference_prefill_s;
+      j["continuation"]["prefill_stats"] = {{"block_share", ps.block_share()},
+                                            {"blocks_causal", ps.blocks_causal},
+                                            {"blocks_computed", ps.blocks_computed},
+                                            {"heads_query_aware", ps.heads_query_aware},
+                                            {"heads_vertical_slash", ps.heads_vertical_slash},
+                                            {"heads_dense", ps.heads_dense},
+                                            {"select_s", ps.select_seconds},
+                                            {"attention_s", ps.attention_seconds}};
+    }
   }
   if (!r.mass.empty()) {
     json rows = json::array();

@@ -106,6 +106,7 @@ class Evaluator {
 
  private:
   std::unique_ptr<Session> session_for(int capacity, const std::vector<MethodSpec>& specs) const;
+  bool sparse_prefill() const { return o_.prefill_method != "dense" && !reference_prefill_; }
   // Prefills `tokens` in pieces (bit-identical to one call: pieces are multiples of the
   // session's chunk) so the progress bar moves; returns seconds.
   double prefill(Session& s, std::span<const int32_t> tokens);
@@ -141,13 +142,16 @@ class Evaluator {
   std::unique_ptr<Session> session_;
   std::vector<int32_t> feed_, labels_;
   std::vector<std::vector<double>> dense_log_probs_;  // [steps][vocab]
+  bool reference_prefill_ = false;  // set while the all-dense reference of a sparse prefill runs
 };
 
 std::unique_ptr<Session> Evaluator::session_for(int capacity, const std::vector<MethodSpec>& specs) const {
   SessionOptions so;
   so.method = "dense";
-  so.prefill_method = o_.prefill_method;
-  so.prefill_params = o_.prefill_params;
+  if (!reference_prefill_) {
+    so.prefill_method = o_.prefill_method;
+    so.prefill_params = o_.prefill_params;
+  }
   so.kv.page_size = o_.page_size;
   so.kv.dtype = o_.kv_dtype;
   so.n_threads = o_.threads;
@@ -164,6 +168,12 @@ double Evaluator::prefill(Session& s, std::span<const int32_t> tokens) {
   const auto t0 = Clock::now();
   constexpr size_t kPiece = 512;  // a multiple of the default prefill chunk (256)
   size_t i = 0;
+  // A sparse prefill method (flexprefill) chooses its blocks from the whole prompt: one call.
+  if (sparse_prefill()) {
+    s.prefill(tokens);
+    progress_.prefilled(static_cast<int64_t>(tokens.size()));
+    return seconds_since(t0);
+  }
   // Session keeps the prompt queries of the last prefill call only: the last piece must
   // hold all of them, so it is kept whole (>= kPiece tokens unless the prompt is shorter).
   while (tokens.size() - i >= 2 * kPiece) {
@@ -315,8 +325,18 @@ void Evaluator::continuation_setup(EvalReport& rep, const std::vector<MethodSpec
 void Evaluator::task_continuation(EvalReport& rep) {
   const std::vector<MethodSpec> specs = specs_with_dense(all_decode_methods());
   const int ctx = o_.context > 0 ? o_.context : m_.weights.config.context_length;
-  progress_.plan(ctx - o_.steps, static_cast<int64_t>(specs.size()) * o_.steps);
+  const bool sparse = sparse_prefill();
+  progress_.plan((ctx - o_.steps) * (sparse ? 2 : 1), static_cast<int64_t>(specs.size() + sparse) * o_.steps);
+  if (sparse) {
+    // The reference of every KL is all-dense: dense prefill, then dense decode.
+    reference_prefill_ = true;
+    continuation_setup(rep, specs.front().method == "dense" ? std::vector<MethodSpec>{specs.front()} : specs);
+    rep.continuation.runs.push_back(run_continuation(*session_, specs.front(), "dense prefill + dense"));
+    rep.continuation.reference_prefill_s = rep.continuation.prefill_s;
+    reference_prefill_ = false;
+  }
   continuation_setup(rep, specs);
+  if (sparse) rep.continuation.prefill_stats = session_->prefill_method().stats();
   for (const auto& s : specs) rep.continuation.runs.push_back(run_continuation(*session_, s, ""));
 }
 

@@ -42,6 +42,7 @@
 #include "cumulus/eval/bench.h"
 #include "cumulus/eval/method_spec.h"
 #include "cumulus/eval/metrics.h"
+#include "cumulus/methods/prefill.h"
 #include "cumulus/model/model_weights.h"
 #include "cumulus/model/tokenizer.h"
 
@@ -129,6 +130,11 @@ struct RunStats {
 struct ContinuationReport {
   int prompt_tokens = 0, steps = 0, context = 0;
   double prefill_s = 0;
+  // With a sparse prefill method (kl, ppl): the all-dense reference run first ("dense
+  // prefill + dense"), its prefill time, and the sparse prefill's block statistics; every
+  // KL is then against all-dense, so it includes what the sparse prefill costs.
+  double reference_prefill_s = kNaN;
+  PrefillStats prefill_stats;
   std::vector<RunStats> runs;  // dense first
 };
 
