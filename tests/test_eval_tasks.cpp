@@ -130,6 +130,7 @@ TEST_F(EvalTasks, SparsePrefillKlIsAgainstAllDense) {
   const ContinuationReport& c = rep.continuation;
   ASSERT_EQ(c.runs.size(), 2u);
   EXPECT_EQ(c.runs[0].name, "dense prefill + dense");
+  EXPECT_EQ(c.runs[1].name, "flexprefill prefill + dense");
   for (double k : c.runs[0].kl) EXPECT_EQ(k, 0.0);
   EXPECT_FALSE(std::isnan(c.reference_prefill_s));
   EXPECT_GT(c.prefill_stats.blocks_causal, 0);

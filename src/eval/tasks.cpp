@@ -337,7 +337,9 @@ void Evaluator::task_continuation(EvalReport& rep) {
   }
   continuation_setup(rep, specs);
   if (sparse) rep.continuation.prefill_stats = session_->prefill_method().stats();
-  for (const auto& s : specs) rep.continuation.runs.push_back(run_continuation(*session_, s, ""));
+  for (const auto& s : specs)
+    rep.continuation.runs.push_back(
+        run_continuation(*session_, s, sparse ? fmt::format("{} prefill + {}", o_.prefill_method, s.label) : ""));
 }
 
 void Evaluator::task_mass(EvalReport& rep) {
