@@ -246,6 +246,10 @@ TEST(Methods, ThreadCountDoesNotChangeResults) {
     AttnOutput a = run(m, f, {}, 1, false), b = run(m, f, {}, 2, false);
     EXPECT_EQ(a.out, b.out) << m;
     EXPECT_EQ(a.selection.tokens, b.selection.tokens) << m;
+    for (size_t qh = 0; qh < a.stats.size(); ++qh) {
+      const double ca = a.stats[qh].mass_claimed, cb = b.stats[qh].mass_claimed;
+      EXPECT_TRUE(ca == cb || (std::isnan(ca) && std::isnan(cb))) << m << " head " << qh;
+    }
   }
 }
 

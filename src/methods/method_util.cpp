@@ -67,11 +67,16 @@ double softmax_scaled(const float* scores, int n, float scale, std::vector<float
   probs.resize(n);
   float mx = -std::numeric_limits<float>::infinity();
   for (int i = 0; i < n; ++i) mx = std::max(mx, scores[i] * scale);
+  // One float exp per token (the probabilities are float anyway), summed in float64.
   double sum = 0;
-  for (int i = 0; i < n; ++i) sum += std::exp(static_cast<double>(scores[i] * scale - mx));
-  const double lse = mx + std::log(sum);
-  for (int i = 0; i < n; ++i) probs[i] = static_cast<float>(std::exp(static_cast<double>(scores[i] * scale) - lse));
-  return lse;
+  for (int i = 0; i < n; ++i) {
+    const float e = std::exp(scores[i] * scale - mx);
+    probs[i] = e;
+    sum += e;
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  for (int i = 0; i < n; ++i) probs[i] *= inv;
+  return mx + std::log(sum);
 }
 
 void oracle_decode(const Shape& shape, int layer, const float* q, const KvCache& kv, const DecodeContext& ctx,
@@ -80,25 +85,31 @@ void oracle_decode(const Shape& shape, int layer, const float* q, const KvCache&
   const int n = kv.n_tokens(layer);
   const int g = shape.group();
   const float scale = attention_scale(shape.head_dim);
-  scratch.scores.resize(static_cast<size_t>(g) * n);
-  for (int h = 0; h < shape.n_kv_heads; ++h) {
+  ThreadPool& pool = *ctx.pool;
+  scratch.workers.resize(static_cast<size_t>(pool.n_threads()));
+  // One task per kv head: each writes only its own selection list and its group's stats,
+  // so the result does not depend on which worker runs it.
+  pool.parallel_for(shape.n_kv_heads, [&](int64_t hh, int worker) {
+    const int h = static_cast<int>(hh);
+    OracleScratch::Worker& w = scratch.workers[static_cast<size_t>(worker)];
+    w.scores.resize(static_cast<size_t>(g) * n);
     const PagedHeadView v = kv.view(layer, h);
-    cpu::token_score(v, q + static_cast<size_t>(h) * g * shape.head_dim, g, nullptr, n, scratch.scores.data());
+    cpu::token_score(v, q + static_cast<size_t>(h) * g * shape.head_dim, g, nullptr, n, w.scores.data());
     auto& uni = out.selection.tokens[h];
     uni.clear();
     for (int j = 0; j < g; ++j) {
-      const float* s = scratch.scores.data() + static_cast<size_t>(j) * n;
-      softmax_scaled(s, n, scale, scratch.probs);
-      choose(s, n, scratch.probs, scratch.chosen);
+      const float* s = w.scores.data() + static_cast<size_t>(j) * n;
+      softmax_scaled(s, n, scale, w.probs);
+      choose(s, n, w.probs, w.chosen);
       double claimed = 0;
-      for (int32_t i : scratch.chosen) claimed += scratch.probs[i];
+      for (int32_t i : w.chosen) claimed += w.probs[i];
       out.stats[h * g + j].mass_claimed = claimed;
-      uni.insert(uni.end(), scratch.chosen.begin(), scratch.chosen.end());
+      uni.insert(uni.end(), w.chosen.begin(), w.chosen.end());
     }
     selection_normalize(uni);
     add_kv_head_bytes(shape, h, static_cast<double>(n) * kv.bytes_per_token_head() / 2, out);
-  }
-  attend_selection(kv, layer, q, *ctx.pool, out);
+  });
+  attend_selection(kv, layer, q, pool, out);
 }
 
 }  // namespace cumulus::methods

@@ -45,9 +45,14 @@ double softmax_scaled(const float* scores, int n, float scale, std::vector<float
 // per kv head for its group; `choose` picks one query head's set from its raw scores
 // [n] and softmax probabilities [n]; each head claims the exact mass of its own set, and
 // the group attends the union (Tactic 4.5). Bytes read: every key once per kv head.
+// Kv heads run as parallel tasks on ctx.pool, so `choose` must be safe to call from
+// several threads at once (the selection ops are).
 struct OracleScratch {
-  std::vector<float> scores, probs;  // [group][n], [n]
-  std::vector<int32_t> chosen;
+  struct Worker {
+    std::vector<float> scores, probs;  // [group][n], [n]
+    std::vector<int32_t> chosen;
+  };
+  std::vector<Worker> workers;  // [pool threads]
 };
 using OracleChoose =
     std::function<void(const float* scores, int n, const std::vector<float>& probs, std::vector<int32_t>& chosen)>;
