@@ -18,7 +18,10 @@
 //
 // Usage: cuda_decode_bench [--contexts 8192,32768,131072] [--batches 1,16] [--iters 30]
 //          [--warmup 5] [--p 0.9] [--concentration 1.0] [--seed 1] [--methods LIST]
-//          [--trace FILE]... [--json PATH]
+//          [--dense-plans LIST] [--trace FILE]... [--json PATH]
+// --dense-plans: our dense kernel's plans to time, comma-separated specs KIND WARPS [/cN]
+// [/mN] [/nN]: KIND simt or tc (tensor cores), WARPS 2, 4 or 8 per CTA, /c CTAs per SM
+// (0 = occupancy limit), /m max_chunk, /n min_chunk (0 = the plan's default); e.g. tc4/c1.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -52,6 +55,7 @@ struct Options {
   std::vector<int> batches{1, 16};
   std::vector<std::string> methods{"tactic", "psa", "quest", "oracle_topp"};
   std::vector<std::string> traces;
+  std::vector<std::string> dense_plans{"simt4", "simt8", "tc4", "tc8", "tc8/m1048576"};
   int iters = 30, warmup = 5;
   double p = 0.9, concentration = 1.0;
   uint64_t seed = 1;
@@ -83,6 +87,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--batches") o.batches = ints(next());
     else if (a == "--methods") o.methods = split(next());
     else if (a == "--trace") o.traces.push_back(next());
+    else if (a == "--dense-plans") o.dense_plans = split(next());
     else if (a == "--iters") o.iters = std::stoi(next());
     else if (a == "--warmup") o.warmup = std::stoi(next());
     else if (a == "--p") o.p = std::stod(next());
@@ -93,6 +98,37 @@ Options parse(int argc, char** argv) {
   }
   CUMULUS_CHECK(o.iters >= 1 && o.warmup >= 0, "--iters={} must be >= 1 and --warmup={} >= 0", o.iters, o.warmup);
   return o;
+}
+
+// One --dense-plans spec ("tc8/c2/m65536") as plan options.
+cuda::AttentionPlanOptions plan_spec(const std::string& spec) {
+  cuda::AttentionPlanOptions po;
+  const std::vector<std::string> parts = [&] {
+    std::vector<std::string> r;
+    std::stringstream ss(spec);
+    std::string x;
+    while (std::getline(ss, x, '/')) r.push_back(x);
+    return r;
+  }();
+  CUMULUS_CHECK(!parts.empty(), "--dense-plans: empty spec");
+  const std::string& head = parts[0];
+  size_t digits = head.find_first_of("0123456789");
+  CUMULUS_CHECK(digits != std::string::npos && digits > 0, "--dense-plans: '{}' needs KIND WARPS (e.g. tc8)", spec);
+  const std::string kind = head.substr(0, digits);
+  CUMULUS_CHECK(kind == "simt" || kind == "tc", "--dense-plans: kind '{}' in '{}' must be simt or tc", kind, spec);
+  po.tensor_cores = kind == "tc";
+  po.warps = std::stoi(head.substr(digits));
+  for (size_t i = 1; i < parts.size(); ++i) {
+    CUMULUS_CHECK(parts[i].size() >= 2, "--dense-plans: bad field '{}' in '{}'", parts[i], spec);
+    const int v = std::stoi(parts[i].substr(1));
+    switch (parts[i][0]) {
+      case 'c': po.ctas_per_sm = v; break;
+      case 'm': po.max_chunk = v; break;
+      case 'n': po.min_chunk = v; break;
+      default: CUMULUS_FAIL("--dense-plans: field '{}' in '{}' must start with c, m or n", parts[i], spec);
+    }
+  }
+  return po;
 }
 
 double median(std::vector<double> x) {
@@ -179,21 +215,19 @@ struct Problem {
 // variant's output for sequence 0 is compared with the float64 reference (ref_out0:
 // [n_q_heads][head_dim]) before its time counts: a variant whose normalised error exceeds
 // 1e-4 is reported and not chosen.
-json run_dense(const Problem& pb, cuda::Stream& st, Timer& timer, cuda::DeviceBuffer& out, cuda::DeviceBuffer& lse,
-               double copy_gbps, const std::vector<float>& ref_out0, double& best_us,
-               cuda::AttentionPlanOptions& best_opts) {
+json run_dense(const Problem& pb, const std::vector<std::string>& specs, cuda::Stream& st, Timer& timer,
+               cuda::DeviceBuffer& out, cuda::DeviceBuffer& lse, double copy_gbps, const std::vector<float>& ref_out0,
+               double& best_us, cuda::AttentionPlanOptions& best_opts) {
   json variants = json::array();
   best_us = 1e300;
   json best;
   const cuda::DeviceKvView kv = pb.dev->view();
   const size_t n_out = static_cast<size_t>(kv.n_seqs) * kv.n_kv_heads * pb.group * kv.head_dim;
   std::vector<float> reference;
-  for (const cuda::AttentionPlanOptions& po :
-       {cuda::AttentionPlanOptions{4, 0, 0, false}, cuda::AttentionPlanOptions{8, 0, 0, false},
-        cuda::AttentionPlanOptions{4, 0, 0, true}, cuda::AttentionPlanOptions{8, 0, 0, true},
-        cuda::AttentionPlanOptions{8, 0, 0, true, 1 << 20}}) {
-    json v = {{"warps", po.warps}, {"tensor_cores", po.tensor_cores}, {"ctas_per_sm", po.ctas_per_sm},
-              {"max_chunk", po.max_chunk}};
+  for (const std::string& spec : specs) {
+    const cuda::AttentionPlanOptions po = plan_spec(spec);
+    json v = {{"plan", spec}, {"warps", po.warps}, {"tensor_cores", po.tensor_cores}, {"ctas_per_sm", po.ctas_per_sm},
+              {"max_chunk", po.max_chunk}, {"min_chunk", po.min_chunk}};
     try {
       cuda::AttentionPlan plan(kv, pb.group, po);
       cuda::DeviceDecodeArgs a;
@@ -536,19 +570,15 @@ int main(int argc, char** argv) {
         double dense_us = 0;
         cuda::AttentionPlanOptions best_opts;
         json run = {{"context", n}, {"batch", b}};
-        run["dense"] = run_dense(pb, st, timer, out, lse, copy_gbps, ref_out0, dense_us, best_opts);
+        run["dense"] = run_dense(pb, o.dense_plans, st, timer, out, lse, copy_gbps, ref_out0, dense_us, best_opts);
         for (const auto& v : run["dense"]["variants"]) {
           if (v.contains("error")) {
-            fmt::print("  batch {:>2}: dense {:<12} warps {} error: {}\n", b,
-                       v["tensor_cores"].get<bool>() ? "tensor-cores" : "simt", v["warps"].get<int>(),
+            fmt::print("  batch {:>2}: dense {:<16} error: {}\n", b, v["plan"].get<std::string>(),
                        v["error"].get<std::string>());
             continue;
           }
-          fmt::print("  batch {:>2}: dense {:<12} warps {} max_chunk {:>7} {:8.1f} us  {:6.0f} GB/s  {:5.1f}% of copy  "
-                     "err vs float64 {:.1e}{}\n",
-                     b, v["tensor_cores"].get<bool>() ? "tensor-cores" : "simt", v["warps"].get<int>(),
-                     v["max_chunk"].get<int>(),
-                     v["us_median"].get<double>(), v["gbps"].get<double>(), v["pct_copy"].get<double>(),
+          fmt::print("  batch {:>2}: dense {:<16} {:8.1f} us  {:6.0f} GB/s  {:5.1f}% of copy  err vs float64 {:.1e}{}\n",
+                     b, v["plan"].get<std::string>(), v["us_median"].get<double>(), v["gbps"].get<double>(), v["pct_copy"].get<double>(),
                      v["err_vs_ref_seq0"].get<double>(), v["valid"].get<bool>() ? "" : "  INVALID");
         }
         const auto dense_out = cuda::to_host<float>(out, nq * so.shape.head_dim);
