@@ -18,7 +18,8 @@
 # cuDNN kernels on the same problem).
 #
 # Usage (on the device machine, from the repository root):
-#   [PROFILE=1] [DENSE_PLANS=tc4,tc8,...] [BASE=dir] tools/device/run.sh [--quick]
+#   [PROFILE=1] [PROFILE_TORCH=1] [DENSE_PLANS=tc4,tc8,...] [METHODS=tactic,psa,...] [BASE=dir]
+#   tools/device/run.sh [--quick]
 # BASE: a second prebuilt benchmark (e.g. the main branch's) run first on 128K only, so one
 # device run holds before and after figures.
 set -uo pipefail
@@ -59,6 +60,7 @@ trap pack EXIT
 
 plans=()
 [ -n "${DENSE_PLANS:-}" ] && plans=(--dense-plans "$DENSE_PLANS")
+[ -n "${METHODS:-}" ] && plans+=(--methods "$METHODS")
 
 if [ -n "${BASE:-}" ] && [ -x "$BASE/cuda_decode_bench" ] && [ $QUICK = 0 ]; then
   stamp "== baseline benchmark ($BASE, 128K)"
@@ -66,6 +68,13 @@ if [ -n "${BASE:-}" ] && [ -x "$BASE/cuda_decode_bench" ] && [ $QUICK = 0 ]; the
     --contexts 131072 --batches 1,16 --methods tactic,psa --json "$OUT/base_bench.json" > "$LOG/base_bench.log" 2>&1
   echo "baseline bench rc=$?"
   grep -E "copy|batch" "$LOG/base_bench.log" | tail -20
+fi
+
+if command -v cuobjdump > /dev/null; then  # registers, shared memory and stack of our kernels
+  cuobjdump --dump-resource-usage "$BIN/cuda_decode_bench" 2>/dev/null | sed -E "s/(Function [^:]+):/\1 :/" |
+    c++filt > "$LOG/resources.txt"
+  grep -A1 -E "Function .*(attention_|tactic_|centroid_score)" "$LOG/resources.txt" | grep -E "REG|Function" |
+    paste - - | sed -E 's/ +/ /g' | cut -c1-170 | head -16
 fi
 
 stamp "== CUDA tests"
@@ -119,7 +128,7 @@ PYTHONUNBUFFERED=1 timeout 90 python3 tools/device/torch_sdpa_bench.py "${torch_
   > "$LOG/torch.log" 2>&1
 echo "torch rc=$?"
 tail -16 "$LOG/torch.log"
-if [ "${PROFILE:-0}" = 1 ] && [ $QUICK = 0 ] && [ -x "$NCU" ]; then
+if [ "${PROFILE_TORCH:-0}" = 1 ] && [ $QUICK = 0 ] && [ -x "$NCU" ]; then
   stamp "== Nsight Compute: PyTorch cuDNN at 128K batch 1"
   PYTHONUNBUFFERED=1 timeout 45 "$NCU" --clock-control none --section LaunchStats --section SpeedOfLight \
     --section Occupancy python3 tools/device/torch_sdpa_bench.py --contexts 131072 --batches 1 --iters 1 --warmup 0 \
