@@ -90,16 +90,30 @@ struct TacticParams {
   float* claimed;             // [rows]
   int32_t* budget;            // [rows]
   int rank_bins, rank_sz_off;  // the ranking kernel's bins and shared-memory layout
-  unsigned long long* phase;  // [rows][kRankPhaseSlots] %globaltimer at the ranking's phase ends, or null
+  unsigned long long* phase;  // [rows][kRankPhaseSlots] %globaltimer at phase ends, or null
 };
 
 // Phases of the ranking kernel recorded with TacticGpuOptions::record_phases: slot 0 the
-// start, slot i the end of phase i (1 .. kRankPhases); the last slot is 1 when the row's
-// ranking took CUB's sort.
+// start, slot i the end of phase i (1 .. kRankPhases); slot kRankPhases + 1 is 1 when the
+// row's ranking took CUB's sort.
 constexpr int kRankPhases = 6;
-constexpr int kRankPhaseSlots = 8;
+constexpr int kRankPhaseSlots = 16;  // a row's slots: the ranking's 0 .. 7, the budget's 8 .. 13
 const char* const kRankPhaseNames[kRankPhases] = {"keys", "bins", "scatter", "bin sorts", "positions",
                                                   "exact rows"};
+// The budget kernel's phases, slots kBudgetSlot0 (start) .. kBudgetSlot0 + kBudgetPhases.
+constexpr int kBudgetSlot0 = 8;
+constexpr int kBudgetPhases = 5;
+const char* const kBudgetPhaseNames[kBudgetPhases] = {"budget: tail and shift", "budget: fit", "budget: head sums",
+                                                      "budget: search", "budget: claim"};
+
+// %globaltimer into phase slot i of a row (thread 0; ph null: nothing).
+__device__ __forceinline__ void phase_mark(unsigned long long* ph, int i) {
+  if (ph == nullptr || threadIdx.x != 0) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+  ph[i] = t;
+}
+
 
 // Pool row of token t of list (seq, kv head) `list`: K and V of t are at row * head_dim.
 __device__ __forceinline__ int pool_row(const DeviceKvView& kv, int list, int t) {
@@ -381,13 +395,29 @@ __global__ void __launch_bounds__(kExactThreads) tactic_exact_kernel(TacticParam
 __device__ int tactic_budget_block(const TacticParams& p, int row, int L, const TacticWindows& w, float tail_m,
                                    double tail_s) {
   const float* ex = p.exact + static_cast<size_t>(row) * p.max_exact;
+  unsigned long long* ph =
+      p.phase != nullptr ? p.phase + static_cast<size_t>(row) * kRankPhaseSlots + kBudgetSlot0 : nullptr;
   // Shift: the largest scaled score among the exact and the tail tokens.
+  // The loops over the exact scores load kB values per thread before using any, so the
+  // loads' latencies overlap (loop by loop, each iteration waited for its load; the kernel
+  // took 23 us per step at 128K, 2750 exact scores per row, under Nsight Compute).
+  constexpr int kB = 8;
   float mx = -INFINITY;
-  for (int u = threadIdx.x; u < w.n_exact; u += blockDim.x) mx = fmaxf(mx, __ldcg(ex + u));
+  for (int u0 = threadIdx.x; u0 < w.n_exact; u0 += kB * blockDim.x) {
+    float x[kB];
+#pragma unroll
+    for (int j = 0; j < kB; ++j) {
+      const int u = u0 + j * blockDim.x;
+      x[j] = u < w.n_exact ? __ldcg(ex + u) : -INFINITY;
+    }
+#pragma unroll
+    for (int j = 0; j < kB; ++j) mx = fmaxf(mx, x[j]);
+  }
   const float ex_max = block_max(mx);
   const double shift_v = fmax(static_cast<double>(p.scale) * ex_max, static_cast<double>(tail_m));
   const double tail_sum = tail_m == -INFINITY ? 0.0 : tail_s * exp(static_cast<double>(tail_m) - shift_v);
   auto weight_exact = [&](int u) { return exp(p.scale * static_cast<double>(ex[u]) - shift_v); };
+  phase_mark(ph, 1);
 
   // The fit through the two window means (warp 0).
   __shared__ double s_fit[2];
@@ -410,6 +440,7 @@ __device__ int tactic_budget_block(const TacticParams& p, int row, int L, const 
     }
   }
   __syncthreads();
+  phase_mark(ph, 2);
   const double fa = w.exact_all ? 0.0 : s_fit[0], fb = w.exact_all ? 0.0 : s_fit[1];
   const int n_head = w.exact_all ? L : w.N;  // exactly weighted prefix of the list
 
@@ -417,7 +448,14 @@ __device__ int tactic_budget_block(const TacticParams& p, int row, int L, const 
   const int per = (n_head + blockDim.x - 1) / blockDim.x;
   const int hb = min(n_head, static_cast<int>(threadIdx.x) * per), he = min(n_head, hb + per);
   double seg = 0;
-  for (int u = hb; u < he; ++u) seg += weight_exact(u);
+  for (int u0 = hb; u0 < he; u0 += kB) {
+    float x[kB];
+#pragma unroll
+    for (int j = 0; j < kB; ++j) x[j] = u0 + j < he ? __ldcg(ex + u0 + j) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kB; ++j)
+      if (u0 + j < he) seg += exp(p.scale * static_cast<double>(x[j]) - shift_v);  // weight_exact, in order
+  }
   double head_total = 0;
   const double pre = block_scan_exclusive<double>(seg, &head_total);
   const double fit_total = fit_sum(fa, fb, n_head, L);
@@ -432,6 +470,7 @@ __device__ int tactic_budget_block(const TacticParams& p, int row, int L, const 
     s_first = blockDim.x;
   }
   __syncthreads();
+  phase_mark(ph, 3);
   const bool search = p.p < 1.0 && total > 0;
   const double target = p.p * total;
   if (search && target <= head_total) {
@@ -471,12 +510,14 @@ __device__ int tactic_budget_block(const TacticParams& p, int row, int L, const 
     }
   }
   __syncthreads();
+  phase_mark(ph, 4);
   const int k = s_k;
   if (threadIdx.x == 0) {
     const double den = total + tail_sum;
     p.claimed[row] = den > 0 ? static_cast<float>((s_prefix + tail_sum) / den) : 1.0f;
     p.budget[row] = k;
   }
+  phase_mark(ph, 5);
   return k;
 }
 
@@ -484,6 +525,7 @@ __device__ int tactic_budget_block(const TacticParams& p, int row, int L, const 
 // budget and the claim.
 __global__ void __launch_bounds__(kBudgetThreads) tactic_budget_kernel(TacticParams p) {
   const int row = blockIdx.x;
+  phase_mark(p.phase != nullptr ? p.phase + static_cast<size_t>(row) * kRankPhaseSlots + kBudgetSlot0 : nullptr, 0);
   const int seq = row / p.n_q, h = (row % p.n_q) / p.group;
   const int list = seq * p.kv.n_kv_heads + h;
   const int n = p.kv.n_tokens[seq];
@@ -560,6 +602,58 @@ __global__ void __launch_bounds__(kMarkRanks) tactic_mark_kernel(TacticParams p)
                cnt);
 }
 
+// Step 3d with the bitmap in shared memory (with the bucket ranking, whose kv heads hold at
+// most kRankMaxClusters clusters, so the bitmap fits). grid: (slices S, lists). A CTA builds
+// the marks of its slice of the ranked clusters of every head of its kv head's group in a
+// shared-memory bitmap (shared-memory atomics), then ORs its non-zero words into the kv
+// head's bitmap in global memory, a warp over 32 consecutive words. The global kernel above
+// does one global atomic per (cluster, word) at scattered addresses, which the L2 handles
+// one line at a time (measured on an H100 at 128K tokens: 21 us per step).
+// Slice s takes ranks s, s + S, s + 2S, ... of every head (interleaved: the marked ranks
+// are a prefix [0, R) of unknown length, so each slice gets about R / S of them without
+// searching for R); a thread takes one (head, rank) pair at a time, all heads at once, so
+// the chain of dependent loads (position, order, cluster start, members) is paid once per
+// pair, not once per head. Slice 0 also marks the dense tail [L, n).
+constexpr int kMarkSmemThreads = 1024;
+constexpr int kMarkSmemMaxWords = 12288;  // 48 KiB of shared memory: 393,216 tokens
+
+__global__ void __launch_bounds__(kMarkSmemThreads) tactic_mark_smem_kernel(TacticParams p) {
+  extern __shared__ uint32_t mark_bits[];
+  __shared__ int s_k[64];  // budgets of the group's heads (group <= 64 here; see the launch)
+  const int list = blockIdx.y, slice = blockIdx.x, n_slices = gridDim.x;
+  const int seq = list / p.kv.n_kv_heads, h = list % p.kv.n_kv_heads;
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const int n = p.kv.n_tokens[seq];
+  const int L = min(p.n_idx[list], n);
+  const int n_words = (n + 31) >> 5;  // words of this list's bitmap in use
+  const int row0 = seq * p.n_q + h * p.group;
+  for (int g = tid; g < p.group; g += nt) s_k[g] = p.budget[row0 + g];
+  for (int w = tid; w < n_words; w += nt) mark_bits[w] = 0;
+  __syncthreads();
+  if (slice == 0)
+    for (int t0 = L + tid * 32; t0 < n; t0 += nt * 32) bitmap_set_range(mark_bits, t0, min(n, t0 + 32));
+  const int n_c = p.n_clu[list];
+  const int per_head = n_c > slice ? (n_c - slice + n_slices - 1) / n_slices : 0;  // this slice's ranks per head
+  const int32_t* members = p.members + static_cast<size_t>(list) * p.kv.max_tokens;
+  const int32_t* cbeg = p.cbeg + static_cast<size_t>(list) * p.kc_max;
+  for (int x = tid; x < p.group * per_head; x += nt) {
+    const int g = x / per_head, r = slice + (x % per_head) * n_slices;
+    const int row = row0 + g, k = s_k[g];
+    const int32_t* pos = p.pos + static_cast<size_t>(row) * (p.kc_max + 1);
+    const int p0 = __ldg(pos + r);
+    if (p0 >= k) continue;
+    const int cnt = min(__ldg(pos + r + 1), k) - p0;
+    const int c = __ldg(p.order + static_cast<size_t>(row) * p.kc_max + r);
+    mark_cluster(mark_bits, members + __ldg(cbeg + c), cnt);
+  }
+  __syncthreads();
+  uint32_t* bw = p.bits + static_cast<size_t>(list) * p.words;
+  for (int w = tid; w < n_words; w += nt) {
+    const uint32_t x = mark_bits[w];
+    if (x != 0) atomicOr(bw + w, x);
+  }
+}
+
 // ---- step 2 as one launch: the bucket-sort ranking (up to kRankMaxClusters clusters) ----
 // One CTA of kRankThreads threads per row does what the sort and positions kernels do, with
 // everything in shared memory: the clusters ordered by centroid score, descending, ties to
@@ -590,13 +684,6 @@ size_t tactic_rank_smem(int kc, int bins, int* sz_off) {
   return 4 * (static_cast<size_t>(*sz_off) + kc + 2 * static_cast<size_t>(bins));
 }
 
-// %globaltimer into phase slot i of a row (thread 0; ph null: nothing).
-__device__ __forceinline__ void phase_mark(unsigned long long* ph, int i) {
-  if (ph == nullptr || threadIdx.x != 0) return;
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
-  ph[i] = t;
-}
 
 __global__ void __launch_bounds__(kRankThreads) tactic_rank_kernel(TacticParams p) {
   extern __shared__ __align__(16) unsigned char rank_smem[];
@@ -624,13 +711,27 @@ __global__ void __launch_bounds__(kRankThreads) tactic_rank_kernel(TacticParams 
   // Keys, sizes, the score range.
   float lo = INFINITY, hi = -INFINITY;
   int bad = 0;
-  for (int c = tid; c < n_c; c += nt) {
-    const float x = __ldcg(sc + c);
-    key[c] = float_key(x);
-    sz[c] = csize[c];
-    lo = fminf(lo, x);
-    hi = fmaxf(hi, x);
-    bad |= isnan(x);
+  // kRankItems loads per thread issued before their first use: one memory latency for the
+  // whole row instead of one per item (the loop as written waited for each load in turn).
+  for (int c0 = 0; c0 < n_c; c0 += nt * kRankItems) {
+    float x[kRankItems];
+    int32_t z[kRankItems];
+#pragma unroll
+    for (int j = 0; j < kRankItems; ++j) {
+      const int c = c0 + j * nt + tid;
+      x[j] = c < n_c ? __ldcg(sc + c) : 0.0f;
+      z[j] = c < n_c ? __ldg(csize + c) : 0;
+    }
+#pragma unroll
+    for (int j = 0; j < kRankItems; ++j) {
+      const int c = c0 + j * nt + tid;
+      if (c >= n_c) continue;
+      key[c] = float_key(x[j]);
+      sz[c] = z[j];
+      lo = fminf(lo, x[j]);
+      hi = fmaxf(hi, x[j]);
+      bad |= isnan(x[j]);
+    }
   }
   for (int b = tid; b < B; b += nt) bcnt[b] = 0;
   lo = -block_max(-lo);
@@ -654,7 +755,7 @@ __global__ void __launch_bounds__(kRankThreads) tactic_rank_kernel(TacticParams 
     cub_sort = __syncthreads_or(big);
   }
   phase_mark(ph, 2);
-  if (ph != nullptr && tid == 0) ph[kRankPhaseSlots - 1] = cub_sort;
+  if (ph != nullptr && tid == 0) ph[kRankPhases + 1] = cub_sort;
   if (!cub_sort) {
     for (int c = tid; c < n_c; c += nt) order[atomicAdd(bend + bin_of(key[c]), 1)] = c;
     __syncthreads();
@@ -719,14 +820,34 @@ __global__ void __launch_bounds__(kRankThreads) tactic_rank_kernel(TacticParams 
   // The pool rows at the exactly scored positions.
   const TacticWindows w = tactic_windows(L, p.init_ratio, p.window, p.p1, p.p2);
   int32_t* tok = p.tok + static_cast<size_t>(row) * p.max_exact;
-  for (int u = tid; u < w.n_exact; u += nt) {
-    const int i = tactic_position(w, u);
-    int a = 0, b = n_c - 1;  // largest r with pos[r] <= i
-    while (a < b) {
-      const int mid = (a + b + 1) >> 1;
-      if (pos[mid] <= i) a = mid; else b = mid - 1;
+  // A position's pool row takes three dependent global loads (cluster start, member, page
+  // table): kExactBatch positions per thread go through each level together.
+  constexpr int kExactBatch = 4;
+  for (int u0 = 0; u0 < w.n_exact; u0 += nt * kExactBatch) {
+    int at[kExactBatch], t[kExactBatch];
+#pragma unroll
+    for (int j = 0; j < kExactBatch; ++j) {
+      const int u = u0 + j * nt + tid;
+      at[j] = -1;
+      if (u >= w.n_exact) continue;
+      const int i = tactic_position(w, u);
+      int a = 0, b = n_c - 1;  // largest r with pos[r] <= i
+      while (a < b) {
+        const int mid = (a + b + 1) >> 1;
+        if (pos[mid] <= i) a = mid; else b = mid - 1;
+      }
+      at[j] = i - pos[a];
+      t[j] = order[a];
     }
-    tok[u] = pool_row(p.kv, list, members[cbeg[order[a]] + (i - pos[a])]);
+#pragma unroll
+    for (int j = 0; j < kExactBatch; ++j)
+      if (at[j] >= 0) t[j] = __ldg(cbeg + t[j]) + at[j];
+#pragma unroll
+    for (int j = 0; j < kExactBatch; ++j)
+      if (at[j] >= 0) t[j] = __ldg(members + t[j]);
+#pragma unroll
+    for (int j = 0; j < kExactBatch; ++j)
+      if (at[j] >= 0) tok[u0 + j * nt + tid] = pool_row(p.kv, list, t[j]);
   }
   __syncthreads();
   phase_mark(ph, 6);
@@ -779,6 +900,14 @@ class TacticGpu final : public SparseDecoder {
       CUMULUS_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(tactic_rank_kernel),
                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               static_cast<int>(rank_smem_)));
+      // The marks in shared memory (the bitmap of up to kRankMaxClusters * cluster_size
+      // tokens fits unless cluster_size is large): slices enough for two CTAs per
+      // multiprocessor over the batch's kv heads, at most 32 per kv head.
+      const int words = b.words;
+      if (words <= kMarkSmemMaxWords && group <= 64) {
+        mark_slices_ = std::clamp(2 * sm_count() / std::max(1, n_lists), 1, 32);
+        mark_smem_ = static_cast<size_t>(words) * sizeof(uint32_t);
+      }
       if (o.record_phases) {
         phase_ = DeviceBuffer(static_cast<size_t>(rows) * kRankPhaseSlots * sizeof(unsigned long long));
         phase_.fill_bytes(0);
@@ -804,9 +933,17 @@ class TacticGpu final : public SparseDecoder {
       for (int row = 0; row < rows; ++row) {
         const unsigned long long* x = t.data() + static_cast<size_t>(row) * kRankPhaseSlots;
         sum += 1e-3 * static_cast<double>(x[i + 1] - x[i]);
-        if (i == 0) cub_rows += static_cast<double>(x[kRankPhaseSlots - 1]);
+        if (i == 0) cub_rows += static_cast<double>(x[kRankPhases + 1]);
       }
       r.emplace_back(kRankPhaseNames[i], sum / rows);
+    }
+    for (int i = 0; i < kBudgetPhases; ++i) {
+      double sum = 0;
+      for (int row = 0; row < rows; ++row) {
+        const unsigned long long* x = t.data() + static_cast<size_t>(row) * kRankPhaseSlots + kBudgetSlot0;
+        sum += 1e-3 * static_cast<double>(x[i + 1] - x[i]);
+      }
+      r.emplace_back(kBudgetPhaseNames[i], sum / rows);
     }
     r.emplace_back("rows ranked by CUB", cub_rows);
     return r;
@@ -887,8 +1024,13 @@ class TacticGpu final : public SparseDecoder {
     CUMULUS_CUDA_LAUNCH("tactic_exact_kernel");
     tactic_budget_kernel<<<rows, kBudgetThreads, 0, s>>>(p);
     CUMULUS_CUDA_LAUNCH("tactic_budget_kernel");
-    tactic_mark_kernel<<<dim3(ceil_div(kc_max_, kMarkRanks), rows), kMarkRanks, 0, s>>>(p);
-    CUMULUS_CUDA_LAUNCH("tactic_mark_kernel");
+    if (mark_slices_ > 0) {
+      tactic_mark_smem_kernel<<<dim3(mark_slices_, b.n_lists), kMarkSmemThreads, mark_smem_, s>>>(p);
+      CUMULUS_CUDA_LAUNCH("tactic_mark_smem_kernel");
+    } else {
+      tactic_mark_kernel<<<dim3(ceil_div(kc_max_, kMarkRanks), rows), kMarkRanks, 0, s>>>(p);
+      CUMULUS_CUDA_LAUNCH("tactic_mark_kernel");
+    }
     b.compact(s);
   }
 
@@ -997,6 +1139,8 @@ class TacticGpu final : public SparseDecoder {
   TacticGpuOptions o_;
   int kc_max_ = 1, max_exact_ = 1, max_exact_ctas_ = 1;
   bool bucket_ = false;
+  int mark_slices_ = 0;  // > 0: tactic_mark_smem_kernel with this many slices per kv head
+  size_t mark_smem_ = 0;
   int rank_bins_ = 0, rank_sz_off_ = 0;
   size_t rank_smem_ = 0;
   DeviceBuffer phase_;
