@@ -22,7 +22,8 @@
 // --dense-plans: our dense kernel's plans to time, comma-separated specs KIND WARPS [/cN]
 // [/mN] [/nN] [/s0] [/pN]: KIND simt or tc (tensor cores), WARPS 2, 4 or 8 per CTA, /c
 // CTAs per SM (0 = occupancy limit), /m max_chunk, /n min_chunk (0 = the plan's default),
-// /s0 without work stealing, /p L2 prefetch size (0, 128, 256); e.g. tc4/c1/p256. The
+// /s1 with work stealing (/s0 without: the default), /p L2 prefetch size (0, 128, 256; the
+// default 256); e.g. tc4/c1/p0. The
 // fastest valid plan also runs once with a CTA timeline (start and end of every CTA) to show
 // how evenly the chunks finish.
 #include <fmt/format.h>
@@ -58,7 +59,7 @@ struct Options {
   std::vector<int> batches{1, 16};
   std::vector<std::string> methods{"tactic", "psa", "quest", "oracle_topp"};
   std::vector<std::string> traces;
-  std::vector<std::string> dense_plans{"simt4", "simt8", "tc4", "tc8", "tc8/m1048576"};
+  std::vector<std::string> dense_plans{"simt8", "tc4", "tc8", "tc8/s1", "tc8/p0"};
   int iters = 30, warmup = 5;
   double p = 0.9, concentration = 1.0;
   uint64_t seed = 1;

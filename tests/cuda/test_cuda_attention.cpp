@@ -165,17 +165,20 @@ TEST(CudaAttention, DenseMatchesReference) {
     const GpuResult r = run_ref(seqs, q, c.group, {});
     // Default (tensor cores, 8 warps), tensor cores with 4 warps and many small chunks, and
     // the SIMT kernel with 2 and 4 warps.
-    // Each with work stealing (the default) and without.
+    // Each without work stealing and with the 256-byte L2 fetch hint (the defaults), with
+    // stealing and no hint, and with the 128-byte hint.
     for (const cuda::AttentionPlanOptions& po0 :
          {cuda::AttentionPlanOptions{}, cuda::AttentionPlanOptions{4, 1, 64, true},
           cuda::AttentionPlanOptions{8, 0, 64, true}, cuda::AttentionPlanOptions{2, 0, 0, false},
           cuda::AttentionPlanOptions{4, 1, 64, false}})
-      for (bool steal : {true, false}) {
+      for (const auto& [steal, prefetch] : {std::pair{false, 256}, std::pair{true, 0}, std::pair{false, 128}}) {
         cuda::AttentionPlanOptions po = po0;
         po.steal = steal;
+        po.l2_prefetch = prefetch;
         const GpuResult g = run_gpu(seqs, q, c.group, {}, po);
-        expect_close(g, r, case_name(c) + fmt::format(" warps {} min_chunk {} tensor cores {} steal {}", po.warps,
-                                                      po.min_chunk, po.tensor_cores, po.steal));
+        expect_close(g, r,
+                     case_name(c) + fmt::format(" warps {} min_chunk {} tensor cores {} steal {} l2 prefetch {}",
+                                                po.warps, po.min_chunk, po.tensor_cores, po.steal, po.l2_prefetch));
       }
   }
 }
@@ -272,14 +275,17 @@ TEST(CudaAttention, RepeatedLaunchesOfOnePlanAgree) {
     }
   for (bool sparse : {false, true}) {
     const GpuResult r = run_ref(seqs, q, 4, sparse ? lists : std::vector<std::vector<std::vector<int32_t>>>{});
-    for (const cuda::AttentionPlanOptions& po :
+    for (const cuda::AttentionPlanOptions& po0 :
          {cuda::AttentionPlanOptions{}, cuda::AttentionPlanOptions{4, 0, 64, true},
-          cuda::AttentionPlanOptions{2, 0, 64, false}}) {
-      const GpuResult g = run_gpu(seqs, q, 4, sparse ? lists : std::vector<std::vector<std::vector<int32_t>>>{}, po,
-                                  nullptr, 5);
-      expect_close(g, r, fmt::format("5 launches of one plan, {} warps {} min_chunk {} tensor cores {}",
-                                     sparse ? "sparse" : "dense", po.warps, po.min_chunk, po.tensor_cores));
-    }
+          cuda::AttentionPlanOptions{2, 0, 64, false}})
+      for (bool steal : {true, false}) {
+        cuda::AttentionPlanOptions po = po0;
+        po.steal = steal;
+        const GpuResult g = run_gpu(seqs, q, 4, sparse ? lists : std::vector<std::vector<std::vector<int32_t>>>{},
+                                    po, nullptr, 5);
+        expect_close(g, r, fmt::format("5 launches of one plan, {} warps {} min_chunk {} tensor cores {} steal {}",
+                                       sparse ? "sparse" : "dense", po.warps, po.min_chunk, po.tensor_cores, steal));
+      }
   }
 }
 

@@ -12,7 +12,7 @@
 // (max m, sum l, unnormalised output o) per query head; the last CTA of a list to finish
 // (a ticket counter) merges the list's partials by log-sum-exp and writes out and lse.
 //
-// Work stealing (default): equal chunks do not finish together (the multiprocessors do not
+// Work stealing (AttentionPlanOptions::steal, off by default: measured slower): equal chunks do not finish together (the multiprocessors do not
 // get equal shares of the memory bandwidth; measured on an H100, 128K tokens, batch 1: the
 // SMs were idle 20% of the kernel's time while the last chunks ran). So a chunk is only a
 // CTA's starting point: its warps claim units of kUnitBlocks blocks from a per-chunk
@@ -969,8 +969,8 @@ struct AttentionPlan::Impl {
   bool mma = false;
   size_t smem = 0;
   AttnKernel kernel = nullptr;
-  bool steal = true;
-  int prefetch = 0;
+  bool steal = false;
+  int prefetch = 256;
   DeviceBuffer part_o, part_m, part_l, tickets, cursor, timeline, error;
 };
 
