@@ -18,13 +18,19 @@
 //
 // Usage: cuda_decode_bench [--contexts 8192,32768,131072] [--batches 1,16] [--iters 30]
 //          [--warmup 5] [--p 0.9] [--concentration 1.0] [--seed 1] [--methods LIST]
-//          [--trace FILE]... [--json PATH]
+//          [--dense-plans LIST] [--trace FILE]... [--json PATH]
+// --dense-plans: our dense kernel's plans to time, comma-separated specs KIND WARPS [/cN]
+// [/mN] [/nN] [/s0] [/pN]: KIND simt or tc (tensor cores), WARPS 2, 4 or 8 per CTA, /c
+// CTAs per SM (0 = occupancy limit), /m max_chunk, /n min_chunk (0 = the plan's default),
+// /s1 with work stealing (/s0 without: the default), /p L2 prefetch size (0, 128, 256; the
+// default 256); e.g. tc4/c1/p0. The
+// fastest valid plan also runs once with a CTA timeline (start and end of every CTA) to show
+// how evenly the chunks finish.
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -36,6 +42,7 @@
 #include "cumulus/core/error.h"
 #include "cumulus/core/thread_pool.h"
 #include "cumulus/eval/synthetic.h"
+#include "cumulus/eval/trace.h"
 #include "cumulus/kernels/attention.h"
 #include "cumulus/kernels/cuda.h"
 #include "cumulus/kernels/cuda_methods.h"
@@ -52,6 +59,7 @@ struct Options {
   std::vector<int> batches{1, 16};
   std::vector<std::string> methods{"tactic", "psa", "quest", "oracle_topp"};
   std::vector<std::string> traces;
+  std::vector<std::string> dense_plans{"simt8", "tc4", "tc8", "tc8/s1", "tc8/p0"};
   int iters = 30, warmup = 5;
   double p = 0.9, concentration = 1.0;
   uint64_t seed = 1;
@@ -83,6 +91,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--batches") o.batches = ints(next());
     else if (a == "--methods") o.methods = split(next());
     else if (a == "--trace") o.traces.push_back(next());
+    else if (a == "--dense-plans") o.dense_plans = split(next());
     else if (a == "--iters") o.iters = std::stoi(next());
     else if (a == "--warmup") o.warmup = std::stoi(next());
     else if (a == "--p") o.p = std::stod(next());
@@ -93,6 +102,39 @@ Options parse(int argc, char** argv) {
   }
   CUMULUS_CHECK(o.iters >= 1 && o.warmup >= 0, "--iters={} must be >= 1 and --warmup={} >= 0", o.iters, o.warmup);
   return o;
+}
+
+// One --dense-plans spec ("tc8/c2/m65536") as plan options.
+cuda::AttentionPlanOptions plan_spec(const std::string& spec) {
+  cuda::AttentionPlanOptions po;
+  const std::vector<std::string> parts = [&] {
+    std::vector<std::string> r;
+    std::stringstream ss(spec);
+    std::string x;
+    while (std::getline(ss, x, '/')) r.push_back(x);
+    return r;
+  }();
+  CUMULUS_CHECK(!parts.empty(), "--dense-plans: empty spec");
+  const std::string& head = parts[0];
+  size_t digits = head.find_first_of("0123456789");
+  CUMULUS_CHECK(digits != std::string::npos && digits > 0, "--dense-plans: '{}' needs KIND WARPS (e.g. tc8)", spec);
+  const std::string kind = head.substr(0, digits);
+  CUMULUS_CHECK(kind == "simt" || kind == "tc", "--dense-plans: kind '{}' in '{}' must be simt or tc", kind, spec);
+  po.tensor_cores = kind == "tc";
+  po.warps = std::stoi(head.substr(digits));
+  for (size_t i = 1; i < parts.size(); ++i) {
+    CUMULUS_CHECK(parts[i].size() >= 2, "--dense-plans: bad field '{}' in '{}'", parts[i], spec);
+    const int v = std::stoi(parts[i].substr(1));
+    switch (parts[i][0]) {
+      case 'c': po.ctas_per_sm = v; break;
+      case 'm': po.max_chunk = v; break;
+      case 'n': po.min_chunk = v; break;
+      case 's': po.steal = v != 0; break;
+      case 'p': po.l2_prefetch = v; break;
+      default: CUMULUS_FAIL("--dense-plans: field '{}' in '{}' must start with c, m, n, s or p", parts[i], spec);
+    }
+  }
+  return po;
 }
 
 double median(std::vector<double> x) {
@@ -168,6 +210,24 @@ Accuracy accuracy(const std::vector<float>& out, const std::vector<float>& dense
   return a;
 }
 
+// CTA timeline of one launch ([CTA][2] ns after the first start, -1 = did not run): the
+// span, quantiles of the CTA end times, and the busy share sum(end - start) / (CTAs x span).
+json timeline_summary(const std::vector<int64_t>& t) {
+  std::vector<double> ends;
+  double busy = 0, span = 0;
+  for (size_t i = 0; i + 1 < t.size(); i += 2) {
+    if (t[i] < 0 || t[i + 1] < 0) continue;
+    ends.push_back(1e-3 * t[i + 1]);
+    busy += 1e-3 * (t[i + 1] - t[i]);
+    span = std::max(span, 1e-3 * t[i + 1]);
+  }
+  if (ends.empty()) return json::object();
+  std::sort(ends.begin(), ends.end());
+  auto q = [&](double f) { return ends[static_cast<size_t>(f * (ends.size() - 1) + 0.5)]; };
+  return {{"ctas", ends.size()}, {"span_us", span}, {"end_p10_us", q(0.1)}, {"end_p50_us", q(0.5)},
+          {"end_p90_us", q(0.9)}, {"busy_share", busy / (ends.size() * span)}};
+}
+
 struct Problem {
   cuda::DeviceKvCache* dev;
   int group;
@@ -179,21 +239,19 @@ struct Problem {
 // variant's output for sequence 0 is compared with the float64 reference (ref_out0:
 // [n_q_heads][head_dim]) before its time counts: a variant whose normalised error exceeds
 // 1e-4 is reported and not chosen.
-json run_dense(const Problem& pb, cuda::Stream& st, Timer& timer, cuda::DeviceBuffer& out, cuda::DeviceBuffer& lse,
-               double copy_gbps, const std::vector<float>& ref_out0, double& best_us,
-               cuda::AttentionPlanOptions& best_opts) {
+json run_dense(const Problem& pb, const std::vector<std::string>& specs, cuda::Stream& st, Timer& timer,
+               cuda::DeviceBuffer& out, cuda::DeviceBuffer& lse, double copy_gbps, const std::vector<float>& ref_out0,
+               double& best_us, cuda::AttentionPlanOptions& best_opts) {
   json variants = json::array();
   best_us = 1e300;
   json best;
   const cuda::DeviceKvView kv = pb.dev->view();
   const size_t n_out = static_cast<size_t>(kv.n_seqs) * kv.n_kv_heads * pb.group * kv.head_dim;
   std::vector<float> reference;
-  for (const cuda::AttentionPlanOptions& po :
-       {cuda::AttentionPlanOptions{4, 0, 0, false}, cuda::AttentionPlanOptions{8, 0, 0, false},
-        cuda::AttentionPlanOptions{4, 0, 0, true}, cuda::AttentionPlanOptions{8, 0, 0, true},
-        cuda::AttentionPlanOptions{8, 0, 0, true, 1 << 20}}) {
-    json v = {{"warps", po.warps}, {"tensor_cores", po.tensor_cores}, {"ctas_per_sm", po.ctas_per_sm},
-              {"max_chunk", po.max_chunk}};
+  for (const std::string& spec : specs) {
+    const cuda::AttentionPlanOptions po = plan_spec(spec);
+    json v = {{"plan", spec}, {"warps", po.warps}, {"tensor_cores", po.tensor_cores}, {"ctas_per_sm", po.ctas_per_sm},
+              {"max_chunk", po.max_chunk}, {"min_chunk", po.min_chunk}};
     try {
       cuda::AttentionPlan plan(kv, pb.group, po);
       cuda::DeviceDecodeArgs a;
@@ -232,8 +290,11 @@ json run_dense(const Problem& pb, cuda::Stream& st, Timer& timer, cuda::DeviceBu
     }
     variants.push_back(v);
   }
-  // Leave the outputs of the best valid plan in out/lse (the reference for accuracy).
+  // Leave the outputs of the best valid plan in out/lse (the reference for accuracy), with
+  // its CTA timeline: when the CTAs end relative to the earliest start.
+  best_opts.timeline = true;
   cuda::AttentionPlan plan(kv, pb.group, best_opts);
+  best_opts.timeline = false;
   cuda::DeviceDecodeArgs a;
   a.kv = kv;
   a.group = pb.group;
@@ -241,17 +302,22 @@ json run_dense(const Problem& pb, cuda::Stream& st, Timer& timer, cuda::DeviceBu
   a.q = pb.q->as<float>();
   a.out = out.as<float>();
   a.lse = lse.as<float>();
+  cuda::attention_decode(a, plan, st.handle());  // warm
+  cuda::memset_async(timer.flush.data(), 1, timer.flush.size(), st.handle());
   cuda::attention_decode(a, plan, st.handle());
   plan.check(st.handle());
-  return {{"best", best}, {"variants", variants}, {"bytes", pb.dense_bytes}};
+  json timeline = timeline_summary(plan.timeline(st.handle()));
+  return {{"best", best}, {"variants", variants}, {"bytes", pb.dense_bytes}, {"timeline", timeline}};
 }
 
 std::unique_ptr<cuda::SparseDecoder> make_method(const std::string& name, const cuda::DeviceKvView& kv, int group,
                                                  double p, int n_seqs, int quest_budget,
                                                  const cuda::AttentionPlanOptions& po) {
-  if (name == "tactic") {
+  if (name == "tactic" || name == "tactic_split") {
     cuda::TacticGpuOptions o;
     o.p = p;
+    o.bucket_ranking = name == "tactic";
+    o.record_phases = true;
     o.replica_of.assign(n_seqs, 0);  // copies of one cache: one clustering
     return cuda::make_tactic_gpu(kv, group, o, po);
   }
@@ -268,7 +334,7 @@ std::unique_ptr<cuda::SparseDecoder> make_method(const std::string& name, const 
   }
   if (name == "quest") return cuda::make_quest_gpu(kv, group, quest_budget, po);
   if (name == "oracle_topp") return cuda::make_oracle_topp_gpu(kv, group, p, po);
-  CUMULUS_FAIL("unknown method '{}' (tactic, psa, psa_mb4, quest, oracle_topp)", name);
+  CUMULUS_FAIL("unknown method '{}' (tactic, tactic_split, psa, psa_mb4, quest, oracle_topp)", name);
 }
 
 // One sparse method on one problem: prefill, accuracy step, timed select / attend / step.
@@ -291,12 +357,15 @@ json run_sparse(const std::string& name, const Problem& pb, cuda::Stream& st, Ti
   const cuda::SparseStepStats ss = m->stats(st.handle());
   const Accuracy acc = accuracy(cuda::to_host<float>(out, nq * d), dense_out, cuda::to_host<float>(mass, nq), ss, n_q,
                                 kv.n_kv_heads, d, pb.dev->n_tokens());
+  json phases = json::array();
+  for (const auto& [phase, us] : m->phase_times(st.handle())) phases.push_back({phase, us});
   if (acc_out != nullptr) *acc_out = acc;
   size_t attended = 0;
   for (int t : ss.tokens) attended += t;
   json r = {{"method", name}, {"prefill_s", prefill_s}, {"true_mass", acc.mass}, {"tokens_frac", acc.tokens_frac},
             {"rel_err", acc.rel_err}, {"max_err", acc.max_err}, {"attended_tokens", attended}};
   r["claimed"] = acc.claimed_n ? json(acc.claimed) : json(nullptr);
+  if (!phases.empty()) r["select_phases_us"] = phases;  // one untimed step, mean over query heads
   double budget_mean = 0;
   for (int b : ss.budget) budget_mean += static_cast<double>(b) / ss.budget.size();
   r["budget_mean"] = budget_mean;
@@ -324,98 +393,52 @@ json run_sparse(const std::string& name, const Problem& pb, cuda::Stream& st, Ti
   return r;
 }
 
-// ---- traces (tools/cli/trace_command.cpp) ----
-struct Trace {
-  json header;
-  int n_kv = 0, n_q = 0, d = 0, n = 0, prompt = 0, steps = 0;
-  std::vector<int> layers;
-  std::vector<std::vector<uint16_t>> k, v;  // [layer][n][n_kv][d] f16 bits
-  std::vector<std::vector<float>> q;        // [layer][steps][n_q][d]
-};
-
-Trace trace_load(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  CUMULUS_CHECK(f.good(), "trace {}: cannot open", path);
-  char magic[8];
-  uint32_t version = 0, hb = 0;
-  f.read(magic, 8);
-  f.read(reinterpret_cast<char*>(&version), 4);
-  f.read(reinterpret_cast<char*>(&hb), 4);
-  CUMULUS_CHECK(f.good() && std::memcmp(magic, "CUMTRACE", 8) == 0 && version == 1,
-                "trace {}: not a cumulus trace (magic or version {})", path, version);
-  CUMULUS_CHECK(hb > 0 && hb < (1u << 20), "trace {}: header_bytes={} out of range", path, hb);
-  std::string h(hb, '\0');
-  f.read(h.data(), hb);
-  Trace t;
-  t.header = json::parse(h);
-  t.n_kv = t.header.at("n_kv_heads");
-  t.n_q = t.header.at("n_q_heads");
-  t.d = t.header.at("head_dim");
-  t.n = t.header.at("n_tokens");
-  t.prompt = t.header.at("prompt_tokens");
-  t.steps = t.header.at("steps");
-  t.layers = t.header.at("layers").get<std::vector<int>>();
-  CUMULUS_CHECK(t.n_kv >= 1 && t.n_q % t.n_kv == 0 && t.d >= 8 && t.n == t.prompt + t.steps && t.steps >= 1 &&
-                    t.n <= (1 << 22),
-                "trace {}: inconsistent header {}", path, h);
-  for (size_t i = 0; i < t.layers.size(); ++i) {
-    const size_t kvn = static_cast<size_t>(t.n) * t.n_kv * t.d;
-    t.k.emplace_back(kvn);
-    t.v.emplace_back(kvn);
-    t.q.emplace_back(static_cast<size_t>(t.steps) * t.n_q * t.d);
-    f.read(reinterpret_cast<char*>(t.k.back().data()), static_cast<std::streamsize>(kvn * 2));
-    f.read(reinterpret_cast<char*>(t.v.back().data()), static_cast<std::streamsize>(kvn * 2));
-    f.read(reinterpret_cast<char*>(t.q.back().data()), static_cast<std::streamsize>(t.q.back().size() * 4));
-    CUMULUS_CHECK(f.good(), "trace {}: truncated in layer {}", path, t.layers[i]);
-  }
-  return t;
-}
-
+// ---- traces (cumulus trace; include/cumulus/eval/trace.h) ----
 json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Timer& timer, double copy_gbps) {
-  const Trace t = trace_load(path);
-  const int group = t.n_q / t.n_kv;
+  const TraceFile t = trace_read(path);
+  const int group = t.group();
   json layers = json::array();
   for (size_t li = 0; li < t.layers.size(); ++li) {
-    KvCache kv(Shape{1, t.n_q, t.n_kv, t.d}, KvCacheOptions{16, DType::f16, t.n});
-    std::vector<float> kf(t.k[li].size()), vf(t.v[li].size());
-    for (size_t i = 0; i < kf.size(); ++i) kf[i] = f16_to_f32(t.k[li][i]), vf[i] = f16_to_f32(t.v[li][i]);
-    kv.append(0, kf.data(), vf.data(), t.n);
+    const KvCache kv = t.cache(static_cast<int>(li));
     std::vector<PagedHeadView> views;
-    for (int h = 0; h < t.n_kv; ++h) views.push_back(kv.view(0, h));
+    for (int h = 0; h < t.n_kv_heads; ++h) views.push_back(kv.view(0, h));
     cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload({views});
     json lj = {{"layer", t.layers[li]}};
     std::map<std::string, std::vector<Accuracy>> accs;
     std::map<std::string, double> step_us;
     double dense_us = 0;
-    const size_t nq = t.n_q;
-    cuda::DeviceBuffer q(nq * t.d * sizeof(float)), dout(nq * t.d * sizeof(float)), dlse(nq * sizeof(float));
+    const size_t nq = t.n_q_heads;
+    const int d = t.head_dim;
+    cuda::DeviceBuffer q(nq * d * sizeof(float)), dout(nq * d * sizeof(float)), dlse(nq * sizeof(float));
     // tactic clusters the prompt once (the tokens decoded since form its dense tail, as on
     // the CPU); the other methods are stateless.
-    std::unique_ptr<cuda::SparseDecoder> tactic;
-    if (std::find(o.methods.begin(), o.methods.end(), "tactic") != o.methods.end()) {
-      dev.set_n_tokens({t.prompt});
-      cuda::TacticGpuOptions to;
-      to.p = o.p;
-      to.layer = t.layers[li];
-      tactic = cuda::make_tactic_gpu(dev.view(), group, to);
-      tactic->prefill(st.handle());
-    }
+    std::map<std::string, std::unique_ptr<cuda::SparseDecoder>> tactics;
+    for (const auto& name : o.methods)
+      if (name == "tactic" || name == "tactic_split") {
+        dev.set_n_tokens({t.prompt_tokens});
+        cuda::TacticGpuOptions to;
+        to.p = o.p;
+        to.layer = t.layers[li];
+        to.bucket_ranking = name == "tactic";
+        tactics[name] = cuda::make_tactic_gpu(dev.view(), group, to);
+        tactics[name]->prefill(st.handle());
+      }
     for (int j = 0; j < t.steps; ++j) {
-      const int n_j = t.prompt + j + 1;
-      q.upload(t.q[li].data() + static_cast<size_t>(j) * nq * t.d, nq * t.d * sizeof(float));
+      const int n_j = t.attended(j);
+      q.upload(t.q[li].data() + static_cast<size_t>(j) * nq * d, nq * d * sizeof(float));
       dev.set_n_tokens({n_j});
-      Problem pb{&dev, group, &q, static_cast<size_t>(n_j) * t.n_kv * t.d * 4};
+      Problem pb{&dev, group, &q, static_cast<size_t>(n_j) * t.n_kv_heads * d * 4};
       cuda::AttentionPlan plan(dev.view(), group);
       cuda::DeviceDecodeArgs a;
       a.kv = dev.view();
       a.group = group;
-      a.scale = 1.0f / std::sqrt(static_cast<float>(t.d));
+      a.scale = 1.0f / std::sqrt(static_cast<float>(d));
       a.q = q.as<float>();
       a.out = dout.as<float>();
       a.lse = dlse.as<float>();
       cuda::attention_decode(a, plan, st.handle());
       plan.check(st.handle());
-      const auto dense_out = cuda::to_host<float>(dout, nq * t.d);
+      const auto dense_out = cuda::to_host<float>(dout, nq * d);
       const bool last = j == t.steps - 1;
       if (last) {
         cuda::Graph g = cuda::Graph::capture(st.handle(), [&] { cuda::attention_decode(a, plan, st.handle()); });
@@ -423,14 +446,14 @@ json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Time
       }
       for (const auto& name : o.methods) {
         Accuracy acc;
-        if (name == "tactic") {
-          cuda::SparseDecoder* m = tactic.get();
-          cuda::DeviceBuffer out(nq * t.d * sizeof(float)), lse(nq * sizeof(float)), mass(nq * sizeof(float));
+        if (tactics.count(name) != 0) {
+          cuda::SparseDecoder* m = tactics[name].get();
+          cuda::DeviceBuffer out(nq * d * sizeof(float)), lse(nq * sizeof(float)), mass(nq * sizeof(float));
           m->select(q.as<float>(), st.handle());
           m->attend(q.as<float>(), out.as<float>(), lse.as<float>(), dlse.as<float>(), mass.as<float>(), st.handle());
           m->check(st.handle());
-          acc = accuracy(cuda::to_host<float>(out, nq * t.d), dense_out, cuda::to_host<float>(mass, nq),
-                         m->stats(st.handle()), t.n_q, t.n_kv, t.d, dev.n_tokens());
+          acc = accuracy(cuda::to_host<float>(out, nq * d), dense_out, cuda::to_host<float>(mass, nq),
+                         m->stats(st.handle()), t.n_q_heads, t.n_kv_heads, d, dev.n_tokens());
           if (last) {
             cuda::Graph g = cuda::Graph::capture(st.handle(), [&] {
               m->select(q.as<float>(), st.handle());
@@ -462,7 +485,7 @@ json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Time
     }
     layers.push_back(lj);
   }
-  return {{"path", path}, {"header", t.header}, {"layers", layers}};
+  return {{"path", path}, {"header", json::parse(t.header)}, {"layers", layers}};
 }
 
 }  // namespace
@@ -536,20 +559,24 @@ int main(int argc, char** argv) {
         double dense_us = 0;
         cuda::AttentionPlanOptions best_opts;
         json run = {{"context", n}, {"batch", b}};
-        run["dense"] = run_dense(pb, st, timer, out, lse, copy_gbps, ref_out0, dense_us, best_opts);
+        run["dense"] = run_dense(pb, o.dense_plans, st, timer, out, lse, copy_gbps, ref_out0, dense_us, best_opts);
         for (const auto& v : run["dense"]["variants"]) {
           if (v.contains("error")) {
-            fmt::print("  batch {:>2}: dense {:<12} warps {} error: {}\n", b,
-                       v["tensor_cores"].get<bool>() ? "tensor-cores" : "simt", v["warps"].get<int>(),
+            fmt::print("  batch {:>2}: dense {:<16} error: {}\n", b, v["plan"].get<std::string>(),
                        v["error"].get<std::string>());
             continue;
           }
-          fmt::print("  batch {:>2}: dense {:<12} warps {} max_chunk {:>7} {:8.1f} us  {:6.0f} GB/s  {:5.1f}% of copy  "
-                     "err vs float64 {:.1e}{}\n",
-                     b, v["tensor_cores"].get<bool>() ? "tensor-cores" : "simt", v["warps"].get<int>(),
-                     v["max_chunk"].get<int>(),
-                     v["us_median"].get<double>(), v["gbps"].get<double>(), v["pct_copy"].get<double>(),
+          fmt::print("  batch {:>2}: dense {:<16} {:8.1f} us  {:6.0f} GB/s  {:5.1f}% of copy  err vs float64 {:.1e}{}\n",
+                     b, v["plan"].get<std::string>(), v["us_median"].get<double>(), v["gbps"].get<double>(), v["pct_copy"].get<double>(),
                      v["err_vs_ref_seq0"].get<double>(), v["valid"].get<bool>() ? "" : "  INVALID");
+        }
+        if (run["dense"].contains("timeline") && !run["dense"]["timeline"].empty()) {
+          const json& tl = run["dense"]["timeline"];
+          fmt::print("  batch {:>2}: dense timeline ({} CTAs): ends p10 {:.1f} / p50 {:.1f} / p90 {:.1f} / last {:.1f} us, "
+                     "busy {:.1f}%\n",
+                     b, tl["ctas"].get<int>(), tl["end_p10_us"].get<double>(), tl["end_p50_us"].get<double>(),
+                     tl["end_p90_us"].get<double>(), tl["span_us"].get<double>(),
+                     100 * tl["busy_share"].get<double>());
         }
         const auto dense_out = cuda::to_host<float>(out, nq * so.shape.head_dim);
         json methods = json::array();
@@ -572,6 +599,12 @@ int main(int argc, char** argv) {
                      b, name, r["step_us"].get<double>(), r["select_us"].get<double>(), r["attend_us"].get<double>(),
                      r["speedup_vs_our_dense"].get<double>(), r["true_mass"].get<double>(),
                      100 * r["tokens_frac"].get<double>(), r["rel_err"].get<double>());
+          if (r.contains("select_phases_us")) {
+            std::string line;
+            for (const auto& ph : r["select_phases_us"])
+              line += fmt::format(" {} {:.1f}", ph[0].get<std::string>(), ph[1].get<double>());
+            fmt::print("  batch {:>2}: {:<12} select phases (us, one untimed step):{}\n", b, name, line);
+          }
           methods.push_back(r);
         }
         run["methods"] = methods;

@@ -406,50 +406,114 @@ SyntheticWorkload synthetic_generate(const SyntheticOptions& o, KvCache& kv, Thr
 AttentionProfile attention_profile(const KvCache& kv, const SyntheticWorkload& w, int layer, double topp,
                                    ThreadPool& pool) {
   const SyntheticOptions& o = w.options;
-  const Shape& s = o.shape;
+  CUMULUS_CHECK(layer >= 0 && layer < o.shape.n_layers, "layer={} out of range [0, {})", layer, o.shape.n_layers);
+  return attention_profile(kv, layer, w.query(layer, 0), o.n_steps, nullptr, o.n_sinks, o.recent_window, topp, pool);
+}
+
+AttentionProfile attention_profile(const KvCache& kv, int layer, const float* queries, int n_steps,
+                                   const int* n_attended, int n_sinks, int recent_window, double topp,
+                                   ThreadPool& pool) {
+  const Shape& s = kv.shape();
   CUMULUS_CHECK(std::isfinite(topp) && topp > 0 && topp <= 1, "topp={} must be in (0, 1]", topp);
   CUMULUS_CHECK(layer >= 0 && layer < s.n_layers, "layer={} out of range [0, {})", layer, s.n_layers);
-  const int n = kv.n_tokens(layer);
-  CUMULUS_CHECK(n > 0, "layer {} of the cache is empty", layer);
+  CUMULUS_CHECK(queries != nullptr && n_steps >= 1, "queries must be non-null and n_steps={} >= 1", n_steps);
+  CUMULUS_CHECK(n_sinks >= 0 && recent_window >= 0, "n_sinks={} and recent_window={} must be >= 0", n_sinks,
+                recent_window);
+  const int n_cached = kv.n_tokens(layer);
+  CUMULUS_CHECK(n_cached > 0, "layer {} of the cache is empty", layer);
+  for (int st = 0; n_attended != nullptr && st < n_steps; ++st)
+    CUMULUS_CHECK(n_attended[st] >= 1 && n_attended[st] <= n_cached,
+                  "n_attended[{}]={} out of range [1, {}] (tokens cached)", st, n_attended[st], n_cached);
   const int d = s.head_dim;
   const int group = s.group();
-  const int n_rows = o.n_steps * group;
+  const int n_rows = n_steps * group;  // row r: step r / group, query head g * group + r % group
   const float scale = attention_scale(d);
-  // Per (kv head, row): sink mass, recent mass, top-p fraction.
+  // Rows are scored a whole number of steps at a time, so a group's heads are together.
+  const int steps_per_chunk = std::max(1, kScoreRows / group);
+  // Per (kv head, row): sink mass, recent mass, top-p fraction; per (kv head, step): the
+  // group's union share, mean pairwise logit correlation and top-p Jaccard (NaN: group 1).
   std::vector<double> sink(static_cast<size_t>(s.n_kv_heads) * n_rows), recent(sink.size()), frac(sink.size());
+  std::vector<double> uni(static_cast<size_t>(s.n_kv_heads) * n_steps), corr(uni.size()), jac(uni.size());
   pool.parallel_for(s.n_kv_heads, [&](int64_t g, int) {
     const PagedHeadView view = kv.view(layer, static_cast<int>(g));
-    std::vector<float> q(static_cast<size_t>(kScoreRows) * d), scores(static_cast<size_t>(kScoreRows) * n);
-    std::vector<double> p(n);
-    for (int r0 = 0; r0 < n_rows; r0 += kScoreRows) {
-      const int nr = std::min(kScoreRows, n_rows - r0);
-      for (int r = r0; r < r0 + nr; ++r)
-        std::memcpy(&q[static_cast<size_t>(r - r0) * d], w.query(layer, r / group) + (g * group + r % group) * d,
+    const int rows_chunk = steps_per_chunk * group;
+    std::vector<float> q(static_cast<size_t>(rows_chunk) * d), scores(static_cast<size_t>(rows_chunk) * n_cached);
+    std::vector<double> p(n_cached), sorted(n_cached);
+    std::vector<uint8_t> in_set(static_cast<size_t>(group) * n_cached);
+    for (int st0 = 0; st0 < n_steps; st0 += steps_per_chunk) {
+      const int ns = std::min(steps_per_chunk, n_steps - st0);
+      for (int r = 0; r < ns * group; ++r)
+        std::memcpy(&q[static_cast<size_t>(r) * d],
+                    queries + (static_cast<size_t>(st0 + r / group) * s.n_q_heads + g * group + r % group) * d,
                     d * sizeof(float));
-      cpu::token_score(view, q.data(), nr, nullptr, n, scores.data());
-      for (int r = r0; r < r0 + nr; ++r) {
-        const float* sc = &scores[static_cast<size_t>(r - r0) * n];
-        double mx = -1e300, z = 0;
-        for (int t = 0; t < n; ++t) mx = std::max(mx, static_cast<double>(sc[t]) * scale);
-        for (int t = 0; t < n; ++t) z += p[t] = std::exp(static_cast<double>(sc[t]) * scale - mx);
-        double ms = 0, mr = 0;
-        for (int t = 0; t < std::min(o.n_sinks, n); ++t) ms += p[t];
-        for (int t = std::max(0, n - o.recent_window); t < n; ++t) mr += p[t];
-        std::sort(p.begin(), p.end(), std::greater<>());
-        const double target = topp * z;
-        double acc = 0;
-        int count = n;
-        for (int t = 0; t < n; ++t) {
-          acc += p[t];
-          if (acc >= target * (1 - 1e-12)) {
-            count = t + 1;
-            break;
+      cpu::token_score(view, q.data(), ns * group, nullptr, n_cached, scores.data());
+      for (int st = st0; st < st0 + ns; ++st) {
+        const int n = n_attended != nullptr ? n_attended[st] : n_cached;
+        for (int k = 0; k < group; ++k) {
+          const int r = st * group + k;
+          const float* sc = &scores[static_cast<size_t>((st - st0) * group + k) * n_cached];
+          double mx = -1e300, z = 0;
+          for (int t = 0; t < n; ++t) mx = std::max(mx, static_cast<double>(sc[t]) * scale);
+          for (int t = 0; t < n; ++t) z += p[t] = std::exp(static_cast<double>(sc[t]) * scale - mx);
+          double ms = 0, mr = 0;
+          for (int t = 0; t < std::min(n_sinks, n); ++t) ms += p[t];
+          for (int t = std::max(0, n - recent_window); t < n; ++t) mr += p[t];
+          std::copy_n(p.begin(), n, sorted.begin());
+          std::sort(sorted.begin(), sorted.begin() + n, std::greater<>());
+          const double target = topp * z;
+          double acc = 0;
+          int count = n;
+          for (int t = 0; t < n; ++t) {
+            acc += sorted[t];
+            if (acc >= target * (1 - 1e-12)) {
+              count = t + 1;
+              break;
+            }
           }
+          // The set: weights at or above the count-th largest (ties may add a few tokens).
+          const double thr = sorted[count - 1];
+          uint8_t* mine = &in_set[static_cast<size_t>(k) * n_cached];
+          for (int t = 0; t < n; ++t) mine[t] = p[t] >= thr;
+          const size_t i = static_cast<size_t>(g) * n_rows + r;
+          sink[i] = ms / z;
+          recent[i] = mr / z;
+          frac[i] = static_cast<double>(count) / n;
         }
-        const size_t i = static_cast<size_t>(g) * n_rows + r;
-        sink[i] = ms / z;
-        recent[i] = mr / z;
-        frac[i] = static_cast<double>(count) / n;
+        // The group: union of the heads' sets; per pair of heads the Pearson correlation of
+        // the logits over the content tokens (past the sinks, before the recent window) and
+        // the Jaccard of their sets.
+        int n_union = 0;
+        for (int t = 0; t < n; ++t) {
+          bool any = false;
+          for (int k = 0; k < group; ++k) any |= in_set[static_cast<size_t>(k) * n_cached + t] != 0;
+          n_union += any;
+        }
+        const int c0 = std::min(n_sinks, n), c1 = std::max(c0, n - recent_window);
+        double corr_sum = 0, jac_sum = 0;
+        int pairs = 0;
+        for (int a = 0; a < group; ++a)
+          for (int b = a + 1; b < group; ++b) {
+            const float* la = &scores[static_cast<size_t>((st - st0) * group + a) * n_cached];
+            const float* lb = &scores[static_cast<size_t>((st - st0) * group + b) * n_cached];
+            double sa = 0, sb = 0, saa = 0, sbb = 0, sab = 0;
+            for (int t = c0; t < c1; ++t) {
+              sa += la[t], sb += lb[t], saa += static_cast<double>(la[t]) * la[t];
+              sbb += static_cast<double>(lb[t]) * lb[t], sab += static_cast<double>(la[t]) * lb[t];
+            }
+            const double m = std::max(1, c1 - c0);
+            const double va = saa / m - (sa / m) * (sa / m), vb = sbb / m - (sb / m) * (sb / m);
+            corr_sum += va > 0 && vb > 0 ? (sab / m - (sa / m) * (sb / m)) / std::sqrt(va * vb) : 0.0;
+            int inter = 0, either = 0;
+            const uint8_t* ia = &in_set[static_cast<size_t>(a) * n_cached];
+            const uint8_t* ib = &in_set[static_cast<size_t>(b) * n_cached];
+            for (int t = 0; t < n; ++t) inter += ia[t] & ib[t], either += ia[t] | ib[t];
+            jac_sum += either > 0 ? static_cast<double>(inter) / either : 1.0;
+            ++pairs;
+          }
+        const size_t u = static_cast<size_t>(g) * n_steps + st;
+        uni[u] = static_cast<double>(n_union) / n;
+        corr[u] = pairs > 0 ? corr_sum / pairs : std::nan("");
+        jac[u] = pairs > 0 ? jac_sum / pairs : std::nan("");
       }
     }
   });
@@ -461,6 +525,13 @@ AttentionProfile attention_profile(const KvCache& kv, const SyntheticWorkload& w
     prof.recent_mass += recent[i] / m;
     prof.topp_fraction += frac[i] / m;
   }
+  const double mu = static_cast<double>(uni.size());
+  for (size_t i = 0; i < uni.size(); ++i) {
+    prof.union_fraction += uni[i] / mu;
+    prof.group_logit_corr += corr[i] / mu;
+    prof.group_jaccard += jac[i] / mu;
+  }
+  prof.union_inflation = prof.topp_fraction > 0 ? prof.union_fraction / prof.topp_fraction : 0.0;
   std::sort(frac.begin(), frac.end());
   auto quantile = [&](double qq) { return frac[static_cast<size_t>(qq * (frac.size() - 1) + 0.5)]; };
   prof.topp_fraction_p10 = quantile(0.1);

@@ -1,8 +1,10 @@
 // GPU decode attention against the float64 reference (src/kernels/ref/attention.cpp): dense
 // and sparse, batches of sequences of awkward lengths (1, 3, 15, 16, 17, 255, 4097), GQA
 // groups 1, 3, 4, 8, 9 (two head tiles), f16 and bf16, head_dim 64 and 128, page sizes 1,
-// 16, 64, pages scattered through the pool; split plans from one chunk per list to many;
-// mass = exp(lse - lse_ref); bad lists and arguments are errors that name the problem.
+// 16, 64, pages scattered through the pool; split plans from one chunk per list to many,
+// with and without work stealing, and one plan launched repeatedly (its merge tickets and
+// stealing cursors reset by each launch); mass = exp(lse - lse_ref); bad lists and
+// arguments are errors that name the problem.
 // Every test skips when no CUDA device is present.
 #include <gtest/gtest.h>
 
@@ -35,7 +37,7 @@ struct GpuResult {
 // Runs the GPU op on `seqs` (dense if lists is empty) and returns out, lse, mass.
 GpuResult run_gpu(const std::vector<KvCache>& seqs, const std::vector<float>& q, int group,
                   const std::vector<std::vector<std::vector<int32_t>>>& lists, const cuda::AttentionPlanOptions& po,
-                  const std::vector<float>* lse_ref = nullptr) {
+                  const std::vector<float>* lse_ref = nullptr, int launches = 1) {
   cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload(views_of(seqs), 12345);
   const cuda::DeviceKvView kv = dev.view();
   const int n_seqs = kv.n_seqs, n_q = kv.n_kv_heads * group, d = kv.head_dim;
@@ -76,7 +78,13 @@ GpuResult run_gpu(const std::vector<KvCache>& seqs, const std::vector<float>& q,
     a.idx_len = len.as<int32_t>();
     a.idx_stride = stride;
   }
-  cuda::attention_decode(a, plan);
+  for (int i = 0; i < launches; ++i) {
+    if (i + 1 == launches && launches > 1) {  // poison again: the last launch writes everything
+      out.upload(std::vector<float>(static_cast<size_t>(n_seqs) * n_q * d, nan).data(), out.size());
+      lse.upload(std::vector<float>(static_cast<size_t>(n_seqs) * n_q, nan).data(), lse.size());
+    }
+    cuda::attention_decode(a, plan);
+  }
   plan.check();
   GpuResult r;
   r.out = cuda::to_host<float>(out, static_cast<size_t>(n_seqs) * n_q * d);
@@ -157,14 +165,21 @@ TEST(CudaAttention, DenseMatchesReference) {
     const GpuResult r = run_ref(seqs, q, c.group, {});
     // Default (tensor cores, 8 warps), tensor cores with 4 warps and many small chunks, and
     // the SIMT kernel with 2 and 4 warps.
-    for (const cuda::AttentionPlanOptions& po :
+    // Each without work stealing and with the 256-byte L2 fetch hint (the defaults), with
+    // stealing and no hint, and with the 128-byte hint.
+    for (const cuda::AttentionPlanOptions& po0 :
          {cuda::AttentionPlanOptions{}, cuda::AttentionPlanOptions{4, 1, 64, true},
           cuda::AttentionPlanOptions{8, 0, 64, true}, cuda::AttentionPlanOptions{2, 0, 0, false},
-          cuda::AttentionPlanOptions{4, 1, 64, false}}) {
-      const GpuResult g = run_gpu(seqs, q, c.group, {}, po);
-      expect_close(g, r, case_name(c) + fmt::format(" warps {} min_chunk {} tensor cores {}", po.warps,
-                                                    po.min_chunk, po.tensor_cores));
-    }
+          cuda::AttentionPlanOptions{4, 1, 64, false}})
+      for (const auto& [steal, prefetch] : {std::pair{false, 256}, std::pair{true, 0}, std::pair{false, 128}}) {
+        cuda::AttentionPlanOptions po = po0;
+        po.steal = steal;
+        po.l2_prefetch = prefetch;
+        const GpuResult g = run_gpu(seqs, q, c.group, {}, po);
+        expect_close(g, r,
+                     case_name(c) + fmt::format(" warps {} min_chunk {} tensor cores {} steal {} l2 prefetch {}",
+                                                po.warps, po.min_chunk, po.tensor_cores, po.steal, po.l2_prefetch));
+      }
   }
 }
 
@@ -236,6 +251,41 @@ TEST(CudaAttention, LongChunksMatchReference) {
     const GpuResult g = run_gpu(seqs, q, 4, {}, po);
     expect_close(g, r, fmt::format("long chunks: warps {} min_chunk {} max_chunk {} tensor cores {}", po.warps,
                                    po.min_chunk, po.max_chunk, po.tensor_cores));
+  }
+}
+
+// One plan launched again and again (as a CUDA graph replays it): the merge tickets and the
+// work-stealing cursors are reset by each launch, so every launch computes the same
+// attention, for dense and for lists of very different lengths (some chunks run dry and
+// their CTAs' warps take units from the list's other chunks).
+TEST(CudaAttention, RepeatedLaunchesOfOnePlanAgree) {
+  CUMULUS_REQUIRE_GPU();
+  std::mt19937 rng(707);
+  std::vector<KvCache> seqs;
+  for (int n : {20000, 4097, 333}) seqs.push_back(random_cache(4, 128, n, DType::f16, 16, rng));
+  const auto q = random_vec(3 * 16 * 128, rng);
+  std::vector<std::vector<std::vector<int32_t>>> lists(3);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  for (size_t s = 0; s < 3; ++s)
+    for (int h = 0; h < 4; ++h) {
+      std::vector<int32_t> l;
+      for (int t = 0; t < seqs[s].n_tokens(0); ++t)
+        if (u(rng) < 0.1 + 0.3 * h) l.push_back(t);
+      lists[s].push_back(l);
+    }
+  for (bool sparse : {false, true}) {
+    const GpuResult r = run_ref(seqs, q, 4, sparse ? lists : std::vector<std::vector<std::vector<int32_t>>>{});
+    for (const cuda::AttentionPlanOptions& po0 :
+         {cuda::AttentionPlanOptions{}, cuda::AttentionPlanOptions{4, 0, 64, true},
+          cuda::AttentionPlanOptions{2, 0, 64, false}})
+      for (bool steal : {true, false}) {
+        cuda::AttentionPlanOptions po = po0;
+        po.steal = steal;
+        const GpuResult g = run_gpu(seqs, q, 4, sparse ? lists : std::vector<std::vector<std::vector<int32_t>>>{},
+                                    po, nullptr, 5);
+        expect_close(g, r, fmt::format("5 launches of one plan, {} warps {} min_chunk {} tensor cores {} steal {}",
+                                       sparse ? "sparse" : "dense", po.warps, po.min_chunk, po.tensor_cores, steal));
+      }
   }
 }
 

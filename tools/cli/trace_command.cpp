@@ -11,6 +11,12 @@
 // n_tokens = prompt_tokens + steps. Decode step j's query sits at position
 // prompt_tokens + j and attends tokens [0, prompt_tokens + j + 1). K and V are the stored
 // (f16) cache values, so the file holds exactly what the attention kernels read.
+//
+// `cumulus trace --profile FILE` measures a trace's attention on the CPU instead, per layer
+// (attention_profile, include/cumulus/eval/synthetic.h): the per-head top-p share, the GQA
+// group's union share and its inflation over the per-head set, and how alike the heads of
+// a group are (logit correlation, top-p Jaccard). `--profile-synthetic SHAPE` prints the
+// same figures for the synthetic workload (docs/workload.md), so the two can be compared.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -23,6 +29,9 @@
 #include "cli.h"
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/error.h"
+#include "cumulus/core/thread_pool.h"
+#include "cumulus/eval/synthetic.h"
+#include "cumulus/eval/trace.h"
 #include "cumulus/model/gguf.h"
 #include "cumulus/model/model_weights.h"
 #include "cumulus/model/session.h"
@@ -40,7 +49,69 @@ struct TraceOptions {
   int prompt_tokens = 8000;
   int steps = 16;
   int threads = 2;
+  // --profile / --profile-synthetic
+  std::string profile, profile_synthetic;
+  double p = 0.9;
+  int context = 8192;
+  double head_correlation = 0.8, concentration = 1.0;
+  uint64_t seed = 1;
 };
+
+void profile_header() {
+  fmt::print("{:>6} {:>7} {:>6} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>7} {:>7}\n", "layer", "tokens", "steps", "topp%",
+             "p50%", "union%", "inflation", "corr", "jaccard", "sink", "recent");
+}
+
+void profile_row(const std::string& label, int n, int steps, const AttentionProfile& a) {
+  fmt::print("{:>6} {:>7} {:>6} {:8.2f} {:8.2f} {:8.2f} {:9.2f} {:8.3f} {:8.3f} {:7.3f} {:7.3f}\n", label, n, steps,
+             100 * a.topp_fraction, 100 * a.topp_fraction_p50, 100 * a.union_fraction, a.union_inflation,
+             a.group_logit_corr, a.group_jaccard, a.sink_mass, a.recent_mass);
+}
+
+// Real attention of every layer in a trace (each step attends its own prefix).
+void run_profile(const TraceOptions& o) {
+  const TraceFile t = trace_read(o.profile);
+  ThreadPool pool(o.threads);
+  std::vector<int> attended(t.steps);
+  for (int j = 0; j < t.steps; ++j) attended[j] = t.attended(j);
+  fmt::print("trace {}: {} query heads, {} kv heads (group {}), head_dim {}, {} + {} tokens, p = {}\n", o.profile,
+             t.n_q_heads, t.n_kv_heads, t.group(), t.head_dim, t.prompt_tokens, t.steps, o.p);
+  profile_header();
+  AttentionProfile mean;
+  for (size_t i = 0; i < t.layers.size(); ++i) {
+    const KvCache kv = t.cache(static_cast<int>(i));
+    const AttentionProfile a = attention_profile(kv, 0, t.q[i].data(), t.steps, attended.data(), 4, 64, o.p, pool);
+    profile_row(std::to_string(t.layers[i]), t.n_tokens, t.steps, a);
+    const double w = 1.0 / t.layers.size();
+    mean.topp_fraction += w * a.topp_fraction;
+    mean.topp_fraction_p50 += w * a.topp_fraction_p50;
+    mean.union_fraction += w * a.union_fraction;
+    mean.group_logit_corr += w * a.group_logit_corr;
+    mean.group_jaccard += w * a.group_jaccard;
+    mean.sink_mass += w * a.sink_mass;
+    mean.recent_mass += w * a.recent_mass;
+  }
+  mean.union_inflation = mean.topp_fraction > 0 ? mean.union_fraction / mean.topp_fraction : 0.0;
+  profile_row("mean", t.n_tokens, t.steps, mean);
+}
+
+// The synthetic workload's attention with the same figures.
+void run_profile_synthetic(const TraceOptions& o) {
+  SyntheticOptions so;
+  so.shape = shape_preset(o.profile_synthetic);
+  so.n_tokens = o.context;
+  so.n_steps = o.steps;
+  so.seed = o.seed;
+  so.head_correlation = o.head_correlation;
+  so.concentration = o.concentration;
+  ThreadPool pool(o.threads);
+  KvCache kv(so.shape, KvCacheOptions{16, DType::f16, so.n_tokens});
+  const SyntheticWorkload w = synthetic_generate(so, kv, pool);
+  fmt::print("synthetic {}: {} tokens, {} steps, head_correlation {}, concentration {}, seed {}, p = {}\n",
+             o.profile_synthetic, so.n_tokens, so.n_steps, so.head_correlation, so.concentration, so.seed, o.p);
+  profile_header();
+  profile_row("0", so.n_tokens, so.n_steps, attention_profile(kv, w, 0, o.p, pool));
+}
 
 void run_trace(const TraceOptions& o) {
   CUMULUS_CHECK(o.prompt_tokens >= 1, "--prompt-tokens={} must be >= 1", o.prompt_tokens);
@@ -143,7 +214,24 @@ void add_trace_command(CLI::App& app) {
   cmd->add_option("--layers", o->layers, "layers to record, comma-separated")->delimiter(',')->capture_default_str();
   cmd->add_option("--threads", o->threads, "threads")->capture_default_str();
   cmd->add_option("--out", o->out, "output file")->capture_default_str();
-  cmd->callback([o] { run_trace(*o); });
+  cmd->add_option("--profile", o->profile, "instead of recording: measure the attention of this trace file (CPU)");
+  cmd->add_option("--profile-synthetic", o->profile_synthetic,
+                  "instead of recording: the same figures for the synthetic workload of this shape");
+  cmd->add_option("--p", o->p, "top-p mass of the profile's sets")->capture_default_str();
+  cmd->add_option("--context", o->context, "--profile-synthetic: tokens")->capture_default_str();
+  cmd->add_option("--head-correlation", o->head_correlation, "--profile-synthetic: SyntheticOptions::head_correlation")
+      ->capture_default_str();
+  cmd->add_option("--concentration", o->concentration, "--profile-synthetic: SyntheticOptions::concentration")
+      ->capture_default_str();
+  cmd->add_option("--seed", o->seed, "--profile-synthetic: seed")->capture_default_str();
+  cmd->callback([o] {
+    CUMULUS_CHECK(o->profile.empty() || o->profile_synthetic.empty(),
+                  "--profile and --profile-synthetic are exclusive");
+    CUMULUS_CHECK(o->p > 0 && o->p <= 1, "--p={} must be in (0, 1]", o->p);
+    if (!o->profile.empty()) return run_profile(*o);
+    if (!o->profile_synthetic.empty()) return run_profile_synthetic(*o);
+    run_trace(*o);
+  });
 }
 
 }  // namespace cumulus::cli

@@ -4,7 +4,9 @@ JSON files of one device run into the short table that tools/device/run.sh print
 with the issue's goals checked: dense at 128K batch 1 against the copy bandwidth, sparse
 speedups over PyTorch's fastest dense path at P = 0.9, selection share of the sparse step.
 
-Usage: summary.py cuda_decode_bench.json torch_sdpa.json
+Usage: summary.py cuda_decode_bench.json torch_sdpa.json [--base base_bench.json]
+(--base: the same benchmark built from another commit and run in the same device run;
+its rows are printed as base:dense, base:tactic, ... next to ours.)
 """
 import json
 import sys
@@ -20,8 +22,14 @@ def load(path):
 
 
 def main():
-    ours = load(sys.argv[1]) if len(sys.argv) > 1 else None
-    torch = load(sys.argv[2]) if len(sys.argv) > 2 else None
+    argv = sys.argv[1:]
+    base = None
+    if "--base" in argv:
+        i = argv.index("--base")
+        base = load(argv[i + 1]) if i + 1 < len(argv) else None
+        argv = argv[:i] + argv[i + 2:]
+    ours = load(argv[0]) if len(argv) > 0 else None
+    torch = load(argv[1]) if len(argv) > 1 else None
     tbest = {}
     if torch:
         print(f"PyTorch {torch.get('torch')} cuDNN {torch.get('cudnn')}: copy "
@@ -38,13 +46,27 @@ def main():
            f"{'xTorch':>6} {'mass':>5} {'tok%':>6} {'err':>6}")
     print(hdr)
     goals = {}
+    base_runs = {(r["context"], r["batch"]): r for r in (base or {}).get("runs", [])}
     for r in ours.get("runs", []):
         n, b = r["context"], r["batch"]
-        d = r["dense"]["best"]
         tb = tbest.get((n, b))
         tus = tb["us_median"] if tb else None
+        if (n, b) in base_runs:  # the other commit's figures, same device run
+            br = base_runs[(n, b)]
+            d = br["dense"]["best"]
+            x = f"{tus / d['us_median']:6.2f}" if tus else "     -"
+            print(f"{n:>6} {b:>2} {'base:dense':<12} {d['us_median']:8.1f} {'':>5} {d['gbps']:6.0f} "
+                  f"{d['pct_copy']:6.1f} {x}")
+            for m in br.get("methods", []):
+                if "step_us" in m:
+                    x = f"{tus / m['step_us']:6.2f}" if tus else "     -"
+                    print(f"{n:>6} {b:>2} {'base:' + m['method']:<12.12} {m['step_us']:8.1f} "
+                          f"{100 * m['select_share']:5.1f} {m['attend_gbps']:6.0f} {m['attend_pct_copy']:6.1f} {x} "
+                          f"{m['true_mass']:5.3f} {100 * m['tokens_frac']:6.2f} {m['rel_err']:6.4f}")
+        d = r["dense"]["best"]
         x = f"{tus / d['us_median']:6.2f}" if tus else "     -"
-        print(f"{n:>6} {b:>2} {'dense':<12} {d['us_median']:8.1f} {'':>5} {d['gbps']:6.0f} {d['pct_copy']:6.1f} "
+        label = "dense:" + d.get("plan", "") if d.get("plan") else "dense"
+        print(f"{n:>6} {b:>2} {label:<12.12} {d['us_median']:8.1f} {'':>5} {d['gbps']:6.0f} {d['pct_copy']:6.1f} "
               f"{x} {1:5.3f} {100:6.1f} {0:6.4f}")
         if tb:
             print(f"{n:>6} {b:>2} {'torch:' + tb['backend']:<12.12} {tus:8.1f} {'':>5} {tb['gbps']:6.0f} "

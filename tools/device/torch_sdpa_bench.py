@@ -11,7 +11,8 @@ reads 4x the bytes), labelled as such. The device-to-device copy bandwidth is me
 this process too. Each backend's output is checked against float32 math on the same inputs.
 
 Usage: torch_sdpa_bench.py [--contexts 8192,32768,131072] [--batches 1,16] [--iters 30]
-                           [--warmup 5] [--json PATH]
+                           [--warmup 5] [--backends flash,cudnn,efficient] [--json PATH]
+(--backends narrows the run, e.g. to profile one backend's kernels under Nsight Compute.)
 """
 import argparse
 import json
@@ -87,6 +88,7 @@ def main():
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--backends", default="flash,cudnn,efficient")
     ap.add_argument("--json", default="torch_sdpa.json")
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -101,6 +103,8 @@ def main():
     hq, hkv, d = 32, 8, 128
     backends = [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
                 ("efficient", SDPBackend.EFFICIENT_ATTENTION)]
+    wanted = a.backends.split(",")
+    backends = [b for b in backends if b[0] in wanted]
     for n in [int(x) for x in a.contexts.split(",")]:
         for bsz in [int(x) for x in a.batches.split(",")]:
             q = torch.randn(bsz, hq, 1, d, dtype=torch.float16, device="cuda")

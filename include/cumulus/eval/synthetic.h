@@ -72,10 +72,23 @@ struct AttentionProfile {
   double topp = 0.9;         // the p of the fractions below
   double topp_fraction = 0;  // mean of (fewest tokens reaching topp) / n_tokens
   double topp_fraction_p10 = 0, topp_fraction_p50 = 0, topp_fraction_p90 = 0;  // over head-steps
+  // GQA groups (Tactic 4.5: a group attends the union of its heads' sets), means over
+  // (step, kv head): the union's share of the tokens, the union over the per-head set
+  // (union_fraction / topp_fraction), and between two heads of a group the Pearson
+  // correlation of their logits over the content tokens (past the sinks, before the recent
+  // window) and the Jaccard of their top-p sets. NaN for group 1.
+  double union_fraction = 0, union_inflation = 0, group_logit_corr = 0, group_jaccard = 0;
 };
 
 // topp in (0, 1]. Reads the stored keys (the scores kernels see).
 AttentionProfile attention_profile(const KvCache& kv, const SyntheticWorkload& w, int layer, double topp,
+                                   ThreadPool& pool);
+// The same statistics for any decode queries (real traces): queries [n_steps][n_q_heads]
+// [head_dim] against layer `layer` of kv; step s attends tokens [0, n_attended[s]) (all
+// cached tokens when n_attended is null); tokens [0, n_sinks) count as sinks and the last
+// recent_window as the recent band.
+AttentionProfile attention_profile(const KvCache& kv, int layer, const float* queries, int n_steps,
+                                   const int* n_attended, int n_sinks, int recent_window, double topp,
                                    ThreadPool& pool);
 
 }  // namespace cumulus

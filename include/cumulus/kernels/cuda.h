@@ -234,6 +234,18 @@ struct AttentionPlanOptions {
   // float32 accuracy); false: CUDA-core FMAs.
   bool tensor_cores = true;
   int max_chunk = 0;     // most list entries per CTA; 0 = 32768
+  // Work stealing: a chunk is a CTA's starting point; its warps claim units of 4 blocks
+  // from the chunk, then from the list's other chunks, so a list ends when its last unit
+  // does, whichever multiprocessors ran faster. false (default): each CTA computes exactly
+  // its chunk. Measured on an H100 at 128K tokens (docs/cuda.md): stealing evens out the
+  // CTAs' end times but costs 2-3% on dense and ~9% on tactic's lists (a claim's atomic
+  // round trip sits in front of each unit's loads).
+  bool steal = false;
+  // L2 fetch size hinted by the K/V copies on a miss: 0 (the 32-byte sectors asked for),
+  // 128 or 256 bytes (default: 256; measured ~2% faster than 0 on dense at 128K).
+  int l2_prefetch = 256;
+  // Benchmarks: record each CTA's start and end (%globaltimer) for AttentionPlan::timeline.
+  bool timeline = false;
 };
 
 // Workspace of attention_decode for one (kv shape, group): per-CTA partial results of the
@@ -251,6 +263,9 @@ class AttentionPlan {
   // Synchronises `stream` and throws Error if a kernel flagged bad input since the last
   // check (an index outside [0, n_tokens), a list longer than its stride).
   void check(void* stream = nullptr);
+  // options.timeline: the last launch's CTA start and end times, [CTA][2] nanoseconds after
+  // the earliest start (-1: that CTA slot did not run). Synchronises `stream`.
+  std::vector<int64_t> timeline(void* stream = nullptr) const;
 
   struct Impl;
   Impl* impl() const { return impl_; }

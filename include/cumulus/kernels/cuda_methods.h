@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cumulus/kernels/cuda.h"
@@ -50,6 +51,13 @@ class SparseDecoder {
   const int32_t* list_len() const;
   int list_stride() const;
   SparseStepStats stats(void* stream = nullptr) const;
+  // Benchmarks: mean microseconds of the phases of the last select() over the batch's query
+  // heads, where the method records them (tactic with record_phases); else empty.
+  // Synchronises.
+  virtual std::vector<std::pair<std::string, double>> phase_times(void* stream = nullptr) const {
+    (void)stream;
+    return {};
+  }
   // Throws Error if a kernel flagged bad input (synchronises).
   void check(void* stream = nullptr);
 
@@ -78,6 +86,13 @@ struct TacticGpuOptions {
   // replica_of[s] = r < s: sequence s holds the same keys as sequence r and reuses its
   // clustering (the result would be identical: the sample is seeded per layer and head).
   std::vector<int> replica_of;
+  // The ranking as one launch per step: a bucket sort of the clusters by centroid score,
+  // their list positions and the exactly scored positions' rows (up to 8192 clusters per
+  // kv head, i.e. 128K tokens at cluster_size 16); false, or more clusters: a radix sort
+  // and a positions kernel. Both give the same order, so the same tokens.
+  bool bucket_ranking = true;
+  // Benchmarks: record the bucket ranking's phases for SparseDecoder::phase_times.
+  bool record_phases = false;
 };
 std::unique_ptr<SparseDecoder> make_tactic_gpu(const DeviceKvView& kv, int group, const TacticGpuOptions& o,
                                                const AttentionPlanOptions& plan = {});

@@ -12,6 +12,15 @@
 // (max m, sum l, unnormalised output o) per query head; the last CTA of a list to finish
 // (a ticket counter) merges the list's partials by log-sum-exp and writes out and lse.
 //
+// Work stealing (AttentionPlanOptions::steal, off by default: measured slower): equal chunks do not finish together (the multiprocessors do not
+// get equal shares of the memory bandwidth; measured on an H100, 128K tokens, batch 1: the
+// SMs were idle 20% of the kernel's time while the last chunks ran). So a chunk is only a
+// CTA's starting point: its warps claim units of kUnitBlocks blocks from a per-chunk
+// cursor (atomicAdd), and once their own chunk is used up they claim units from the other
+// chunks of the same list. A list then finishes when its last unit does, on whichever CTAs;
+// each CTA's partial covers the units it took (the log-sum-exp merge does not care which).
+// The merge CTA resets the list's cursors for the next launch.
+//
 // Inside a CTA each warp takes blocks of tokens in turn and streams them through its own
 // shared-memory ring with cp.async, kStages blocks in flight (attn_pipeline). Each K/V row
 // is read from memory once for all query heads of its kv head in the tile (GQA): up to
@@ -55,9 +64,15 @@ struct AttnParams {
   float* part_m;              // [max_items][G]
   float* part_l;              // [max_items][G]
   int* tickets;               // [n_lists]
+  int* cursor;                // [max_items] entries claimed from each chunk (work stealing)
+  unsigned long long* timeline;  // [max_items][2] CTA start and end (%globaltimer, ns) or null
   int* error;                 // bit 0: index out of range; bit 1: list longer than stride
   int target_ctas, min_chunk, max_chunk;
+  int steal;                  // 1: warps claim units of work from the list's chunks
+  int prefetch;               // L2 fetch size hint of the K/V copies: 0, 128 or 256 bytes
 };
+
+constexpr int kUnitBlocks = 4;  // blocks per claimed unit of work (work stealing)
 
 // SIMT kernel: a K or V row of D 16-bit values is 16 bytes per lane over D/8 lanes, so one
 // warp load covers 32/(D/8) tokens; a lane handles U rows per block.
@@ -141,14 +156,16 @@ __device__ void block_exclusive_scan(int* a, int n) {
   __syncthreads();
 }
 
-// Writes the final out/lse/mass of query head (tile * G + g) of list l's kv head.
+// Writes the final out/lse/mass of query head (tile * G + g) of list l's kv head: 4
+// consecutive dimensions d .. d + 3 (o4: unnormalised), lse and mass with d == 0.
 template <int D, int G>
 __device__ __forceinline__ void attn_write_final(const AttnParams& p, int seq, int h, int tile, int g, int d, float m,
-                                                 float l, float o) {
+                                                 float l, float4 o4) {
   const int qi = tile * G + g;
   if (qi >= p.group) return;
   const size_t qh = static_cast<size_t>(seq) * p.n_kv * p.group + static_cast<size_t>(h) * p.group + qi;
-  p.out[qh * D + d] = l > 0.0f ? o / l : 0.0f;
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  *reinterpret_cast<float4*>(p.out + qh * D + d) = make_float4(o4.x * inv, o4.y * inv, o4.z * inv, o4.w * inv);
   if (d == 0) {
     const float lse = l > 0.0f ? (m + log2f(l)) * kLn2 : -INFINITY;
     p.lse[qh] = lse;
@@ -157,9 +174,18 @@ __device__ __forceinline__ void attn_write_final(const AttnParams& p, int seq, i
 }
 
 // cp.async (sm_80+): 16 bytes global -> shared without registers; src_size 0 fills zeros.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+// prefetch: the L2 fetch size on a miss hinted to the memory system (PTX .L2::128B and
+// .L2::256B: the whole line or pair of lines comes from DRAM at once instead of the 32-byte
+// sectors the lanes ask for one by one; cuBLAS and cuDNN kernels load this way). Warp-uniform.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid, int prefetch) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+  const int n = valid ? 16 : 0;
+  if (prefetch == 256)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
+  else if (prefetch == 128)
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -167,9 +193,20 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Benchmarks' timeline: %globaltimer at the CTA's start (which = 0) and end (which = 1).
+__device__ __forceinline__ void attn_timeline(const AttnParams& p, int which) {
+  if (p.timeline == nullptr || threadIdx.x != 0) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  p.timeline[2 * blockIdx.x + which] = t;
+}
+
 // The work of one CTA: chunk [begin, end) of list `list`.
 struct AttnWork {
   int item, list, n_chunks, begin, end, seq, h, tile;
+  int own;          // chunk length of the list (chunk c covers [c own, min(len, (c + 1) own)))
+  int len;          // the list's length
+  int list_first;   // item of the list's chunk 0
 };
 
 // The split plan, the same in every CTA. From all list lengths: a chunk size C (a multiple
@@ -224,109 +261,260 @@ __device__ bool attn_plan(const AttnParams& p, int step, int* s_start, int* s_le
   const int own = static_cast<int>(round_up((len + w.n_chunks - 1) / w.n_chunks));  // this list's chunk length
   w.begin = (w.item - s_start[lo]) * own;
   w.end = min(len, w.begin + own);
+  w.own = own;
+  w.len = len;
+  w.list_first = s_start[lo];
   w.seq = lo / (p.n_kv * p.n_tiles);
   w.h = (lo / p.n_tiles) % p.n_kv;
   w.tile = lo % p.n_tiles;
   return true;
 }
 
+constexpr int kMergeTile = 128;  // partials whose (m, l) the merge stages in shared memory at once
+
+// The merge of one list's partials [first, first + nc) by log-sum-exp, run by the list's
+// last CTA. Per query head g: M = max_c m_c, L = sum_c 2^(m_c - M) l_c, out = sum_c
+// 2^(m_c - M) o_c / L. The threads own float4 columns of the [G][D] output; when there are
+// more threads than columns, thread groups take interleaved partials and add up in shared
+// memory. Every partial's loads are independent and unrolled, so their latencies overlap
+// (the previous version walked 8 partials at a time per output element).
+template <int D, int G>
+__device__ void attn_merge(const AttnParams& p, const AttnWork& w, int first, int nc, float* scratch) {
+  constexpr int kCols = G * D / 4;
+  __shared__ float s_w[kMergeTile * G];  // per (tile partial, head): m, then the weight 2^(m - M)
+  __shared__ float s_M[G], s_L[G];
+  const int tid = threadIdx.x, nt = blockDim.x;
+  // Pass 1: M and L per head (threads over (partial, head) pairs; nt is a multiple of G).
+  float mx = -INFINITY;
+  for (int i = tid; i < nc * G; i += nt) mx = fmaxf(mx, __ldcg(p.part_m + static_cast<size_t>(first) * G + i));
+  float* red = scratch;  // [nt] reduction scratch
+  red[tid] = mx;
+  __syncthreads();
+  if (tid < G) {
+    float m = -INFINITY;
+    for (int t = tid; t < nt; t += G) m = fmaxf(m, red[t]);
+    s_M[tid] = m;
+  }
+  __syncthreads();
+  float ls = 0.0f;
+  for (int i = tid; i < nc * G; i += nt) {
+    const float m = __ldcg(p.part_m + static_cast<size_t>(first) * G + i);
+    const float M = s_M[i % G];
+    if (m != -INFINITY) ls += exp2f(m - M) * __ldcg(p.part_l + static_cast<size_t>(first) * G + i);
+  }
+  red[tid] = ls;
+  __syncthreads();
+  if (tid < G) {
+    float l = 0.0f;
+    for (int t = tid; t < nt; t += G) l += red[t];
+    s_L[tid] = l;
+  }
+  __syncthreads();
+  // Pass 2: the outputs. groups of kCols threads take partials grp, grp + groups, ...
+  const int groups = nt >= kCols ? nt / kCols : 1;
+  const int grp = tid / kCols;
+  float4* acc_s = reinterpret_cast<float4*>(scratch);  // [groups][kCols], after the tiles
+  for (int col0 = 0; col0 < kCols; col0 += nt) {      // more columns than threads: several rounds
+    const int col = col0 + (groups > 1 ? tid % kCols : tid);
+    const bool active = grp < groups && col < kCols;
+    const int g = col / (D / 4), d = (col % (D / 4)) * 4;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int c0 = 0; c0 < nc; c0 += kMergeTile) {
+      const int n_tile = min(kMergeTile, nc - c0);
+      __syncthreads();  // the previous tile's weights are no longer read
+      for (int i = tid; i < n_tile * G; i += nt) {
+        const float m = __ldcg(p.part_m + static_cast<size_t>(first + c0) * G + i);
+        s_w[i] = m == -INFINITY ? 0.0f : exp2f(m - s_M[i % G]);
+      }
+      __syncthreads();
+      if (active) {
+        constexpr int kU = 8;
+        for (int c = grp; c < n_tile; c += kU * groups) {
+          float4 v[kU];
+          float wt[kU];
+#pragma unroll
+          for (int u = 0; u < kU; ++u) {
+            const int cc = c + u * groups;
+            const bool in = cc < n_tile;
+            wt[u] = in ? s_w[cc * G + g] : 0.0f;
+            v[u] = in ? __ldcg(reinterpret_cast<const float4*>(p.part_o + (static_cast<size_t>(first + c0 + cc) * G + g) * D + d))
+                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          }
+#pragma unroll
+          for (int u = 0; u < kU; ++u) {
+            acc.x = fmaf(wt[u], v[u].x, acc.x);
+            acc.y = fmaf(wt[u], v[u].y, acc.y);
+            acc.z = fmaf(wt[u], v[u].z, acc.z);
+            acc.w = fmaf(wt[u], v[u].w, acc.w);
+          }
+        }
+      }
+    }
+    if (groups > 1) {
+      __syncthreads();  // red (aliasing acc_s) is no longer read
+      if (active) acc_s[grp * kCols + col] = acc;
+      __syncthreads();
+      if (grp == 0 && active)
+        for (int k = 1; k < groups; ++k) {
+          const float4 b = acc_s[k * kCols + col];
+          acc.x += b.x, acc.y += b.y, acc.z += b.z, acc.w += b.w;
+        }
+    }
+    if (grp == 0 && active) attn_write_final<D, G>(p, w.seq, w.h, w.tile, g, d, s_M[g], s_L[g], acc);
+  }
+}
+
 // The warps' results are in shared memory (sm_o [warps][G][D], sm_m, sm_l [warps][G]):
 // combine them into the CTA's partial (or the final output when the list has one chunk);
-// the last CTA of a list to finish merges the list's partials (loads batched 8 chunks at a
-// time so their latencies overlap).
+// the last CTA of a list to finish merges the list's partials (attn_merge) and resets the
+// list's ticket and work cursors for the next launch. scratch: shared memory the merge may
+// use once the warp results are read (>= max(blockDim.x, groups * G * D) floats).
 template <int D, int G>
 __device__ void attn_finish(const AttnParams& p, const AttnWork& w, const float* sm_o, const float* sm_m,
-                            const float* sm_l, int warps, const int* s_start) {
+                            const float* sm_l, int warps, float* scratch) {
   __shared__ int s_last;
   const bool single = w.n_chunks == 1;
-  for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-    const int g = i / D, d = i % D;
+  for (int i = threadIdx.x; i < G * D / 4; i += blockDim.x) {
+    const int g = i / (D / 4), d = (i % (D / 4)) * 4;
     float mm = -INFINITY;
     for (int k = 0; k < warps; ++k) mm = fmaxf(mm, sm_m[k * G + g]);
-    float oo = 0.0f, ll = 0.0f;
+    float4 oo = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float ll = 0.0f;
     if (mm != -INFINITY)
       for (int k = 0; k < warps; ++k) {
         const float f = exp2f(sm_m[k * G + g] - mm);
-        oo += f * sm_o[(k * G + g) * D + d];
+        const float4 x = *reinterpret_cast<const float4*>(sm_o + (k * G + g) * D + d);
+        oo.x = fmaf(f, x.x, oo.x), oo.y = fmaf(f, x.y, oo.y), oo.z = fmaf(f, x.z, oo.z), oo.w = fmaf(f, x.w, oo.w);
         ll += f * sm_l[k * G + g];
       }
     if (single) {
       attn_write_final<D, G>(p, w.seq, w.h, w.tile, g, d, mm, ll, oo);
     } else {
-      p.part_o[(static_cast<size_t>(w.item) * G + g) * D + d] = oo;
+      *reinterpret_cast<float4*>(p.part_o + (static_cast<size_t>(w.item) * G + g) * D + d) = oo;
       if (d == 0) {
         p.part_m[w.item * G + g] = mm;
         p.part_l[w.item * G + g] = ll;
       }
     }
   }
-  if (single) return;
+  if (single) {
+    if (threadIdx.x == 0 && p.steal) p.cursor[w.item] = 0;  // every warp of the CTA is done with it
+    return;
+  }
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) s_last = atomicAdd(p.tickets + w.list, 1) == w.n_chunks - 1;
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  const int first = s_start[w.list];
-  constexpr int kB = 8;
-  for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-    const int g = i / D, d = i % D;
-    float mm = -INFINITY;
-    for (int c0 = 0; c0 < w.n_chunks; c0 += kB) {
-      float mv[kB];
-#pragma unroll
-      for (int c = 0; c < kB; ++c) mv[c] = c0 + c < w.n_chunks ? __ldcg(p.part_m + (first + c0 + c) * G + g) : -INFINITY;
-#pragma unroll
-      for (int c = 0; c < kB; ++c) mm = fmaxf(mm, mv[c]);
-    }
-    float oo = 0.0f, ll = 0.0f;
-    if (mm != -INFINITY)
-      for (int c0 = 0; c0 < w.n_chunks; c0 += kB) {
-        float mv[kB], lv[kB], ov[kB];
-#pragma unroll
-        for (int c = 0; c < kB; ++c) {
-          const bool in = c0 + c < w.n_chunks;
-          const int it = first + c0 + c;
-          mv[c] = in ? __ldcg(p.part_m + it * G + g) : -INFINITY;
-          lv[c] = in ? __ldcg(p.part_l + it * G + g) : 0.0f;
-          ov[c] = in ? __ldcg(p.part_o + (static_cast<size_t>(it) * G + g) * D + d) : 0.0f;
-        }
-#pragma unroll
-        for (int c = 0; c < kB; ++c) {
-          const float f = mv[c] == -INFINITY ? 0.0f : exp2f(mv[c] - mm);
-          oo += f * ov[c];
-          ll += f * lv[c];
-        }
-      }
-    attn_write_final<D, G>(p, w.seq, w.h, w.tile, g, d, mm, ll, oo);
-  }
+  attn_merge<D, G>(p, w, w.list_first, w.n_chunks, scratch);
   if (threadIdx.x == 0) p.tickets[w.list] = 0;  // ready for the next launch
+  if (p.steal)
+    for (int c = threadIdx.x; c < w.n_chunks; c += blockDim.x) p.cursor[w.list_first + c] = 0;
 }
 
-// A warp's pipeline over its blocks j = 0 .. nb-1 (block j = list entries first + j * step
-// .. + BT): each lane copies U rows of K and V per block (row u * TPL + tsub, its 16-byte
-// column slice) into stage j % kStages of the warp's ring with cp.async, kStages - 1
-// blocks ahead of the compute; the page-table lookups (and for lists the index loads) run
-// one and two blocks ahead of the copies, so their latency overlaps the compute too.
-// compute(stage, j) runs once block j has landed. Every lane later reads only what it
-// copied itself (SIMT), or the warp reads the whole stage (tensor cores: __syncwarp).
+// The blocks of BT list entries one warp computes, in order, as (start, limit): rows
+// start .. start + BT - 1 of the list, those below limit valid; start = -1 past the last.
+// Static: blocks first, first + step, ... below end (the warp's share of its CTA's chunk).
+// Stealing: units of kUnitBlocks blocks claimed with atomicAdd on the chunk cursors, the
+// CTA's own chunk first, then the other chunks of the list in turn. Lane 0 holds the
+// claims; the claim of the next unit is issued when a unit starts, so its latency hides
+// behind the unit's blocks. Every field but `pending` is warp-uniform.
+template <int BT>
+struct BlockGen {
+  static constexpr int kUnit = kUnitBlocks * BT;
+  int pos, lim;          // next block start and the current unit's (or the static range's) end
+  int step;              // static: the warps' stride; 0 when stealing
+  bool done;
+  int own_c, n_chunks, chunk_len, len, probe;  // stealing: chunk geometry, chunks tried so far
+  int* cursor;           // the list's chunk cursors
+  int pending;           // lane 0: entries claimed earlier from chunk (own_c + probe) mod n_chunks
+
+  __device__ void init_static(int first, int end, int stride) {
+    pos = first;
+    lim = end;
+    step = stride;
+    done = false;
+  }
+  __device__ void init_steal(const AttnWork& w, int* cursors) {
+    step = 0;
+    done = false;
+    pos = lim = 0;  // no unit yet: the first next() resolves the claim below
+    pending = 0;
+    own_c = w.item - w.list_first;
+    n_chunks = w.n_chunks;
+    chunk_len = w.own;
+    len = w.len;
+    probe = 0;
+    cursor = cursors + w.list_first;
+    if ((threadIdx.x & 31) == 0) pending = atomicAdd(cursor + own_c, kUnit);
+  }
+  // Lane 0: turns the pending claim into a unit, probing the list's other chunks once the
+  // current one is used up; then claims the following unit ahead. Returns the unit start or
+  // -1 (every chunk used up), and its end in *e.
+  __device__ int claim(int* e) {
+    int got = pending;
+    while (probe < n_chunks) {
+      int c = own_c + probe;
+      if (c >= n_chunks) c -= n_chunks;
+      const int cb = c * chunk_len, ce = min(len, cb + chunk_len);
+      if (cb + got < ce) {
+        *e = min(ce, cb + got + kUnit);
+        pending = atomicAdd(cursor + c, kUnit);
+        return cb + got;
+      }
+      if (++probe < n_chunks) {
+        c = own_c + probe;
+        if (c >= n_chunks) c -= n_chunks;
+        got = atomicAdd(cursor + c, kUnit);
+      }
+    }
+    return -1;
+  }
+  __device__ void next(int& start, int& limit) {
+    if (step == 0 && pos >= lim && !done) {
+      int b = 0, e = 0;
+      if ((threadIdx.x & 31) == 0) b = claim(&e);
+      b = __shfl_sync(0xffffffffu, b, 0);
+      e = __shfl_sync(0xffffffffu, e, 0);
+      if (b < 0) done = true;
+      else pos = b, lim = e;
+    }
+    if (done || pos >= lim) {
+      start = -1;
+      limit = 0;
+      return;
+    }
+    start = pos;
+    limit = lim;
+    pos += step == 0 ? BT : step;
+  }
+};
+
+// A warp's pipeline over the blocks gen yields: each lane copies U rows of K and V per
+// block (row u * TPL + tsub, its 16-byte column slice) into stage j % kStages of the
+// warp's ring with cp.async, kStages - 1 blocks ahead of the compute; the page-table
+// lookups (and for lists the index loads) run one and two blocks ahead of the copies, so
+// their latency overlaps the compute too. compute(stage, start, limit) runs once block j
+// has landed (rows start + r < limit valid). Every lane later reads only what it copied
+// itself (SIMT), or the warp reads the whole stage (tensor cores: __syncwarp).
 template <int D, class T, int BT, int U, int TPL, bool kWarpSync, class F>
-__device__ __forceinline__ void attn_pipeline(const AttnParams& p, unsigned char* ring, int first, int nb, int step,
-                                              int end, int n_tok, const int32_t* idx, const int32_t* pt,
-                                              F&& compute) {
+__device__ __forceinline__ void attn_pipeline(const AttnParams& p, unsigned char* ring, BlockGen<BT>& gen, int n_tok,
+                                              const int32_t* idx, const int32_t* pt, F&& compute) {
   constexpr int RS = ring_row<D>();
   constexpr int kStage = stage_bytes<D, BT>();
   constexpr int kNone = INT_MIN;
+  constexpr int kAhead = kStages + 2;  // blocks j .. j + kStages + 1 known at iteration j
   const int lane = threadIdx.x & 31;
   const int row_lane = lane % (D / 8), tsub = lane / (D / 8);
   const int shift = p.page_shift, mask = (1 << shift) - 1;
   const T* kb = static_cast<const T*>(p.k);
   const T* vb = static_cast<const T*>(p.v);
-  auto load_tok = [&](int j, int (&t)[U]) {
+  auto load_tok = [&](int start, int limit, int (&t)[U]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int pos = first + j * step + u * TPL + tsub;
-      t[u] = (j < nb && pos < end) ? (idx != nullptr ? __ldg(idx + pos) : pos) : kNone;
+      const int pos = start + u * TPL + tsub;
+      t[u] = (start >= 0 && pos < limit) ? (idx != nullptr ? __ldg(idx + pos) : pos) : kNone;
     }
   };
   auto load_page = [&](const int (&t)[U], int (&pg)[U]) {
@@ -347,34 +535,49 @@ __device__ __forceinline__ void attn_pipeline(const AttnParams& p, unsigned char
       const size_t row = valid ? ((static_cast<size_t>(pg[u]) << shift) | static_cast<size_t>(t[u] & mask)) : 0;
       const size_t off = row * D + row_lane * 8;
       const int slot = ((u * TPL + tsub) * RS + row_lane * 8) * 2;
-      cp_async16(st + slot, kb + off, valid);
-      cp_async16(st + BT * RS * 2 + slot, vb + off, valid);
+      cp_async16(st + slot, kb + off, valid, p.prefetch);
+      cp_async16(st + BT * RS * 2 + slot, vb + off, valid, p.prefetch);
     }
     cp_async_commit();
   };
-  int ta[U], tb[U], pb[U];
+  int bs[kAhead], bl[kAhead];  // (start, limit) of blocks j .. j + kAhead - 1
+#pragma unroll
+  for (int i = 0; i < kAhead; ++i) gen.next(bs[i], bl[i]);
 #pragma unroll
   for (int j = 0; j < kStages - 1; ++j) {
     int t[U], pg[U];
-    load_tok(j, t);
+    load_tok(bs[j], bl[j], t);
     load_page(t, pg);
     issue(j, t, pg);
   }
-  load_tok(kStages - 1, tb);
+  int ta[U], tb[U], pb[U];
+  load_tok(bs[kStages - 1], bl[kStages - 1], tb);
   load_page(tb, pb);
-  load_tok(kStages, ta);
-  for (int j = 0; j < nb; ++j) {
+  load_tok(bs[kStages], bl[kStages], ta);
+  for (int j = 0; bs[0] >= 0; ++j) {
     if (kWarpSync) __syncwarp();     // every lane is done with the stage about to be refilled
     issue(j + kStages - 1, tb, pb);  // an empty group past the last block
 #pragma unroll
     for (int u = 0; u < U; ++u) tb[u] = ta[u];
-    load_page(tb, pb);              // for block j + kStages, used next iteration
-    load_tok(j + kStages + 1, ta);  // for block j + kStages + 1
+    load_page(tb, pb);                                   // block j + kStages, used next iteration
+    load_tok(bs[kStages + 1], bl[kStages + 1], ta);      // block j + kStages + 1
     cp_async_wait<kStages - 1>();   // block j has landed (this lane's copies)
     if (kWarpSync) __syncwarp();    // ... and every lane's
-    compute(ring + (j % kStages) * kStage, j);
+    compute(ring + (j % kStages) * kStage, bs[0], bl[0]);
+#pragma unroll
+    for (int i = 0; i + 1 < kAhead; ++i) bs[i] = bs[i + 1], bl[i] = bl[i + 1];
+    gen.next(bs[kAhead - 1], bl[kAhead - 1]);
   }
   cp_async_wait<0>();
+}
+
+// The warp's block source for this CTA's work.
+template <int BT>
+__device__ __forceinline__ BlockGen<BT> attn_blocks(const AttnParams& p, const AttnWork& w, int warp, int warps) {
+  BlockGen<BT> gen;
+  if (p.steal) gen.init_steal(w, p.cursor);
+  else gen.init_static(w.begin + warp * BT, w.end, warps * BT);
+  return gen;
 }
 
 // One block of U rows per lane (SIMT): scores for every head of the tile, online softmax,
@@ -454,7 +657,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) attention_simt_kernel(AttnPara
   __shared__ int s_start[kMaxLists + 1];
   __shared__ int s_len[kMaxLists];
   AttnWork w;
-  if (!attn_plan(p, warps * BT, s_start, s_len, w)) return;
+  attn_timeline(p, 0);
+  if (!attn_plan(p, warps * BT, s_start, s_len, w)) return attn_timeline(p, 1);
   const int row_lane = lane % RL, tsub = lane / RL;
   float q[G][8];
 #pragma unroll
@@ -472,14 +676,12 @@ __global__ void __launch_bounds__(kMaxWarps * 32) attention_simt_kernel(AttnPara
 #pragma unroll
     for (int e = 0; e < 8; ++e) o[g][e] = 0.0f;
   }
-  const int step = warps * BT;
-  const int first = w.begin + warp * BT;
-  const int nb = first < w.end ? (w.end - first + step - 1) / step : 0;
   const int32_t* pt = p.page_table + (static_cast<size_t>(w.seq) * p.n_kv + w.h) * p.max_pages;
   const int32_t* idx = p.idx != nullptr ? p.idx + (static_cast<size_t>(w.seq) * p.n_kv + w.h) * p.idx_stride : nullptr;
   unsigned char* ring = dyn_smem + static_cast<size_t>(warp) * kStages * stage_bytes<D, BT>();
+  BlockGen<BT> gen = attn_blocks<BT>(p, w, warp, warps);
   attn_pipeline<D, T, BT, U, TPL, false>(
-      p, ring, first, nb, step, w.end, p.n_tokens[w.seq], idx, pt, [&](const unsigned char* st, int j) {
+      p, ring, gen, p.n_tokens[w.seq], idx, pt, [&](const unsigned char* st, int start, int limit) {
         uint4 kr[U], vr[U];
         bool ok[U];
 #pragma unroll
@@ -487,7 +689,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) attention_simt_kernel(AttnPara
           const int slot = ((u * TPL + tsub) * RS + row_lane * 8) * 2;
           kr[u] = *reinterpret_cast<const uint4*>(st + slot);
           vr[u] = *reinterpret_cast<const uint4*>(st + BT * RS * 2 + slot);
-          ok[u] = first + j * step + u * TPL + tsub < w.end;
+          ok[u] = start + u * TPL + tsub < limit;
         }
         attn_block<D, T, G>(kr, vr, ok, q, m, l, o);
       });
@@ -516,7 +718,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) attention_simt_kernel(AttnPara
       sm_l[warp * G + g] = l[g];
     }
   __syncthreads();
-  attn_finish<D, G>(p, w, sm_o, sm_m, sm_l, warps, s_start);
+  attn_finish<D, G>(p, w, sm_o, sm_m, sm_l, warps, reinterpret_cast<float*>(dyn_smem));
+  attn_timeline(p, 1);
 }
 
 // ---- tensor cores: mma.sync.m16n8k16 with split operands ----
@@ -604,7 +807,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) attention_mma_kernel(AttnParam
   __shared__ int s_start[kMaxLists + 1];
   __shared__ int s_len[kMaxLists];
   AttnWork w;
-  if (!attn_plan(p, warps * BT, s_start, s_len, w)) return;
+  attn_timeline(p, 0);
+  if (!attn_plan(p, warps * BT, s_start, s_len, w)) return attn_timeline(p, 1);
   const int r = lane >> 2, c = lane & 3;  // accumulator row (head) and column pair
   const int qi = w.tile * G + r;
   const bool head_ok = r < G && qi < p.group;
@@ -632,9 +836,6 @@ __global__ void __launch_bounds__(kMaxWarps * 32) attention_mma_kernel(AttnParam
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
   float m = -INFINITY, l = 0.0f;
-  const int step = warps * BT;
-  const int first = w.begin + warp * BT;
-  const int nb = first < w.end ? (w.end - first + step - 1) / step : 0;
   const int32_t* pt = p.page_table + (static_cast<size_t>(w.seq) * p.n_kv + w.h) * p.max_pages;
   const int32_t* idx = p.idx != nullptr ? p.idx + (static_cast<size_t>(w.seq) * p.n_kv + w.h) * p.idx_stride : nullptr;
   unsigned char* ring = dyn_smem + static_cast<size_t>(warp) * kStages * stage_bytes<D, BT>();
@@ -642,8 +843,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32) attention_mma_kernel(AttnParam
   const int mi = lane >> 3, mr = lane & 7;
   const int k_tok = (mi >> 1) * 8 + mr, k_dim = (mi & 1) * 8;   // K: [tok 0-7 | 8-15] x [dims +0 | +8]
   const int v_tok = (mi & 1) * 8 + mr, v_dim = (mi >> 1) * 8;   // V (transposed): tokens, dims
+  BlockGen<BT> gen = attn_blocks<BT>(p, w, warp, warps);
   attn_pipeline<D, T, BT, U, TPL, true>(
-      p, ring, first, nb, step, w.end, p.n_tokens[w.seq], idx, pt, [&](const unsigned char* st, int j) {
+      p, ring, gen, p.n_tokens[w.seq], idx, pt, [&](const unsigned char* st, int start, int limit) {
         const unsigned char* ks_base = st + (k_tok * RS + k_dim) * 2;
         const unsigned char* vs_base = st + BT * RS * 2 + (v_tok * RS + v_dim) * 2;
         float sc[2][4] = {};
@@ -659,12 +861,11 @@ __global__ void __launch_bounds__(kMaxWarps * 32) attention_mma_kernel(AttnParam
           }
         }
         // Online softmax of row r over the block's 16 tokens (4 per lane, 4 lanes per row).
-        const int t0 = first + j * step;
         float sv[4];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) sv[nt * 2 + e] = t0 + nt * 8 + 2 * c + e < w.end ? sc[nt][e] : -INFINITY;
+          for (int e = 0; e < 2; ++e) sv[nt * 2 + e] = start + nt * 8 + 2 * c + e < limit ? sc[nt][e] : -INFINITY;
         float mx = fmaxf(fmaxf(sv[0], sv[1]), fmaxf(sv[2], sv[3]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -723,7 +924,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) attention_mma_kernel(AttnParam
     }
   }
   __syncthreads();
-  attn_finish<D, G>(p, w, sm_o, sm_m, sm_l, warps, s_start);
+  attn_finish<D, G>(p, w, sm_o, sm_m, sm_l, warps, reinterpret_cast<float*>(dyn_smem));
+  attn_timeline(p, 1);
 }
 
 using AttnKernel = void (*)(AttnParams);
@@ -767,7 +969,9 @@ struct AttentionPlan::Impl {
   bool mma = false;
   size_t smem = 0;
   AttnKernel kernel = nullptr;
-  DeviceBuffer part_o, part_m, part_l, tickets, error;
+  bool steal = false;
+  int prefetch = 256;
+  DeviceBuffer part_o, part_m, part_l, tickets, cursor, timeline, error;
 };
 
 AttentionPlan::AttentionPlan(const DeviceKvView& kv, int group, const AttentionPlanOptions& o) {
@@ -778,6 +982,8 @@ AttentionPlan::AttentionPlan(const DeviceKvView& kv, int group, const AttentionP
                 o.ctas_per_sm);
   CUMULUS_CHECK(o.min_chunk >= 0, "options.min_chunk={} must be >= 0", o.min_chunk);
   CUMULUS_CHECK(o.max_chunk >= 0, "options.max_chunk={} must be >= 0", o.max_chunk);
+  CUMULUS_CHECK(o.l2_prefetch == 0 || o.l2_prefetch == 128 || o.l2_prefetch == 256,
+                "options.l2_prefetch={} must be 0, 128 or 256", o.l2_prefetch);
   auto im = std::make_unique<Impl>();
   im->kv = kv;
   im->group = group;
@@ -791,8 +997,10 @@ AttentionPlan::AttentionPlan(const DeviceKvView& kv, int group, const AttentionP
   im->mma = o.tensor_cores;
   im->kernel = kv.dtype == DType::f16 ? pick_d<__half>(kv.head_dim, im->g, im->mma)
                                       : pick_d<__nv_bfloat16>(kv.head_dim, im->g, im->mma);
-  // Dynamic shared memory: the warps' cp.async rings; the merge scratch reuses them.
-  const size_t merge = static_cast<size_t>(im->warps) * im->g * (kv.head_dim + 2) * sizeof(float);
+  // Dynamic shared memory: the warps' cp.async rings; the warps' results and the merge
+  // scratch (a float per thread, a float4 per thread) reuse them.
+  const size_t merge = std::max(static_cast<size_t>(im->warps) * im->g * (kv.head_dim + 2) * sizeof(float),
+                                static_cast<size_t>(im->warps) * 32 * 4 * sizeof(float));
   const size_t ring = static_cast<size_t>(im->warps) * kStages * 2 * block_tokens(kv.head_dim, im->g, im->mma) *
                       (kv.head_dim + 8) * 2;  // padded rows of 16-bit values
   im->smem = std::max(merge, ring);
@@ -816,6 +1024,14 @@ AttentionPlan::AttentionPlan(const DeviceKvView& kv, int group, const AttentionP
   im->part_l = DeviceBuffer(static_cast<size_t>(im->max_items) * im->g * sizeof(float));
   im->tickets = DeviceBuffer(static_cast<size_t>(im->n_lists) * sizeof(int));
   im->tickets.fill_bytes(0);
+  im->steal = o.steal;
+  im->prefetch = o.l2_prefetch;
+  im->cursor = DeviceBuffer(static_cast<size_t>(im->max_items) * sizeof(int));
+  im->cursor.fill_bytes(0);
+  if (o.timeline) {
+    im->timeline = DeviceBuffer(static_cast<size_t>(im->max_items) * 2 * sizeof(unsigned long long));
+    im->timeline.fill_bytes(0);
+  }
   im->error = DeviceBuffer(sizeof(int));
   im->error.fill_bytes(0);
   impl_ = im.release();
@@ -832,6 +1048,20 @@ void AttentionPlan::check(void* stream) {
     throw Error(fmt::format("attention_decode: {}{}", (err & 1) ? "a list holds a token index outside [0, n_tokens) " : "",
                             (err & 2) ? "a list length is negative or exceeds idx_stride" : ""));
   }
+}
+
+std::vector<int64_t> AttentionPlan::timeline(void* stream) const {
+  CUMULUS_CHECK(impl_->timeline.data() != nullptr, "AttentionPlan::timeline: the plan was made without options.timeline");
+  CUMULUS_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
+  std::vector<unsigned long long> t(static_cast<size_t>(impl_->max_items) * 2);
+  impl_->timeline.download(t.data(), t.size() * sizeof(unsigned long long));
+  unsigned long long t0 = ~0ull;
+  for (unsigned long long x : t)
+    if (x != 0) t0 = std::min(t0, x);
+  std::vector<int64_t> r(t.size(), -1);
+  for (size_t i = 0; i < t.size(); ++i)
+    if (t[i] != 0) r[i] = static_cast<int64_t>(t[i] - t0);
+  return r;
 }
 
 void attention_decode(const DeviceDecodeArgs& a, AttentionPlan& plan, void* stream) {
@@ -871,6 +1101,10 @@ void attention_decode(const DeviceDecodeArgs& a, AttentionPlan& plan, void* stre
   p.part_m = im.part_m.as<float>();
   p.part_l = im.part_l.as<float>();
   p.tickets = im.tickets.as<int>();
+  p.cursor = im.cursor.as<int>();
+  p.timeline = im.timeline.as<unsigned long long>();
+  p.steal = im.steal ? 1 : 0;
+  p.prefetch = im.prefetch;
   p.error = im.error.as<int>();
   p.target_ctas = im.target;
   p.min_chunk = im.min_chunk;

@@ -1,0 +1,71 @@
+// Reader of `cumulus trace` files (include/cumulus/eval/trace.h; format in docs/cuda.md).
+#include "cumulus/eval/trace.h"
+
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "cumulus/core/dtype.h"
+#include "cumulus/core/error.h"
+
+namespace cumulus {
+
+KvCache TraceFile::cache(int record) const {
+  CUMULUS_CHECK(record >= 0 && record < static_cast<int>(layers.size()), "trace record={} out of range [0, {})",
+                record, layers.size());
+  KvCache kv(Shape{1, n_q_heads, n_kv_heads, head_dim}, KvCacheOptions{16, DType::f16, n_tokens});
+  std::vector<float> kf(k[record].size()), vf(v[record].size());
+  for (size_t i = 0; i < kf.size(); ++i) kf[i] = f16_to_f32(k[record][i]), vf[i] = f16_to_f32(v[record][i]);
+  kv.append(0, kf.data(), vf.data(), n_tokens);
+  return kv;
+}
+
+TraceFile trace_read(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  CUMULUS_CHECK(f.good(), "trace {}: cannot open", path);
+  char magic[8] = {};
+  uint32_t version = 0, hb = 0;
+  f.read(magic, 8);
+  f.read(reinterpret_cast<char*>(&version), 4);
+  f.read(reinterpret_cast<char*>(&hb), 4);
+  CUMULUS_CHECK(f.good() && std::memcmp(magic, "CUMTRACE", 8) == 0 && version == 1,
+                "trace {}: not a cumulus trace (magic or version {})", path, version);
+  CUMULUS_CHECK(hb > 0 && hb < (1u << 20), "trace {}: header_bytes={} out of range (0, 1 MiB)", path, hb);
+  TraceFile t;
+  t.header.assign(hb, '\0');
+  f.read(t.header.data(), hb);
+  CUMULUS_CHECK(f.good(), "trace {}: truncated header", path);
+  nlohmann::json h;
+  try {
+    h = nlohmann::json::parse(t.header);
+    t.n_kv_heads = h.at("n_kv_heads");
+    t.n_q_heads = h.at("n_q_heads");
+    t.head_dim = h.at("head_dim");
+    t.n_tokens = h.at("n_tokens");
+    t.prompt_tokens = h.at("prompt_tokens");
+    t.steps = h.at("steps");
+    t.layers = h.at("layers").get<std::vector<int>>();
+  } catch (const nlohmann::json::exception& e) {
+    CUMULUS_FAIL("trace {}: bad header ({})", path, e.what());
+  }
+  CUMULUS_CHECK(t.n_kv_heads >= 1 && t.n_kv_heads <= 256 && t.n_q_heads >= t.n_kv_heads &&
+                    t.n_q_heads % t.n_kv_heads == 0 && t.n_q_heads <= 1024 && t.head_dim >= 8 &&
+                    t.head_dim <= 512 && t.steps >= 1 && t.steps <= 4096 && t.prompt_tokens >= 0 &&
+                    t.n_tokens == t.prompt_tokens + t.steps && t.n_tokens <= (1 << 22) && !t.layers.empty() &&
+                    t.layers.size() <= 1024,
+                "trace {}: inconsistent header {}", path, t.header);
+  const size_t kvn = static_cast<size_t>(t.n_tokens) * t.n_kv_heads * t.head_dim;
+  const size_t qn = static_cast<size_t>(t.steps) * t.n_q_heads * t.head_dim;
+  for (int layer : t.layers) {
+    t.k.emplace_back(kvn);
+    t.v.emplace_back(kvn);
+    t.q.emplace_back(qn);
+    f.read(reinterpret_cast<char*>(t.k.back().data()), static_cast<std::streamsize>(kvn * 2));
+    f.read(reinterpret_cast<char*>(t.v.back().data()), static_cast<std::streamsize>(kvn * 2));
+    f.read(reinterpret_cast<char*>(t.q.back().data()), static_cast<std::streamsize>(qn * 4));
+    CUMULUS_CHECK(f.good(), "trace {}: truncated in layer {}", path, layer);
+  }
+  return t;
+}
+
+}  // namespace cumulus
