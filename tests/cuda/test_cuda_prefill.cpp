@@ -310,4 +310,6 @@ TEST(CudaPrefill, BadInputIsAnError) {
   EXPECT_THROW(cuda::DeviceBlockLayout::upload(block_sparse_layout_causal(0, 100, 2, 96), 100), Error);
   const cuda::DeviceBlockLayout other = cuda::DeviceBlockLayout::upload(block_sparse_layout_causal(0, 100, 4, 64), 100);
   EXPECT_THROW(cuda::attention_prefill_block_sparse(pb.dargs(), other), Error);
+  // 4096 probe rows of head_dim 128 do not fit in shared memory.
+  EXPECT_THROW(cuda::FlexPrefillProbe(5000, 2, 1, 128, 4096), Error);
 }

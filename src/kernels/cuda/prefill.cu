@@ -488,6 +488,15 @@ FlexPrefillProbe::FlexPrefillProbe(int n_, int n_q_heads_, int n_kv_heads_, int 
   if (n < 1 || block_size < 1 || n_q_heads < 1 || n_kv_heads < 1)
     throw Error(fmt::format("FlexPrefillProbe: n={}, block_size={}, heads {}/{} must be >= 1", n, block_size,
                             n_q_heads, n_kv_heads));
+  // The projection kernel holds the L probe rows in shared memory as float32.
+  const size_t psmem = (static_cast<size_t>(n_rows) * head_dim + kProbeKeys * (head_dim + 1) + 4 * kProbeKeys) * 4;
+  int dev = 0, optin = 0;
+  CUMULUS_CUDA_CHECK(cudaGetDevice(&dev));
+  CUMULUS_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  if (psmem > static_cast<size_t>(optin))
+    throw Error(fmt::format("FlexPrefillProbe: block_size={} gives {} probe rows of head_dim {}: {} bytes of shared "
+                            "memory, the device allows {}",
+                            block_size, n_rows, head_dim, psmem, optin));
   const size_t nq = static_cast<size_t>(n_q_heads);
   vertical_ = DeviceBuffer(nq * n * 4);
   slash_ = DeviceBuffer(nq * n * 4);
