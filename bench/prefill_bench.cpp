@@ -2,10 +2,13 @@
 // a real model, printed as tables and written as JSON.
 //
 //   kernel  one layer of SmolLM2-135M's attention shape (9 query heads over 3 kv heads,
-//           head_dim 64, f16 cache) prefilled as one chunk of n tokens: dense flash kernel and
-//           block-sparse kernel over a causal-diagonal band, in GFLOP/s (4 flops per query
-//           head, key and dimension: q.k and p.v), next to the sgemm GFLOP/s OpenBLAS reaches on
-//           the same threads in the same run (1024^3 per thread) as the machine's compute roof.
+//           head_dim 64) and of llama3-8b's (32 over 8, head_dim 128), f16 cache, holding the
+//           synthetic prompt of bench/prefill_workload.h, prefilled as one chunk of n tokens:
+//           dense flash kernel, block-sparse kernel over a causal-diagonal band, and
+//           flexprefill (selection + block-sparse kernel, defaults), in GFLOP/s (4 flops per
+//           query head, key and dimension: q.k and p.v), next to the sgemm GFLOP/s OpenBLAS
+//           reaches on the same threads in the same run (1024^3 per thread) as the machine's
+//           compute roof; block share and speedup against dense from the same run.
 //   model   SmolLM2 prefill of the first n tokens of a Gutenberg book (n = 2K, 4K, 8K): dense
 //           in the session's default 256-token chunks, dense in one chunk, flexprefill with
 //           its defaults and with min_budget 0; wall time, tok/s, time inside the attention
@@ -50,6 +53,8 @@
 #include "cumulus/model/session.h"
 #include "cumulus/model/text.h"
 #include "cumulus/model/tokenizer.h"
+#include "methods/flexprefill.h"
+#include "prefill_workload.h"
 
 extern "C" void openblas_set_num_threads(int num_threads);
 
@@ -102,30 +107,47 @@ double sgemm_gflops(ThreadPool& pool) {
   return best;
 }
 
-// One layer of SmolLM2's attention shape in a real KvCache, n random tokens.
+// One layer of an attention shape in a real f16 KvCache holding the synthetic prompt of
+// bench/prefill_workload.h (n tokens): queries [n][n_q][dim] float32.
 struct KernelCase {
-  Shape shape{1, 9, 3, 64};
+  std::string name;
+  bench::PromptShape ps;
+  Shape shape;
   KvCache kv;
   std::vector<float> q, out;
   std::vector<PagedHeadView> views;
   int n;
 
-  KernelCase(int n_tokens, std::mt19937& rng) : kv(shape, KvCacheOptions{}), n(n_tokens) {
-    std::normal_distribution<float> nd(0.0f, 1.0f);
-    std::vector<float> k(static_cast<size_t>(n) * 3 * 64), v(k.size());
-    for (size_t i = 0; i < k.size(); ++i) k[i] = nd(rng), v[i] = nd(rng);
+  KernelCase(std::string label, const bench::PromptShape& p, int n_tokens, ThreadPool& pool)
+      : name(std::move(label)),
+        ps(p),
+        shape{1, p.n_kv * p.group, p.n_kv, p.head_dim},
+        kv(shape, KvCacheOptions{16, DType::f16, n_tokens}),
+        n(n_tokens) {
+    const int nq = p.n_kv * p.group, d = p.head_dim;
+    std::vector<float> k(static_cast<size_t>(n) * p.n_kv * d), v(k.size());
+    q.resize(static_cast<size_t>(n) * nq * d);
+    pool.parallel_for(n, [&](int64_t t, int) {
+      for (int h = 0; h < p.n_kv; ++h)
+        for (int j = 0; j < d; ++j) {
+          const size_t i = (static_cast<size_t>(t) * p.n_kv + h) * d + j;
+          k[i] = bench::prompt_key(p, h, static_cast<int>(t), j);
+          v[i] = bench::prompt_value(p, h, static_cast<int>(t), j);
+        }
+      for (int qh = 0; qh < nq; ++qh)
+        for (int j = 0; j < d; ++j)
+          q[(static_cast<size_t>(t) * nq + qh) * d + j] = bench::prompt_query(p, qh, static_cast<int>(t), j);
+    });
     kv.append(0, k.data(), v.data(), n);
-    q.resize(static_cast<size_t>(n) * 9 * 64);
-    for (auto& x : q) x = nd(rng);
     out.resize(q.size());
-    for (int h = 0; h < 3; ++h) views.push_back(kv.view(0, h));
+    for (int h = 0; h < p.n_kv; ++h) views.push_back(kv.view(0, h));
   }
   PrefillAttnArgs args() {
     PrefillAttnArgs a;
     a.kv = views.data();
-    a.n_kv_heads = 3;
-    a.group = 3;
-    a.scale = 0.125f;
+    a.n_kv_heads = ps.n_kv;
+    a.group = ps.group;
+    a.scale = 1.0f / std::sqrt(static_cast<float>(ps.head_dim));
     a.pos = 0;
     a.n_q = n;
     a.q = q.data();
@@ -133,6 +155,18 @@ struct KernelCase {
     return a;
   }
 };
+
+// Query-key pairs a layout computes (causal inside diagonal blocks), all heads.
+int64_t layout_pairs(const BlockSparseLayout& L, int n) {
+  int64_t pairs = 0;
+  for (int h = 0; h < L.n_q_heads; ++h)
+    for (int r = 0; r < L.n_q_blocks; ++r)
+      for (int32_t c : L.list(h, r)) {
+        const int q0 = r * L.block_size, q1 = std::min(n, q0 + L.block_size);
+        for (int i = q0; i < q1; ++i) pairs += std::max(0, std::min(i + 1, (c + 1) * L.block_size) - c * L.block_size);
+      }
+  return pairs;
+}
 
 // Every query head lists the first block and the `band` blocks ending at the diagonal.
 BlockSparseLayout band_layout(int n, int n_q_heads, int block, int band, int64_t* pairs) {
@@ -156,40 +190,66 @@ BlockSparseLayout band_layout(int n, int n_q_heads, int block, int band, int64_t
 
 nlohmann::json run_kernels(ThreadPool& pool, const std::vector<int>& lengths) {
   nlohmann::json rows = nlohmann::json::array();
-  std::mt19937 rng(7);
   const double roof = sgemm_gflops(pool);
-  std::printf("== prefill kernels: one layer of SmolLM2-135M (9 q heads / 3 kv heads, head_dim 64, f16 cache)\n");
+  std::printf("== prefill kernels: one layer on the synthetic prompt (bench/prefill_workload.h), f16 cache; "
+              "flexprefill = its selection (probe included) + the block-sparse kernel, defaults\n");
   std::printf("sgemm roof (OpenBLAS, 1024^3 per thread, %d threads): %.1f GFLOP/s\n", pool.n_threads(), roof);
-  std::printf("%-8s %-22s %10s %10s %10s %8s\n", "tokens", "kernel", "ms", "pairs(M)", "GFLOP/s", "of sgemm");
-  for (int n : lengths) {
-    KernelCase kc(n, rng);
-    auto time_min = [&](auto&& fn) {
-      fn();  // warm-up (also sizes the kernels' scratch)
-      double best = 1e30;
-      for (int r = 0; r < 3; ++r) {
-        const auto t0 = Clock::now();
-        fn();
-        best = std::min(best, seconds_since(t0));
+  std::printf("%-24s %-8s %-22s %10s %10s %10s %8s %8s %8s\n", "shape", "tokens", "kernel", "ms", "pairs(M)",
+              "GFLOP/s", "of sgemm", "share%", "x dense");
+  const std::pair<std::string, bench::PromptShape> shapes[] = {{"smollm2 (9/3 heads, d64)", {3, 3, 64}},
+                                                               {"llama3-8b (32/8, d128)", {8, 4, 128}}};
+  for (const auto& [label, ps] : shapes)
+    for (int n : lengths) {
+      KernelCase kc(label, ps, n, pool);
+      const int nq = ps.n_kv * ps.group, d = ps.head_dim;
+      auto time_min = [&](auto&& fn) {
+        fn();  // warm-up (also sizes the kernels' scratch)
+        double best = 1e30;
+        for (int r = 0; r < 3; ++r) {
+          const auto t0 = Clock::now();
+          fn();
+          best = std::min(best, seconds_since(t0));
+        }
+        return best;
+      };
+      const int64_t dense_pairs = static_cast<int64_t>(n) * (n + 1) / 2 * nq;
+      double dense_s = 0.0;
+      auto report = [&](const std::string& name, double s, int64_t pairs, double share) {
+        const double gflops = 4.0 * static_cast<double>(pairs) * d / s / 1e9;
+        std::printf("%-24s %-8d %-22s %10.1f %10.2f %10.1f %7.0f%% %8.1f %8.2f\n", label.c_str(), n, name.c_str(),
+                    s * 1e3, pairs / 1e6, gflops, 100.0 * gflops / roof, 100.0 * share, dense_s / s);
+        rows.push_back({{"shape", label}, {"tokens", n}, {"kernel", name}, {"ms", s * 1e3}, {"query_key_pairs", pairs},
+                        {"gflops", gflops}, {"sgemm_gflops", roof}, {"block_share", share},
+                        {"speedup_vs_dense", dense_s / s}});
+      };
+      dense_s = time_min([&] { cpu::attention_prefill_dense(kc.args(), pool); });
+      report("dense", dense_s, dense_pairs, 1.0);
+      const double causal_blocks = [&] {
+        const double nb = (n + 127) / 128;
+        return nb * (nb + 1) / 2 * nq;
+      }();
+      for (int band : {2, 8}) {
+        int64_t pairs = 0;
+        const BlockSparseLayout L = band_layout(n, nq, 128, band, &pairs);
+        report("block-sparse band " + std::to_string(band),
+               time_min([&] { cpu::attention_prefill_block_sparse(kc.args(), L, pool); }), pairs,
+               static_cast<double>(L.blocks.size()) / causal_blocks);
       }
-      return best;
-    };
-    auto report = [&](const std::string& name, double s, int64_t pairs) {
-      const double gflops = 4.0 * static_cast<double>(pairs) * 64 / s / 1e9;
-      std::printf("%-8d %-22s %10.1f %10.2f %10.1f %7.0f%%\n", n, name.c_str(), s * 1e3, pairs / 1e6, gflops,
-                  100.0 * gflops / roof);
-      rows.push_back({{"tokens", n}, {"kernel", name}, {"ms", s * 1e3}, {"query_key_pairs", pairs},
-                      {"gflops", gflops}, {"sgemm_gflops", roof}});
-    };
-    const int64_t dense_pairs = static_cast<int64_t>(n) * (n + 1) / 2 * 9;
-    report("dense", time_min([&] { cpu::attention_prefill_dense(kc.args(), pool); }), dense_pairs);
-    for (int band : {2, 8}) {
-      int64_t pairs = 0;
-      const BlockSparseLayout L = band_layout(n, 9, 128, band, &pairs);
-      report("block-sparse band " + std::to_string(band),
-             time_min([&] { cpu::attention_prefill_block_sparse(kc.args(), L, pool); }), pairs);
+      flexprefill::LayerSelection sel;
+      const flexprefill::Config cfg;
+      const flexprefill::Geometry g{0, n, cfg.block_size};
+      const double sel_s = time_min([&] {
+        sel = flexprefill::select_layer(cfg, g, kc.views.data(), ps.n_kv, ps.group, kc.q.data(), pool);
+      });
+      const double attn_s = time_min([&] { cpu::attention_prefill_block_sparse(kc.args(), sel.layout, pool); });
+      const double share = static_cast<double>(sel.layout.blocks.size()) / causal_blocks;
+      const int64_t pairs = layout_pairs(sel.layout, n);
+      report("flexprefill (total)", sel_s + attn_s, pairs, share);
+      rows.back()["selection_ms"] = sel_s * 1e3;
+      std::printf("%-24s %-8d %-22s %10.1f   (%.0f%% of flexprefill's total)\n", label.c_str(), n,
+                  "  of which selection", sel_s * 1e3, 100.0 * sel_s / (sel_s + attn_s));
+      std::fflush(stdout);
     }
-    std::fflush(stdout);
-  }
   std::printf("\n");
   return {{"sgemm_gflops", roof}, {"rows", rows}};
 }

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 
 #include "cumulus/core/error.h"
@@ -47,17 +48,66 @@ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 // Blocks of the min budget, at least 1, at most n_blocks.
 int min_blocks(const Config& c, int n_blocks) { return std::min(n_blocks, std::max(1, ceil_div(c.min_budget, c.block_size))); }
 
-// The fewest entries of x (largest first) whose sum reaches gamma; x.size() if none does.
-int cover_count(const float* x, int n, double gamma, std::vector<float>& sorted) {
-  sorted.assign(x, x + n);
-  std::sort(sorted.begin(), sorted.end(), std::greater<float>());
-  double sum = 0.0;
-  for (int k = 0; k < n; ++k) {
-    sum += sorted[k];
-    if (sum >= gamma) return k + 1;
+// The fewest entries of x (largest first, ties to the lower index) whose sum reaches gamma:
+// appends their indices to `taken` (in no particular order) and returns how many; all n if
+// none does. x >= 0. Linear time instead of a full sort: entries are bucketed by the top bits
+// of their float64 representation (monotone for x >= 0: 5 mantissa bits, ~3% wide), whole
+// buckets are taken from the top while the running sum stays below gamma, and only the
+// bucket where it crosses gamma is sorted. The running sum adds whole buckets, so it can
+// differ from a sorted-order sum at float64 rounding (a near-exact tie at the cut).
+template <class T>
+int64_t cover_indices(const T* x, int64_t n, double gamma, std::vector<int64_t>* taken) {
+  constexpr int kShift = 47;
+  constexpr size_t kBuckets = size_t{1} << (63 - kShift);
+  auto key = [](double v) {
+    uint64_t u;
+    std::memcpy(&u, &v, sizeof u);
+    return static_cast<size_t>(u >> kShift);
+  };
+  std::vector<double> bsum(kBuckets, 0.0);
+  std::vector<int64_t> bcnt(kBuckets, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = static_cast<double>(x[i]);
+    const size_t b = key(v);
+    bsum[b] += v;
+    ++bcnt[b];
   }
-  return n;
+  double acc = 0.0;
+  int64_t count = 0;
+  size_t cross = kBuckets;
+  for (size_t b = kBuckets; b-- > 0;) {
+    if (bcnt[b] == 0) continue;
+    if (acc + bsum[b] >= gamma) {
+      cross = b;
+      break;
+    }
+    acc += bsum[b];
+    count += bcnt[b];
+  }
+  std::vector<std::pair<double, int64_t>> edge;
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = static_cast<double>(x[i]);
+    const size_t b = key(v);
+    if (cross == kBuckets || b > cross) {
+      if (taken != nullptr) taken->push_back(i);
+    } else if (b == cross) {
+      edge.emplace_back(v, i);
+    }
+  }
+  if (cross == kBuckets) return n;
+  std::sort(edge.begin(), edge.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  for (const auto& [v, i] : edge) {
+    acc += v;
+    ++count;
+    if (taken != nullptr) taken->push_back(i);
+    if (acc >= gamma) break;
+  }
+  return count;
 }
+
+int cover_count(const float* x, int n, double gamma) { return static_cast<int>(cover_indices(x, n, gamma, nullptr)); }
 
 // Index 0 plus the k - 1 largest of score[1..n) (ties to the lower index).
 std::vector<int32_t> top_with_first(const std::vector<double>& score, int k) {
@@ -133,7 +183,11 @@ HeadSelection select_head(const Config& c, const Geometry& g, const HeadInputs& 
 
   // The estimate a-bar = softmax(avgpool(Q^) avgpool(K)^T / sqrt(d)) over every key block.
   std::vector<double> qbar, est(static_cast<size_t>(nb));
-  mean_rows(in, g.n_q - L, g.n_q, qbar);
+  if (in.q_probe_mean != nullptr) {
+    qbar.assign(in.q_probe_mean, in.q_probe_mean + in.head_dim);
+  } else {
+    mean_rows(in, g.n_q - L, g.n_q, qbar);
+  }
   for (int b = 0; b < nb; ++b) est[b] = scale * dot(qbar.data(), in.k_block_mean + static_cast<size_t>(b) * in.head_dim, in.head_dim);
   softmax_inplace(est);
   double js = 0.0;
@@ -153,12 +207,11 @@ HeadSelection select_head(const Config& c, const Geometry& g, const HeadInputs& 
   if (query_aware) {
     sel.n_vertical = sel.n_slash = kmin;
   } else {
-    std::vector<float> sorted;
     std::vector<float> norm(static_cast<size_t>(n));
     for (int j = 0; j < n; ++j) norm[j] = in.vertical[j] / static_cast<float>(L);
-    sel.n_vertical = clamp_budget(cover_count(norm.data(), n, c.gamma, sorted) / B + 1);
+    sel.n_vertical = clamp_budget(cover_count(norm.data(), n, c.gamma) / B + 1);
     for (int j = 0; j < n; ++j) norm[j] = in.slash[j] / static_cast<float>(L);
-    sel.n_slash = clamp_budget(cover_count(norm.data(), n, c.gamma, sorted) / B + 1);
+    sel.n_slash = clamp_budget(cover_count(norm.data(), n, c.gamma) / B + 1);
   }
   const std::vector<int32_t> vertical = top_with_first(vb, sel.n_vertical);
   const std::vector<int32_t> slash = top_with_first(sb, sel.n_slash);
@@ -180,29 +233,48 @@ HeadSelection select_head(const Config& c, const Geometry& g, const HeadInputs& 
   // pooled keys, a row softmax over the causal key blocks, all pairs flattened and
   // normalised (each row sums to 1, so by the row count), the fewest reaching gamma added.
   if (query_aware) {
-    struct Pair {
-      double a;
-      int r, b;
-    };
-    std::vector<Pair> pairs;
+    // Pairs in (r, b) order, which is also the tie order: a[i] for pair (pr[i], pb[i]).
+    const int D = in.head_dim;
+    std::vector<double> kbar(static_cast<size_t>(nb) * D);
+    std::copy_n(in.k_block_mean, kbar.size(), kbar.begin());
+    const size_t n_pairs = static_cast<size_t>(nqb) * r0 + static_cast<size_t>(nqb) * (nqb + 1) / 2;
+    std::vector<double> a;
+    std::vector<int32_t> pr, pb;
+    a.reserve(n_pairs);
+    pr.reserve(n_pairs);
+    pb.reserve(n_pairs);
     std::vector<double> row;
     for (int r = r0; r < r0 + nqb; ++r) {
-      mean_rows(in, std::max(g.pos, r * B) - g.pos, std::min(n, (r + 1) * B) - g.pos, qbar);
+      if (in.q_block_mean != nullptr) {
+        const float* m = in.q_block_mean + static_cast<size_t>(r - r0) * D;
+        qbar.assign(m, m + D);
+      } else {
+        mean_rows(in, std::max(g.pos, r * B) - g.pos, std::min(n, (r + 1) * B) - g.pos, qbar);
+      }
       row.resize(static_cast<size_t>(r) + 1);
-      for (int b = 0; b <= r; ++b) row[b] = scale * dot(qbar.data(), in.k_block_mean + static_cast<size_t>(b) * in.head_dim, in.head_dim);
+      for (int b = 0; b <= r; ++b) {
+        // Four partial sums: independent chains the compiler can keep in one vector register.
+        const double* kb = kbar.data() + static_cast<size_t>(b) * D;
+        double s4[4] = {0.0, 0.0, 0.0, 0.0};
+        int j = 0;
+        for (; j + 4 <= D; j += 4)
+          for (int u = 0; u < 4; ++u) s4[u] += qbar[j + u] * kb[j + u];
+        for (; j < D; ++j) s4[0] += qbar[j] * kb[j];
+        row[b] = scale * ((s4[0] + s4[1]) + (s4[2] + s4[3]));
+      }
       softmax_inplace(row);
-      for (int b = 0; b <= r; ++b) pairs.push_back({row[b] / nqb, r, b});
+      for (int b = 0; b <= r; ++b) {
+        a.push_back(row[b] / nqb);
+        pr.push_back(r);
+        pb.push_back(b);
+      }
     }
-    std::sort(pairs.begin(), pairs.end(), [](const Pair& x, const Pair& y) {
-      return x.a > y.a || (x.a == y.a && (x.r < y.r || (x.r == y.r && x.b < y.b)));
-    });
-    double sum = 0.0;
-    for (const Pair& p : pairs) {
-      auto& m = marks[static_cast<size_t>(p.r - r0)];
-      if (!m[p.b]) ++sel.n_query_aware;
-      m[p.b] = 1;
-      sum += p.a;
-      if (sum >= c.gamma) break;
+    std::vector<int64_t> taken;
+    cover_indices(a.data(), static_cast<int64_t>(a.size()), c.gamma, &taken);
+    for (const int64_t i : taken) {
+      auto& m = marks[static_cast<size_t>(pr[i] - r0)];
+      if (!m[pb[i]]) ++sel.n_query_aware;
+      m[pb[i]] = 1;
     }
   }
   for (int r = r0; r < r0 + nqb; ++r) {
@@ -287,18 +359,23 @@ LayerSelection select_layer(const Config& c, const Geometry& g, const PagedHeadV
     }
     out.heads[static_cast<size_t>(qh)] = select_head(c, g, in);
   });
-  BlockSparseLayout& lay = out.layout;
+  out.layout = layout_of(g, out.heads);
+  return out;
+}
+
+BlockSparseLayout layout_of(const Geometry& g, const std::vector<HeadSelection>& heads) {
+  BlockSparseLayout lay;
   lay.block_size = g.block_size;
   lay.first_q_block = g.first_q_block();
   lay.n_q_blocks = g.n_q_blocks();
-  lay.n_q_heads = n_q_heads;
+  lay.n_q_heads = static_cast<int>(heads.size());
   lay.offsets.assign(1, 0);
-  for (const HeadSelection& s : out.heads)
+  for (const HeadSelection& s : heads)
     for (const auto& list : s.lists) {
       lay.blocks.insert(lay.blocks.end(), list.begin(), list.end());
       lay.offsets.push_back(static_cast<int32_t>(lay.blocks.size()));
     }
-  return out;
+  return lay;
 }
 
 }  // namespace flexprefill

@@ -52,6 +52,12 @@ struct HeadInputs {
   // The head's queries of the chunk: row i (position pos + i) at q + i * q_stride, [head_dim].
   const float* q = nullptr;
   size_t q_stride = 0;
+  // Optional precomputed query means (another backend computes them where Q lives; q is then
+  // not read): the mean of the probe rows (the chunk's last n_rows() queries), [head_dim],
+  // and of the chunk's queries in each query block (grid-aligned, a partial block averaged
+  // over the queries it holds), [n_q_blocks][head_dim]. Both or neither.
+  const float* q_probe_mean = nullptr;
+  const float* q_block_mean = nullptr;
   // [n_k_blocks][head_dim]: mean of the keys of each key block (its tokens < n_keys).
   const float* k_block_mean = nullptr;
   int head_dim = 0;
@@ -89,6 +95,9 @@ struct LayerSelection {
 //   kv: [n_kv_heads] views holding >= n_keys tokens; q: [n_q][n_kv_heads * group][head_dim]
 LayerSelection select_layer(const Config& c, const Geometry& g, const PagedHeadView* kv, int n_kv_heads, int group,
                             const float* q, ThreadPool& pool, bool reference = false);
+
+// The layout of a chunk from per-query-head selections (heads in query-head order).
+BlockSparseLayout layout_of(const Geometry& g, const std::vector<HeadSelection>& heads);
 
 // Throws Error naming the bad value (gamma outside (0, 1], tau outside [0, 1], block_size
 // outside [8, 4096], negative budgets, max_budget below min_budget).
