@@ -5,6 +5,7 @@
 //
 // Pages are built here (one 64-byte aligned slab per kv head and K/V, carved into pages
 // that the page table visits in a shuffled order, as a cache that reuses pages would).
+// Every timed run starts from cold caches (a 64 MiB sweep before it), as in `cumulus bench`.
 //
 // usage: attention_bench [--threads 2] [--tokens 32768] [--reps 20] [--json FILE] [--quick]
 #include <hwy/targets.h>
@@ -51,12 +52,23 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Median seconds of fn over reps runs after warmup runs.
+// Sweeps a buffer of twice the last-level cache (32 MiB here) so that the next timed run
+// starts from cold caches: without it the sparse rows (8-32 MiB of K/V) are partly L3 hits.
+void evict_caches() {
+  static std::vector<uint64_t> buf(64u << 17, 1);  // 64 MiB
+  uint64_t sum = 0;
+  for (uint64_t& w : buf) sum += w++;
+  volatile uint64_t sink = sum;
+  (void)sink;
+}
+
+// Median seconds of fn over reps runs after warmup runs, caches swept before each.
 template <class Fn>
 double time_median(Fn&& fn, int warmup, int reps) {
   for (int i = 0; i < warmup; ++i) fn();
   std::vector<double> t;
   for (int i = 0; i < reps; ++i) {
+    evict_caches();
     const auto t0 = Clock::now();
     fn();
     t.push_back(seconds_since(t0));
