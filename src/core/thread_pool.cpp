@@ -1,10 +1,39 @@
 #include "cumulus/core/thread_pool.h"
 
 #include <algorithm>
+#include <chrono>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include "cumulus/core/error.h"
 
 namespace cumulus {
+namespace {
+
+// How long an idle worker (or the waiting caller) spins before sleeping.
+constexpr double kSpinUs = 100.0;
+
+void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#endif
+}
+
+// Spins until done() holds or kSpinUs passed; true when done() held.
+template <class Done>
+bool spin_until(Done done) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 1;; ++i) {
+    if (done()) return true;
+    cpu_relax();
+    if (i % 64 == 0 &&
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() > kSpinUs)
+      return done();
+  }
+}
+
+}  // namespace
 
 ThreadPool::ThreadPool(int n_threads) {
   if (n_threads == 0) n_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -48,6 +77,7 @@ void ThreadPool::run_tasks(int worker) {
 void ThreadPool::worker_loop(int worker) {
   uint64_t seen = 0;
   for (;;) {
+    spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; });
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_start_.wait(lock, [&] { return stop_ || generation_ != seen; });
@@ -75,6 +105,7 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int)>
   }
   cv_start_.notify_all();
   run_tasks(0);
+  spin_until([&] { return done_tasks_.load(std::memory_order_acquire) == n; });
   std::exception_ptr err;
   {
     std::unique_lock<std::mutex> lock(mu_);
