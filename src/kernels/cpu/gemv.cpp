@@ -24,6 +24,7 @@
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/gemv.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/cache_control.h>
 #include <hwy/highway.h>
 
 #include <algorithm>
@@ -36,6 +37,9 @@
 #define CUMULUS_KERNELS_CPU_GEMV_ONCE
 namespace cumulus::cpu {
 constexpr int kGroupRows = 4;
+// Software prefetch distance ahead of each row's position in a group (bytes; 512 to 1536
+// measured alike within noise on 576x576 and 1536x576, 1536 best on 576x1536).
+constexpr size_t kPrefetchBytes = 1536;
 // Float scratch rows are padded to a multiple of 16 (the widest float vector) with zeros.
 inline int gemv_pad16(int n) { return (n + 15) & ~15; }
 }  // namespace cumulus::cpu
@@ -82,10 +86,12 @@ HWY_INLINE hn::Vec<DI16> gemv_codes_q8(DI16 di16, const uint8_t* qs, size_t j) {
 // as int16, offset by -8 for Q4_0.
 template <QuantFormat F>
 HWY_INLINE void gemv_codes_q4(DI16 di16, const uint8_t* qs, size_t j, hn::Vec<DI16>& lo, hn::Vec<DI16>& hi) {
+  // Widen the bytes first (one vpmovzxbw with a memory operand), then split the nibbles
+  // in 16-bit lanes: x86 has no 8-bit shift, so splitting bytes costs two more ops.
   const hn::Rebind<uint8_t, DI16> du8;
-  const auto v = hn::LoadU(du8, qs + j);
-  lo = hn::PromoteTo(di16, hn::And(v, hn::Set(du8, 0x0F)));
-  hi = hn::PromoteTo(di16, hn::ShiftRight<4>(v));
+  const auto v = hn::PromoteTo(di16, hn::LoadU(du8, qs + j));
+  lo = hn::And(v, hn::Set(di16, 0x0F));
+  hi = hn::ShiftRight<4>(v);
   if constexpr (F == QuantFormat::q4_0) {
     lo = hn::Sub(lo, hn::Set(di16, 8));
     hi = hn::Sub(hi, hn::Set(di16, 8));
@@ -119,6 +125,13 @@ HWY_INLINE void gemv_group(const QuantMatrixView& w, int r0, const QuantActivati
   const uint8_t* q0 = w.qs + static_cast<size_t>(r0) * row_bytes;
   const int16_t* xq = x.q.data();
   for (int b = 0; b < nb; ++b) {
+    // The R rows are R interleaved streams row_bytes apart through one contiguous span,
+    // which the hardware prefetcher follows poorly once rows are long (one core streams
+    // 576x1536 at 7 GB/s against 11 GB/s for 1536x576): touch the line kPrefetchBytes
+    // ahead of each row's position once per cache line.
+    if ((static_cast<size_t>(b) * qb) % 64 == 0)
+      for (int r = 0; r < R; ++r)
+        hwy::Prefetch(q0 + static_cast<size_t>(r) * row_bytes + static_cast<size_t>(b) * qb + kPrefetchBytes);
     hn::Vec<DI16> xv[kXv];
     for (int i = 0; i < kXv; ++i) xv[i] = hn::LoadU(di16, xq + static_cast<size_t>(b) * kQuantBlock + static_cast<size_t>(i) * L);
     for (int r = 0; r < R; ++r) {
