@@ -90,15 +90,22 @@ std::map<std::string, std::map<std::string, std::string>> split_params(const std
   return out;
 }
 
-RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector<int32_t>& prompt,
-                  const std::string& method, const std::map<std::string, std::string>& params,
-                  const GenerateOptions& o) {
+// The session options both generation and --bench take from the command line.
+SessionOptions session_options(const GenerateOptions& o, const std::string& method,
+                               const std::map<std::string, std::string>& params) {
   SessionOptions so;
   so.method = method;
   so.params = params;
   so.n_threads = o.threads;
   so.kv.page_size = o.page_size;
   so.kv.dtype = dtype_from_name(o.kv_dtype);
+  return so;
+}
+
+RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector<int32_t>& prompt,
+                  const std::string& method, const std::map<std::string, std::string>& params,
+                  const GenerateOptions& o) {
+  SessionOptions so = session_options(o, method, params);
   so.eval = o.eval;
   Session s(w, so);
   CUMULUS_CHECK(static_cast<int64_t>(prompt.size()) + o.max_tokens <= s.capacity(),
@@ -168,12 +175,7 @@ BenchRun bench_one(const ModelWeights& w, const std::vector<int32_t>& source, co
   std::vector<DecodeProfile> profs;
   double kv_bytes = 0;
   for (int rep = 0; rep < o.repetitions; ++rep) {
-    SessionOptions so;
-    so.method = method;
-    so.params = params;
-    so.n_threads = o.threads;
-    so.kv.page_size = o.page_size;
-    so.kv.dtype = dtype_from_name(o.kv_dtype);
+    SessionOptions so = session_options(o, method, params);
     so.max_tokens = context + o.bench_decode;
     so.profile = true;
     Session s(w, so);
