@@ -12,8 +12,8 @@
 //                                    float32 scratch, then OpenBLAS sgemm; the slice is
 //                                    reused for all C rows, so dequantising costs ~1/C of
 //                                    the GEMM and no float32 copy of the model is kept
-// SmolLM2-135M Q4_1 thus holds ~110 MB of weights instead of 540 MB, and a decode step
-// reads ~110 MB of them.
+// SmolLM2-135M Q4_1 thus holds 100 MB of weights instead of 540 MB, and a decode step
+// reads 100 MB of them (`cumulus generate --bench` prints both).
 #pragma once
 
 #include <cstdint>
