@@ -1,5 +1,8 @@
 // dense: full attention over every cached token. The baseline every sparse method is
-// measured against; claims mass 1.
+// measured against; claims mass 1. Also the default prefill method: causal flash-style
+// attention of each prompt chunk (kernels/prefill.h).
+#include <chrono>
+
 #include "cumulus/core/error.h"
 #include "cumulus/methods/registry.h"
 #include "method_util.h"
@@ -42,15 +45,34 @@ class Dense final : public DecodeMethod {
   Shape shape_;
 };
 
+class DensePrefill final : public PrefillMethod {
+ public:
+  explicit DensePrefill(const Shape& shape) : shape_(shape) {}
+  std::string name() const override { return "dense"; }
+
+  void prefill(int layer, int pos, int c, const float* q, const KvCache& kv, const PrefillContext& ctx,
+               float* out) override {
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<PagedHeadView> views = methods::layer_views(kv, layer);
+    cpu::attention_prefill_dense(methods::prefill_args(shape_, views, pos, c, q, out), *ctx.pool);
+    stats_.heads_dense += shape_.n_q_heads;
+    stats_.attention_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+ private:
+  Shape shape_;
+};
+
 }  // namespace
 
 void register_dense(Registry& r) {
   r.add({.name = "dense",
-         .kind = "decode",
+         .kind = "decode, prefill",
          .paper = "full attention (baseline)",
-         .summary = "attend every cached token",
+         .summary = "attend every cached token; prefill: causal flash-style attention",
          .params = {},
-         .make_decode = [](const Shape& s, const Params&) { return std::make_unique<Dense>(s); }});
+         .make_decode = [](const Shape& s, const Params&) { return std::make_unique<Dense>(s); },
+         .make_prefill = [](const Shape& s, const Params&) { return std::make_unique<DensePrefill>(s); }});
 }
 
 }  // namespace cumulus

@@ -13,6 +13,20 @@ std::vector<PagedHeadView> layer_views(const KvCache& kv, int layer) {
   return views;
 }
 
+PrefillAttnArgs prefill_args(const Shape& shape, const std::vector<PagedHeadView>& views, int pos, int c,
+                             const float* q, float* out) {
+  PrefillAttnArgs a;
+  a.kv = views.data();
+  a.n_kv_heads = shape.n_kv_heads;
+  a.group = shape.group();
+  a.scale = attention_scale(shape.head_dim);
+  a.pos = pos;
+  a.n_q = c;
+  a.q = q;
+  a.out = out;
+  return a;
+}
+
 void attn_output_reset(const Shape& shape, AttnOutput& out) {
   out.out.assign(static_cast<size_t>(shape.n_q_heads) * shape.head_dim, 0.0f);
   out.stats.assign(shape.n_q_heads, StepStats{});

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cumulus/kernels/attention.h"
+#include "cumulus/kernels/prefill.h"
 #include "cumulus/kv/kv_cache.h"
 #include "cumulus/methods/method.h"
 
@@ -17,6 +18,11 @@ inline constexpr double kNoClaim = std::numeric_limits<double>::quiet_NaN();
 
 // [n_kv_heads] views of one layer.
 std::vector<PagedHeadView> layer_views(const KvCache& kv, int layer);
+
+// Prefill-kernel arguments for a chunk [pos, pos + c) of a model of `shape` over `views`
+// ([n_kv_heads] of one layer): q, out [c][n_q_heads][head_dim], scale 1/sqrt(head_dim).
+PrefillAttnArgs prefill_args(const Shape& shape, const std::vector<PagedHeadView>& views, int pos, int c,
+                             const float* q, float* out);
 
 // Sizes out.out [n_q_heads][head_dim] and out.stats [n_q_heads] (stats reset).
 void attn_output_reset(const Shape& shape, AttnOutput& out);

@@ -115,6 +115,14 @@ std::unique_ptr<DecodeMethod> Registry::make(const std::string& name, const Shap
   return m.make_decode(shape, parse(name, overrides));
 }
 
+std::unique_ptr<PrefillMethod> Registry::make_prefill(const std::string& name, const Shape& shape,
+                                                      const std::map<std::string, std::string>& overrides) const {
+  shape.validate();
+  const MethodInfo& m = find(name);
+  CUMULUS_CHECK(m.make_prefill != nullptr, "method '{}' is a {} method, not a prefill method", name, m.kind);
+  return m.make_prefill(shape, parse(name, overrides));
+}
+
 const Registry& Registry::builtin() {
   static const Registry registry = [] {
     Registry r;
@@ -126,6 +134,7 @@ const Registry& Registry::builtin() {
     register_tactic(r);
     register_psa(r);
     register_lfps(r);
+    register_flexprefill(r);
     return r;
   }();
   return registry;

@@ -57,24 +57,12 @@ Session::Session(const ModelWeights& weights, const SessionOptions& options)
                 opt_.prefill_chunk);
   CUMULUS_CHECK(opt_.max_tokens >= 0, "max_tokens={} must be >= 0", opt_.max_tokens);
   capacity_ = kv_.options().max_tokens;
-  CUMULUS_CHECK(opt_.prefill_method == "dense" && opt_.prefill_params.empty(),
-                "prefill_method={} ({} parameters): only dense prefill is available", opt_.prefill_method,
-                opt_.prefill_params.size());
   method_ = Registry::builtin().make(opt_.method, c.shape(), opt_.params);
+  prefill_ = Registry::builtin().make_prefill(opt_.prefill_method, c.shape(), opt_.prefill_params);
   openblas_set_num_threads(1);  // threads come from pool_ (see weight_matmul)
-  const size_t rows = opt_.prefill_chunk;
-  x_.resize(rows * c.dim);
-  xn_.resize(rows * c.dim);
-  q_.resize(rows * c.n_heads * c.head_dim);
-  k_.resize(rows * c.n_kv_heads * c.head_dim);
-  v_.resize(rows * c.n_kv_heads * c.head_dim);
-  att_.resize(rows * c.n_heads * c.head_dim);
-  gate_.resize(rows * c.hidden_dim);
-  up_.resize(rows * c.hidden_dim);
-  lse_.resize(rows * c.n_heads);
+  reserve_rows(opt_.prefill_chunk);
   logits_.resize(c.vocab_size);
   last_.resize(c.n_layers);
-  for (int t = 0; t < pool_.n_threads(); ++t) single_.push_back(std::make_unique<ThreadPool>(1));
 }
 
 Session::~Session() = default;
@@ -88,11 +76,30 @@ const std::vector<float>& Session::prefill(std::span<const int32_t> tokens) {
   prompt_q_rows_ = std::min(std::max(method_->prompt_queries(), opt_.keep_prompt_queries), prompt_end_);
   prompt_q_.assign(w_.config.n_layers,
                    std::vector<float>(static_cast<size_t>(prompt_q_rows_) * w_.config.n_heads * w_.config.head_dim));
-  for (size_t i = 0; i < tokens.size(); i += opt_.prefill_chunk) {
-    const size_t n = std::min<size_t>(opt_.prefill_chunk, tokens.size() - i);
+  // The prefill method picks the chunk (FlexPrefill probes the last block of the whole prompt).
+  const int chunk = prefill_->chunk_tokens(opt_.prefill_chunk, static_cast<int>(tokens.size()));
+  CUMULUS_CHECK(chunk >= 1, "prefill method {} asked for chunks of {} tokens", prefill_->name(), chunk);
+  reserve_rows(std::min<int>(chunk, static_cast<int>(tokens.size())));
+  for (size_t i = 0; i < tokens.size(); i += chunk) {
+    const size_t n = std::min<size_t>(chunk, tokens.size() - i);
     forward(tokens.subspan(i, n), false);
   }
   return logits_;
+}
+
+void Session::reserve_rows(int rows) {
+  if (rows <= rows_) return;
+  const ModelConfig& c = w_.config;
+  const size_t r = static_cast<size_t>(rows);
+  x_.resize(r * c.dim);
+  xn_.resize(r * c.dim);
+  q_.resize(r * c.n_heads * c.head_dim);
+  k_.resize(r * c.n_kv_heads * c.head_dim);
+  v_.resize(r * c.n_kv_heads * c.head_dim);
+  att_.resize(r * c.n_heads * c.head_dim);
+  gate_.resize(r * c.hidden_dim);
+  up_.resize(r * c.hidden_dim);
+  rows_ = rows;
 }
 
 const std::vector<float>& Session::decode(int32_t token) {
@@ -131,27 +138,9 @@ void Session::restart_decode(const std::string& method, const std::map<std::stri
 }
 
 void Session::attention_prefill(int layer, int c, const float* q, float* out) {
-  // Query i of the chunk sits at position pos_ + i and attends causally to tokens
-  // [0, pos_ + i]: the same dense decode kernel over views truncated to that prefix.
-  // Queries run in parallel, each kernel call single-threaded, so the result does not
-  // depend on the thread count.
-  const ModelConfig& cfg = w_.config;
-  std::vector<PagedHeadView> base(cfg.n_kv_heads);
-  for (int h = 0; h < cfg.n_kv_heads; ++h) base[h] = kv_.view(layer, h);
-  const int qd = cfg.n_heads * cfg.head_dim;
-  pool_.parallel_for(c, [&](int64_t i, int worker) {
-    std::vector<PagedHeadView> views = base;
-    for (auto& v : views) v.n_tokens = pos_ + static_cast<int>(i) + 1;
-    DecodeAttnArgs a;
-    a.kv = views.data();
-    a.n_kv_heads = cfg.n_kv_heads;
-    a.group = cfg.n_heads / cfg.n_kv_heads;
-    a.scale = attention_scale(cfg.head_dim);
-    a.q = q + i * qd;
-    a.out = out + i * qd;
-    a.lse = lse_.data() + i * cfg.n_heads;
-    cpu::attention_decode_dense(a, *single_[worker]);
-  });
+  // The chunk's queries at positions [pos_, pos_ + c) against the layer's cache, which
+  // already holds the chunk's keys: the prefill method (dense: causal flash attention).
+  prefill_->prefill(layer, pos_, c, q, kv_, PrefillContext{&pool_}, out);
 }
 
 void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {

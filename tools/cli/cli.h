@@ -9,6 +9,7 @@ namespace cumulus::cli {
 void add_methods_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_generate_command(CLI::App& app);
+void add_eval_command(CLI::App& app);
 void add_info_command(CLI::App& app);
 void add_trace_command(CLI::App& app);
 

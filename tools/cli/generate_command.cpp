@@ -24,6 +24,7 @@
 #include "cli.h"
 #include "cumulus/core/error.h"
 #include "cumulus/eval/membw.h"
+#include "cumulus/eval/method_spec.h"
 #include "cumulus/methods/registry.h"
 #include "cumulus/model/gguf.h"
 #include "cumulus/model/model_weights.h"
@@ -39,6 +40,8 @@ struct GenerateOptions {
   std::string model, tokenizer, prompt, prompt_file;
   std::vector<std::string> methods{"dense"};
   std::vector<std::string> params;
+  std::string prefill = "dense";              // prefill method (dense or flexprefill)
+  std::vector<std::string> prefill_params;    // its key=value parameters
   int max_tokens = 64;
   int prompt_tokens = 0;  // truncate the prompt to its first N tokens (0 = all)
   int threads = 2;
@@ -62,31 +65,26 @@ struct RunResult {
   int prompt_len = 0, generated = 0;
   double prefill_s = 0, decode_s = 0;
   AttentionSummary summary;
+  PrefillStats prefill_stats;
 };
 
+// "--prefill-param key=value" (repeatable) for the prefill method; the registry checks them.
+std::map<std::string, std::string> prefill_param_map(const std::vector<std::string>& params) {
+  std::map<std::string, std::string> out;
+  for (const auto& p : params) {
+    const size_t eq = p.find('=');
+    CUMULUS_CHECK(eq != std::string::npos && eq > 0, "--prefill-param '{}' must be key=value", p);
+    out[p.substr(0, eq)] = p.substr(eq + 1);
+  }
+  return out;
+}
+
 // "--param key=value" applies to every selected method that declares `key`;
-// "--param method.key=value" to that method only.
+// "--param method.key=value" to that method only (eval/method_spec.h, shared with eval).
 std::map<std::string, std::map<std::string, std::string>> split_params(const std::vector<std::string>& params,
                                                                        const std::vector<std::string>& methods) {
   std::map<std::string, std::map<std::string, std::string>> out;
-  for (const auto& p : params) {
-    const size_t eq = p.find('=');
-    CUMULUS_CHECK(eq != std::string::npos && eq > 0, "--param '{}' must be key=value or method.key=value", p);
-    std::string key = p.substr(0, eq), value = p.substr(eq + 1);
-    const size_t dot = key.find('.');
-    bool used = false;
-    for (const auto& m : methods) {
-      const MethodInfo& info = Registry::builtin().find(m);
-      std::string k = key;
-      if (dot != std::string::npos) {
-        if (key.substr(0, dot) != m) continue;
-        k = key.substr(dot + 1);
-      }
-      for (const auto& spec : info.params)
-        if (spec.name == k) out[m][k] = value, used = true;
-    }
-    CUMULUS_CHECK(used, "--param '{}': no selected method has parameter '{}'", p, key);
-  }
+  for (const auto& s : method_specs_parse(methods, params)) out[s.method] = s.params;
   return out;
 }
 
@@ -99,6 +97,8 @@ SessionOptions session_options(const GenerateOptions& o, const std::string& meth
   so.n_threads = o.threads;
   so.kv.page_size = o.page_size;
   so.kv.dtype = dtype_from_name(o.kv_dtype);
+  so.prefill_method = o.prefill;
+  so.prefill_params = prefill_param_map(o.prefill_params);
   return so;
 }
 
@@ -112,7 +112,7 @@ RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector
                 "prompt of {} tokens + --max-tokens {} exceeds the model's context of {} tokens", prompt.size(),
                 o.max_tokens, s.capacity());
   Sampler sampler({.temperature = o.temperature, .top_p = o.top_p, .seed = o.seed});
-  RunResult r{method, static_cast<int>(prompt.size()), 0, 0, 0, {}};
+  RunResult r{method, static_cast<int>(prompt.size()), 0, 0, 0, {}, {}};
 
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
@@ -134,6 +134,7 @@ RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector
   r.decode_s = std::chrono::duration<double>(clock::now() - t1).count();
   if (!o.quiet) fmt::print("\n");
   r.summary = s.summary();
+  r.prefill_stats = s.prefill_method().stats();
   return r;
 }
 
@@ -351,6 +352,10 @@ void run_generate(const GenerateOptions& o) {
                r.generated > 1 ? (r.generated - 1) / r.decode_s : 0.0, 100 * s.mean_kv_fraction(), s.mean_tokens(),
                s.claimed_count ? fmt::format("{:.3f}", s.mean_claimed()) : "-");
     if (s.true_count) fmt::print("{:<14} true mass {:.3f} (eval mode)\n", "", s.mean_true());
+    const PrefillStats& ps = r.prefill_stats;
+    if (o.prefill != "dense")
+      fmt::print("{:<14} prefill {}: {:.1f}% of causal blocks, heads query-aware/vertical-slash/dense {}/{}/{}\n", "",
+                 o.prefill, 100 * ps.block_share(), ps.heads_query_aware, ps.heads_vertical_slash, ps.heads_dense);
   }
   fmt::print("kv read: mean share of the dense K/V bytes read per decode step; tokens: mean tokens attended per "
              "head-step; claimed: mean mass the method claims (- = makes no claim)\n");
@@ -371,6 +376,8 @@ void add_generate_command(CLI::App& app) {
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--param", o->params, "key=value or method.key=value (repeatable)");
+  cmd->add_option("--prefill", o->prefill, "prefill method: dense or flexprefill")->capture_default_str();
+  cmd->add_option("--prefill-param", o->prefill_params, "key=value for the prefill method (repeatable)");
   cmd->add_option("--threads", o->threads, "threads")->capture_default_str();
   cmd->add_option("--page-size", o->page_size, "KV cache page size")->capture_default_str();
   cmd->add_option("--kv-dtype", o->kv_dtype, "KV storage: f16, bf16, f32")->capture_default_str();

@@ -1,4 +1,4 @@
-// cumulus command line: bench | generate | info | methods (eval and trace come with the harness).
+// cumulus command line: bench | eval | generate | info | methods | trace.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   cumulus::cli::add_methods_command(app);
   cumulus::cli::add_bench_command(app);
   cumulus::cli::add_generate_command(app);
+  cumulus::cli::add_eval_command(app);
   cumulus::cli::add_info_command(app);
   cumulus::cli::add_trace_command(app);
   try {

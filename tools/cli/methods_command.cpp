@@ -1,4 +1,5 @@
-// `cumulus methods`: prints the registry (name, kind, paper, parameters with defaults).
+// `cumulus methods`: prints the registry (name, kind: decode and/or prefill, paper, parameters
+// with defaults). Parameters go to `generate --param` (decode) or `--prefill-param` (prefill).
 #include <fmt/format.h>
 
 #include "cli.h"
@@ -10,9 +11,11 @@ void add_methods_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("methods", "List the attention methods and their parameters");
   cmd->callback([] {
     for (const auto& m : Registry::builtin().list()) {
-      fmt::print("{:<12} {:<8} {}\n", m.name, m.kind, m.summary);
-      fmt::print("{:<12} {:<8} paper: {}\n", "", "", m.paper);
-      for (const auto& p : m.params) fmt::print("{:<14}--param {}={:<10} {}\n", "", p.name, p.default_value, p.help);
+      fmt::print("{:<12} {:<15} {}\n", m.name, m.kind, m.summary);
+      fmt::print("{:<12} {:<15} paper: {}\n", "", "", m.paper);
+      const char* flag = m.make_decode ? "--param" : "--prefill-param";
+      for (const auto& p : m.params)
+        fmt::print("{:<14}{} {:<20} {}\n", "", flag, fmt::format("{}={}", p.name, p.default_value), p.help);
     }
   });
 }

@@ -11,6 +11,7 @@
 
 #include "cumulus/core/shape.h"
 #include "cumulus/methods/method.h"
+#include "cumulus/methods/prefill.h"
 
 namespace cumulus {
 
@@ -42,11 +43,12 @@ class Params {
 
 struct MethodInfo {
   std::string name;
-  std::string kind;   // "decode" or "prefill"
+  std::string kind;   // "decode", "prefill" or "decode, prefill" (dense)
   std::string paper;  // where it comes from
   std::string summary;
   std::vector<ParamSpec> params;
-  std::function<std::unique_ptr<DecodeMethod>(const Shape&, const Params&)> make_decode;
+  std::function<std::unique_ptr<DecodeMethod>(const Shape&, const Params&)> make_decode = nullptr;    // decode
+  std::function<std::unique_ptr<PrefillMethod>(const Shape&, const Params&)> make_prefill = nullptr;  // prefill
 };
 
 class Registry {
@@ -63,6 +65,9 @@ class Registry {
   Params parse(const std::string& name, const std::map<std::string, std::string>& overrides) const;
   std::unique_ptr<DecodeMethod> make(const std::string& name, const Shape& shape,
                                      const std::map<std::string, std::string>& overrides = {}) const;
+  // The same for prefill methods (Error for a method without a prefill factory).
+  std::unique_ptr<PrefillMethod> make_prefill(const std::string& name, const Shape& shape,
+                                              const std::map<std::string, std::string>& overrides = {}) const;
 
  private:
   std::vector<MethodInfo> methods_;
@@ -79,5 +84,7 @@ void register_quest(Registry& r);
 void register_tactic(Registry& r);
 void register_psa(Registry& r);
 void register_lfps(Registry& r);
+// Prefill methods (issue 7): src/methods/flexprefill.cpp (dense registers both kinds).
+void register_flexprefill(Registry& r);
 
 }  // namespace cumulus

@@ -10,9 +10,12 @@
 //              k, v appended to the cache; attention; x += attn Wo^T
 //              x += W_down (silu(xn W_gate^T) * (xn W_up^T)), xn = RMSNorm(x) * ffn_norm
 //   logits [vocab] = RMSNorm(x_last) * output_norm, times the classifier
-// Prefill (C > 1) attends densely and causally; once the whole prompt is cached, each
-// layer's decode method gets on_prefill (with the prompt's last queries when the method
-// asks for them). Decode (C = 1) goes through decode_step.
+// Prefill attention goes through the session's prefill method (dense causal flash attention
+// by default, or flexprefill), in chunks of the size the method asks for
+// (PrefillMethod::chunk_tokens: prefill_chunk for dense, the whole prompt for flexprefill);
+// once the whole prompt is cached, each layer's decode method gets on_prefill (with the
+// prompt's last queries when the method asks for them). Decode (C = 1) goes through
+// decode_step.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +29,7 @@
 #include "cumulus/core/thread_pool.h"
 #include "cumulus/kv/kv_cache.h"
 #include "cumulus/methods/method.h"
+#include "cumulus/methods/prefill.h"
 #include "cumulus/model/model_weights.h"
 
 namespace cumulus {
@@ -33,11 +37,12 @@ namespace cumulus {
 struct SessionOptions {
   std::string method = "dense";                 // decode method (Registry::builtin())
   std::map<std::string, std::string> params;    // its parameters
-  std::string prefill_method = "dense";         // prefill attention (dense causal; flexprefill: issue 7)
-  std::map<std::string, std::string> prefill_params;
+  std::string prefill_method = "dense";         // prefill method (Registry::builtin(), kind prefill)
+  std::map<std::string, std::string> prefill_params;  // its parameters
   KvCacheOptions kv;                            // page size, storage dtype
   int n_threads = 2;
-  int prefill_chunk = 256;                      // tokens per prefill forward (GEMM rows)
+  int prefill_chunk = 256;                      // tokens per prefill forward (GEMM rows), unless
+                                                // the prefill method asks for another size
   bool eval = false;                            // decode_step eval mode (true mass, error)
   int max_tokens = 0;                           // cache capacity; 0 = model context length
   // Keep at least this many of the prompt's last queries per layer (besides what the
@@ -102,6 +107,7 @@ class Session {
   int capacity() const { return capacity_; }
   const KvCache& kv() const { return kv_; }
   const DecodeMethod& method() const { return *method_; }
+  const PrefillMethod& prefill_method() const { return *prefill_; }
   const AttentionSummary& summary() const { return summary_; }
   const DecodeProfile& profile() const { return profile_; }
   // The stats of the last decode step, per layer: [n_layers] AttnOutput.
@@ -110,13 +116,14 @@ class Session {
  private:
   void forward(std::span<const int32_t> tokens, bool decode_mode);
   void attention_prefill(int layer, int c, const float* q, float* out);
+  void reserve_rows(int rows);  // grows the scratch below to `rows` tokens
 
   const ModelWeights& w_;
   SessionOptions opt_;
   ThreadPool pool_;
-  std::vector<std::unique_ptr<ThreadPool>> single_;  // one single-thread pool per worker (prefill)
   KvCache kv_;
   std::unique_ptr<DecodeMethod> method_;
+  std::unique_ptr<PrefillMethod> prefill_;
   int pos_ = 0;
   int capacity_ = 0;
   bool prefilled_ = false;
@@ -124,8 +131,9 @@ class Session {
   DecodeProfile profile_;
   std::vector<AttnOutput> last_;
   std::vector<float> logits_;
-  // Scratch, sized for prefill_chunk rows.
-  std::vector<float> x_, xn_, q_, k_, v_, att_, gate_, up_, lse_;
+  // Scratch, sized for rows_ tokens (prefill_chunk, or the prefill method's chunk).
+  int rows_ = 0;
+  std::vector<float> x_, xn_, q_, k_, v_, att_, gate_, up_;
   // The last prompt_q_rows_ queries of the prompt (after RoPE), per layer, for methods that
   // learn from the prompt's attention (DecodeMethod::prompt_queries):
   //   prompt_q_[layer]: [prompt_q_rows_][n_heads][head_dim]

@@ -1,0 +1,34 @@
+// Which decode methods a run compares, from command-line style text: the entries of
+// `--method a,b`, the `--param` overrides and the `--sweep` lists that turn one entry into
+// several variants (the points of one curve in the KL-vs-K/V plot). `cumulus generate` and
+// `cumulus eval` share this parser.
+//
+//   entry   "method" or "label=method"          tactic, psa_bound=psa
+//   param   "key=value"                          every entry whose method declares key
+//           "X.key=value"                        entries labelled X or running method X
+//   sweep   "key=v1,v2,..." / "X.key=v1,v2,..."  one variant per value (several sweeps on
+//                                                one entry: every combination)
+// Keys are checked against the registry; an override no entry declares is an Error.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace cumulus {
+
+struct MethodSpec {
+  std::string label;   // unique within a run: "tactic", "tactic p=0.7", "psa_bound"
+  std::string curve;   // the entry it came from (one curve per entry in plots)
+  std::string method;  // registry name
+  std::map<std::string, std::string> params;  // overrides (not the defaults)
+};
+
+std::vector<MethodSpec> method_specs_parse(const std::vector<std::string>& entries,
+                                           const std::vector<std::string>& params = {},
+                                           const std::vector<std::string>& sweeps = {});
+
+// "k1=v1 k2=v2" (sorted by key; "" for none), for labels and tables.
+std::string params_text(const std::map<std::string, std::string>& params);
+
+}  // namespace cumulus

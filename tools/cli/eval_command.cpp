@@ -1,0 +1,121 @@
+// `cumulus eval TASK`: judge decode methods on a real model and real text against dense
+// attention (issue 5; docs/results.md has the commands and results for SmolLM2). The tasks
+// live in src/eval/tasks.cpp, the reports in src/eval/report.cpp; this file maps options.
+//
+// Output: the Markdown summary goes to stdout unless --markdown names a file; --json PATH
+// writes the full report; --svg-dir DIR writes the plots. A progress bar with the time left
+// draws on stderr when stderr is a terminal.
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+
+#include "cli.h"
+#include "cumulus/core/error.h"
+#include "cumulus/eval/report.h"
+#include "cumulus/eval/tasks.h"
+
+namespace cumulus::cli {
+namespace {
+
+struct EvalArgs {
+  EvalOptions o;
+  std::string model, tokenizer, kv_dtype = "f16";
+  std::vector<std::string> prefill_params;
+  std::string json, markdown, svg_dir;
+};
+
+void write_file(const std::string& path, const std::string& text, const char* what) {
+  std::ofstream f(path, std::ios::binary);
+  CUMULUS_CHECK(f.good(), "{}: cannot open '{}' for writing", what, path);
+  f << text;
+  CUMULUS_CHECK(f.good(), "{}: writing '{}' failed", what, path);
+}
+
+void eval_command_run(EvalArgs& a) {
+  EvalOptions o = a.o;
+  o.kv_dtype = dtype_from_name(a.kv_dtype);
+  for (const auto& p : a.prefill_params) {
+    const size_t eq = p.find('=');
+    CUMULUS_CHECK(eq != std::string::npos && eq > 0, "--prefill-param '{}' must be key=value", p);
+    o.prefill_params[p.substr(0, eq)] = p.substr(eq + 1);
+  }
+  o.validate();  // before loading the model
+  const EvalModel model = eval_model_load(a.model, a.tokenizer);
+  const EvalReport rep = eval_run(model, o, stderr);
+  const std::string md = eval_markdown(rep);
+  if (a.markdown.empty()) {
+    fmt::print("{}", md);
+  } else {
+    write_file(a.markdown, md, "--markdown");
+    fmt::print(stderr, "Markdown: {}\n", a.markdown);
+  }
+  if (!a.json.empty()) {
+    write_file(a.json, eval_json(rep), "--json");
+    fmt::print(stderr, "JSON: {}\n", a.json);
+  }
+  if (!a.svg_dir.empty()) {
+    std::filesystem::create_directories(a.svg_dir);
+    for (const auto& [name, svg] : eval_svgs(rep)) {
+      const std::string path = (std::filesystem::path(a.svg_dir) / name).string();
+      write_file(path, svg, "--svg-dir");
+      fmt::print(stderr, "SVG: {}\n", path);
+    }
+  }
+}
+
+}  // namespace
+
+void add_eval_command(CLI::App& app) {
+  auto a = std::make_shared<EvalArgs>();
+  EvalOptions& o = a->o;
+  auto* cmd = app.add_subcommand("eval", "Judge decode methods against dense attention on a real model: kl, ppl, "
+                                         "mass, matched, niah");
+  cmd->add_option("task", o.task, "kl | ppl | mass | matched | niah")
+      ->required()
+      ->check(CLI::IsMember({"kl", "ppl", "mass", "matched", "niah"}));
+  cmd->add_option("--model", a->model, "GGUF or llama2.c .bin model")->required();
+  cmd->add_option("--tokenizer", a->tokenizer, "llama2.c tok*.bin (default: found beside the model)");
+  cmd->add_option("--text", o.text, "text file: the long document (kl, ppl, mass, matched) or the haystack (niah); "
+                                    "Gutenberg header/footer stripped")
+      ->required();
+  cmd->add_option("--method", o.methods,
+                  "methods, comma-separated; 'label=method' runs a method under its own label (default: all; "
+                  "matched: the adaptive method, default tactic; mass: fixed variants)")
+      ->delimiter(',');
+  cmd->add_option("--param", o.params, "key=value or X.key=value, X a label or method (repeatable)");
+  cmd->add_option("--sweep", o.sweeps, "X.key=v1,v2,...: one run per value, drawn as one curve (repeatable)");
+  cmd->add_option("--prefill", o.prefill_method, "prefill attention shared by all methods")->capture_default_str();
+  cmd->add_option("--prefill-param", a->prefill_params, "prefill method parameter key=value (repeatable)");
+  cmd->add_option("--context", o.context,
+                  "kl/ppl/mass/matched: tokens cached at the last step; the prompt is context - steps "
+                  "(0: the model's context)")
+      ->capture_default_str();
+  cmd->add_option("--steps", o.steps, "teacher-forced continuation tokens")->capture_default_str();
+  cmd->add_option("--lengths", o.lengths, "niah: prompt + answer lengths in tokens")->delimiter(',')->capture_default_str();
+  cmd->add_option("--depths", o.depths, "niah: needle depths in [0, 1]")->delimiter(',')->capture_default_str();
+  cmd->add_option("--needles", o.needles, "niah: prompts (numbers) per (length, depth)")->capture_default_str();
+  cmd->add_option("--answer-tokens", o.answer_tokens, "niah: greedy answer budget")->capture_default_str();
+  cmd->add_option("--template", o.niah_template, "niah prompt: auto (chat when the vocabulary has ChatML), chat, plain")
+      ->check(CLI::IsMember({"auto", "chat", "plain"}))
+      ->capture_default_str();
+  cmd->add_option("--seed", o.seed, "niah: seed of the numbers")->capture_default_str();
+  cmd->add_option("--targets", o.targets, "mass: target P values")->delimiter(',')->capture_default_str();
+  cmd->add_option("--baselines", o.baselines, "matched: fixed-budget methods given the adaptive method's budget")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--match-iters", o.match_iters, "budget runs per matched baseline at most (1: budget = target)")
+      ->capture_default_str();
+  cmd->add_flag("--niah", o.matched_niah, "matched: also the NIAH grid (--lengths, --depths), matched per prompt");
+  cmd->add_option("--threads", o.threads, "threads")->capture_default_str();
+  cmd->add_option("--page-size", o.page_size, "KV cache page size")->capture_default_str();
+  cmd->add_option("--kv-dtype", a->kv_dtype, "KV storage: f16, bf16, f32")->capture_default_str();
+  cmd->add_option("--json", a->json, "write the full report (per-step values) as JSON");
+  cmd->add_option("--markdown", a->markdown, "write the Markdown summary here instead of stdout");
+  cmd->add_option("--svg-dir", a->svg_dir, "write the SVG plots into this folder");
+  cmd->callback([a] { eval_command_run(*a); });
+}
+
+}  // namespace cumulus::cli
