@@ -8,7 +8,6 @@
 // GGUF blocks into values equal to the GGUF dequantiser's (itself checked against gguf-py
 // in test_model_quant.cpp); bad views are errors that name the value.
 #include <gtest/gtest.h>
-#include <hwy/targets.h>
 
 #include <cmath>
 #include <cstring>
@@ -22,6 +21,7 @@
 #include "cumulus/kernels/gemv.h"
 #include "cumulus/model/quant.h"
 #include "cumulus/model/weight_matrix.h"
+#include "kernel_check.h"
 
 using namespace cumulus;
 
@@ -36,15 +36,7 @@ namespace {
 // 4128 moves the ratio by ~1e-4).
 constexpr double kTol = 1e-5;
 
-template <class Fn>
-void for_each_target(Fn fn) {
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    fn();
-  }
-  hwy::SetSupportedTargetsForTest(0);
-}
+using check::for_each_target;
 
 // A random repacked matrix: codes are uniform bytes, scales f16 of magnitude [1e-3, 0.1]
 // and either sign, mins in [-0.5, 0.5]. Padding scales beyond cols / 32 stay zero, as the
@@ -281,12 +273,7 @@ TEST(GemvQuant, BadViewsAreErrors) {
   std::vector<float> y(4);
   ThreadPool pool(1);
   auto expect_error = [&](QuantMatrixView v, const std::string& needle) {
-    try {
-      cpu::gemv_quant(v, x.data(), y.data(), pool);
-      ADD_FAILURE() << "no error, wanted one mentioning " << needle;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
+    check::expect_error([&] { cpu::gemv_quant(v, x.data(), y.data(), pool); }, needle);
   };
   QuantMatrixView v = m.view();
   v.cols = 48;
