@@ -140,7 +140,8 @@ TEST(Llama2c, Stories260KLoads) {
   EXPECT_EQ(w.token_embd.size(), 512u * 64);
   EXPECT_EQ(w.output_norm.size(), 64u);
   EXPECT_TRUE(w.output.empty());
-  EXPECT_EQ(w.output_weight(), w.token_embd.data());
+  EXPECT_EQ(&w.output_weight(), &w.token_embd);
+  EXPECT_FALSE(w.token_embd.quantized());  // llama2.c checkpoints are float32
   for (const auto& L : w.layers) {
     EXPECT_EQ(L.attn_norm.size(), 64u);
     EXPECT_EQ(L.wq.size(), 64u * 64);
@@ -150,7 +151,7 @@ TEST(Llama2c, Stories260KLoads) {
     EXPECT_EQ(L.w_gate.size(), 172u * 64);
     EXPECT_EQ(L.w_down.size(), 64u * 172);
     EXPECT_EQ(L.w_up.size(), 172u * 64);
-    for (float v : L.wq) ASSERT_TRUE(std::isfinite(v));
+    for (float v : L.wq.to_f32()) ASSERT_TRUE(std::isfinite(v));
   }
   // Spot-check offsets against the raw file: tok_emb[0][0] is the first float; rms_final
   // is the D floats before the two freq_cis tables (2 x 512 x 4 floats).
@@ -158,12 +159,12 @@ TEST(Llama2c, Stories260KLoads) {
   float first, final0;
   std::memcpy(&first, raw.data() + 28, 4);
   std::memcpy(&final0, raw.data() + raw.size() - 4 * (2 * 512 * 4 + 64), 4);
-  EXPECT_EQ(w.token_embd[0], first);
+  EXPECT_EQ(w.token_embd.f32()[0], first);
   EXPECT_EQ(w.output_norm[0], final0);
   // Layer 4's last w3 float sits just before rms_final.
   float w3_last;
   std::memcpy(&w3_last, raw.data() + raw.size() - 4 * (2 * 512 * 4 + 64 + 1), 4);
-  EXPECT_EQ(w.layers[4].w_up.back(), w3_last);
+  EXPECT_EQ(w.layers[4].w_up.f32()[w.layers[4].w_up.size() - 1], w3_last);
 }
 
 TEST(Llama2c, WrongSizeAndBadHeader) {
@@ -204,14 +205,14 @@ TEST(Llama2c, UntiedClassifierAndLayerSplit) {
   EXPECT_FALSE(w.config.tied_output);
   EXPECT_EQ(w.config.vocab_size, 10);
   ASSERT_EQ(w.output.size(), V * D);
-  EXPECT_EQ(w.output_weight(), w.output.data());
-  EXPECT_EQ(w.output.front(), static_cast<float>(n - V * D));
-  EXPECT_EQ(w.output.back(), static_cast<float>(n - 1));
-  EXPECT_EQ(w.token_embd.back(), static_cast<float>(V * D - 1));
+  EXPECT_EQ(&w.output_weight(), &w.output);
+  EXPECT_EQ(w.output.f32()[0], static_cast<float>(n - V * D));
+  EXPECT_EQ(w.output.f32()[V * D - 1], static_cast<float>(n - 1));
+  EXPECT_EQ(w.token_embd.f32()[V * D - 1], static_cast<float>(V * D - 1));
   EXPECT_EQ(w.layers[0].attn_norm.front(), static_cast<float>(V * D));
   EXPECT_EQ(w.layers[1].attn_norm.front(), static_cast<float>(V * D + D));
   const size_t wk_start = V * D + L * D + L * D * D;
-  EXPECT_EQ(w.layers[1].wk.front(), static_cast<float>(wk_start + KV * D));
+  EXPECT_EQ(w.layers[1].wk.f32()[0], static_cast<float>(wk_start + KV * D));
   EXPECT_EQ(w.output_norm.front(), static_cast<float>(n - V * D - 2 * S * 2 - D));
 }
 
@@ -232,10 +233,15 @@ TEST(Model, GgufSmallLlamaLoads) {
   EXPECT_TRUE(c.tied_output);
   const ModelWeights w = model_weights_from_gguf(f);
   ASSERT_EQ(w.token_embd.size(), 320u);
-  EXPECT_EQ(w.token_embd[3 * 32 + 20], 4.0f * 0.25f * 4.0f / 8.0f);  // row 3, e = 20
+  // Q8_0 stays quantised (compact storage); its values read back as the format defines.
+  EXPECT_EQ(w.token_embd.storage_name(), "Q8_0");
+  EXPECT_EQ(w.token_embd.to_f32()[3 * 32 + 20], 4.0f * 0.25f * 4.0f / 8.0f);  // row 3, e = 20
   ASSERT_EQ(w.layers.size(), 2u);
   EXPECT_EQ(w.layers[1].wk.size(), 16u * 32);
-  EXPECT_EQ(w.layers[1].wk[5], static_cast<float>(5) * 0.001f);
+  EXPECT_EQ(w.layers[1].wk.to_f32()[5], static_cast<float>(5) * 0.001f);
+  const ModelWeights wf = model_weights_from_gguf(f, WeightStorage::f32);
+  EXPECT_EQ(wf.token_embd.storage_name(), "F32");
+  EXPECT_EQ(wf.token_embd.to_f32(), w.token_embd.to_f32());
   EXPECT_EQ(w.layers[0].w_down.size(), 32u * 64);
   EXPECT_TRUE(w.output.empty());
 
@@ -243,7 +249,7 @@ TEST(Model, GgufSmallLlamaLoads) {
   const ModelWeights wu = model_weights_from_gguf(u);
   EXPECT_FALSE(wu.config.tied_output);
   EXPECT_EQ(wu.output.size(), 320u);
-  EXPECT_EQ(wu.output_weight(), wu.output.data());
+  EXPECT_EQ(&wu.output_weight(), &wu.output);
 }
 
 TEST(Model, GgufLoaderErrorsNameFileAndTensor) {
@@ -301,6 +307,8 @@ TEST(Model, SmolLM2GgufMatchesConfigJson) {
   EXPECT_EQ(w.token_embd.size(), 49152u * 576);
   EXPECT_EQ(w.layers[29].wk.size(), 192u * 576);
   EXPECT_EQ(w.layers[29].w_down.size(), 576u * 1536);
-  for (float v : w.layers[29].w_down) ASSERT_TRUE(std::isfinite(v));
+  EXPECT_EQ(w.layers[29].w_down.storage_name(), "Q4_1");
+  EXPECT_EQ(w.token_embd.storage_name(), "Q8_0");
+  for (float v : w.layers[29].w_down.to_f32()) ASSERT_TRUE(std::isfinite(v));
   for (float v : w.output_norm) ASSERT_TRUE(std::isfinite(v));
 }

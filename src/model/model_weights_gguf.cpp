@@ -1,6 +1,7 @@
 // GGUF `llama` loader: hyperparameters from `llama.*` metadata, tensors by llama.cpp's
 // names (token_embd, blk.N.attn_{norm,q,k,v,output}, blk.N.ffn_{norm,gate,down,up},
-// output_norm, output), each checked for shape and dequantised to float32.
+// output_norm, output), each checked for shape; matrices become WeightMatrix (Q4_0/Q4_1/
+// Q8_0 kept quantised unless WeightStorage::f32), norms are dequantised to float32.
 #include <fmt/ranges.h>
 
 #include <fstream>
@@ -24,9 +25,9 @@ int get_dim_or(const GgufFile& f, const std::string& key, int fallback) {
   return f.find(key) ? get_dim(f, key, 1) : fallback;
 }
 
-// Dequantises tensor `name` after checking it has exactly the shape `ne` ([ne0] or
-// [ne0, ne1], ne0 innermost).
-std::vector<float> load_tensor(const GgufFile& f, const std::string& name, std::initializer_list<uint64_t> ne) {
+// Tensor `name` after checking it has exactly the shape `ne` ([ne0] or [ne0, ne1], ne0
+// innermost) and a type that can be dequantised.
+const GgufTensorInfo& find_checked(const GgufFile& f, const std::string& name, std::initializer_list<uint64_t> ne) {
   const GgufTensorInfo* t = f.find_tensor(name);
   CUMULUS_CHECK(t != nullptr, "gguf: {}: missing tensor '{}'", f.path(), name);
   bool ok = true;
@@ -40,9 +41,21 @@ std::vector<float> load_tensor(const GgufFile& f, const std::string& name, std::
   const GgmlTypeInfo& info = ggml_type_info(t->type);
   CUMULUS_CHECK(info.can_dequantize, "gguf: {}: tensor '{}' has type {}, which cannot be dequantised", f.path(), name,
                 info.name);
-  std::vector<float> out(static_cast<size_t>(t->n_elements));
-  dequantize_row(t->type, t->data, out.data(), t->n_elements);
+  return *t;
+}
+
+// A vector [ne0], dequantised to float32.
+std::vector<float> load_vector(const GgufFile& f, const std::string& name, uint64_t ne0) {
+  const GgufTensorInfo& t = find_checked(f, name, {ne0});
+  std::vector<float> out(static_cast<size_t>(t.n_elements));
+  dequantize_row(t.type, t.data, out.data(), t.n_elements);
   return out;
+}
+
+// A matrix [ne1 rows][ne0 cols].
+WeightMatrix load_matrix(const GgufFile& f, const std::string& name, uint64_t ne0, uint64_t ne1, WeightStorage storage) {
+  const GgufTensorInfo& t = find_checked(f, name, {ne0, ne1});
+  return WeightMatrix::from_ggml(t.type, t.data, static_cast<int>(ne1), static_cast<int>(ne0), storage);
 }
 
 }  // namespace
@@ -98,7 +111,7 @@ ModelConfig model_config_from_gguf(const GgufFile& f) {
   return c;
 }
 
-ModelWeights model_weights_from_gguf(const GgufFile& f) {
+ModelWeights model_weights_from_gguf(const GgufFile& f, WeightStorage storage) {
   ModelWeights w;
   w.config = model_config_from_gguf(f);
   const ModelConfig& c = w.config;
@@ -107,29 +120,38 @@ ModelWeights model_weights_from_gguf(const GgufFile& f) {
   const auto kv_dim = static_cast<uint64_t>(c.n_kv_heads) * static_cast<uint64_t>(c.head_dim);
   const auto vocab = static_cast<uint64_t>(c.vocab_size);
 
-  w.token_embd = load_tensor(f, "token_embd.weight", {dim, vocab});
+  w.token_embd = load_matrix(f, "token_embd.weight", dim, vocab, storage);
   w.layers.resize(static_cast<size_t>(c.n_layers));
   for (int l = 0; l < c.n_layers; ++l) {
     const std::string b = fmt::format("blk.{}.", l);
     LayerWeights& L = w.layers[static_cast<size_t>(l)];
-    L.attn_norm = load_tensor(f, b + "attn_norm.weight", {dim});
-    L.wq = load_tensor(f, b + "attn_q.weight", {dim, q_dim});
-    L.wk = load_tensor(f, b + "attn_k.weight", {dim, kv_dim});
-    L.wv = load_tensor(f, b + "attn_v.weight", {dim, kv_dim});
-    L.wo = load_tensor(f, b + "attn_output.weight", {q_dim, dim});
-    L.ffn_norm = load_tensor(f, b + "ffn_norm.weight", {dim});
-    L.w_gate = load_tensor(f, b + "ffn_gate.weight", {dim, hidden});
-    L.w_down = load_tensor(f, b + "ffn_down.weight", {hidden, dim});
-    L.w_up = load_tensor(f, b + "ffn_up.weight", {dim, hidden});
+    L.attn_norm = load_vector(f, b + "attn_norm.weight", dim);
+    L.wq = load_matrix(f, b + "attn_q.weight", dim, q_dim, storage);
+    L.wk = load_matrix(f, b + "attn_k.weight", dim, kv_dim, storage);
+    L.wv = load_matrix(f, b + "attn_v.weight", dim, kv_dim, storage);
+    L.wo = load_matrix(f, b + "attn_output.weight", q_dim, dim, storage);
+    L.ffn_norm = load_vector(f, b + "ffn_norm.weight", dim);
+    L.w_gate = load_matrix(f, b + "ffn_gate.weight", dim, hidden, storage);
+    L.w_down = load_matrix(f, b + "ffn_down.weight", hidden, dim, storage);
+    L.w_up = load_matrix(f, b + "ffn_up.weight", dim, hidden, storage);
   }
-  w.output_norm = load_tensor(f, "output_norm.weight", {dim});
-  if (!c.tied_output) w.output = load_tensor(f, "output.weight", {dim, vocab});
+  w.output_norm = load_vector(f, "output_norm.weight", dim);
+  if (!c.tied_output) w.output = load_matrix(f, "output.weight", dim, vocab, storage);
   return w;
 }
 
-ModelWeights model_weights_load(const std::string& path) {
-  if (model_format_of(path) == ModelFormat::gguf) return model_weights_from_gguf(GgufFile::open(path));
+ModelWeights model_weights_load(const std::string& path, WeightStorage storage) {
+  if (model_format_of(path) == ModelFormat::gguf) return model_weights_from_gguf(GgufFile::open(path), storage);
   return model_weights_from_llama2c(path);
+}
+
+size_t ModelWeights::bytes() const {
+  size_t n = token_embd.bytes() + output.bytes() + output_norm.size() * sizeof(float);
+  for (const LayerWeights& L : layers) {
+    n += L.wq.bytes() + L.wk.bytes() + L.wv.bytes() + L.wo.bytes() + L.w_gate.bytes() + L.w_down.bytes() +
+         L.w_up.bytes() + (L.attn_norm.size() + L.ffn_norm.size()) * sizeof(float);
+  }
+  return n;
 }
 
 }  // namespace cumulus

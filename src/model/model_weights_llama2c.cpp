@@ -123,28 +123,41 @@ ModelWeights model_weights_from_llama2c(const std::string& path) {
     return v;
   };
   // Splits a layer-stacked tensor [L][per] into the layers.
-  auto per_layer = [&](uint64_t total, const char* what, std::vector<float> LayerWeights::*field) {
+  auto per_layer_slices = [&](uint64_t total, const char* what) {
     const std::vector<float> all = read(total, what);
     const size_t per = all.size() / static_cast<size_t>(c.n_layers);
+    std::vector<std::vector<float>> out(w.layers.size());
     for (size_t l = 0; l < w.layers.size(); ++l)
-      (w.layers[l].*field).assign(all.begin() + static_cast<std::ptrdiff_t>(l * per),
-                                  all.begin() + static_cast<std::ptrdiff_t>((l + 1) * per));
+      out[l].assign(all.begin() + static_cast<std::ptrdiff_t>(l * per),
+                    all.begin() + static_cast<std::ptrdiff_t>((l + 1) * per));
+    return out;
   };
+  auto per_layer_vector = [&](uint64_t total, const char* what, std::vector<float> LayerWeights::*field) {
+    auto slices = per_layer_slices(total, what);
+    for (size_t l = 0; l < w.layers.size(); ++l) w.layers[l].*field = std::move(slices[l]);
+  };
+  // Matrices [rows][cols], as PyTorch writes them.
+  auto per_layer_matrix = [&](uint64_t total, const char* what, WeightMatrix LayerWeights::*field, int rows, int cols) {
+    auto slices = per_layer_slices(total, what);
+    for (size_t l = 0; l < w.layers.size(); ++l)
+      w.layers[l].*field = WeightMatrix::from_f32(std::move(slices[l]), rows, cols);
+  };
+  const int qd = c.n_heads * c.head_dim, kvd = c.n_kv_heads * c.head_dim;
 
   w.layers.resize(static_cast<size_t>(c.n_layers));
-  w.token_embd = read(y.tok_emb, "tok_emb");
-  per_layer(y.rms_att, "rms_att", &LayerWeights::attn_norm);
-  per_layer(y.wq, "wq", &LayerWeights::wq);
-  per_layer(y.wk, "wk", &LayerWeights::wk);
-  per_layer(y.wv, "wv", &LayerWeights::wv);
-  per_layer(y.wo, "wo", &LayerWeights::wo);
-  per_layer(y.rms_ffn, "rms_ffn", &LayerWeights::ffn_norm);
-  per_layer(y.w1, "w1", &LayerWeights::w_gate);
-  per_layer(y.w2, "w2", &LayerWeights::w_down);
-  per_layer(y.w3, "w3", &LayerWeights::w_up);
+  w.token_embd = WeightMatrix::from_f32(read(y.tok_emb, "tok_emb"), c.vocab_size, c.dim);
+  per_layer_vector(y.rms_att, "rms_att", &LayerWeights::attn_norm);
+  per_layer_matrix(y.wq, "wq", &LayerWeights::wq, qd, c.dim);
+  per_layer_matrix(y.wk, "wk", &LayerWeights::wk, kvd, c.dim);
+  per_layer_matrix(y.wv, "wv", &LayerWeights::wv, kvd, c.dim);
+  per_layer_matrix(y.wo, "wo", &LayerWeights::wo, c.dim, qd);
+  per_layer_vector(y.rms_ffn, "rms_ffn", &LayerWeights::ffn_norm);
+  per_layer_matrix(y.w1, "w1", &LayerWeights::w_gate, c.hidden_dim, c.dim);
+  per_layer_matrix(y.w2, "w2", &LayerWeights::w_down, c.dim, c.hidden_dim);
+  per_layer_matrix(y.w3, "w3", &LayerWeights::w_up, c.hidden_dim, c.dim);
   w.output_norm = read(y.rms_final, "rms_final");
   in.seekg(static_cast<std::streamoff>(2 * y.freq_cis * sizeof(float)), std::ios::cur);  // freq_cis tables
-  if (!c.tied_output) w.output = read(y.wcls, "wcls");
+  if (!c.tied_output) w.output = WeightMatrix::from_f32(read(y.wcls, "wcls"), c.vocab_size, c.dim);
   return w;
 }
 

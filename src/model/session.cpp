@@ -1,10 +1,10 @@
 // The Llama forward pass over a Session's cache (see session.h for the data flow).
-// Projections: OpenBLAS sgemm for prefill chunks, sgemv for decode.
+// Projections: weight_matmul (weight_matrix.h): OpenBLAS sgemm for prefill chunks, the
+// quantised GEMV kernel (or sgemv for float32 weights) for decode.
 #include "cumulus/model/session.h"
 
-#include <cblas.h>
-
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "cumulus/core/error.h"
@@ -15,28 +15,6 @@ extern "C" void openblas_set_num_threads(int num_threads);
 
 namespace cumulus {
 namespace {
-
-// Output rows per matmul task. OpenBLAS runs single-threaded inside each task; the split
-// depends on n_out alone, so every output element is computed by the same call on the
-// same slice whatever the thread count, and results are bit-identical for 1 or N threads
-// (OpenBLAS's own threading splits by thread count and changes the rounding).
-constexpr int kMatmulSliceRows = 64;
-
-// y [rows][n_out] = x [rows][n_in] * W^T, W [n_out][n_in] row-major.
-void matmul(ThreadPool& pool, const float* x, int rows, const float* w, int n_out, int n_in, float* y) {
-  const int slices = (n_out + kMatmulSliceRows - 1) / kMatmulSliceRows;
-  pool.parallel_for(slices, [&](int64_t s, int) {
-    const int r0 = static_cast<int>(s) * kMatmulSliceRows;
-    const int nr = std::min(kMatmulSliceRows, n_out - r0);
-    const float* ws = w + static_cast<size_t>(r0) * n_in;
-    if (rows == 1) {
-      cblas_sgemv(CblasRowMajor, CblasNoTrans, nr, n_in, 1.0f, ws, n_in, x, 1, 0.0f, y + r0, 1);
-    } else {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, nr, n_in, 1.0f, x, n_in, ws, n_in, 0.0f, y + r0,
-                  n_out);
-    }
-  });
-}
 
 // out [dim] = x / rms(x) * g, rms with eps (float64 sum: the norm is tiny next to the
 // matmuls and this keeps it exact enough to match references).
@@ -81,7 +59,7 @@ Session::Session(const ModelWeights& weights, const SessionOptions& options)
   capacity_ = kv_.options().max_tokens;
   method_ = Registry::builtin().make(opt_.method, c.shape(), opt_.params);
   prefill_ = Registry::builtin().make_prefill(opt_.prefill_method, c.shape(), opt_.prefill_params);
-  openblas_set_num_threads(1);  // threads come from pool_ (see matmul)
+  openblas_set_num_threads(1);  // threads come from pool_ (see weight_matmul)
   reserve_rows(opt_.prefill_chunk);
   logits_.resize(c.vocab_size);
   last_.resize(c.n_layers);
@@ -155,6 +133,7 @@ void Session::restart_decode(const std::string& method, const std::map<std::stri
   pos_ = prompt_end_;
   prefilled_ = false;
   summary_ = {};
+  profile_ = {};
   for (AttnOutput& o : last_) o = {};
 }
 
@@ -168,18 +147,29 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
   const ModelConfig& c = w_.config;
   const int n = static_cast<int>(tokens.size());
   const int qd = c.n_heads * c.head_dim, kvd = c.n_kv_heads * c.head_dim;
+  // Decode profile: lap(slot) adds the time since the previous lap to that op.
+  using Clock = std::chrono::steady_clock;
+  const bool prof = decode_mode && opt_.profile;
+  Clock::time_point t_prev = prof ? Clock::now() : Clock::time_point{};
+  auto lap = [&](double DecodeProfile::*slot) {
+    if (!prof) return;
+    const Clock::time_point now = Clock::now();
+    profile_.*slot += std::chrono::duration<double>(now - t_prev).count();
+    t_prev = now;
+  };
   for (int i = 0; i < n; ++i) {
     CUMULUS_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab_size, "token id {} at position {} is outside the vocabulary [0, {})",
                   tokens[i], pos_ + i, c.vocab_size);
-    std::copy_n(w_.token_embd.data() + static_cast<size_t>(tokens[i]) * c.dim, c.dim, x_.data() + i * c.dim);
+    w_.token_embd.rows_to_f32(tokens[i], tokens[i] + 1, x_.data() + i * c.dim);
   }
   DecodeContext ctx{&pool_, opt_.eval};
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = w_.layers[l];
     for (int i = 0; i < n; ++i) rmsnorm(x_.data() + i * c.dim, L.attn_norm.data(), c.dim, c.rms_eps, xn_.data() + i * c.dim);
-    matmul(pool_, xn_.data(), n, L.wq.data(), qd, c.dim, q_.data());
-    matmul(pool_, xn_.data(), n, L.wk.data(), kvd, c.dim, k_.data());
-    matmul(pool_, xn_.data(), n, L.wv.data(), kvd, c.dim, v_.data());
+    lap(&DecodeProfile::other);
+    const MatmulOut qkv[] = {{&L.wq, q_.data()}, {&L.wk, k_.data()}, {&L.wv, v_.data()}};
+    weight_matmul(pool_, xn_.data(), n, qkv);
+    lap(&DecodeProfile::qkv);
     for (int i = 0; i < n; ++i) {
       rope(q_.data() + i * qd, c.n_heads, c.head_dim, c.rope_dim, pos_ + i, c.rope_theta);
       rope(k_.data() + i * kvd, c.n_kv_heads, c.head_dim, c.rope_dim, pos_ + i, c.rope_theta);
@@ -212,24 +202,34 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
     } else {
       attention_prefill(l, n, q_.data(), att_.data());
     }
+    lap(&DecodeProfile::attention);
     // x += att Wo^T (xn_ as scratch for the projection).
-    matmul(pool_, att_.data(), n, L.wo.data(), c.dim, qd, xn_.data());
+    const MatmulOut wo[] = {{&L.wo, xn_.data()}};
+    weight_matmul(pool_, att_.data(), n, wo);
+    lap(&DecodeProfile::wo);
     for (int i = 0; i < n * c.dim; ++i) x_[i] += xn_[i];
     for (int i = 0; i < n; ++i) rmsnorm(x_.data() + i * c.dim, L.ffn_norm.data(), c.dim, c.rms_eps, xn_.data() + i * c.dim);
-    matmul(pool_, xn_.data(), n, L.w_gate.data(), c.hidden_dim, c.dim, gate_.data());
-    matmul(pool_, xn_.data(), n, L.w_up.data(), c.hidden_dim, c.dim, up_.data());
+    lap(&DecodeProfile::other);
+    const MatmulOut gate_up[] = {{&L.w_gate, gate_.data()}, {&L.w_up, up_.data()}};
+    weight_matmul(pool_, xn_.data(), n, gate_up);
     for (int i = 0; i < n * c.hidden_dim; ++i) {
       const float g = gate_[i];
       gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
     }
-    matmul(pool_, gate_.data(), n, L.w_down.data(), c.dim, c.hidden_dim, xn_.data());
+    const MatmulOut down[] = {{&L.w_down, xn_.data()}};
+    weight_matmul(pool_, gate_.data(), n, down);
+    lap(&DecodeProfile::mlp);
     for (int i = 0; i < n * c.dim; ++i) x_[i] += xn_[i];
   }
   pos_ += n;
+  lap(&DecodeProfile::other);
   // Logits of the last token only.
   std::vector<float> last(c.dim);
   rmsnorm(x_.data() + static_cast<size_t>(n - 1) * c.dim, w_.output_norm.data(), c.dim, c.rms_eps, last.data());
-  matmul(pool_, last.data(), 1, w_.output_weight(), c.vocab_size, c.dim, logits_.data());
+  const MatmulOut head[] = {{&w_.output_weight(), logits_.data()}};
+  weight_matmul(pool_, last.data(), 1, head);
+  lap(&DecodeProfile::head);
+  if (prof) ++profile_.steps;
 }
 
 }  // namespace cumulus

@@ -1,16 +1,29 @@
 // `cumulus generate`: run a real model with one or more decode methods on the same prompt,
 // stream the text, then print speed and the attention summary side by side.
+//
+// `cumulus generate --bench`: the speed of the model runtime at given context lengths, the
+// way llama.cpp's llama-bench measures it (tools/reference/bench_vs_llamacpp.sh runs both):
+// for each context N, prefill N prompt tokens (prefill tokens/s), then decode
+// --bench-decode tokens at depth N (decode tokens/s), with a per-op profile of the decode
+// steps and the decode's achieved read bandwidth (weights + K/V per token) against the
+// machine's read bandwidth measured in the same run. Table on stdout, JSON with --json.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "cli.h"
 #include "cumulus/core/error.h"
+#include "cumulus/eval/membw.h"
 #include "cumulus/eval/method_spec.h"
 #include "cumulus/methods/registry.h"
 #include "cumulus/model/gguf.h"
@@ -38,6 +51,13 @@ struct GenerateOptions {
   uint64_t seed = 0;
   bool eval = false;
   bool quiet = false;
+  std::string weights = "compact";
+  // --bench
+  bool bench = false;
+  std::vector<int> bench_contexts{512, 2048, 8192};
+  int bench_decode = 32;
+  int repetitions = 1;
+  std::string json;
 };
 
 struct RunResult {
@@ -68,18 +88,25 @@ std::map<std::string, std::map<std::string, std::string>> split_params(const std
   return out;
 }
 
-RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector<int32_t>& prompt,
-                  const std::string& method, const std::map<std::string, std::string>& params,
-                  const GenerateOptions& o) {
+// The session options both generation and --bench take from the command line.
+SessionOptions session_options(const GenerateOptions& o, const std::string& method,
+                               const std::map<std::string, std::string>& params) {
   SessionOptions so;
   so.method = method;
   so.params = params;
   so.n_threads = o.threads;
   so.kv.page_size = o.page_size;
   so.kv.dtype = dtype_from_name(o.kv_dtype);
-  so.eval = o.eval;
   so.prefill_method = o.prefill;
   so.prefill_params = prefill_param_map(o.prefill_params);
+  return so;
+}
+
+RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector<int32_t>& prompt,
+                  const std::string& method, const std::map<std::string, std::string>& params,
+                  const GenerateOptions& o) {
+  SessionOptions so = session_options(o, method, params);
+  so.eval = o.eval;
   Session s(w, so);
   CUMULUS_CHECK(static_cast<int64_t>(prompt.size()) + o.max_tokens <= s.capacity(),
                 "prompt of {} tokens + --max-tokens {} exceeds the model's context of {} tokens", prompt.size(),
@@ -111,12 +138,178 @@ RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector
   return r;
 }
 
+WeightStorage weight_storage_from_name(const std::string& name) {
+  if (name == "compact") return WeightStorage::compact;
+  if (name == "f32") return WeightStorage::f32;
+  CUMULUS_FAIL("--weights={} must be compact or f32", name);
+}
+
+struct BenchRun {
+  std::string method;
+  int context = 0, decode_tokens = 0;
+  double prefill_s = 0, decode_s = 0;
+  DecodeProfile profile;  // per decode step (divided by steps)
+  double decode_bytes = 0;  // bytes read per decode step: weights + mean K/V
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+// Bytes a decode step reads from the weights: every layer matrix and the output head (the
+// embedding lookup reads one row).
+double decode_weight_bytes(const ModelWeights& w) {
+  double b = static_cast<double>(w.output_weight().bytes());
+  for (const LayerWeights& L : w.layers)
+    b += static_cast<double>(L.wq.bytes() + L.wk.bytes() + L.wv.bytes() + L.wo.bytes() + L.w_gate.bytes() +
+                             L.w_down.bytes() + L.w_up.bytes());
+  return b;
+}
+
+// One (method, context) measurement: median over repetitions of fresh sessions.
+BenchRun bench_one(const ModelWeights& w, const std::vector<int32_t>& source, const std::string& method,
+                   const std::map<std::string, std::string>& params, int context, const GenerateOptions& o) {
+  std::vector<int32_t> prompt(static_cast<size_t>(context));
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = source[i % source.size()];
+  std::vector<double> pre, dec;
+  std::vector<DecodeProfile> profs;
+  double kv_bytes = 0;
+  for (int rep = 0; rep < o.repetitions; ++rep) {
+    SessionOptions so = session_options(o, method, params);
+    so.max_tokens = context + o.bench_decode;
+    so.profile = true;
+    Session s(w, so);
+    Sampler greedy({});
+    using clock = std::chrono::steady_clock;
+    const auto t0 = clock::now();
+    const std::vector<float>* logits = &s.prefill(prompt);
+    const auto t1 = clock::now();
+    for (int i = 0; i < o.bench_decode; ++i) logits = &s.decode(greedy.sample(*logits));
+    const auto t2 = clock::now();
+    pre.push_back(std::chrono::duration<double>(t1 - t0).count());
+    dec.push_back(std::chrono::duration<double>(t2 - t1).count());
+    profs.push_back(s.profile());
+    // Dense K/V bytes per step at the mean depth, all layers (the method may read less).
+    kv_bytes = static_cast<double>(s.kv().bytes_per_token_head()) * w.config.n_kv_heads * w.config.n_layers *
+               (context + 0.5 * (o.bench_decode + 1)) * s.summary().mean_kv_fraction();
+  }
+  BenchRun r;
+  r.method = method;
+  r.context = context;
+  r.decode_tokens = o.bench_decode;
+  r.prefill_s = median(pre);
+  r.decode_s = median(dec);
+  // The profile of the repetition whose decode time is the median (or the nearest).
+  size_t best = 0;
+  for (size_t i = 0; i < dec.size(); ++i)
+    if (std::fabs(dec[i] - r.decode_s) < std::fabs(dec[best] - r.decode_s)) best = i;
+  DecodeProfile p = profs[best];
+  const double n = static_cast<double>(std::max<int64_t>(1, p.steps));
+  for (double DecodeProfile::*f : {&DecodeProfile::qkv, &DecodeProfile::attention, &DecodeProfile::wo,
+                                   &DecodeProfile::mlp, &DecodeProfile::head, &DecodeProfile::other})
+    p.*f /= n;
+  r.profile = p;
+  r.decode_bytes = decode_weight_bytes(w) + kv_bytes;
+  return r;
+}
+
+std::string profile_line(const DecodeProfile& p) {
+  const double t = p.total();
+  std::string s;
+  for (const auto& [name, v] : std::vector<std::pair<const char*, double>>{{"qkv", p.qkv},
+                                                                         {"attention", p.attention},
+                                                                         {"wo", p.wo},
+                                                                         {"mlp", p.mlp},
+                                                                         {"head", p.head},
+                                                                         {"other", p.other}})
+    s += fmt::format("{}{} {:.3f} ms ({:.0f}%)", s.empty() ? "" : " | ", name, 1e3 * v, t > 0 ? 100 * v / t : 0.0);
+  return s;
+}
+
+void run_bench(const ModelWeights& w, const std::vector<int32_t>& source,
+               const std::map<std::string, std::map<std::string, std::string>>& params, const GenerateOptions& o) {
+  CUMULUS_CHECK(!source.empty(), "--bench: the prompt is empty");
+  CUMULUS_CHECK(o.bench_decode >= 1, "--bench-decode={} must be >= 1", o.bench_decode);
+  CUMULUS_CHECK(o.repetitions >= 1 && o.repetitions <= 100, "--repetitions={} must be in [1, 100]", o.repetitions);
+  CUMULUS_CHECK(!o.bench_contexts.empty(), "--bench-context needs at least one length");
+  for (int c : o.bench_contexts)
+    CUMULUS_CHECK(c >= 1 && c <= (1 << 20), "--bench-context {} must be in [1, 2^20]", c);
+
+  ThreadPool pool(o.threads);
+  const MemBwResult bw = membw_measure(pool, {.bytes = size_t{512} << 20, .warmup = 1, .repeats = 5});
+  const double wbytes = decode_weight_bytes(w);
+  fmt::print("model {}: {} layers, dim {}, weights {} ({:.1f} MB in memory, {:.1f} MB read per decode step)\n",
+             o.model, w.config.n_layers, w.config.dim, o.weights, w.bytes() / 1e6, wbytes / 1e6);
+  fmt::print("threads {}, kv {}, machine read bandwidth {:.1f} GB/s (median, same threads)\n", o.threads, o.kv_dtype,
+             bw.gbps_median);
+
+  std::vector<BenchRun> runs;
+  for (const auto& m : o.methods) {
+    auto it = params.find(m);
+    for (int c : o.bench_contexts) {
+      fmt::print(stderr, "bench: {} at context {} ...\n", m, c);
+      runs.push_back(bench_one(w, source, m, it == params.end() ? std::map<std::string, std::string>{} : it->second, c, o));
+    }
+  }
+
+  fmt::print("\n{:<12} {:>8} {:>12} {:>12} {:>10} {:>9} {:>8}\n", "method", "context", "prefill t/s", "decode t/s",
+             "ms/token", "GB/s", "of bw");
+  for (const BenchRun& r : runs) {
+    const double per = r.decode_s / r.decode_tokens;
+    const double gbps = r.decode_bytes / per / 1e9;
+    fmt::print("{:<12} {:>8} {:>12.1f} {:>12.1f} {:>10.2f} {:>9.1f} {:>7.0f}%\n", r.method, r.context,
+               r.context / r.prefill_s, r.decode_tokens / r.decode_s, 1e3 * per, gbps, 100 * gbps / bw.gbps_median);
+  }
+  fmt::print("decode: {} tokens after prefilling `context` tokens (depth context..context+{}); GB/s: weights + "
+             "K/V read per decode step / time per step\n",
+             o.bench_decode, o.bench_decode - 1);
+  for (const BenchRun& r : runs)
+    fmt::print("profile {} @{}: {} (sum {:.3f} ms)\n", r.method, r.context, profile_line(r.profile),
+               1e3 * r.profile.total());
+
+  if (!o.json.empty()) {
+    nlohmann::json j;
+    j["model"] = o.model;
+    j["weights"] = o.weights;
+    j["weights_bytes"] = w.bytes();
+    j["decode_weight_bytes"] = wbytes;
+    j["threads"] = o.threads;
+    j["kv_dtype"] = o.kv_dtype;
+    j["membw_gbps"] = bw.gbps_median;
+    j["repetitions"] = o.repetitions;
+    for (const BenchRun& r : runs) {
+      const double per = r.decode_s / r.decode_tokens;
+      const DecodeProfile& p = r.profile;
+      j["runs"].push_back({{"method", r.method},
+                           {"context", r.context},
+                           {"prefill_s", r.prefill_s},
+                           {"prefill_tok_s", r.context / r.prefill_s},
+                           {"decode_tokens", r.decode_tokens},
+                           {"decode_s", r.decode_s},
+                           {"decode_tok_s", r.decode_tokens / r.decode_s},
+                           {"decode_bytes_per_token", r.decode_bytes},
+                           {"decode_gbps", r.decode_bytes / per / 1e9},
+                           {"profile_ms_per_token",
+                            {{"qkv", 1e3 * p.qkv},
+                             {"attention", 1e3 * p.attention},
+                             {"wo", 1e3 * p.wo},
+                             {"mlp", 1e3 * p.mlp},
+                             {"head", 1e3 * p.head},
+                             {"other", 1e3 * p.other}}}});
+    }
+    std::ofstream f(o.json);
+    CUMULUS_CHECK(f.good(), "cannot write --json {}", o.json);
+    f << j.dump(2) << "\n";
+  }
+}
+
 void run_generate(const GenerateOptions& o) {
   CUMULUS_CHECK(o.prompt.empty() || o.prompt_file.empty(), "give --prompt or --prompt-file, not both");
   CUMULUS_CHECK(o.max_tokens >= 1, "--max-tokens={} must be >= 1", o.max_tokens);
   CUMULUS_CHECK(o.prompt_tokens >= 0, "--prompt-tokens={} must be >= 0", o.prompt_tokens);
 
-  ModelWeights w = model_weights_load(o.model);
+  ModelWeights w = model_weights_load(o.model, weight_storage_from_name(o.weights));
   std::unique_ptr<Tokenizer> tok;
   if (w.config.format == ModelFormat::gguf) {
     tok = tokenizer_from_gguf(GgufFile::open(o.model));
@@ -125,16 +318,25 @@ void run_generate(const GenerateOptions& o) {
                                                      : o.tokenizer,
                                  w.config.vocab_size);
   }
+  if (o.bench && o.prompt.empty() && o.prompt_file.empty()) {
+    // No text given: random token ids, as llama-bench feeds.
+    std::mt19937 rng(static_cast<uint32_t>(o.seed));
+    std::uniform_int_distribution<int32_t> id(0, w.config.vocab_size - 1);
+    std::vector<int32_t> prompt(1024);
+    for (auto& t : prompt) t = id(rng);
+    return run_bench(w, prompt, split_params(o.params, o.methods), o);
+  }
   std::string text = o.prompt_file.empty() ? o.prompt : text_strip_gutenberg(text_read_file(o.prompt_file));
   std::vector<int32_t> prompt = tok->encode(text, tok->add_bos_default());
   if (prompt.empty() && tok->bos_id() >= 0) prompt.push_back(tok->bos_id());
   CUMULUS_CHECK(!prompt.empty(), "the prompt is empty and the tokenizer has no BOS token");
   if (o.prompt_tokens > 0 && static_cast<int>(prompt.size()) > o.prompt_tokens) prompt.resize(o.prompt_tokens);
-  CUMULUS_CHECK(static_cast<int>(prompt.size()) < w.config.context_length,
+  CUMULUS_CHECK(o.bench || static_cast<int>(prompt.size()) < w.config.context_length,
                 "prompt of {} tokens does not fit the model's context of {} tokens (use --prompt-tokens)",
                 prompt.size(), w.config.context_length);
 
   const auto params = split_params(o.params, o.methods);
+  if (o.bench) return run_bench(w, prompt, params, o);
   std::vector<RunResult> results;
   for (const auto& m : o.methods) {
     auto it = params.find(m);
@@ -184,6 +386,16 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--seed", o->seed, "sampling seed")->capture_default_str();
   cmd->add_flag("--eval", o->eval, "also measure the true mass of every attended set (slower)");
   cmd->add_flag("--quiet", o->quiet, "do not print the generated text");
+  cmd->add_option("--weights", o->weights, "compact (keep Q4_0/Q4_1/Q8_0 quantised) or f32 (dequantise all)")
+      ->capture_default_str();
+  cmd->add_flag("--bench", o->bench,
+                "benchmark: prefill each --bench-context tokens, then decode --bench-decode tokens; table, profile, JSON");
+  cmd->add_option("--bench-context", o->bench_contexts, "--bench: context lengths, comma-separated")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--bench-decode", o->bench_decode, "--bench: decode steps timed per context")->capture_default_str();
+  cmd->add_option("--repetitions", o->repetitions, "--bench: runs per context (median)")->capture_default_str();
+  cmd->add_option("--json", o->json, "--bench: also write the results as JSON to this file");
   cmd->callback([o] { run_generate(*o); });
 }
 

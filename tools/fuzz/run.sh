@@ -19,12 +19,13 @@ SOURCES=(
   "${ROOT}/src/model/gguf.cpp" "${ROOT}/src/model/quant.cpp" "${ROOT}/src/model/model_weights_gguf.cpp" "${ROOT}/src/model/model_weights_llama2c.cpp"
   "${ROOT}/src/model/tokenizer.cpp" "${ROOT}/src/model/tokenizer_bpe.cpp" "${ROOT}/src/model/tokenizer_spm.cpp"
   "${ROOT}/src/model/unicode.cpp"
+  "${ROOT}/src/model/weight_matrix.cpp" "${ROOT}/src/kernels/ref/gemv.cpp" "${ROOT}/src/kernels/cpu/gemv.cpp"
 )
 FLAGS=(-std=c++20 -O1 -g -fno-omit-frame-pointer -I"${ROOT}/include" -I"${ROOT}/src")
 
 echo "fuzz: building ${OUT}/gguf_fuzzer"
 "${CXX}" "${FLAGS[@]}" -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined "${SOURCES[@]}" \
-  -lfmt -lpthread -o "${OUT}/gguf_fuzzer"
+  -lfmt -lhwy -lblas -lpthread -o "${OUT}/gguf_fuzzer"
 "${CXX}" -std=c++20 -O1 -I"${ROOT}/include" "${ROOT}/tools/fuzz/make_seeds.cpp" -o "${OUT}/make_seeds"
 "${OUT}/make_seeds" "${OUT}/corpus"
 

@@ -1,5 +1,6 @@
 // Llama-family model configuration and weights, loaded from GGUF (architecture `llama`)
-// or llama2.c's legacy `.bin`, dequantised to float32 on load.
+// or llama2.c's legacy `.bin`. Matrices are WeightMatrix: GGUF Q4_0/Q4_1/Q8_0 stay
+// quantised, everything else is float32 (weight_matrix.h); norms are float32.
 //
 // Matrices are row-major [out][in] (y = W x reads row o for output o), as both formats
 // store them: GGUF ne[0] is the input dimension, llama2.c writes PyTorch's [out][in].
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "cumulus/core/shape.h"
+#include "cumulus/model/weight_matrix.h"
 
 namespace cumulus {
 
@@ -43,25 +45,27 @@ struct ModelConfig {
 
 struct LayerWeights {
   std::vector<float> attn_norm;  // [dim]
-  std::vector<float> wq;         // [n_heads * head_dim][dim]
-  std::vector<float> wk;         // [n_kv_heads * head_dim][dim]
-  std::vector<float> wv;         // [n_kv_heads * head_dim][dim]
-  std::vector<float> wo;         // [dim][n_heads * head_dim]
+  WeightMatrix wq;               // [n_heads * head_dim][dim]
+  WeightMatrix wk;               // [n_kv_heads * head_dim][dim]
+  WeightMatrix wv;               // [n_kv_heads * head_dim][dim]
+  WeightMatrix wo;               // [dim][n_heads * head_dim]
   std::vector<float> ffn_norm;   // [dim]
-  std::vector<float> w_gate;     // [hidden_dim][dim]  (llama2.c w1)
-  std::vector<float> w_down;     // [dim][hidden_dim]  (llama2.c w2)
-  std::vector<float> w_up;       // [hidden_dim][dim]  (llama2.c w3)
+  WeightMatrix w_gate;           // [hidden_dim][dim]  (llama2.c w1)
+  WeightMatrix w_down;           // [dim][hidden_dim]  (llama2.c w2)
+  WeightMatrix w_up;             // [hidden_dim][dim]  (llama2.c w3)
 };
 
 struct ModelWeights {
   ModelConfig config;
-  std::vector<float> token_embd;   // [vocab_size][dim]
+  WeightMatrix token_embd;         // [vocab_size][dim]
   std::vector<LayerWeights> layers;
   std::vector<float> output_norm;  // [dim]
-  std::vector<float> output;       // [vocab_size][dim]; empty when config.tied_output
+  WeightMatrix output;             // [vocab_size][dim]; empty (0 rows) when config.tied_output
 
   // The classifier [vocab_size][dim]: `output`, or `token_embd` when tied.
-  const float* output_weight() const { return config.tied_output ? token_embd.data() : output.data(); }
+  const WeightMatrix& output_weight() const { return config.tied_output ? token_embd : output; }
+  // Bytes of all weights in memory.
+  size_t bytes() const;
 };
 
 // GGUF magic -> gguf, anything else -> llama2c (whose loader then checks the header).
@@ -72,11 +76,12 @@ ModelFormat model_format_of(const std::string& path);
 ModelConfig model_config_from_gguf(const GgufFile& file);
 ModelConfig model_config_from_llama2c(const std::string& path);
 
-// Config and all tensors, dequantised to float32. Throws Error naming the file and tensor
-// for a missing tensor, a wrong shape or a type that cannot be dequantised.
-ModelWeights model_weights_from_gguf(const GgufFile& file);
+// Config and all tensors (matrices stored as `storage` says; llama2.c is always float32).
+// Throws Error naming the file and tensor for a missing tensor, a wrong shape or a type
+// that cannot be dequantised.
+ModelWeights model_weights_from_gguf(const GgufFile& file, WeightStorage storage = WeightStorage::compact);
 ModelWeights model_weights_from_llama2c(const std::string& path);
 // Either format, by magic.
-ModelWeights model_weights_load(const std::string& path);
+ModelWeights model_weights_load(const std::string& path, WeightStorage storage = WeightStorage::compact);
 
 }  // namespace cumulus

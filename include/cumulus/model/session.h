@@ -51,6 +51,20 @@ struct SessionOptions {
   // Called in every decode step for every layer with the query (after RoPE) that layer's
   // method receives: q [n_heads][head_dim] at `position` (`cumulus trace` records it).
   std::function<void(int layer, int position, const float* q)> on_decode_query;
+  // Time every op of the decode steps (DecodeProfile); costs ~10 clock reads per layer.
+  bool profile = false;
+};
+
+// Where decode time goes, summed over decode steps (SessionOptions::profile), seconds.
+struct DecodeProfile {
+  int64_t steps = 0;
+  double qkv = 0;        // Q, K, V projections
+  double attention = 0;  // RoPE, KV append, the decode method (scoring, selection, attention)
+  double wo = 0;         // attention output projection
+  double mlp = 0;        // gate and up projections, SiLU, down projection
+  double head = 0;       // final RMSNorm and output head (logits)
+  double other = 0;      // embedding lookup, RMSNorms, residual adds
+  double total() const { return qkv + attention + wo + mlp + head + other; }
 };
 
 // Running sums over decode steps (all layers, all query heads).
@@ -95,6 +109,7 @@ class Session {
   const DecodeMethod& method() const { return *method_; }
   const PrefillMethod& prefill_method() const { return *prefill_; }
   const AttentionSummary& summary() const { return summary_; }
+  const DecodeProfile& profile() const { return profile_; }
   // The stats of the last decode step, per layer: [n_layers] AttnOutput.
   const std::vector<AttnOutput>& last_step() const { return last_; }
 
@@ -113,6 +128,7 @@ class Session {
   int capacity_ = 0;
   bool prefilled_ = false;
   AttentionSummary summary_;
+  DecodeProfile profile_;
   std::vector<AttnOutput> last_;
   std::vector<float> logits_;
   // Scratch, sized for rows_ tokens (prefill_chunk, or the prefill method's chunk).

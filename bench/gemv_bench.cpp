@@ -1,0 +1,203 @@
+// Decode-projection benchmark: the quantised GEMV kernel (kernels/gemv.h) on the shapes of
+// SmolLM2-135M (Q4_1 layer matrices, the Q8_0 output head) against OpenBLAS sgemv on the
+// same matrices dequantised to float32. Each shape is replicated `--copies` times (30 =
+// the model's layers) and the copies are visited in turn, so the weights stream from
+// memory as in a decode step. Reported: achieved GB/s of weight bytes against the
+// machine's read bandwidth measured in the same run with the same threads, ns per
+// 32-element block, and CPU time per block of the single-threaded kernel (thread CPU
+// time: insensitive to other processes taking the cores, unlike wall time).
+//
+// usage: gemv_bench [--threads 2] [--copies 30] [--reps 15] [--json FILE]
+#include <cblas.h>
+#include <hwy/targets.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cumulus/core/dtype.h"
+#include "cumulus/core/thread_pool.h"
+#include "cumulus/eval/membw.h"
+#include "cumulus/kernels/gemv.h"
+
+extern "C" void openblas_set_num_threads(int num_threads);
+
+using namespace cumulus;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct Shape {
+  const char* name;
+  QuantFormat format;
+  int rows, cols;
+};
+
+// One repacked matrix with random codes and scales.
+struct Matrix {
+  std::vector<uint8_t> qs;
+  std::vector<uint16_t> d, m;
+  QuantMatrixView view;
+  std::vector<float> f32;  // dequantised, for sgemv
+};
+
+Matrix make_matrix(const Shape& s, std::mt19937& rng) {
+  Matrix a;
+  const int nb = s.cols / kQuantBlock, stride = quant_scale_stride(s.cols);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> sc(0.001f, 0.05f);
+  a.qs.resize(static_cast<size_t>(s.rows) * nb * quant_block_bytes(s.format));
+  for (auto& b : a.qs) b = static_cast<uint8_t>(byte(rng));
+  a.d.assign(static_cast<size_t>(s.rows) * stride, 0);
+  if (s.format == QuantFormat::q4_1) a.m.assign(a.d.size(), 0);
+  for (int r = 0; r < s.rows; ++r)
+    for (int b = 0; b < nb; ++b) {
+      a.d[static_cast<size_t>(r) * stride + b] = f32_to_f16(sc(rng));
+      if (!a.m.empty()) a.m[static_cast<size_t>(r) * stride + b] = f32_to_f16(-sc(rng));
+    }
+  a.view = {s.format, s.rows, s.cols, a.qs.data(), a.d.data(), a.m.empty() ? nullptr : a.m.data()};
+  a.f32.resize(static_cast<size_t>(s.rows) * s.cols);
+  cpu::quant_dequantize_rows(a.view, 0, s.rows, a.f32.data());
+  return a;
+}
+
+size_t quant_bytes(const Shape& s) {
+  const size_t nb = static_cast<size_t>(s.cols / kQuantBlock);
+  const size_t scales = static_cast<size_t>(quant_scale_stride(s.cols)) * (s.format == QuantFormat::q4_1 ? 2 : 1) * 2;
+  return static_cast<size_t>(s.rows) * (nb * quant_block_bytes(s.format) + scales);
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+double thread_cpu_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// Median wall seconds (and median thread CPU seconds) of one pass over all copies.
+template <class Fn>
+std::pair<double, double> time_pass(Fn&& pass, int reps) {
+  pass();  // warm-up
+  std::vector<double> wall, cpu;
+  for (int i = 0; i < reps; ++i) {
+    const double c0 = thread_cpu_seconds();
+    const auto t0 = Clock::now();
+    pass();
+    wall.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    cpu.push_back(thread_cpu_seconds() - c0);
+  }
+  return {median(wall), median(cpu)};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int threads = 2, copies = 30, reps = 15;
+  std::string json_path;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
+    if (a == "--threads") threads = std::stoi(next());
+    else if (a == "--copies") copies = std::stoi(next());
+    else if (a == "--reps") reps = std::stoi(next());
+    else if (a == "--json") json_path = next();
+    else {
+      std::fprintf(stderr, "usage: gemv_bench [--threads 2] [--copies 30] [--reps 15] [--json FILE]\n");
+      return 2;
+    }
+  }
+  openblas_set_num_threads(1);
+  ThreadPool pool(threads);
+  const MemBwResult bw = membw_measure(pool, {.bytes = size_t{512} << 20, .warmup = 1, .repeats = 5});
+  std::printf("gemv_bench: target %s, %d threads, machine read bandwidth %.1f GB/s; load %s", hwy::TargetName(hwy::SupportedAndGeneratedTargets().front()),
+              threads, bw.gbps_median, [] {
+                static char buf[64] = "?\n";
+                if (FILE* f = std::fopen("/proc/loadavg", "r")) {
+                  if (!std::fgets(buf, sizeof buf, f)) std::snprintf(buf, sizeof buf, "?\n");
+                  std::fclose(f);
+                }
+                return buf;
+              }());
+  const Shape shapes[] = {{"wq/wo 576x576", QuantFormat::q4_1, 576, 576},
+                          {"wk/wv 192x576", QuantFormat::q4_1, 192, 576},
+                          {"gate/up 1536x576", QuantFormat::q4_1, 1536, 576},
+                          {"down 576x1536", QuantFormat::q4_1, 576, 1536},
+                          {"head 49152x576 Q8_0", QuantFormat::q8_0, 49152, 576}};
+  std::mt19937 rng(1);
+  nlohmann::json out;
+  out["threads"] = threads;
+  out["membw_gbps"] = bw.gbps_median;
+  std::printf("\n%-22s %7s %10s %9s %7s %10s %12s %10s %9s %7s\n", "shape", "copies", "quant MB", "ms", "GB/s", "of bw",
+              "cpu ns/blk", "sgemv ms", "GB/s", "speedup");
+  for (const Shape& s : shapes) {
+    // The head is ~30 MB on its own: one copy streams from memory already.
+    const int n = s.rows > 10000 ? 1 : copies;
+    std::vector<Matrix> ms;
+    for (int c = 0; c < n; ++c) ms.push_back(make_matrix(s, rng));
+    std::vector<float> x(static_cast<size_t>(s.cols)), y(static_cast<size_t>(s.rows));
+    std::normal_distribution<float> g;
+    for (auto& v : x) v = g(rng);
+    const double qbytes = static_cast<double>(quant_bytes(s)) * n;
+    const double fbytes = static_cast<double>(s.rows) * s.cols * 4.0 * n;
+    const double blocks = static_cast<double>(s.rows) * (s.cols / kQuantBlock) * n;
+    const auto [q_wall, q_cpu_unused] = time_pass([&] { for (const Matrix& m : ms) cpu::gemv_quant(m.view, x.data(), y.data(), pool); }, reps);
+    QuantActivation xq;
+    const auto [s1_wall, s1_cpu] = time_pass(
+        [&] {
+          for (const Matrix& m : ms) {
+            cpu::quant_activation(x.data(), s.cols, xq);
+            cpu::gemv_quant_rows(m.view, 0, s.rows, xq, y.data());
+          }
+        },
+        reps);
+    // sgemv in the same row slices the model uses (64 rows per task).
+    const auto [f_wall, f_cpu_unused] = time_pass(
+        [&] {
+          for (const Matrix& m : ms) {
+            pool.parallel_for((s.rows + 63) / 64, [&](int64_t t, int) {
+              const int r0 = static_cast<int>(t) * 64, nr = std::min(64, s.rows - r0);
+              cblas_sgemv(CblasRowMajor, CblasNoTrans, nr, s.cols, 1.0f, m.f32.data() + static_cast<size_t>(r0) * s.cols,
+                          s.cols, x.data(), 1, 0.0f, y.data() + r0, 1);
+            });
+          }
+        },
+        reps);
+    (void)q_cpu_unused;
+    (void)f_cpu_unused;
+    (void)s1_wall;
+    const double q_gbps = qbytes / q_wall / 1e9, f_gbps = fbytes / f_wall / 1e9;
+    std::printf("%-22s %7d %10.1f %9.3f %7.1f %9.0f%% %12.2f %10.3f %9.1f %6.2fx\n", s.name, n, qbytes / 1e6, 1e3 * q_wall,
+                q_gbps, 100 * q_gbps / bw.gbps_median, 1e9 * s1_cpu / blocks, 1e3 * f_wall, f_gbps, f_wall / q_wall);
+    out["shapes"].push_back({{"shape", s.name},
+                             {"format", quant_format_name(s.format)},
+                             {"rows", s.rows},
+                             {"cols", s.cols},
+                             {"copies", n},
+                             {"quant_bytes", qbytes},
+                             {"quant_ms", 1e3 * q_wall},
+                             {"quant_gbps", q_gbps},
+                             {"single_thread_cpu_ns_per_block", 1e9 * s1_cpu / blocks},
+                             {"sgemv_ms", 1e3 * f_wall},
+                             {"sgemv_gbps", f_gbps},
+                             {"speedup_vs_sgemv", f_wall / q_wall}});
+  }
+  std::printf("ms: one pass over all copies with %d threads; cpu ns/blk: single-threaded kernel, thread CPU time per "
+              "32-element block; speedup: sgemv time / quantised time\n",
+              threads);
+  if (!json_path.empty()) {
+    std::ofstream f(json_path);
+    f << out.dump(2) << "\n";
+  }
+  return 0;
+}

@@ -1,0 +1,95 @@
+// Matrix-vector products against weights kept in 32-element block quantisation (the ggml
+// block formats Q4_0, Q4_1, Q8_0 of GGUF files), so decode reads 4.5 to 8.5 bits per weight
+// instead of 32. Backends share signatures: ref:: (scalar, float64, never optimised) and
+// cpu:: (Highway SIMD with runtime dispatch).
+//
+// Activations: x [cols] is rounded once per product to 16-bit integers per block of 32
+// (QuantActivation): q_j = round(x_j * 32767 / amax_b) (nearest even), dx_b = amax_b / 32767,
+// amax_b = max_j |x_j| over the block. Products of 4- or 8-bit weight codes with 16-bit
+// activation codes are then exact integer multiply-adds (pmaddwd), twice the throughput of
+// widening both to float32. The rounding changes each x_j by about dx_b / 2 = amax_b *
+// 2^-16 at most (llama.cpp rounds activations to 8 bits: 256x coarser); everything after it is
+// exact integer arithmetic per block and float32 across blocks. The contract of both
+// backends is y = W (dx q), with W dequantised exactly (x = d q + m fits float32).
+//
+// Repacked weight layout (struct of arrays, built once at load from the GGUF blocks):
+//   qs [rows][cols / 32][16]  Q4_0/Q4_1: byte j holds element j (low nibble) and j + 16
+//                             (high nibble) of the block, as in ggml
+//      [rows][cols / 32][32]  Q8_0: int8 elements
+//   d  [rows][S]              f16 scale per block; S = quant_scale_stride(cols), the block
+//                             count rounded up to a multiple of 8 with zero padding, so a
+//                             row's scales convert to float32 in whole 8-lane vectors
+//   m  [rows][S]              f16 min per block (Q4_1 only; nullptr otherwise), padded
+//                             with zeros likewise
+// Element value: Q4_0 (q - 8) d, Q4_1 q d + m, Q8_0 q d.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "cumulus/core/thread_pool.h"
+
+namespace cumulus {
+
+enum class QuantFormat : uint8_t { q4_0, q4_1, q8_0 };
+
+constexpr int kQuantBlock = 32;  // elements per block
+
+std::string_view quant_format_name(QuantFormat f);
+// Bytes of qs per block: 16 for the 4-bit formats, 32 for Q8_0.
+int quant_block_bytes(QuantFormat f);
+// Entries per row of d and m: cols / 32 rounded up to a multiple of 8.
+inline int quant_scale_stride(int cols) { return (cols / kQuantBlock + 7) & ~7; }
+
+// A read-only view of a repacked matrix W [rows][cols]; cols is a multiple of 32.
+struct QuantMatrixView {
+  QuantFormat format = QuantFormat::q4_1;
+  int rows = 0;
+  int cols = 0;
+  const uint8_t* qs = nullptr;
+  const uint16_t* d = nullptr;
+  const uint16_t* m = nullptr;
+};
+
+// Checks the view (non-null arrays, cols a positive multiple of 32, rows >= 1); throws
+// Error naming the bad value.
+void quant_matrix_validate(const QuantMatrixView& w);
+
+// x [cols] rounded to 16-bit codes per block of 32 (see the top of this file). Arrays
+// indexed by block are padded with zeros to a multiple of 16 entries.
+struct QuantActivation {
+  int cols = 0;
+  std::vector<int16_t> q;  // [cols]
+  std::vector<float> d;    // [blocks, padded] dx_b = amax_b / 32767 (0 for an all-zero block)
+  std::vector<float> sum;  // [blocks, padded] dx_b * sum_j q_j (the Q4_1 min term's factor)
+};
+
+namespace ref {
+// The rounding of x, scalar, float32 operations exactly as documented above.
+void quant_activation(const float* x, int cols, QuantActivation& a);
+// y [rows] = W (dx q): every weight dequantised and every product summed in float64.
+void gemv_quant(const QuantMatrixView& w, const QuantActivation& x, double* y);
+// out [row_end - row_begin][cols] = W rows [row_begin, row_end), float64.
+void quant_dequantize_rows(const QuantMatrixView& w, int row_begin, int row_end, double* out);
+}  // namespace ref
+
+namespace cpu {
+// The rounding of x (SIMD); bit-identical to ref::quant_activation.
+void quant_activation(const float* x, int cols, QuantActivation& a);
+// y [rows] = W x, x [cols] float32 (rounded by quant_activation first). Rows are split
+// into tasks by the matrix shape alone and every row is computed by the same instruction
+// sequence wherever it falls, so y is bit-identical for any thread count.
+void gemv_quant(const QuantMatrixView& w, const float* x, float* y, ThreadPool& pool);
+// The single-threaded core: y [row_end - row_begin] = rows [row_begin, row_end) of W x.
+// No checks (callers validated the view and x.cols == w.cols).
+void gemv_quant_rows(const QuantMatrixView& w, int row_begin, int row_end, const QuantActivation& x, float* y);
+// out [row_end - row_begin][cols] = W rows [row_begin, row_end) dequantised to float32
+// (for the prefill GEMM, which multiplies a slice at a time). No checks.
+void quant_dequantize_rows(const QuantMatrixView& w, int row_begin, int row_end, float* out);
+// Rows per gemv_quant task for a matrix of `rows` rows (a function of the shape only).
+int gemv_quant_task_rows(int rows);
+}  // namespace cpu
+
+}  // namespace cumulus

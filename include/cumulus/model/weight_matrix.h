@@ -1,0 +1,83 @@
+// A weight matrix W [rows][cols] of the model (y = W x reads row o for output o) and the
+// products the forward pass takes with it.
+//
+// DESIGN (weight storage): GGUF tensors in the 32-element block formats Q4_0, Q4_1 and
+// Q8_0 stay quantised in memory, repacked once at load into the struct-of-arrays layout of
+// kernels/gemv.h (the same bytes as the file, plus scale padding). Every other type (F32,
+// F16, BF16, Q5_x, K-quants) and llama2.c checkpoints are dequantised to float32 on load.
+//   decode (one row):   quantised -> cpu::gemv_quant (Highway, reads the blocks);
+//                       float32   -> OpenBLAS sgemv
+//   prefill (C rows):   float32   -> OpenBLAS sgemm
+//                       quantised -> each task dequantises its slice of 64 weight rows to
+//                                    float32 scratch, then OpenBLAS sgemm; the slice is
+//                                    reused for all C rows, so dequantising costs ~1/C of
+//                                    the GEMM and no float32 copy of the model is kept
+// SmolLM2-135M Q4_1 thus holds 100 MB of weights instead of 540 MB, and a decode step
+// reads 100 MB of them (`cumulus generate --bench` prints both).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cumulus/core/thread_pool.h"
+#include "cumulus/kernels/gemv.h"
+#include "cumulus/model/quant.h"
+
+namespace cumulus {
+
+enum class WeightStorage : uint8_t {
+  compact,  // Q4_0 / Q4_1 / Q8_0 kept quantised (default)
+  f32,      // everything dequantised to float32 on load
+};
+
+class WeightMatrix {
+ public:
+  WeightMatrix() = default;
+  // Float32 data [rows][cols] (data.size() == rows * cols, checked).
+  static WeightMatrix from_f32(std::vector<float> data, int rows, int cols);
+  // Raw GGUF tensor data of `type` holding rows * cols elements (cols innermost). With
+  // WeightStorage::compact, Q4_0/Q4_1/Q8_0 are repacked and kept quantised; otherwise the
+  // data is dequantised to float32. Throws Error for a type that cannot be dequantised.
+  static WeightMatrix from_ggml(GgmlType type, const void* data, int rows, int cols, WeightStorage storage);
+
+  int rows() const { return rows_; }
+  int cols() const { return cols_; }
+  size_t size() const { return static_cast<size_t>(rows_) * static_cast<size_t>(cols_); }
+  bool empty() const { return rows_ == 0; }
+  bool quantized() const { return f32_.empty() && rows_ > 0; }
+  // "F32", "Q4_0", "Q4_1" or "Q8_0".
+  std::string_view storage_name() const;
+  // Bytes held in memory.
+  size_t bytes() const;
+  // Float32 data [rows][cols]; nullptr when quantised.
+  const float* f32() const { return quantized() ? nullptr : f32_.data(); }
+  // The repacked matrix (only when quantised).
+  QuantMatrixView quant_view() const;
+  // out [row_end - row_begin][cols] = rows [row_begin, row_end) as float32.
+  void rows_to_f32(int row_begin, int row_end, float* out) const;
+  // The whole matrix as float32 [rows][cols] (tests, tools).
+  std::vector<float> to_f32() const;
+
+ private:
+  int rows_ = 0, cols_ = 0;
+  std::vector<float> f32_;
+  QuantFormat format_ = QuantFormat::q4_1;
+  std::vector<uint8_t> qs_;
+  std::vector<uint16_t> d_, m_;
+};
+
+// One product of a batched matmul: y [n_rows][w->rows()] = x [n_rows][w->cols()] W^T.
+struct MatmulOut {
+  const WeightMatrix* w = nullptr;
+  float* y = nullptr;
+};
+
+// Every product in `outs` against the same x [n_rows][cols] (all W have cols columns), in
+// one parallel_for: tasks are slices of output rows whose size depends on the matrix shape
+// alone, so the result is bit-identical for any thread count. n_rows == 1 takes the GEMV
+// path, n_rows > 1 the GEMM path (see the design note above).
+void weight_matmul(ThreadPool& pool, const float* x, int n_rows, std::span<const MatmulOut> outs);
+
+}  // namespace cumulus

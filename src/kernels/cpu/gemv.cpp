@@ -1,0 +1,328 @@
+// SIMD matrix-vector product against block-quantised weights (Highway, runtime dispatch),
+// the decode-time projection of the model runtime; same contract as src/kernels/ref/gemv.cpp
+// (layout and activation rounding in kernels/gemv.h). Decode is memory-bound on the
+// weights once the arithmetic keeps up: keeping them in their GGUF block form (Q4_1: 5 bits
+// per weight with the scales) reads ~6x fewer bytes than float32, and the inner loop must
+// then spend only a few instructions per block to stay under the memory time.
+//
+// Per row r and block b (32 elements, weight codes c, scale d, min m; activation codes q
+// with scale dx):
+//   y_r = sum_b (d_b dx_b) * (sum_j c_j q_j) + sum_b m_b * (dx_b sum_j q_j)
+// The inner sum is exact in int32: codes are widened to int16 (one vpmovzxbw per 16) and
+// multiplied pairwise with the int16 activations, adding neighbours (vpmaddwd); per block
+// that is about 12 instructions on AVX2 against about 24 for widening everything to
+// float32. The block sum is converted to float once and accumulated with one FMA by
+// d_b dx_b (the row's scales are converted from f16 and multiplied by dx in whole vectors
+// per row). The min term (Q4_1) is one short dot product per row. Q4_0 subtracts its offset
+// 8 from the codes in int16 (exact).
+//
+// Rows go in groups of kGroupRows sharing the activation loads (and giving four rows' FMA
+// chains to interleave); a row left over is computed alone by the same instruction
+// sequence, so every row's result depends on nothing but that row and x.
+
+// This file is compiled once per SIMD target by foreach_target.h.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/gemv.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/cache_control.h>
+#include <hwy/highway.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cumulus/core/error.h"
+#include "cumulus/kernels/gemv.h"
+
+#ifndef CUMULUS_KERNELS_CPU_GEMV_ONCE
+#define CUMULUS_KERNELS_CPU_GEMV_ONCE
+namespace cumulus::cpu {
+constexpr int kGroupRows = 4;
+// Software prefetch distance, in row groups (see gemv_group).
+constexpr int kPrefetchGroups = 2;
+// Float scratch rows are padded to a multiple of 16 (the widest float vector) with zeros.
+inline int gemv_pad16(int n) { return (n + 15) & ~15; }
+}  // namespace cumulus::cpu
+#endif
+
+HWY_BEFORE_NAMESPACE();
+namespace cumulus::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+namespace {
+
+// int16 lanes: at most 16, so the 16 codes of a 4-bit block half fill whole vectors.
+using DI16 = hn::CappedTag<int16_t, 16>;
+using DI32 = hn::Repartition<int32_t, DI16>;
+using DF = hn::Repartition<float, DI16>;
+// Scales are converted 8 at a time: scale rows are padded to a multiple of 8 blocks.
+using DS = hn::CappedTag<float, 8>;
+// Plain float lanes for the activation rounding.
+using DX = hn::CappedTag<float, 8>;
+
+// n f16 values (n a multiple of 8) -> float32 times f[i] (f padded to n).
+HWY_INLINE void gemv_scales(const uint16_t* src, const float* f, int n, float* dst) {
+  const DS ds;
+  const hn::Rebind<hwy::float16_t, DS> dh;
+  const auto* s = reinterpret_cast<const hwy::float16_t*>(src);
+  for (int i = 0; i < n; i += static_cast<int>(hn::Lanes(ds)))
+    hn::StoreU(hn::Mul(hn::PromoteTo(ds, hn::LoadU(dh, s + i)), hn::LoadU(ds, f + i)), ds, dst + i);
+}
+
+// n f16 values (n a multiple of 8) -> float32.
+HWY_INLINE void gemv_f16_to_f32(const uint16_t* src, int n, float* dst) {
+  const DS ds;
+  const hn::Rebind<hwy::float16_t, DS> dh;
+  const auto* s = reinterpret_cast<const hwy::float16_t*>(src);
+  for (int i = 0; i < n; i += static_cast<int>(hn::Lanes(ds))) hn::StoreU(hn::PromoteTo(ds, hn::LoadU(dh, s + i)), ds, dst + i);
+}
+
+// Codes [j, j + L) of a Q8_0 block as int16.
+HWY_INLINE hn::Vec<DI16> gemv_codes_q8(DI16 di16, const uint8_t* qs, size_t j) {
+  const hn::Rebind<int8_t, DI16> di8;
+  return hn::PromoteTo(di16, hn::LoadU(di8, reinterpret_cast<const int8_t*>(qs) + j));
+}
+
+// Codes [j, j + L) (low nibbles) and [16 + j, 16 + j + L) (high nibbles) of a 4-bit block
+// as int16, offset by -8 for Q4_0.
+template <QuantFormat F>
+HWY_INLINE void gemv_codes_q4(DI16 di16, const uint8_t* qs, size_t j, hn::Vec<DI16>& lo, hn::Vec<DI16>& hi) {
+  // Widen the bytes first (one vpmovzxbw with a memory operand), then split the nibbles
+  // in 16-bit lanes: x86 has no 8-bit shift, so splitting bytes costs two more ops.
+  const hn::Rebind<uint8_t, DI16> du8;
+  const auto v = hn::PromoteTo(di16, hn::LoadU(du8, qs + j));
+  lo = hn::And(v, hn::Set(di16, 0x0F));
+  hi = hn::ShiftRight<4>(v);
+  if constexpr (F == QuantFormat::q4_0) {
+    lo = hn::Sub(lo, hn::Set(di16, 8));
+    hi = hn::Sub(hi, hn::Set(di16, 8));
+  }
+}
+
+// y[0..R) = rows [r0, r0 + R) of W times x. scr: float scratch of 2 * R * pad16(stride)
+// whose entries past the scale stride are zero.
+template <QuantFormat F, int R>
+HWY_INLINE void gemv_group(const QuantMatrixView& w, int r0, const QuantActivation& x, float* HWY_RESTRICT scr,
+                           float* HWY_RESTRICT y) {
+  const DI16 di16;
+  const DI32 di32;
+  const DF df;
+  constexpr size_t L = hn::MaxLanes(DI16());
+  constexpr int kXv = kQuantBlock / static_cast<int>(L);
+  const int nb = w.cols / kQuantBlock;
+  const int stride = quant_scale_stride(w.cols);
+  const int ss = gemv_pad16(stride);
+  const size_t qb = static_cast<size_t>(quant_block_bytes(F));
+  float* dscr = scr;                               // [R][ss] d_b dx_b
+  float* mscr = scr + static_cast<size_t>(R) * ss;  // [R][ss] m_b
+  for (int r = 0; r < R; ++r) {
+    gemv_scales(w.d + static_cast<size_t>(r0 + r) * stride, x.d.data(), stride, dscr + static_cast<size_t>(r) * ss);
+    if constexpr (F == QuantFormat::q4_1)
+      gemv_f16_to_f32(w.m + static_cast<size_t>(r0 + r) * stride, stride, mscr + static_cast<size_t>(r) * ss);
+  }
+  hn::Vec<DF> acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = hn::Zero(df);
+  const size_t row_bytes = static_cast<size_t>(nb) * qb;
+  const uint8_t* q0 = w.qs + static_cast<size_t>(r0) * row_bytes;
+  const bool prefetch = r0 + (kPrefetchGroups + 1) * R <= w.rows;  // stay inside the matrix
+  const int16_t* xq = x.q.data();
+  for (int b = 0; b < nb; ++b) {
+    // The R rows are R streams row_bytes apart, which the hardware prefetcher follows
+    // poorly once rows are long: one core read 576x1536 Q4_1 at 6 GB/s and Q8_0 rows of
+    // 576 B at 8.5 GB/s, against 14 GB/s for the 288 B rows of 1536x576. Touching, once per
+    // cache line, the same place in the rows kPrefetchGroups groups ahead brought both to
+    // 12-14 GB/s (single thread, weights streamed from memory).
+    if (prefetch && (static_cast<size_t>(b) * qb) % 64 == 0)
+      for (int r = 0; r < R; ++r)
+        hwy::Prefetch(q0 + static_cast<size_t>(kPrefetchGroups * R + r) * row_bytes + static_cast<size_t>(b) * qb);
+    hn::Vec<DI16> xv[kXv];
+    for (int i = 0; i < kXv; ++i) xv[i] = hn::LoadU(di16, xq + static_cast<size_t>(b) * kQuantBlock + static_cast<size_t>(i) * L);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* qs = q0 + static_cast<size_t>(r) * row_bytes + static_cast<size_t>(b) * qb;
+      auto s0 = hn::Zero(di32), s1 = hn::Zero(di32);
+      if constexpr (F == QuantFormat::q8_0) {
+        for (size_t j = 0; j < kQuantBlock; j += L)
+          s0 = hn::ReorderWidenMulAccumulate(di32, gemv_codes_q8(di16, qs, j), xv[j / L], s0, s1);
+      } else {
+        for (size_t j = 0; j < 16; j += L) {
+          hn::Vec<DI16> lo, hi;
+          gemv_codes_q4<F>(di16, qs, j, lo, hi);
+          s0 = hn::ReorderWidenMulAccumulate(di32, lo, xv[j / L], s0, s1);
+          s0 = hn::ReorderWidenMulAccumulate(di32, hi, xv[(16 + j) / L], s0, s1);
+        }
+      }
+      acc[r] = hn::MulAdd(hn::ConvertTo(df, hn::Add(s0, s1)), hn::Set(df, dscr[static_cast<size_t>(r) * ss + b]), acc[r]);
+    }
+  }
+  constexpr size_t N = hn::MaxLanes(DF());
+  for (int r = 0; r < R; ++r) {
+    if constexpr (F == QuantFormat::q4_1) {
+      // Entries past nb are zero in both arrays (zero f16 padding, zero activation padding).
+      const float* m = mscr + static_cast<size_t>(r) * ss;
+      auto t = hn::Zero(df);
+      for (int i = 0; i < ss; i += static_cast<int>(N)) t = hn::MulAdd(hn::LoadU(df, m + i), hn::LoadU(df, x.sum.data() + i), t);
+      acc[r] = hn::Add(acc[r], t);
+    }
+    y[r] = hn::GetLane(hn::SumOfLanes(df, acc[r]));
+  }
+}
+
+template <QuantFormat F>
+void gemv_rows_format(const QuantMatrixView& w, int row_begin, int row_end, const QuantActivation& x, float* y) {
+  const int ss = gemv_pad16(quant_scale_stride(w.cols));
+  thread_local std::vector<float> scr;
+  const size_t need = static_cast<size_t>(2 * kGroupRows * ss);
+  if (scr.size() < need) scr.resize(need);
+  // Scratch past the scale stride stays zero (only [0, stride) of each row is written).
+  std::fill(scr.begin(), scr.begin() + static_cast<std::ptrdiff_t>(need), 0.0f);
+  int r = row_begin;
+  for (; r + kGroupRows <= row_end; r += kGroupRows) gemv_group<F, kGroupRows>(w, r, x, scr.data(), y + (r - row_begin));
+  for (; r < row_end; ++r) gemv_group<F, 1>(w, r, x, scr.data(), y + (r - row_begin));
+}
+
+// Dequantisation (prefill): codes widened straight to float32 lanes.
+using DD = hn::CappedTag<float, 16>;
+
+// Codes [j, j + N) of a block as float32: Q8_0 int8, or the low (hi = false) or high
+// nibbles of a 4-bit block, offset by -8 for Q4_0.
+template <QuantFormat F>
+HWY_INLINE hn::Vec<DD> dequant_codes(DD dd, const uint8_t* qs, size_t j, bool hi) {
+  const hn::Rebind<int32_t, DD> d32;
+  if constexpr (F == QuantFormat::q8_0) {
+    const hn::Rebind<int8_t, DD> di8;
+    return hn::ConvertTo(dd, hn::PromoteTo(d32, hn::LoadU(di8, reinterpret_cast<const int8_t*>(qs) + j)));
+  } else {
+    const hn::Rebind<uint8_t, DD> du8;
+    const auto v = hn::LoadU(du8, qs + j);
+    auto c = hn::PromoteTo(d32, hi ? hn::ShiftRight<4>(v) : hn::And(v, hn::Set(du8, 0x0F)));
+    if constexpr (F == QuantFormat::q4_0) c = hn::Sub(c, hn::Set(d32, 8));
+    return hn::ConvertTo(dd, c);
+  }
+}
+
+template <QuantFormat F>
+void dequantize_rows_format(const QuantMatrixView& w, int row_begin, int row_end, float* out) {
+  const DD dd;
+  constexpr size_t N = hn::MaxLanes(DD());
+  const int nb = w.cols / kQuantBlock;
+  const int stride = quant_scale_stride(w.cols);
+  const size_t qb = static_cast<size_t>(quant_block_bytes(F));
+  thread_local std::vector<float> dm;
+  if (dm.size() < 2 * static_cast<size_t>(stride)) dm.resize(2 * static_cast<size_t>(stride));
+  for (int r = row_begin; r < row_end; ++r) {
+    gemv_f16_to_f32(w.d + static_cast<size_t>(r) * stride, stride, dm.data());
+    if constexpr (F == QuantFormat::q4_1) gemv_f16_to_f32(w.m + static_cast<size_t>(r) * stride, stride, dm.data() + stride);
+    float* o = out + static_cast<size_t>(r - row_begin) * w.cols;
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* qs = w.qs + (static_cast<size_t>(r) * nb + b) * qb;
+      const auto d = hn::Set(dd, dm[static_cast<size_t>(b)]);
+      const auto m = hn::Set(dd, F == QuantFormat::q4_1 ? dm[static_cast<size_t>(stride + b)] : 0.0f);
+      float* ob = o + static_cast<size_t>(b) * kQuantBlock;
+      if constexpr (F == QuantFormat::q8_0) {
+        for (size_t j = 0; j < kQuantBlock; j += N) hn::StoreU(hn::MulAdd(dequant_codes<F>(dd, qs, j, false), d, m), dd, ob + j);
+      } else {
+        for (size_t j = 0; j < 16; j += N) {
+          hn::StoreU(hn::MulAdd(dequant_codes<F>(dd, qs, j, false), d, m), dd, ob + j);
+          hn::StoreU(hn::MulAdd(dequant_codes<F>(dd, qs, j, true), d, m), dd, ob + 16 + j);
+        }
+      }
+    }
+  }
+}
+
+// Activation rounding, exactly as ref::quant_activation: per block, amax by a max over
+// lanes, inv = 32767 / amax (scalar), q = nearest-even(x * inv) (float multiply, then
+// cvtps2dq), dx = amax / 32767, sum = dx * (integer sum of q).
+void quant_activation_block(const float* xb, int16_t* q, float* d, float* sum) {
+  const DX dx;
+  const hn::Rebind<int32_t, DX> d32;
+  const hn::Rebind<int16_t, DX> d16;
+  constexpr size_t N = hn::MaxLanes(DX());
+  auto mx = hn::Zero(dx);
+  for (size_t j = 0; j < kQuantBlock; j += N) mx = hn::Max(mx, hn::Abs(hn::LoadU(dx, xb + j)));
+  const float amax = hn::GetLane(hn::MaxOfLanes(dx, mx));
+  const auto inv = hn::Set(dx, amax > 0.0f ? 32767.0f / amax : 0.0f);
+  auto isum = hn::Zero(d32);
+  for (size_t j = 0; j < kQuantBlock; j += N) {
+    const auto qi = hn::NearestInt(hn::Mul(hn::LoadU(dx, xb + j), inv));
+    isum = hn::Add(isum, qi);
+    hn::StoreU(hn::DemoteTo(d16, qi), d16, q + j);
+  }
+  *d = amax / 32767.0f;
+  *sum = *d * static_cast<float>(hn::GetLane(hn::SumOfLanes(d32, isum)));
+}
+
+}  // namespace
+
+void quant_activation_impl(const float* x, int cols, QuantActivation& a) {
+  const int nb = cols / kQuantBlock;
+  a.cols = cols;
+  a.q.resize(static_cast<size_t>(cols));
+  a.d.assign(static_cast<size_t>(gemv_pad16(nb)), 0.0f);
+  a.sum.assign(static_cast<size_t>(gemv_pad16(nb)), 0.0f);
+  for (int b = 0; b < nb; ++b)
+    quant_activation_block(x + static_cast<size_t>(b) * kQuantBlock, a.q.data() + static_cast<size_t>(b) * kQuantBlock,
+                           &a.d[static_cast<size_t>(b)], &a.sum[static_cast<size_t>(b)]);
+}
+
+void gemv_quant_rows_impl(const QuantMatrixView& w, int row_begin, int row_end, const QuantActivation& x, float* y) {
+  switch (w.format) {
+    case QuantFormat::q4_0: return gemv_rows_format<QuantFormat::q4_0>(w, row_begin, row_end, x, y);
+    case QuantFormat::q4_1: return gemv_rows_format<QuantFormat::q4_1>(w, row_begin, row_end, x, y);
+    case QuantFormat::q8_0: return gemv_rows_format<QuantFormat::q8_0>(w, row_begin, row_end, x, y);
+  }
+}
+
+void quant_dequantize_rows_impl(const QuantMatrixView& w, int row_begin, int row_end, float* out) {
+  switch (w.format) {
+    case QuantFormat::q4_0: return dequantize_rows_format<QuantFormat::q4_0>(w, row_begin, row_end, out);
+    case QuantFormat::q4_1: return dequantize_rows_format<QuantFormat::q4_1>(w, row_begin, row_end, out);
+    case QuantFormat::q8_0: return dequantize_rows_format<QuantFormat::q8_0>(w, row_begin, row_end, out);
+  }
+}
+
+}  // namespace cumulus::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace cumulus::cpu {
+
+HWY_EXPORT(quant_activation_impl);
+HWY_EXPORT(gemv_quant_rows_impl);
+HWY_EXPORT(quant_dequantize_rows_impl);
+
+void quant_activation(const float* x, int cols, QuantActivation& a) {
+  CUMULUS_CHECK(cols >= kQuantBlock && cols % kQuantBlock == 0, "quant_activation: cols={} must be a positive multiple of {}",
+                cols, kQuantBlock);
+  HWY_DYNAMIC_DISPATCH(quant_activation_impl)(x, cols, a);
+}
+
+void gemv_quant_rows(const QuantMatrixView& w, int row_begin, int row_end, const QuantActivation& x, float* y) {
+  HWY_DYNAMIC_DISPATCH(gemv_quant_rows_impl)(w, row_begin, row_end, x, y);
+}
+
+void quant_dequantize_rows(const QuantMatrixView& w, int row_begin, int row_end, float* out) {
+  HWY_DYNAMIC_DISPATCH(quant_dequantize_rows_impl)(w, row_begin, row_end, out);
+}
+
+int gemv_quant_task_rows(int rows) {
+  // At least 16 rows per task (the pool takes a lock per task), at most 64 tasks.
+  const int t = std::max(16, (rows + 63) / 64);
+  return (t + kGroupRows - 1) / kGroupRows * kGroupRows;
+}
+
+void gemv_quant(const QuantMatrixView& w, const float* x, float* y, ThreadPool& pool) {
+  quant_matrix_validate(w);
+  CUMULUS_CHECK(x != nullptr && y != nullptr, "gemv_quant: x and y must be non-null");
+  // The caller's thread's buffer; the pointer carries it into the workers (naming a
+  // thread_local inside the task would name each worker's own, empty one).
+  thread_local QuantActivation tl_a;
+  const QuantActivation* a = &tl_a;
+  quant_activation(x, w.cols, tl_a);
+  const int per = gemv_quant_task_rows(w.rows);
+  pool.parallel_for((w.rows + per - 1) / per, [&](int64_t t, int) {
+    const int r0 = static_cast<int>(t) * per;
+    gemv_quant_rows(w, r0, std::min(w.rows, r0 + per), *a, y + r0);
+  });
+}
+
+}  // namespace cumulus::cpu
+#endif  // HWY_ONCE

@@ -1,0 +1,162 @@
+// Weight matrices of the model runtime: float32 or repacked GGUF blocks (design note in
+// weight_matrix.h), and the batched matmul the forward pass runs on them (OpenBLAS for
+// float32 and for prefill, cpu::gemv_quant for quantised decode).
+#include "cumulus/model/weight_matrix.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "cumulus/core/error.h"
+
+namespace cumulus {
+namespace {
+
+// Output rows per task for float32 weights and for the prefill GEMM. OpenBLAS runs
+// single-threaded inside each task (the session sets it); the split depends on the shape
+// alone, so every output element is computed by the same call on the same slice whatever
+// the thread count (OpenBLAS's own threading splits by thread count and changes rounding).
+constexpr int kSliceRows = 64;
+
+bool keeps_blocks(GgmlType t) { return t == GgmlType::q4_0 || t == GgmlType::q4_1 || t == GgmlType::q8_0; }
+
+QuantFormat format_of(GgmlType t) {
+  switch (t) {
+    case GgmlType::q4_0: return QuantFormat::q4_0;
+    case GgmlType::q8_0: return QuantFormat::q8_0;
+    default: return QuantFormat::q4_1;
+  }
+}
+
+uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+}  // namespace
+
+WeightMatrix WeightMatrix::from_f32(std::vector<float> data, int rows, int cols) {
+  CUMULUS_CHECK(rows >= 1 && cols >= 1, "weight matrix [{}][{}] must have positive dimensions", rows, cols);
+  CUMULUS_CHECK(data.size() == static_cast<size_t>(rows) * static_cast<size_t>(cols),
+                "weight matrix [{}][{}] given {} values", rows, cols, data.size());
+  WeightMatrix w;
+  w.rows_ = rows;
+  w.cols_ = cols;
+  w.f32_ = std::move(data);
+  return w;
+}
+
+WeightMatrix WeightMatrix::from_ggml(GgmlType type, const void* data, int rows, int cols, WeightStorage storage) {
+  CUMULUS_CHECK(rows >= 1 && cols >= 1, "weight matrix [{}][{}] must have positive dimensions", rows, cols);
+  const size_t n = static_cast<size_t>(rows) * static_cast<size_t>(cols);
+  if (storage == WeightStorage::f32 || !keeps_blocks(type)) {
+    std::vector<float> f(n);
+    dequantize_row(type, data, f.data(), n);
+    return from_f32(std::move(f), rows, cols);
+  }
+  CUMULUS_CHECK(cols % kQuantBlock == 0, "weight matrix [{}][{}] of type {}: cols is not a multiple of {}", rows, cols,
+                ggml_type_name(type), kQuantBlock);
+  WeightMatrix w;
+  w.rows_ = rows;
+  w.cols_ = cols;
+  w.format_ = format_of(type);
+  const int nb = cols / kQuantBlock;
+  const size_t stride = static_cast<size_t>(quant_scale_stride(cols));
+  const size_t qb = static_cast<size_t>(quant_block_bytes(w.format_));
+  const size_t block_bytes = ggml_type_info(type).type_size;  // bytes of one GGUF block
+  w.qs_.resize(static_cast<size_t>(rows) * nb * qb);
+  w.d_.assign(static_cast<size_t>(rows) * stride, 0);
+  if (w.format_ == QuantFormat::q4_1) w.m_.assign(static_cast<size_t>(rows) * stride, 0);
+  // GGUF blocks: Q4_0 {f16 d, qs[16]}, Q4_1 {f16 d, f16 m, qs[16]}, Q8_0 {f16 d, i8 qs[32]}.
+  const size_t qs_offset = w.format_ == QuantFormat::q4_1 ? 4 : 2;
+  const auto* src = static_cast<const uint8_t*>(data);
+  for (int r = 0; r < rows; ++r) {
+    for (int b = 0; b < nb; ++b) {
+      const size_t blk = static_cast<size_t>(r) * nb + b;
+      const uint8_t* s = src + blk * block_bytes;
+      w.d_[static_cast<size_t>(r) * stride + b] = load_u16(s);
+      if (w.format_ == QuantFormat::q4_1) w.m_[static_cast<size_t>(r) * stride + b] = load_u16(s + 2);
+      std::memcpy(w.qs_.data() + blk * qb, s + qs_offset, qb);
+    }
+  }
+  return w;
+}
+
+std::string_view WeightMatrix::storage_name() const { return quantized() ? quant_format_name(format_) : "F32"; }
+
+size_t WeightMatrix::bytes() const {
+  return f32_.size() * sizeof(float) + qs_.size() + (d_.size() + m_.size()) * sizeof(uint16_t);
+}
+
+QuantMatrixView WeightMatrix::quant_view() const {
+  CUMULUS_CHECK(quantized(), "quant_view of a float32 weight matrix [{}][{}]", rows_, cols_);
+  return QuantMatrixView{format_, rows_, cols_, qs_.data(), d_.data(), m_.empty() ? nullptr : m_.data()};
+}
+
+void WeightMatrix::rows_to_f32(int row_begin, int row_end, float* out) const {
+  CUMULUS_CHECK(row_begin >= 0 && row_begin <= row_end && row_end <= rows_, "rows [{}, {}) outside [0, {})", row_begin,
+                row_end, rows_);
+  if (quantized()) {
+    cpu::quant_dequantize_rows(quant_view(), row_begin, row_end, out);
+  } else {
+    std::copy(f32_.begin() + static_cast<ptrdiff_t>(row_begin) * cols_, f32_.begin() + static_cast<ptrdiff_t>(row_end) * cols_,
+              out);
+  }
+}
+
+std::vector<float> WeightMatrix::to_f32() const {
+  std::vector<float> out(size());
+  rows_to_f32(0, rows_, out.data());
+  return out;
+}
+
+void weight_matmul(ThreadPool& pool, const float* x, int n_rows, std::span<const MatmulOut> outs) {
+  struct Task {
+    int out, r0, nr;
+  };
+  std::vector<Task> tasks;
+  for (size_t o = 0; o < outs.size(); ++o) {
+    const WeightMatrix& w = *outs[o].w;
+    CUMULUS_CHECK(w.cols() == outs[0].w->cols(), "weight_matmul: matrices with {} and {} columns share one x", w.cols(),
+                  outs[0].w->cols());
+    const int per = w.quantized() && n_rows == 1 ? cpu::gemv_quant_task_rows(w.rows()) : kSliceRows;
+    for (int r0 = 0; r0 < w.rows(); r0 += per) tasks.push_back({static_cast<int>(o), r0, std::min(per, w.rows() - r0)});
+  }
+  // Decode: x rounded to 16-bit codes once for all quantised products (kernels/gemv.h).
+  // The caller's thread's buffer, reached by the workers through the pointer (a
+  // thread_local named inside the task would be each worker's own).
+  thread_local QuantActivation tl_xq;
+  const QuantActivation* xq = &tl_xq;
+  bool any_quant = false;
+  for (const MatmulOut& o : outs) any_quant = any_quant || o.w->quantized();
+  if (n_rows == 1 && any_quant) cpu::quant_activation(x, outs[0].w->cols(), tl_xq);
+  pool.parallel_for(static_cast<int64_t>(tasks.size()), [&](int64_t t, int) {
+    const Task& task = tasks[static_cast<size_t>(t)];
+    const WeightMatrix& w = *outs[static_cast<size_t>(task.out)].w;
+    float* y = outs[static_cast<size_t>(task.out)].y;
+    const int n_in = w.cols(), n_out = w.rows();
+    if (w.quantized() && n_rows == 1) {
+      cpu::gemv_quant_rows(w.quant_view(), task.r0, task.r0 + task.nr, *xq, y + task.r0);
+      return;
+    }
+    const float* ws = w.f32();
+    if (ws != nullptr) {
+      ws += static_cast<size_t>(task.r0) * n_in;
+    } else {
+      thread_local std::vector<float> slice;
+      slice.resize(static_cast<size_t>(task.nr) * n_in);
+      w.rows_to_f32(task.r0, task.r0 + task.nr, slice.data());
+      ws = slice.data();
+    }
+    if (n_rows == 1) {
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, task.nr, n_in, 1.0f, ws, n_in, x, 1, 0.0f, y + task.r0, 1);
+    } else {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n_rows, task.nr, n_in, 1.0f, x, n_in, ws, n_in, 0.0f,
+                  y + task.r0, n_out);
+    }
+  });
+}
+
+}  // namespace cumulus

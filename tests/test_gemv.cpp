@@ -1,0 +1,291 @@
+// GEMV against block-quantised weights: the SIMD backend (on every SIMD target this binary
+// carries) against the float64 reference on fresh random matrices (random codes, random
+// f16 scales and mins of both signs, random x; never zeros) of awkward sizes: rows 1, 3,
+// 15, 16, 17, 255, 4097 and 1 to 129 blocks per row, in Q4_0, Q4_1 and Q8_0. Also: the
+// activation rounding is bit-identical to the reference's and within its documented bound
+// of the exact product; bit-identical results for 1, 2 and 3 threads and for a row
+// computed alone or in a group; dequantisation equals the reference; WeightMatrix repacks
+// GGUF blocks into values equal to the GGUF dequantiser's (itself checked against gguf-py
+// in test_model_quant.cpp); bad views are errors that name the value.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cumulus/core/dtype.h"
+#include "cumulus/core/error.h"
+#include "cumulus/kernels/gemv.h"
+#include "cumulus/model/quant.h"
+#include "cumulus/model/weight_matrix.h"
+#include "kernel_check.h"
+
+using namespace cumulus;
+
+namespace {
+
+// Tolerance on |y_cpu - y_ref| / sum_j |w_j x_j| per row, both computing W (dx q) from the
+// same activation codes. The integer block sums are exact; what rounds is the f16 -> float
+// scale times dx (2^-24), the float conversion of the block sum and the float32
+// accumulation across blocks (~log2(blocks) roundings of 2^-24 relative to the running
+// magnitude, bounded by sum |w x|); 1e-5 is a wide margin over the ~1e-7 seen and still
+// catches any wrong code, scale or block by orders of magnitude (one wrong element among
+// 4128 moves the ratio by ~1e-4).
+constexpr double kTol = 1e-5;
+
+using check::for_each_target;
+
+// A random repacked matrix: codes are uniform bytes, scales f16 of magnitude [1e-3, 0.1]
+// and either sign, mins in [-0.5, 0.5]. Padding scales beyond cols / 32 stay zero, as the
+// layout requires.
+struct RandomMatrix {
+  QuantFormat format;
+  int rows, cols;
+  std::vector<uint8_t> qs;
+  std::vector<uint16_t> d, m;
+
+  RandomMatrix(QuantFormat f, int r, int c, std::mt19937& rng) : format(f), rows(r), cols(c) {
+    const int nb = c / kQuantBlock, stride = quant_scale_stride(c);
+    std::uniform_int_distribution<int> byte(0, 255);
+    std::uniform_real_distribution<float> mag(1e-3f, 0.1f), mn(-0.5f, 0.5f);
+    qs.resize(static_cast<size_t>(r) * nb * quant_block_bytes(f));
+    for (auto& b : qs) b = static_cast<uint8_t>(byte(rng));
+    d.assign(static_cast<size_t>(r) * stride, 0);
+    if (f == QuantFormat::q4_1) m.assign(d.size(), 0);
+    for (int i = 0; i < r; ++i) {
+      for (int b = 0; b < nb; ++b) {
+        const size_t k = static_cast<size_t>(i) * stride + b;
+        d[k] = f32_to_f16(byte(rng) % 2 ? mag(rng) : -mag(rng));
+        if (f == QuantFormat::q4_1) m[k] = f32_to_f16(mn(rng));
+      }
+    }
+  }
+  QuantMatrixView view() const {
+    return {format, rows, cols, qs.data(), d.data(), m.empty() ? nullptr : m.data()};
+  }
+};
+
+std::vector<float> random_x(int n, std::mt19937& rng) {
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(n));
+  for (auto& v : x) v = g(rng);
+  return x;
+}
+
+// sum_j |w_j x_j| of each row (the scale of the float32 rounding error).
+std::vector<double> abs_dot(const QuantMatrixView& w, const std::vector<float>& x) {
+  std::vector<double> deq(static_cast<size_t>(w.rows) * w.cols), out(static_cast<size_t>(w.rows));
+  ref::quant_dequantize_rows(w, 0, w.rows, deq.data());
+  for (int r = 0; r < w.rows; ++r) {
+    double s = 0.0;
+    for (int j = 0; j < w.cols; ++j) s += std::fabs(deq[static_cast<size_t>(r) * w.cols + j] * x[static_cast<size_t>(j)]);
+    out[static_cast<size_t>(r)] = s;
+  }
+  return out;
+}
+
+const QuantFormat kFormats[] = {QuantFormat::q4_0, QuantFormat::q4_1, QuantFormat::q8_0};
+const int kRows[] = {1, 3, 15, 16, 17, 255};
+const int kBlocks[] = {1, 3, 17, 48, 129};  // cols 32, 96, 544, 1536, 4128
+
+}  // namespace
+
+TEST(GemvQuant, MatchesReferenceAllSizesAndFormats) {
+  std::mt19937 rng(2024);
+  ThreadPool pool(2);
+  for (QuantFormat f : kFormats) {
+    for (int rows : kRows) {
+      for (int blocks : kBlocks) {
+        const RandomMatrix m(f, rows, blocks * kQuantBlock, rng);
+        const std::vector<float> x = random_x(m.cols, rng);
+        QuantActivation xq;
+        ref::quant_activation(x.data(), m.cols, xq);
+        std::vector<double> want(static_cast<size_t>(rows));
+        ref::gemv_quant(m.view(), xq, want.data());
+        const std::vector<double> scale = abs_dot(m.view(), x);
+        for_each_target([&] {
+          std::vector<float> got(static_cast<size_t>(rows), std::numeric_limits<float>::quiet_NaN());
+          cpu::gemv_quant(m.view(), x.data(), got.data(), pool);
+          double worst = 0.0;
+          for (int r = 0; r < rows; ++r)
+            worst = std::max(worst, std::fabs(got[static_cast<size_t>(r)] - want[static_cast<size_t>(r)]) /
+                                        scale[static_cast<size_t>(r)]);
+          EXPECT_LE(worst, kTol) << quant_format_name(f) << " rows " << rows << " cols " << m.cols;
+        });
+      }
+    }
+  }
+}
+
+TEST(GemvQuant, TallMatrix) {
+  // 4097 rows: many tasks, a ragged last task and a ragged last row group.
+  std::mt19937 rng(7);
+  ThreadPool pool(2);
+  for (QuantFormat f : kFormats) {
+    const RandomMatrix m(f, 4097, 96, rng);
+    const std::vector<float> x = random_x(m.cols, rng);
+    QuantActivation xq;
+    ref::quant_activation(x.data(), m.cols, xq);
+    std::vector<double> want(4097);
+    ref::gemv_quant(m.view(), xq, want.data());
+    const std::vector<double> scale = abs_dot(m.view(), x);
+    std::vector<float> got(4097, std::numeric_limits<float>::quiet_NaN());
+    cpu::gemv_quant(m.view(), x.data(), got.data(), pool);
+    for (size_t r = 0; r < got.size(); ++r)
+      ASSERT_LE(std::fabs(got[r] - want[r]) / scale[r], kTol) << quant_format_name(f) << " row " << r;
+  }
+}
+
+TEST(GemvQuant, BitIdenticalForAnyThreadCountAndRowGrouping) {
+  std::mt19937 rng(99);
+  ThreadPool p1(1), p2(2), p3(3);
+  for (QuantFormat f : kFormats) {
+    const RandomMatrix m(f, 1037, 576, rng);
+    const std::vector<float> x = random_x(m.cols, rng);
+    std::vector<float> y1(1037), y2(1037), y3(1037);
+    cpu::gemv_quant(m.view(), x.data(), y1.data(), p1);
+    cpu::gemv_quant(m.view(), x.data(), y2.data(), p2);
+    cpu::gemv_quant(m.view(), x.data(), y3.data(), p3);
+    EXPECT_EQ(std::memcmp(y1.data(), y2.data(), y1.size() * sizeof(float)), 0) << quant_format_name(f);
+    EXPECT_EQ(std::memcmp(y1.data(), y3.data(), y1.size() * sizeof(float)), 0) << quant_format_name(f);
+    // Each row alone (the single-row path) equals the same row inside a group of four.
+    QuantActivation xq;
+    cpu::quant_activation(x.data(), m.cols, xq);
+    for (int r : {0, 1, 5, 1036}) {
+      float alone;
+      cpu::gemv_quant_rows(m.view(), r, r + 1, xq, &alone);
+      EXPECT_EQ(std::memcmp(&alone, &y1[static_cast<size_t>(r)], sizeof(float)), 0) << quant_format_name(f) << " row " << r;
+    }
+  }
+}
+
+TEST(GemvQuant, ActivationRoundingMatchesReferenceAndItsBound) {
+  // Bit-identical codes and scales on every target; |dx q - x| <= 0.506 dx per element (half
+  // a code, plus the float32 roundings of 32767 / amax and amax / 32767, each 2^-24 relative,
+  // times up to 32767 codes: < 0.006 dx), so the rounded product differs from the exact one
+  // by at most sum_b 0.506 dx_b sum |w_b|.
+  std::mt19937 rng(17);
+  for (int blocks : {1, 3, 17, 129}) {
+    std::vector<float> x = random_x(blocks * kQuantBlock, rng);
+    // Awkward blocks: one all zero, one with a single non-zero, one with huge values.
+    if (blocks >= 3) {
+      std::fill(x.begin() + kQuantBlock, x.begin() + 2 * kQuantBlock, 0.0f);
+      x[2 * kQuantBlock + 5] = -3.0f;
+      for (int j = 0; j < kQuantBlock; ++j) x[static_cast<size_t>(j)] *= 1e30f;
+    }
+    QuantActivation want;
+    ref::quant_activation(x.data(), static_cast<int>(x.size()), want);
+    for (size_t i = 0; i < x.size(); ++i) {
+      const float dx = want.d[i / kQuantBlock];
+      ASSERT_LE(std::fabs(static_cast<double>(dx) * want.q[i] - x[i]), 0.506 * dx + 1e-30) << "element " << i;
+    }
+    if (blocks >= 3) {
+      EXPECT_EQ(want.q[2 * kQuantBlock + 5], -32767);
+    }
+    for_each_target([&] {
+      QuantActivation got;
+      cpu::quant_activation(x.data(), static_cast<int>(x.size()), got);
+      EXPECT_EQ(got.q, want.q);
+      EXPECT_EQ(got.d, want.d);
+      EXPECT_EQ(got.sum, want.sum);
+    });
+  }
+  // The bound on a whole product, against the exact float64 W x.
+  const RandomMatrix m(QuantFormat::q4_1, 33, 17 * kQuantBlock, rng);
+  const std::vector<float> x = random_x(m.cols, rng);
+  QuantActivation xq;
+  ref::quant_activation(x.data(), m.cols, xq);
+  std::vector<double> rounded(33), deq(static_cast<size_t>(33) * m.cols);
+  ref::gemv_quant(m.view(), xq, rounded.data());
+  ref::quant_dequantize_rows(m.view(), 0, 33, deq.data());
+  for (int r = 0; r < 33; ++r) {
+    double exact = 0, bound = 0;
+    for (int j = 0; j < m.cols; ++j) {
+      const double wj = deq[static_cast<size_t>(r) * m.cols + j];
+      exact += wj * x[static_cast<size_t>(j)];
+      bound += std::fabs(wj) * 0.506 * xq.d[static_cast<size_t>(j / kQuantBlock)];
+    }
+    EXPECT_LE(std::fabs(rounded[static_cast<size_t>(r)] - exact), bound) << "row " << r;
+  }
+}
+
+TEST(GemvQuant, DequantizeMatchesReference) {
+  std::mt19937 rng(5);
+  for (QuantFormat f : kFormats) {
+    for (int blocks : {1, 17, 129}) {
+      const RandomMatrix m(f, 17, blocks * kQuantBlock, rng);
+      std::vector<double> want(static_cast<size_t>(m.rows) * m.cols);
+      ref::quant_dequantize_rows(m.view(), 0, m.rows, want.data());
+      for_each_target([&] {
+        std::vector<float> got(want.size(), std::numeric_limits<float>::quiet_NaN());
+        cpu::quant_dequantize_rows(m.view(), 3, 17, got.data());
+        // q d (+ m) is one float32 rounding of the exact value (or two without FMA): 1 ulp.
+        for (size_t i = 0; i < static_cast<size_t>(14) * m.cols; ++i) {
+          const double ref = want[static_cast<size_t>(3) * m.cols + i];
+          ASSERT_LE(std::fabs(got[i] - ref), 2.4e-7 * std::fabs(ref) + 1e-30)
+              << quant_format_name(f) << " element " << i;
+        }
+      });
+    }
+  }
+}
+
+TEST(GemvQuant, WeightMatrixRepacksGgufBlocks) {
+  // Random GGUF blocks (f16 scales first, then codes, as in the file) of each kept type:
+  // the repacked matrix reads back what the GGUF dequantiser reads from the raw bytes, and
+  // its GEMV equals sgemv-like float64 sums over those values.
+  std::mt19937 rng(31);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> scale(-0.05f, 0.05f);
+  for (GgmlType t : {GgmlType::q4_0, GgmlType::q4_1, GgmlType::q8_0}) {
+    const int rows = 19, cols = 17 * 32;
+    const GgmlTypeInfo& info = ggml_type_info(t);
+    std::vector<uint8_t> raw(static_cast<size_t>(rows) * (cols / 32) * info.type_size);
+    for (size_t b = 0; b < raw.size(); b += info.type_size) {
+      for (size_t i = 0; i < info.type_size; ++i) raw[b + i] = static_cast<uint8_t>(byte(rng));
+      // Finite scales (random bytes could make Inf/NaN f16 values).
+      const uint16_t d = f32_to_f16(scale(rng)), m = f32_to_f16(scale(rng));
+      std::memcpy(&raw[b], &d, 2);
+      if (t == GgmlType::q4_1) std::memcpy(&raw[b + 2], &m, 2);
+    }
+    std::vector<float> want(static_cast<size_t>(rows) * cols);
+    dequantize_row(t, raw.data(), want.data(), want.size());
+    const WeightMatrix w = WeightMatrix::from_ggml(t, raw.data(), rows, cols, WeightStorage::compact);
+    ASSERT_TRUE(w.quantized());
+    EXPECT_EQ(w.storage_name(), info.name);
+    const std::vector<float> got = w.to_f32();
+    for (size_t i = 0; i < want.size(); ++i)
+      ASSERT_LE(std::fabs(got[i] - want[i]), 2.4e-7 * std::fabs(want[i]) + 1e-30) << info.name << " element " << i;
+    const WeightMatrix f = WeightMatrix::from_ggml(t, raw.data(), rows, cols, WeightStorage::f32);
+    EXPECT_FALSE(f.quantized());
+    EXPECT_EQ(f.to_f32(), want);
+    EXPECT_LT(w.bytes() * 5, f.bytes() * 2) << "compact storage is not compact";
+  }
+}
+
+TEST(GemvQuant, BadViewsAreErrors) {
+  std::mt19937 rng(1);
+  const RandomMatrix m(QuantFormat::q4_1, 4, 64, rng);
+  const std::vector<float> x = random_x(64, rng);
+  std::vector<float> y(4);
+  ThreadPool pool(1);
+  auto expect_error = [&](QuantMatrixView v, const std::string& needle) {
+    check::expect_error([&] { cpu::gemv_quant(v, x.data(), y.data(), pool); }, needle);
+  };
+  QuantMatrixView v = m.view();
+  v.cols = 48;
+  expect_error(v, "cols=48");
+  v = m.view();
+  v.rows = 0;
+  expect_error(v, "rows=0");
+  v = m.view();
+  v.m = nullptr;
+  expect_error(v, "m must be set");
+  v = m.view();
+  v.qs = nullptr;
+  expect_error(v, "null qs");
+  EXPECT_THROW(WeightMatrix::from_ggml(GgmlType::q4_1, m.qs.data(), 1, 40, WeightStorage::compact), Error);
+}

@@ -1,0 +1,100 @@
+// Reference tool, built against llama.cpp by tools/reference/build_llamacpp.sh (never part
+// of the cumulus build): feeds given token ids to a GGUF model in one batch, causally from
+// position 0, and prints the top-k logits (id, value) at chosen positions as JSON.
+// tools/reference/make_llamacpp_logits_fixture.py drives it to write the golden fixture
+// tests/data/smollm2_llamacpp_logits.json.
+//
+// Usage: llamacpp_logits MODEL TOKENS_FILE POSITIONS TOP_K THREADS
+//   TOKENS_FILE: whitespace-separated token ids; POSITIONS: comma-separated indices into them.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "llama.h"
+
+namespace {
+
+[[noreturn]] void die(const std::string& what) {
+  std::fprintf(stderr, "llamacpp_logits: %s\n", what.c_str());
+  std::exit(1);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 6) die("usage: llamacpp_logits MODEL TOKENS_FILE POSITIONS TOP_K THREADS");
+  const std::string model_path = argv[1];
+  std::vector<llama_token> tokens;
+  {
+    std::ifstream in(argv[2]);
+    if (!in) die(std::string("cannot open ") + argv[2]);
+    long v;
+    while (in >> v) tokens.push_back(static_cast<llama_token>(v));
+  }
+  std::vector<int> positions;
+  {
+    std::stringstream ss(argv[3]);
+    std::string item;
+    while (std::getline(ss, item, ',')) positions.push_back(std::atoi(item.c_str()));
+  }
+  const int top_k = std::atoi(argv[4]), threads = std::atoi(argv[5]);
+  const int n = static_cast<int>(tokens.size());
+  if (n == 0) die("no tokens");
+  for (int p : positions)
+    if (p < 0 || p >= n) die("position " + std::to_string(p) + " outside the " + std::to_string(n) + " tokens");
+
+  llama_backend_init();
+  llama_model_params mp = llama_model_default_params();
+  mp.n_gpu_layers = 0;
+  llama_model* model = llama_model_load_from_file(model_path.c_str(), mp);
+  if (!model) die("cannot load " + model_path);
+  const llama_vocab* vocab = llama_model_get_vocab(model);
+  const int n_vocab = llama_vocab_n_tokens(vocab);
+  for (llama_token t : tokens)
+    if (t < 0 || t >= n_vocab) die("token id " + std::to_string(t) + " outside the vocabulary");
+
+  // One batch, one micro-batch: every position sees exactly the causal prefix.
+  llama_context_params cp = llama_context_default_params();
+  cp.n_ctx = static_cast<uint32_t>(n);
+  cp.n_batch = static_cast<uint32_t>(n);
+  cp.n_ubatch = static_cast<uint32_t>(n);
+  cp.n_threads = threads;
+  cp.n_threads_batch = threads;
+  llama_context* ctx = llama_init_from_model(model, cp);
+  if (!ctx) die("cannot create a context");
+
+  llama_batch batch = llama_batch_init(n, 0, 1);
+  for (int i = 0; i < n; ++i) {
+    batch.token[i] = tokens[i];
+    batch.pos[i] = i;
+    batch.n_seq_id[i] = 1;
+    batch.seq_id[i][0] = 0;
+    batch.logits[i] = std::find(positions.begin(), positions.end(), i) != positions.end();
+  }
+  batch.n_tokens = n;
+  if (llama_decode(ctx, batch) != 0) die("llama_decode failed");
+
+  std::printf("[\n");
+  for (size_t k = 0; k < positions.size(); ++k) {
+    const float* logits = llama_get_logits_ith(ctx, positions[k]);
+    if (!logits) die("no logits at position " + std::to_string(positions[k]));
+    std::vector<int> idx(static_cast<size_t>(n_vocab));
+    std::iota(idx.begin(), idx.end(), 0);
+    std::partial_sort(idx.begin(), idx.begin() + top_k, idx.end(),
+                      [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+    std::printf("  {\"position\": %d, \"top\": [", positions[k]);
+    for (int j = 0; j < top_k; ++j) std::printf("%s[%d, %.9g]", j ? ", " : "", idx[j], logits[idx[j]]);
+    std::printf("]}%s\n", k + 1 < positions.size() ? "," : "");
+  }
+  std::printf("]\n");
+  llama_batch_free(batch);
+  llama_free(ctx);
+  llama_model_free(model);
+  llama_backend_free();
+  return 0;
+}
