@@ -1,6 +1,6 @@
-// Checks the kernel and method tests share (tests/test_prefill.cpp, tests/test_flexprefill.cpp):
-// an Error naming a value, a run on every SIMD target this binary carries, and the error
-// metrics the tolerances are stated in.
+// Checks the kernel and method tests share (attention, scoring, selection, k-means, KV
+// cache, prefill, flexprefill, gemv): an Error naming a value, a run on every SIMD target
+// this binary carries, and the error metrics the tolerances are stated in.
 #pragma once
 
 #include <gtest/gtest.h>

@@ -17,11 +17,17 @@
 #include "attention_test_util.h"
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/attention.h"
+#include "kernel_check.h"
 
 using namespace cumulus;
 using namespace cumulus::attn_test;
 
 namespace {
+
+using check::expect_error;
+using check::for_each_target;
+using check::norm_err;
+using check::max_abs_err;
 
 // Tolerances, float32 accumulation against float64:
 //   out: ||cpu - ref|| / ||ref|| over all heads. Scores carry about dim * 2^-24 relative
@@ -30,42 +36,6 @@ namespace {
 //   lse: absolute error; lse has magnitude ~|scale q.k| <= ~20 here.
 constexpr double kOutTol = 2e-5;
 constexpr double kLseTol = 2e-5;
-
-template <class Fn>
-void expect_error(Fn fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error, wanted one mentioning " << needle;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
-
-template <class Fn>
-void for_each_target(Fn fn) {
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    fn();
-  }
-  hwy::SetSupportedTargetsForTest(0);
-}
-
-double norm_err(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0.0, den = 0.0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double d = static_cast<double>(a[i]) - static_cast<double>(b[i]);
-    num += d * d;
-    den += static_cast<double>(b[i]) * b[i];
-  }
-  return std::sqrt(num) / std::sqrt(den);
-}
-
-double max_abs_err(const std::vector<float>& a, const std::vector<float>& b) {
-  double m = 0.0;
-  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(static_cast<double>(a[i]) - b[i]));
-  return m;
-}
 
 // Outputs of one call; NaN-filled so an unwritten lane fails the comparison.
 struct AttnResult {

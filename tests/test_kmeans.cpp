@@ -14,23 +14,16 @@
 
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/kmeans.h"
+#include "kernel_check.h"
 
 using namespace cumulus;
 
 namespace {
 
+using check::for_each_target;
+
 // float32 against float64 accumulation, relative to the sum of |terms|.
 constexpr double kTol = 1e-5;
-
-template <class Fn>
-void for_each_target(Fn fn) {
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    fn();
-  }
-  hwy::SetSupportedTargetsForTest(0);
-}
 
 std::vector<float> random_rows(int n, int dim, std::mt19937& rng, float offset = 0.3f) {
   std::normal_distribution<float> nd(0.0f, 1.0f);

@@ -12,20 +12,13 @@
 
 #include "cumulus/core/error.h"
 #include "cumulus/kv/kv_cache.h"
+#include "kernel_check.h"
 
 using namespace cumulus;
 
 namespace {
 
-template <class Fn>
-void expect_error(Fn fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error, wanted one mentioning " << needle;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using check::expect_error;
 
 // Random K and V rows [n][n_kv_heads][head_dim], never zero, with an offset per dimension
 // so page min/max/mean differ from dimension to dimension.

@@ -13,37 +13,21 @@
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/scoring.h"
 #include "cumulus/kv/kv_cache.h"
+#include "kernel_check.h"
 
 using namespace cumulus;
 
 namespace {
+
+using check::expect_error;
+using check::for_each_target;
 
 // float32 against float64 accumulation: |cpu - ref| / sum_j |q_j x_j| stays below this.
 // A float32 dot product of d <= 256 terms has worst-case relative error about d * 2^-24
 // (1.5e-5 at d = 256); the random inputs here sit far below that.
 constexpr double kTol = 1e-5;
 
-template <class Fn>
-void expect_error(Fn fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error, wanted one mentioning " << needle;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
-
 // Runs fn once per SIMD target compiled into the binary and supported by this CPU.
-template <class Fn>
-void for_each_target(Fn fn) {
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    fn();
-  }
-  hwy::SetSupportedTargetsForTest(0);
-}
-
 // A one-layer, one-kv-head cache of n random tokens (never zero), appended in uneven
 // chunks so pages fill across several appends.
 KvCache random_cache(int n, int head_dim, DType dt, int page_size, std::mt19937& rng) {

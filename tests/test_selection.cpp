@@ -14,20 +14,13 @@
 
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/selection.h"
+#include "kernel_check.h"
 
 using namespace cumulus;
 
 namespace {
 
-template <class Fn>
-void expect_error(Fn fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error, wanted one mentioning " << needle;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using check::expect_error;
 
 const int kSizes[] = {1, 3, 15, 16, 17, 255, 4097, 20000};
 
