@@ -32,6 +32,7 @@
 
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/attention.h"
+#include "kernels/cpu/row_load-inl.h"
 
 #ifndef CUMULUS_KERNELS_CPU_ATTENTION_ONCE
 #define CUMULUS_KERNELS_CPU_ATTENTION_ONCE
@@ -67,20 +68,6 @@ constexpr int kBlock = kAttnBlock;
 constexpr int kMaxTile = 8;  // query heads per tile: 8 accumulators fit AVX2's 16 registers
 constexpr float kMaxSlack = 8.0f;
 constexpr int kPrefetchBlocks = 2;  // how many blocks ahead rows are prefetched
-
-// Lanes [j, j + Lanes(d)) of one K or V row stored as kT, widened to float32.
-template <DType kT, class D>
-HWY_INLINE hn::Vec<D> attn_load_row(D d, const void* row, size_t j) {
-  if constexpr (kT == DType::f32) {
-    return hn::LoadU(d, static_cast<const float*>(row) + j);
-  } else if constexpr (kT == DType::f16) {
-    const hn::Rebind<hwy::float16_t, D> dh;
-    return hn::PromoteTo(d, hn::LoadU(dh, static_cast<const hwy::float16_t*>(row) + j));
-  } else {
-    const hn::Rebind<hwy::bfloat16_t, D> dh;
-    return hn::PromoteTo(d, hn::LoadU(dh, static_cast<const hwy::bfloat16_t*>(row) + j));
-  }
-}
 
 #if HWY_TARGET != HWY_SCALAR
 // Four vectors r0..r3 -> one vector whose every 128-bit block holds
@@ -197,8 +184,8 @@ HWY_INLINE void attn_block_tile(D d, size_t dim, int B, const void* const* krow,
       const void* r0 = krow[t];
       const void* r1 = krow[t + 1];
       for (size_t j = 0; j < dim; j += N) {
-        const V k0 = attn_load_row<kT>(d, r0, j);
-        const V k1 = attn_load_row<kT>(d, r1, j);
+        const V k0 = load_row<kT>(d, r0, j);
+        const V k1 = load_row<kT>(d, r1, j);
         for (int g = 0; g < G; ++g) {
           V qv = hn::LoadU(d, q + g * dim + j);
           attn_keep_in_register(qv);
@@ -219,7 +206,7 @@ HWY_INLINE void attn_block_tile(D d, size_t dim, int B, const void* const* krow,
     for (int g = 0; g < G; ++g) acc[g] = hn::Zero(d);
     const void* r = krow[t];
     for (size_t j = 0; j < dim; j += N) {
-      const V k = attn_load_row<kT>(d, r, j);
+      const V k = load_row<kT>(d, r, j);
       for (int g = 0; g < G; ++g) acc[g] = hn::MulAdd(hn::LoadU(d, q + g * dim + j), k, acc[g]);
     }
     for (int g = 0; g < G; ++g) hn::StoreU(acc[g], d, acc_at(g, t));
@@ -271,8 +258,8 @@ HWY_INLINE void attn_block_tile(D d, size_t dim, int B, const void* const* krow,
         a1[g] = hn::Mul(hn::LoadU(d, o + g * dim + j + N), al);
       }
       for (int i = 0; i < B; ++i) {
-        const V v0 = attn_load_row<kT>(d, vrow[i], j);
-        const V v1 = attn_load_row<kT>(d, vrow[i], j + N);
+        const V v0 = load_row<kT>(d, vrow[i], j);
+        const V v1 = load_row<kT>(d, vrow[i], j + N);
         for (int g = 0; g < G; ++g) {
           const V w = hn::Set(d, p[g * kBlock + i]);
           a0[g] = hn::MulAdd(w, v0, a0[g]);
@@ -289,7 +276,7 @@ HWY_INLINE void attn_block_tile(D d, size_t dim, int B, const void* const* krow,
     V acc[G];
     for (int g = 0; g < G; ++g) acc[g] = hn::Mul(hn::LoadU(d, o + g * dim + j), hn::Set(d, alpha[g]));
     for (int i = 0; i < B; ++i) {
-      const V v = attn_load_row<kT>(d, vrow[i], j);
+      const V v = load_row<kT>(d, vrow[i], j);
       for (int g = 0; g < G; ++g) acc[g] = hn::MulAdd(hn::Set(d, p[g * kBlock + i]), v, acc[g]);
     }
     for (int g = 0; g < G; ++g) hn::StoreU(acc[g], d, o + g * dim + j);

@@ -37,6 +37,7 @@
 #include "cumulus/core/buffer.h"
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/prefill.h"
+#include "kernels/cpu/row_load-inl.h"
 
 #ifndef CUMULUS_KERNELS_CPU_PREFILL_ONCE
 #define CUMULUS_KERNELS_CPU_PREFILL_ONCE
@@ -87,20 +88,6 @@ namespace cumulus::cpu::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 namespace {
 
-// Lanes [j, j + Lanes(d)) of a K or V row stored as kT, widened to float32.
-template <DType kT, class D>
-HWY_INLINE hn::Vec<D> prefill_load_row(D d, const void* row, size_t j) {
-  if constexpr (kT == DType::f32) {
-    return hn::LoadU(d, static_cast<const float*>(row) + j);
-  } else if constexpr (kT == DType::f16) {
-    const hn::Rebind<hwy::float16_t, D> dh;
-    return hn::PromoteTo(d, hn::LoadU(dh, static_cast<const hwy::float16_t*>(row) + j));
-  } else {
-    const hn::Rebind<hwy::bfloat16_t, D> dh;
-    return hn::PromoteTo(d, hn::LoadU(dh, static_cast<const hwy::bfloat16_t*>(row) + j));
-  }
-}
-
 template <DType kT, class D>
 void convert_typed(D d, const PrefillConvert& c) {
   const size_t N = hn::Lanes(d);
@@ -111,13 +98,13 @@ void convert_typed(D d, const PrefillConvert& c) {
   for (int t = 0; t < n; ++t) {
     if (c.kt != nullptr) {
       const void* kr = kv.key(c.begin + t);
-      for (size_t j = 0; j < dim; j += N) hn::Store(prefill_load_row<kT>(d, kr, j), d, tmp + j);
+      for (size_t j = 0; j < dim; j += N) hn::Store(load_row<kT>(d, kr, j), d, tmp + j);
       for (size_t j = 0; j < dim; ++j) c.kt[j * kTk + t] = tmp[j];
     }
     if (c.v != nullptr) {
       const void* vr = kv.value(c.begin + t);
       float* dst = c.v + static_cast<size_t>(t) * dim;
-      for (size_t j = 0; j < dim; j += N) hn::StoreU(prefill_load_row<kT>(d, vr, j), d, dst + j);
+      for (size_t j = 0; j < dim; j += N) hn::StoreU(load_row<kT>(d, vr, j), d, dst + j);
     }
   }
   for (int t = n; t < kTk; ++t) {

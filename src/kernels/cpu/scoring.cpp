@@ -18,24 +18,11 @@
 
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/scoring.h"
+#include "kernels/cpu/row_load-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace cumulus::cpu::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
-
-// Loads lanes [j, j + Lanes(d)) of one key row stored as kT, widened to float32.
-template <DType kT, class D>
-HWY_INLINE hn::Vec<D> load_key(D d, const void* row, size_t j) {
-  if constexpr (kT == DType::f32) {
-    return hn::LoadU(d, static_cast<const float*>(row) + j);
-  } else if constexpr (kT == DType::f16) {
-    const hn::Rebind<hwy::float16_t, D> dh;
-    return hn::PromoteTo(d, hn::LoadU(dh, static_cast<const hwy::float16_t*>(row) + j));
-  } else {
-    const hn::Rebind<hwy::bfloat16_t, D> dh;
-    return hn::PromoteTo(d, hn::LoadU(dh, static_cast<const hwy::bfloat16_t*>(row) + j));
-  }
-}
 
 // Calls fn(tag) with the widest float tag whose lane count divides head_dim. head_dim is
 // a multiple of 8, so the 8-lane tag always fits; AVX-512 uses 16 lanes when it can.
@@ -96,7 +83,7 @@ void token_score_block(D d, const PagedHeadView& kv, const float* q, int h0, con
     hn::Vec<D> acc[kQ];
     for (int h = 0; h < kQ; ++h) acc[h] = hn::Zero(d);
     for (size_t j = 0; j < dim; j += N) {
-      const auto k = load_key<kT>(d, row, j);
+      const auto k = load_row<kT>(d, row, j);
       for (int h = 0; h < kQ; ++h) acc[h] = hn::MulAdd(hn::LoadU(d, qb + h * dim + j), k, acc[h]);
     }
     for (int h = 0; h < kQ; ++h) scores[static_cast<size_t>(h0 + h) * n + i] = hn::GetLane(hn::SumOfLanes(d, acc[h]));
