@@ -240,6 +240,48 @@ TEST(Methods, QuestAttendsTheTopBoundPages) {
   }
 }
 
+// dense_layers: layers below it attend every token (output equal to dense), the others
+// select exactly as without the parameter.
+TEST(Methods, QuestDenseLayersAttendEverything) {
+  const Shape s{3, 8, 2, 64};
+  Fixture one = make_fixture({1, 8, 2, 64}, 700, 23);
+  KvCache kv(s, KvCacheOptions{});
+  std::vector<float> k(static_cast<size_t>(s.n_kv_heads) * s.head_dim), v(k.size());
+  for (int t = 0; t < one.kv.n_tokens(0); ++t) {
+    for (int h = 0; h < s.n_kv_heads; ++h) {
+      one.kv.key_f32(0, h, t, k.data() + h * s.head_dim);
+      one.kv.value_f32(0, h, t, v.data() + h * s.head_dim);
+    }
+    for (int layer = 0; layer < s.n_layers; ++layer) kv.append(layer, k.data(), v.data(), 1);
+  }
+  ThreadPool pool(2);
+  DecodeContext ctx{&pool, true};
+  auto decode = [&](const std::string& method, const std::map<std::string, std::string>& params, int layer) {
+    auto m = Registry::builtin().make(method, s, params);
+    for (int l = 0; l < s.n_layers; ++l) m->on_prefill(l, kv, ctx);
+    AttnOutput out;
+    decode_step(*m, layer, one.q.data(), kv, ctx, out);
+    return out;
+  };
+  const std::map<std::string, std::string> sparse{{"budget", "64"}}, mixed{{"budget", "64"}, {"dense_layers", "2"}};
+  for (int layer = 0; layer < s.n_layers; ++layer) {
+    const AttnOutput got = decode("quest", mixed, layer);
+    if (layer < 2) {
+      const AttnOutput want = decode("dense", {}, layer);
+      EXPECT_LT(rel_err(got.out, want.out), 1e-5) << "layer " << layer;
+      for (const auto& st : got.stats) {
+        EXPECT_EQ(st.tokens_attended, 700) << "layer " << layer;
+        EXPECT_EQ(st.mass_claimed, 1.0);
+      }
+    } else {
+      const AttnOutput want = decode("quest", sparse, layer);
+      EXPECT_EQ(got.selection.tokens, want.selection.tokens);
+      EXPECT_EQ(got.out, want.out);
+      for (const auto& st : got.stats) EXPECT_LT(st.tokens_attended, 700);
+    }
+  }
+}
+
 TEST(Methods, ThreadCountDoesNotChangeResults) {
   Fixture f = make_fixture({1, 8, 2, 64}, 5000, 4);
   for (const char* m : {"dense", "oracle_topp", "oracle_topk", "streaming", "quest"}) {

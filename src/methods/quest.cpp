@@ -4,7 +4,8 @@
 // and each query head attends the ceil(budget / page_size) pages with the largest bound.
 // The page is the cache page (default 16 tokens, Quest's setting). GQA: the group attends
 // the union of its heads' pages (Quest was published for MHA; the union is Tactic 4.5's
-// rule). A fixed-budget baseline: no mass claim (NaN).
+// rule). A fixed-budget baseline: no mass claim (NaN). dense_layers: the first layers attend
+// every token, as Quest's evaluation code does for layers 0 and 1 (default 0 here: off).
 #include <algorithm>
 
 #include "cumulus/core/error.h"
@@ -18,7 +19,8 @@ namespace {
 
 class Quest final : public DecodeMethod {
  public:
-  Quest(const Shape& shape, int budget) : shape_(shape), budget_(budget) {}
+  Quest(const Shape& shape, int budget, int dense_layers)
+      : shape_(shape), budget_(budget), dense_layers_(dense_layers) {}
   std::string name() const override { return "quest"; }
 
   void decode(int layer, const float* q, const KvCache& kv, const DecodeContext& ctx, AttnOutput& out) override {
@@ -26,12 +28,17 @@ class Quest final : public DecodeMethod {
     const int g = shape_.group();
     const int ps = kv.page_size();
     const int k_pages = (budget_ + ps - 1) / ps;
+    const bool dense = layer < dense_layers_;
     for (int h = 0; h < shape_.n_kv_heads; ++h) {
       const PagedHeadView v = kv.view(layer, h);
       const int n_pages = v.n_pages();
       scores_.resize(n_pages);
       page_union_.clear();
-      for (int j = 0; j < g; ++j) {
+      if (dense) {
+        page_union_.resize(n_pages);
+        for (int p = 0; p < n_pages; ++p) page_union_[p] = p;
+      }
+      for (int j = 0; j < g && !dense; ++j) {
         cpu::page_score_bound(v, q + static_cast<size_t>(h * g + j) * shape_.head_dim, scores_.data());
         cpu::select_topk(scores_.data(), n_pages, k_pages, chosen_);
         page_union_.insert(page_union_.end(), chosen_.begin(), chosen_.end());
@@ -42,15 +49,16 @@ class Quest final : public DecodeMethod {
       for (int32_t p : page_union_)
         for (int i = 0; i < v.page_len(p); ++i) t.push_back(p * ps + i);
       // Page min and max (float32) are read once per kv head: its group shares them.
-      methods::add_kv_head_bytes(shape_, h, 2.0 * n_pages * shape_.head_dim * sizeof(float), out);
+      if (!dense) methods::add_kv_head_bytes(shape_, h, 2.0 * n_pages * shape_.head_dim * sizeof(float), out);
     }
     methods::attend_selection(kv, layer, q, *ctx.pool, out);
-    for (auto& st : out.stats) st.mass_claimed = methods::kNoClaim;
+    for (auto& st : out.stats) st.mass_claimed = dense ? 1.0 : methods::kNoClaim;
   }
 
  private:
   Shape shape_;
   int budget_;
+  int dense_layers_;
   std::vector<float> scores_;
   std::vector<int32_t> chosen_, page_union_;
 };
@@ -67,9 +75,15 @@ void register_quest(Registry& r) {
                      .default_value = "2048",
                      .help = "token budget per query head, rounded up to whole pages",
                      .min = 1,
-                     .max = 1 << 30}},
+                     .max = 1 << 30},
+                    {.name = "dense_layers",
+                     .type = ParamType::kInt,
+                     .default_value = "0",
+                     .help = "the first N layers attend every token (Quest's evaluation code keeps layers 0 and 1 dense)",
+                     .min = 0,
+                     .max = 1 << 20}},
          .make_decode = [](const Shape& s, const Params& p) {
-           return std::make_unique<Quest>(s, p.get_int("budget"));
+           return std::make_unique<Quest>(s, p.get_int("budget"), p.get_int("dense_layers"));
          }});
 }
 
