@@ -8,9 +8,11 @@
 
 #include <cmath>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "cumulus/core/error.h"
 #include "cumulus/eval/niah.h"
+#include "cumulus/eval/report.h"
 #include "cumulus/eval/tasks.h"
 #include "cumulus/model/session.h"
 
@@ -268,3 +270,19 @@ TEST_F(EvalTasks, BadOptionsAreErrors) {
   o.prefill_method = "nosuch";
   EXPECT_THROW(eval_run(*model_, o), Error);
 }
+
+// --weights f32 loads dequantised weights and every report says which storage it used.
+TEST_F(EvalTasks, WeightStorageIsReported) {
+  const EvalModel f32 = eval_model_load(kModel.string(), "", WeightStorage::f32);
+  EvalOptions o = options("kl");
+  o.context = 64;
+  o.steps = 2;
+  o.methods = {"dense"};
+  const EvalReport a = eval_run(*model_, o);
+  const EvalReport b = eval_run(f32, o);
+  EXPECT_EQ(a.weights, "compact");
+  EXPECT_EQ(b.weights, "f32");
+  EXPECT_NE(eval_markdown(b).find("weights f32"), std::string::npos);
+  EXPECT_EQ(nlohmann::json::parse(eval_json(b))["model"]["weights"], "f32");
+}
+

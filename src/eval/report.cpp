@@ -83,8 +83,8 @@ std::string sci(double v) { return std::isnan(v) ? std::string("-") : fmt::forma
 std::string md_header(const EvalReport& r) {
   const EvalOptions& o = r.options;
   std::string s = fmt::format("## cumulus eval {}\n\n", o.task);
-  s += fmt::format("- model: `{}` ({} layers, {} query / {} KV heads, head_dim {}, context {})\n", r.model, r.n_layers,
-                   r.n_heads, r.n_kv_heads, r.head_dim, r.model_context);
+  s += fmt::format("- model: `{}` ({} layers, {} query / {} KV heads, head_dim {}, context {}; weights {})\n", r.model,
+                   r.n_layers, r.n_heads, r.n_kv_heads, r.head_dim, r.model_context, r.weights);
   s += fmt::format("- text: `{}`; prefill: {}{}\n", r.text, o.prefill_method,
                    o.prefill_params.empty() ? std::string() : " (" + params_text(o.prefill_params) + ")");
   if (r.continuation.steps > 0)
@@ -291,7 +291,8 @@ std::string eval_json(const EvalReport& r) {
   json j;
   j["task"] = o.task;
   j["model"] = {{"path", r.model},           {"n_layers", r.n_layers},   {"n_heads", r.n_heads},
-                {"n_kv_heads", r.n_kv_heads}, {"head_dim", r.head_dim}, {"context_length", r.model_context}};
+                {"n_kv_heads", r.n_kv_heads}, {"head_dim", r.head_dim}, {"context_length", r.model_context},
+                {"weights", r.weights}};
   j["options"] = {{"text", o.text},
                   {"methods", o.methods},
                   {"params", o.params},

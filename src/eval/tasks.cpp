@@ -485,6 +485,7 @@ EvalReport Evaluator::run() {
   EvalReport rep;
   rep.options = o_;
   rep.model = m_.path;
+  rep.weights = m_.storage;
   rep.text = o_.text;
   const ModelConfig& c = m_.weights.config;
   rep.n_layers = c.n_layers;
@@ -539,10 +540,11 @@ std::string budget_param(const std::string& method) {
                method);
 }
 
-EvalModel eval_model_load(const std::string& model, const std::string& tokenizer) {
+EvalModel eval_model_load(const std::string& model, const std::string& tokenizer, WeightStorage storage) {
   EvalModel m;
   m.path = model;
-  m.weights = model_weights_load(model);
+  m.storage = storage == WeightStorage::f32 ? "f32" : "compact";
+  m.weights = model_weights_load(model, storage);
   if (m.weights.config.format == ModelFormat::gguf) {
     m.tokenizer = tokenizer_from_gguf(GgufFile::open(model));
   } else {

@@ -3,6 +3,9 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <string>
+
+#include "cumulus/model/model_weights.h"
 
 namespace cumulus::cli {
 
@@ -12,5 +15,8 @@ void add_generate_command(CLI::App& app);
 void add_eval_command(CLI::App& app);
 void add_info_command(CLI::App& app);
 void add_trace_command(CLI::App& app);
+
+// --weights NAME of generate and eval: compact (keep Q4_0/Q4_1/Q8_0 quantised) or f32.
+WeightStorage weight_storage_from_name(const std::string& name);
 
 }  // namespace cumulus::cli

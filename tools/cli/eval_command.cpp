@@ -22,7 +22,7 @@ namespace {
 
 struct EvalArgs {
   EvalOptions o;
-  std::string model, tokenizer, kv_dtype = "f16";
+  std::string model, tokenizer, kv_dtype = "f16", weights = "compact";
   std::vector<std::string> prefill_params;
   std::string json, markdown, svg_dir;
 };
@@ -42,8 +42,9 @@ void eval_command_run(EvalArgs& a) {
     CUMULUS_CHECK(eq != std::string::npos && eq > 0, "--prefill-param '{}' must be key=value", p);
     o.prefill_params[p.substr(0, eq)] = p.substr(eq + 1);
   }
+  const WeightStorage storage = weight_storage_from_name(a.weights);
   o.validate();  // before loading the model
-  const EvalModel model = eval_model_load(a.model, a.tokenizer);
+  const EvalModel model = eval_model_load(a.model, a.tokenizer, storage);
   const EvalReport rep = eval_run(model, o, stderr);
   const std::string md = eval_markdown(rep);
   if (a.markdown.empty()) {
@@ -78,6 +79,8 @@ void add_eval_command(CLI::App& app) {
       ->check(CLI::IsMember({"kl", "ppl", "mass", "matched", "niah"}));
   cmd->add_option("--model", a->model, "GGUF or llama2.c .bin model")->required();
   cmd->add_option("--tokenizer", a->tokenizer, "llama2.c tok*.bin (default: found beside the model)");
+  cmd->add_option("--weights", a->weights, "compact (keep Q4_0/Q4_1/Q8_0 quantised) or f32 (dequantise all)")
+      ->capture_default_str();
   cmd->add_option("--text", o.text, "text file: the long document (kl, ppl, mass, matched) or the haystack (niah); "
                                     "Gutenberg header/footer stripped")
       ->required();

@@ -138,12 +138,6 @@ RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector
   return r;
 }
 
-WeightStorage weight_storage_from_name(const std::string& name) {
-  if (name == "compact") return WeightStorage::compact;
-  if (name == "f32") return WeightStorage::f32;
-  CUMULUS_FAIL("--weights={} must be compact or f32", name);
-}
-
 struct BenchRun {
   std::string method;
   int context = 0, decode_tokens = 0;
@@ -397,6 +391,12 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--repetitions", o->repetitions, "--bench: runs per context (median)")->capture_default_str();
   cmd->add_option("--json", o->json, "--bench: also write the results as JSON to this file");
   cmd->callback([o] { run_generate(*o); });
+}
+
+WeightStorage weight_storage_from_name(const std::string& name) {
+  if (name == "compact") return WeightStorage::compact;
+  if (name == "f32") return WeightStorage::f32;
+  CUMULUS_FAIL("--weights={} must be compact or f32", name);
 }
 
 }  // namespace cumulus::cli

@@ -52,12 +52,14 @@ inline constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 struct EvalModel {
   std::string path;
+  std::string storage = "compact";  // the weights' storage: compact or f32
   ModelWeights weights;
   std::unique_ptr<Tokenizer> tokenizer;
 };
 // GGUF (tokenizer from its metadata) or llama2.c .bin (tokenizer: `tokenizer`, else found
 // beside the model).
-EvalModel eval_model_load(const std::string& model, const std::string& tokenizer = "");
+EvalModel eval_model_load(const std::string& model, const std::string& tokenizer = "",
+                          WeightStorage storage = WeightStorage::compact);
 
 struct EvalOptions {
   std::string task = "kl";  // kl | ppl | mass | matched | niah
@@ -164,6 +166,7 @@ struct NiahCell {
 struct EvalReport {
   EvalOptions options;
   std::string model;       // path
+  std::string weights;     // storage of the weights: compact or f32
   std::string text;        // path
   int n_layers = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, model_context = 0;
   std::string niah_template;  // niah: the template used
