@@ -176,6 +176,36 @@ TEST(Tactic, ClusterOptimalReachesPAndNeverBeatsOptimal) {
   }
 }
 
+// sinks / recent (ours, off by default): those tokens are attended on every head-step and
+// enter the estimate exactly, so with true scores (cluster_optimal) every head still
+// reaches P; the defaults (0) change nothing.
+TEST(Tactic, SinksAndRecentAreAlwaysAttended) {
+  for (const Shape& s : {Shape{1, 8, 2, 64}, Shape{1, 9, 3, 32}}) {
+    Fixture f = make_fixture(s, 3001, 78);
+    const int n = f.kv.n_tokens(0);
+    const std::map<std::string, std::string> extra{{"sinks", "4"}, {"recent", "64"}};
+    for (const char* mode : {"fit", "cluster_optimal"}) {
+      std::map<std::string, std::string> params{{"p", "0.5"}, {"mode", mode}};
+      const AttnOutput plain = run("tactic", f, params);
+      params.insert(extra.begin(), extra.end());
+      const AttnOutput out = run("tactic", f, params);
+      for (int h = 0; h < s.n_kv_heads; ++h) {
+        const std::set<int32_t> sel(out.selection.tokens[h].begin(), out.selection.tokens[h].end());
+        for (int t = 0; t < 4; ++t) EXPECT_TRUE(sel.count(t)) << mode << " kv head " << h << " sink " << t;
+        for (int t = n - 64; t < n; ++t) EXPECT_TRUE(sel.count(t)) << mode << " kv head " << h << " recent " << t;
+        EXPECT_LT(sel.size(), static_cast<size_t>(n) / 2) << mode;
+      }
+      for (int qh = 0; qh < s.n_q_heads; ++qh) {
+        if (std::string(mode) == "cluster_optimal") EXPECT_GE(out.stats[qh].mass_true, 0.5 - 1e-4) << "head " << qh;
+        EXPECT_GE(out.stats[qh].tokens_attended, 68);
+      }
+      const AttnOutput same = run("tactic", f, {{"p", "0.5"}, {"mode", mode}, {"sinks", "0"}, {"recent", "0"}});
+      EXPECT_EQ(same.selection.tokens, plain.selection.tokens) << mode;
+      EXPECT_EQ(same.out, plain.out) << mode;
+    }
+  }
+}
+
 TEST(Tactic, AtFullMassEqualsDense) {
   for (const Shape& s : {Shape{1, 4, 4, 32}, Shape{1, 8, 2, 64}, Shape{1, 9, 3, 64}}) {
     for (int n : {17, 300, 2000}) {

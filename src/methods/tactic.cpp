@@ -17,6 +17,9 @@
 // decoding steps (e.g., 2048)"). mode=cluster_optimal replaces the fit by the TRUE scores
 // in cluster order ("Cluster Optimal" of Table 1). The claim is the method's own estimate
 // of its set's mass (tail included, scored exactly); decode_step reports the true one.
+// sinks / recent (ours, default 0 = the paper): the first `sinks` and the last `recent`
+// clustered tokens leave the ranked list and join the dense tail (always attended, scored
+// exactly, in the estimate's total), as StreamingLLM and LFPS keep sinks and a window.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -42,6 +45,7 @@ struct TacticOptions {
   int recluster_interval = 2048;
   uint32_t seed = 0;
   bool cluster_optimal = false;
+  int sinks = 0, recent = 0;
 };
 
 // The cluster index of one (layer, kv head): tokens [0, n_indexed) are in clusters.
@@ -88,12 +92,17 @@ class Tactic final : public DecodeMethod {
       // Centroid scores [g][n_clusters] (4.3) and exact tail scores [g][n_tail].
       cscores_.resize(static_cast<size_t>(g) * std::max(n_clusters, 1));
       if (n_clusters > 0) cpu::kmeans_centroid_score(idx.centroids.data(), n_clusters, d, qg, g, cscores_.data());
-      const int n_tail = n - n_list;
-      tail_idx_.resize(n_tail);
-      for (int i = 0; i < n_tail; ++i) tail_idx_[i] = n_list + i;
+      // The dense tail: tokens after the clusters, plus the sinks and recent tokens taken
+      // out of the clusters (ascending; clustered tokens in [lo, hi) stay in the list).
+      const int lo = std::min(o_.sinks, n_list), hi = std::max(lo, n_list - o_.recent);
+      tail_idx_.clear();
+      for (int t = 0; t < lo; ++t) tail_idx_.push_back(t);
+      for (int t = hi; t < n; ++t) tail_idx_.push_back(t);
+      const int n_tail = static_cast<int>(tail_idx_.size());
       tail_scores_.resize(static_cast<size_t>(g) * n_tail);
       if (n_tail > 0) cpu::token_score(v, qg, g, tail_idx_.data(), n_tail, tail_scores_.data());
       // cluster_optimal reads every clustered key once for the group: scores by token id.
+      n_scored_ = n_list;
       if (o_.cluster_optimal && n_list > 0) {
         all_scores_.resize(static_cast<size_t>(g) * n_list);
         cpu::token_score(v, qg, g, nullptr, n_list, all_scores_.data());
@@ -111,8 +120,9 @@ class Tactic final : public DecodeMethod {
         list_.clear();
         if (n_clusters > 0) {
           cpu::select_topk(cscores_.data() + static_cast<size_t>(j) * n_clusters, n_clusters, n_clusters, order_);
-          for (int32_t c : order_) list_.insert(list_.end(), idx.members.begin() + idx.begin[c],
-                                                idx.members.begin() + idx.begin[c + 1]);
+          for (int32_t c : order_)
+            for (int u = idx.begin[c]; u < idx.begin[c + 1]; ++u)
+              if (idx.members[u] >= lo && idx.members[u] < hi) list_.push_back(idx.members[u]);
         }
         const float* tail_j = tail_scores_.data() + static_cast<size_t>(j) * n_tail;
         int scored = 0;
@@ -184,7 +194,7 @@ class Tactic final : public DecodeMethod {
     for (int i = 0; i < n_tail; ++i) shift = std::max(shift, static_cast<double>(scale * tail[i]));
     scored = 0;
     if (o_.cluster_optimal) {
-      const float* s = all_scores_.data() + static_cast<size_t>(j) * L;  // by token id (tokens 0..L-1)
+      const float* s = all_scores_.data() + static_cast<size_t>(j) * n_scored_;  // by token id
       for (int i = 0; i < L; ++i) shift = std::max(shift, static_cast<double>(scale * s[list_[i]]));
       for (int i = 0; i < L; ++i) w_[i] = std::exp(scale * s[list_[i]] - shift);
     } else if (L > 0) {
@@ -260,6 +270,7 @@ class Tactic final : public DecodeMethod {
   std::vector<double> w_, ew_;
   std::vector<int32_t> assign_, counts_, perm_, order_, list_, tail_idx_, gather_;
   std::vector<int> pos_;
+  int n_scored_ = 0;  // cluster_optimal: tokens in all_scores_ per query head
 };
 
 }  // namespace
@@ -328,7 +339,19 @@ void register_tactic(Registry& r) {
                     {.name = "mode",
                      .type = ParamType::kString,
                      .default_value = "fit",
-                     .help = "fit (Algorithm 1) or cluster_optimal (true scores in cluster order, Table 1)"}},
+                     .help = "fit (Algorithm 1) or cluster_optimal (true scores in cluster order, Table 1)"},
+                    {.name = "sinks",
+                     .type = ParamType::kInt,
+                     .default_value = "0",
+                     .help = "first tokens always attended and scored exactly, outside the fit (ours; 0 = the paper)",
+                     .min = 0,
+                     .max = 1 << 30},
+                    {.name = "recent",
+                     .type = ParamType::kInt,
+                     .default_value = "0",
+                     .help = "last clustered tokens always attended and scored exactly (ours; 0 = the paper)",
+                     .min = 0,
+                     .max = 1 << 30}},
          .make_decode = [](const Shape& s, const Params& p) {
            TacticOptions o;
            o.p = p.get_double("p");
@@ -345,6 +368,8 @@ void register_tactic(Registry& r) {
                          "method 'tactic': parameter mode='{}' must be fit or cluster_optimal", mode);
            CUMULUS_CHECK(o.p1 < o.p2, "method 'tactic': parameters p1={} and p2={} need p1 < p2", o.p1, o.p2);
            o.cluster_optimal = mode == "cluster_optimal";
+           o.sinks = p.get_int("sinks");
+           o.recent = p.get_int("recent");
            return std::make_unique<Tactic>(s, o);
          }});
 }
