@@ -196,7 +196,9 @@ TEST(Tactic, SinksAndRecentAreAlwaysAttended) {
         EXPECT_LT(sel.size(), static_cast<size_t>(n) / 2) << mode;
       }
       for (int qh = 0; qh < s.n_q_heads; ++qh) {
-        if (std::string(mode) == "cluster_optimal") EXPECT_GE(out.stats[qh].mass_true, 0.5 - 1e-4) << "head " << qh;
+        if (std::string(mode) == "cluster_optimal") {
+          EXPECT_GE(out.stats[qh].mass_true, 0.5 - 1e-4) << "head " << qh;
+        }
         EXPECT_GE(out.stats[qh].tokens_attended, 68);
       }
       const AttnOutput same = run("tactic", f, {{"p", "0.5"}, {"mode", mode}, {"sinks", "0"}, {"recent", "0"}});
