@@ -211,9 +211,15 @@ TEST_F(EvalTasks, MatchedGivesTheBaselinesTheAdaptiveBudget) {
   ASSERT_EQ(g.baselines.size(), 4u);
   for (const RunStats& b : g.baselines) {
     EXPECT_EQ(b.match_target, g.adaptive.tokens_mean);
-    EXPECT_EQ(std::stoi(b.resolved.at(b.match_param)), b.match_budget);
     EXPECT_EQ(b.kl.size(), 4u);
   }
+  // The budget found is the parameter the baseline ran with: streaming attends its 4 sinks
+  // plus the window it was given (the cache, 252-256 tokens, is larger).
+  const RunStats& streaming = g.baselines[1];
+  ASSERT_EQ(streaming.spec.method, "streaming");
+  EXPECT_LT(4 + streaming.match_budget, 252);
+  EXPECT_DOUBLE_EQ(streaming.tokens_mean, 4.0 + std::stoi(streaming.resolved.at("window")));
+  EXPECT_EQ(std::stoi(streaming.resolved.at("window")), streaming.match_budget);
   // streaming attends exactly sinks + window: matching is exact to rounding.
   EXPECT_NEAR(g.baselines[1].tokens_mean, g.adaptive.tokens_mean, 0.5);
   ASSERT_EQ(rep.niah.size(), 1u);

@@ -236,7 +236,7 @@ TEST(GemvQuant, DequantizeMatchesReference) {
 TEST(GemvQuant, WeightMatrixRepacksGgufBlocks) {
   // Random GGUF blocks (f16 scales first, then codes, as in the file) of each kept type:
   // the repacked matrix reads back what the GGUF dequantiser reads from the raw bytes, and
-  // its GEMV equals sgemv-like float64 sums over those values.
+  // weight_matmul over it equals the float64 references (below).
   std::mt19937 rng(31);
   std::uniform_int_distribution<int> byte(0, 255);
   std::uniform_real_distribution<float> scale(-0.05f, 0.05f);
@@ -263,6 +263,50 @@ TEST(GemvQuant, WeightMatrixRepacksGgufBlocks) {
     EXPECT_FALSE(f.quantized());
     EXPECT_EQ(f.to_f32(), want);
     EXPECT_LT(w.bytes() * 5, f.bytes() * 2) << "compact storage is not compact";
+
+    // weight_matmul, the path the model runs: the compact matrix and the float32 one in one
+    // call, 1 and 3 rows of x, on 1-3 threads. Compact = ref::gemv_quant over its view (the
+    // 16-bit activation rounding), float32 = float64 sums over the dequantised values, and
+    // every thread count gives the same bits.
+    for (int n_rows : {1, 3}) {
+      std::vector<float> x;
+      for (int r = 0; r < n_rows; ++r) {
+        const std::vector<float> xr = random_x(cols, rng);
+        x.insert(x.end(), xr.begin(), xr.end());
+      }
+      std::vector<float> first_q, first_f;
+      for (int threads : {1, 2, 3}) {
+        ThreadPool pool(threads);
+        std::vector<float> yq(static_cast<size_t>(n_rows) * rows, std::numeric_limits<float>::quiet_NaN());
+        std::vector<float> yf(yq.size(), std::numeric_limits<float>::quiet_NaN());
+        const MatmulOut outs[] = {{&w, yq.data()}, {&f, yf.data()}};
+        weight_matmul(pool, x.data(), n_rows, outs);
+        if (threads == 1) {
+          first_q = yq;
+          first_f = yf;
+        } else {
+          EXPECT_EQ(yq, first_q) << info.name << " threads " << threads;
+          EXPECT_EQ(yf, first_f) << info.name << " threads " << threads;
+        }
+      }
+      for (int r = 0; r < n_rows; ++r) {
+        const std::vector<float> xr(x.begin() + static_cast<ptrdiff_t>(r) * cols, x.begin() + static_cast<ptrdiff_t>(r + 1) * cols);
+        QuantActivation xq;
+        ref::quant_activation(xr.data(), cols, xq);
+        std::vector<double> wq(static_cast<size_t>(rows));
+        ref::gemv_quant(w.quant_view(), xq, wq.data());
+        const std::vector<double> mag = abs_dot(w.quant_view(), xr);
+        for (int o = 0; o < rows; ++o) {
+          double exact = 0;
+          for (int c = 0; c < cols; ++c) exact += static_cast<double>(want[static_cast<size_t>(o) * cols + c]) * xr[c];
+          const size_t i = static_cast<size_t>(r) * rows + o;
+          // n_rows == 1 is the quantised GEMV; n_rows > 1 dequantises to float32 and runs sgemm.
+          const double want_q = n_rows == 1 ? wq[o] : exact;
+          EXPECT_LE(std::fabs(first_q[i] - want_q) / mag[o], kTol) << info.name << " rows " << n_rows << " out " << o;
+          EXPECT_LE(std::fabs(first_f[i] - exact) / mag[o], kTol) << info.name << " rows " << n_rows << " out " << o;
+        }
+      }
+    }
   }
 }
 

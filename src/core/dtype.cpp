@@ -125,6 +125,15 @@ void convert_to_f32(const void* src, DType src_type, float* dst, size_t n) {
   }
 }
 
+float dtype_load(const void* row, DType t, size_t j) {
+  switch (t) {
+    case DType::f32: return static_cast<const float*>(row)[j];
+    case DType::f16: return f16_to_f32(static_cast<const uint16_t*>(row)[j]);
+    case DType::bf16: return bf16_to_f32(static_cast<const uint16_t*>(row)[j]);
+  }
+  return 0.0f;
+}
+
 float dtype_round(float x, DType t) {
   switch (t) {
     case DType::f32: return x;

@@ -43,7 +43,7 @@ class Quest final : public DecodeMethod {
         cpu::select_topk(scores_.data(), n_pages, k_pages, chosen_);
         page_union_.insert(page_union_.end(), chosen_.begin(), chosen_.end());
       }
-      selection_normalize(page_union_);
+      if (!dense) selection_normalize(page_union_);  // the dense list is already sorted
       auto& t = out.selection.tokens[h];
       t.clear();
       for (int32_t p : page_union_)

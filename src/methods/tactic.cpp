@@ -22,6 +22,7 @@
 // exactly, in the estimate's total), as StreamingLLM and LFPS keep sinks and a window.
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <random>
 
@@ -120,9 +121,15 @@ class Tactic final : public DecodeMethod {
         list_.clear();
         if (n_clusters > 0) {
           cpu::select_topk(cscores_.data() + static_cast<size_t>(j) * n_clusters, n_clusters, n_clusters, order_);
-          for (int32_t c : order_)
-            for (int u = idx.begin[c]; u < idx.begin[c + 1]; ++u)
-              if (idx.members[u] >= lo && idx.members[u] < hi) list_.push_back(idx.members[u]);
+          const bool whole = lo == 0 && hi == n_list;  // no sinks or recent tokens taken out
+          for (int32_t c : order_) {
+            const auto b = idx.members.begin() + idx.begin[c], e = idx.members.begin() + idx.begin[c + 1];
+            if (whole) {
+              list_.insert(list_.end(), b, e);
+            } else {
+              std::copy_if(b, e, std::back_inserter(list_), [&](int32_t t) { return t >= lo && t < hi; });
+            }
+          }
         }
         const float* tail_j = tail_scores_.data() + static_cast<size_t>(j) * n_tail;
         int scored = 0;

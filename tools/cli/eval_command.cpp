@@ -37,11 +37,7 @@ void write_file(const std::string& path, const std::string& text, const char* wh
 void eval_command_run(EvalArgs& a) {
   EvalOptions o = a.o;
   o.kv_dtype = dtype_from_name(a.kv_dtype);
-  for (const auto& p : a.prefill_params) {
-    const size_t eq = p.find('=');
-    CUMULUS_CHECK(eq != std::string::npos && eq > 0, "--prefill-param '{}' must be key=value", p);
-    o.prefill_params[p.substr(0, eq)] = p.substr(eq + 1);
-  }
+  o.prefill_params = prefill_param_map(a.prefill_params);
   const WeightStorage storage = weight_storage_from_name(a.weights);
   o.validate();  // before loading the model
   const EvalModel model = eval_model_load(a.model, a.tokenizer, storage);

@@ -68,17 +68,6 @@ struct RunResult {
   PrefillStats prefill_stats;
 };
 
-// "--prefill-param key=value" (repeatable) for the prefill method; the registry checks them.
-std::map<std::string, std::string> prefill_param_map(const std::vector<std::string>& params) {
-  std::map<std::string, std::string> out;
-  for (const auto& p : params) {
-    const size_t eq = p.find('=');
-    CUMULUS_CHECK(eq != std::string::npos && eq > 0, "--prefill-param '{}' must be key=value", p);
-    out[p.substr(0, eq)] = p.substr(eq + 1);
-  }
-  return out;
-}
-
 // "--param key=value" applies to every selected method that declares `key`;
 // "--param method.key=value" to that method only (eval/method_spec.h, shared with eval).
 std::map<std::string, std::map<std::string, std::string>> split_params(const std::vector<std::string>& params,
@@ -397,6 +386,16 @@ WeightStorage weight_storage_from_name(const std::string& name) {
   if (name == "compact") return WeightStorage::compact;
   if (name == "f32") return WeightStorage::f32;
   CUMULUS_FAIL("--weights={} must be compact or f32", name);
+}
+
+std::map<std::string, std::string> prefill_param_map(const std::vector<std::string>& params) {
+  std::map<std::string, std::string> out;
+  for (const auto& p : params) {
+    const size_t eq = p.find('=');
+    CUMULUS_CHECK(eq != std::string::npos && eq > 0, "--prefill-param '{}' must be key=value", p);
+    out[p.substr(0, eq)] = p.substr(eq + 1);
+  }
+  return out;
 }
 
 }  // namespace cumulus::cli

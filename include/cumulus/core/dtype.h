@@ -25,6 +25,8 @@ float bf16_to_f32(uint16_t h);
 // kernels in src/kernels/cpu).
 void convert_from_f32(const float* src, void* dst, DType dst_type, size_t n);
 void convert_to_f32(const void* src, DType src_type, float* dst, size_t n);
+// Element j of a row stored as `t`, as float32 (scalar references).
+float dtype_load(const void* row, DType t, size_t j);
 
 // Round-trip through the storage type: what a value becomes once stored.
 float dtype_round(float x, DType t);

@@ -304,7 +304,7 @@ void quant_dequantize_rows(const QuantMatrixView& w, int row_begin, int row_end,
 }
 
 int gemv_quant_task_rows(int rows) {
-  // At least 16 rows per task (the pool takes a lock per task), at most 64 tasks.
+  // At least 16 rows per task (each claim is an atomic on a shared counter), at most 64 tasks.
   const int t = std::max(16, (rows + 63) / 64);
   return (t + kGroupRows - 1) / kGroupRows * kGroupRows;
 }

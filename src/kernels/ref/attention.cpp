@@ -69,15 +69,6 @@ void attention_decode_validate(const DecodeAttnArgs& a, const Selection* sel) {
 namespace ref {
 namespace {
 
-double load_elem(const void* row, DType t, int j) {
-  switch (t) {
-    case DType::f32: return static_cast<const float*>(row)[j];
-    case DType::f16: return f16_to_f32(static_cast<const uint16_t*>(row)[j]);
-    case DType::bf16: return bf16_to_f32(static_cast<const uint16_t*>(row)[j]);
-  }
-  return 0.0;
-}
-
 // Attends query heads [h * group, (h + 1) * group) over tokens idx[0..n) of kv[h] (or
 // 0..n-1 when idx is null). Two passes: scores, then the normalised weighted sum.
 void attend_head(const DecodeAttnArgs& a, int h, const int32_t* idx, int n) {
@@ -97,7 +88,7 @@ void attend_head(const DecodeAttnArgs& a, int h, const int32_t* idx, int n) {
       for (int i = 0; i < n; ++i) {
         const void* k = kv.key(idx != nullptr ? idx[i] : i);
         double dot = 0.0;
-        for (int j = 0; j < dim; ++j) dot += static_cast<double>(q[j]) * load_elem(k, kv.dtype, j);
+        for (int j = 0; j < dim; ++j) dot += static_cast<double>(q[j]) * dtype_load(k, kv.dtype, j);
         s[i] = static_cast<double>(a.scale) * dot;
         if (s[i] > m) m = s[i];
       }
@@ -107,7 +98,7 @@ void attend_head(const DecodeAttnArgs& a, int h, const int32_t* idx, int n) {
         const double p = std::exp(s[i] - m);
         l += p;
         const void* v = kv.value(idx != nullptr ? idx[i] : i);
-        for (int j = 0; j < dim; ++j) o[j] += p * load_elem(v, kv.dtype, j);
+        for (int j = 0; j < dim; ++j) o[j] += p * dtype_load(v, kv.dtype, j);
       }
       for (int j = 0; j < dim; ++j) out[j] = static_cast<float>(o[j] / l);
       a.lse[qh] = static_cast<float>(m + std::log(l));

@@ -121,19 +121,10 @@ BlockSparseLayout block_sparse_layout_causal(int pos, int n_q, int n_q_heads, in
 namespace ref {
 namespace {
 
-double load_elem(const void* row, DType t, int j) {
-  switch (t) {
-    case DType::f32: return static_cast<const float*>(row)[j];
-    case DType::f16: return f16_to_f32(static_cast<const uint16_t*>(row)[j]);
-    case DType::bf16: return bf16_to_f32(static_cast<const uint16_t*>(row)[j]);
-  }
-  return 0.0;
-}
-
 double dot(const float* q, const PagedHeadView& kv, int t) {
   const void* k = kv.key(t);
   double s = 0.0;
-  for (int j = 0; j < kv.head_dim; ++j) s += static_cast<double>(q[j]) * load_elem(k, kv.dtype, j);
+  for (int j = 0; j < kv.head_dim; ++j) s += static_cast<double>(q[j]) * dtype_load(k, kv.dtype, j);
   return s;
 }
 
@@ -156,7 +147,7 @@ float attend_row(const PagedHeadView& kv, double scale, const float* q, const st
     const double p = std::exp(s[i] - m);
     l += p;
     const void* v = kv.value(keys[i]);
-    for (int j = 0; j < dim; ++j) o[j] += p * load_elem(v, kv.dtype, j);
+    for (int j = 0; j < dim; ++j) o[j] += p * dtype_load(v, kv.dtype, j);
   }
   for (int j = 0; j < dim; ++j) out[j] = static_cast<float>(o[j] / l);
   return static_cast<float>(m + std::log(l));
