@@ -310,13 +310,27 @@ json run_dense(const Problem& pb, const std::vector<std::string>& specs, cuda::S
   return {{"best", best}, {"variants", variants}, {"bytes", pb.dense_bytes}, {"timeline", timeline}};
 }
 
+// tactic (the paper), tactic_split (the ranking as a radix sort and a positions kernel),
+// tactic_s4 (the attention sinks in the dense tail: sinks=4, docs/methods.md) and
+// tactic_msN (the marks in N slices per kv head: TacticGpuOptions::mark_slices).
+bool is_tactic(const std::string& name) {
+  return name == "tactic" || name == "tactic_split" || name == "tactic_s4" || name.rfind("tactic_ms", 0) == 0;
+}
+
+cuda::TacticGpuOptions tactic_options(const std::string& name, double p) {
+  cuda::TacticGpuOptions o;
+  o.p = p;
+  o.bucket_ranking = name != "tactic_split";
+  o.sinks = name == "tactic_s4" ? 4 : 0;
+  if (name.rfind("tactic_ms", 0) == 0) o.mark_slices = std::stoi(name.substr(9));
+  return o;
+}
+
 std::unique_ptr<cuda::SparseDecoder> make_method(const std::string& name, const cuda::DeviceKvView& kv, int group,
                                                  double p, int n_seqs, int quest_budget,
                                                  const cuda::AttentionPlanOptions& po) {
-  if (name == "tactic" || name == "tactic_split") {
-    cuda::TacticGpuOptions o;
-    o.p = p;
-    o.bucket_ranking = name == "tactic";
+  if (is_tactic(name)) {
+    cuda::TacticGpuOptions o = tactic_options(name, p);
     o.record_phases = true;
     o.replica_of.assign(n_seqs, 0);  // copies of one cache: one clustering
     return cuda::make_tactic_gpu(kv, group, o, po);
@@ -334,7 +348,8 @@ std::unique_ptr<cuda::SparseDecoder> make_method(const std::string& name, const 
   }
   if (name == "quest") return cuda::make_quest_gpu(kv, group, quest_budget, po);
   if (name == "oracle_topp") return cuda::make_oracle_topp_gpu(kv, group, p, po);
-  CUMULUS_FAIL("unknown method '{}' (tactic, tactic_split, psa, psa_mb4, quest, oracle_topp)", name);
+  CUMULUS_FAIL("unknown method '{}' (tactic, tactic_split, tactic_s4, tactic_msN, psa, psa_mb4, quest, oracle_topp)",
+               name);
 }
 
 // One sparse method on one problem: prefill, accuracy step, timed select / attend / step.
@@ -414,12 +429,10 @@ json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Time
     // the CPU); the other methods are stateless.
     std::map<std::string, std::unique_ptr<cuda::SparseDecoder>> tactics;
     for (const auto& name : o.methods)
-      if (name == "tactic" || name == "tactic_split") {
+      if (is_tactic(name)) {
         dev.set_n_tokens({t.prompt_tokens});
-        cuda::TacticGpuOptions to;
-        to.p = o.p;
+        cuda::TacticGpuOptions to = tactic_options(name, o.p);
         to.layer = t.layers[li];
-        to.bucket_ranking = name == "tactic";
         tactics[name] = cuda::make_tactic_gpu(dev.view(), group, to);
         tactics[name]->prefill(st.handle());
       }

@@ -188,10 +188,19 @@ TEST(CudaMethods, TacticAndPsaAtFullMassEqualDense) {
   }
 }
 
+// The GPU method against the CPU one: the paper's algorithm, and with the sinks and recent
+// tokens moved to the dense tail (the parameters of docs/methods.md).
 TEST(CudaMethods, TacticMatchesCpuMethod) {
   CUMULUS_REQUIRE_GPU();
   ThreadPool pool(2);
-  for (const char* shape : {"smollm2-135m", "llama3-8b"}) {
+  struct Cfg {
+    const char* shape;
+    int sinks, recent;
+  };
+  for (const Cfg& cfg : {Cfg{"smollm2-135m", 0, 0}, Cfg{"llama3-8b", 0, 0}, Cfg{"smollm2-135m", 4, 0},
+                         Cfg{"llama3-8b", 4, 64}}) {
+    const char* shape = cfg.shape;
+    const std::string what = fmt::format("{} sinks {} recent {}", shape, cfg.sinks, cfg.recent);
     const Workload wl = make_workload(4096, shape, 11, pool);
     const int n_seqs = 3;
     cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
@@ -202,21 +211,30 @@ TEST(CudaMethods, TacticMatchesCpuMethod) {
     const Shape& sh = wl.w.options.shape;
     cuda::TacticGpuOptions to;
     to.replica_of = {0, 0, 0};
+    to.sinks = cfg.sinks;
+    to.recent = cfg.recent;
     auto m = cuda::make_tactic_gpu(dev.view(), sh.group(), to);
     m->prefill();
     const GpuRun g = run_method(*m, dev.view(), wl, n_seqs, qd, dlse);
-    expect_consistent(g, wl, q, n_seqs, std::string("tactic ") + shape);
-    const CpuRun c = run_cpu("tactic", {}, wl, q, n_seqs, pool);
+    expect_consistent(g, wl, q, n_seqs, "tactic " + what);
+    const CpuRun c = run_cpu(
+        "tactic", {{"sinks", std::to_string(cfg.sinks)}, {"recent", std::to_string(cfg.recent)}}, wl, q, n_seqs, pool);
+    // The sinks and the recent tokens are in every list.
+    for (const auto& l : g.lists) {
+      const auto in = [&](int32_t t) { return std::binary_search(l.begin(), l.end(), t); };
+      for (int t = 0; t < cfg.sinks; ++t) EXPECT_TRUE(in(t)) << what << ": sink " << t << " not attended";
+      for (int t = 4096 - cfg.recent; t < 4096; ++t) EXPECT_TRUE(in(t)) << what << ": recent " << t << " not attended";
+    }
     const double jac = mean_jaccard(g, c);
     double dclaim = 0;
     for (size_t i = 0; i < c.claimed.size(); ++i) dclaim += std::fabs(g.stats.claimed[i] - c.claimed[i]);
     dclaim /= c.claimed.size();
     // Same clustering up to float32 near-ties; f16 centroids may swap clusters of close
     // score: the sets agree closely, not exactly.
-    EXPECT_GT(jac, 0.8) << shape;
-    EXPECT_LT(dclaim, 0.03) << shape;
-    RecordProperty(std::string("tactic_jaccard_") + shape, std::to_string(jac));
-    std::printf("tactic %s: mean Jaccard GPU vs CPU %.4f, mean |claim diff| %.4f\n", shape, jac, dclaim);
+    EXPECT_GT(jac, 0.8) << what;
+    EXPECT_LT(dclaim, 0.03) << what;
+    RecordProperty(fmt::format("tactic_jaccard_{}_s{}_r{}", shape, cfg.sinks, cfg.recent), std::to_string(jac));
+    std::printf("tactic %s: mean Jaccard GPU vs CPU %.4f, mean |claim diff| %.4f\n", what.c_str(), jac, dclaim);
     for (float x : g.stats.claimed) EXPECT_TRUE(x > 0 && x <= 1.0f + 1e-6f);
   }
 }
@@ -275,26 +293,40 @@ TEST(CudaMethods, TacticBucketRankingMatchesRadixSort) {
   }
 }
 
+// Tokens appended after prefill form the dense tail; with sinks and recent tokens it also
+// holds the first and last clustered tokens, and those leave the ranked list (the budget
+// counts list entries only).
 TEST(CudaMethods, TacticAttendsTheTailAfterPrefill) {
   CUMULUS_REQUIRE_GPU();
   ThreadPool pool(2);
   const Workload wl = make_workload(4096, "smollm2-135m", 13, pool);
-  cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), 1);
-  dev.set_n_tokens({3500});
-  const Shape& sh = wl.w.options.shape;
-  auto m = cuda::make_tactic_gpu(dev.view(), sh.group(), {});
-  m->prefill();
-  dev.set_n_tokens({4096});
   const auto q = batch_queries(wl, 1);
   cuda::DeviceBuffer qd = cuda::to_device(q);
   std::vector<float> dout, dlse;
   dense_ref(wl, q, 1, dout, dlse);
-  const GpuRun g = run_method(*m, dev.view(), wl, 1, qd, dlse);
-  for (const auto& l : g.lists) {
-    const size_t tail = std::count_if(l.begin(), l.end(), [](int32_t t) { return t >= 3500; });
-    EXPECT_EQ(tail, 596u);
+  const Shape& sh = wl.w.options.shape;
+  for (const auto& [sinks, recent] : {std::pair{0, 0}, std::pair{4, 32}}) {
+    cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), 1);
+    dev.set_n_tokens({3500});
+    cuda::TacticGpuOptions to;
+    to.sinks = sinks;
+    to.recent = recent;
+    auto m = cuda::make_tactic_gpu(dev.view(), sh.group(), to);
+    m->prefill();
+    dev.set_n_tokens({4096});
+    const GpuRun g = run_method(*m, dev.view(), wl, 1, qd, dlse);
+    const std::string what = fmt::format("tactic with tail, sinks {} recent {}", sinks, recent);
+    for (size_t i = 0; i < g.lists.size(); ++i) {
+      const auto& l = g.lists[i];
+      const auto count = [&](int a, int b) { return std::count_if(l.begin(), l.end(), [&](int32_t t) { return t >= a && t < b; }); };
+      EXPECT_EQ(count(3500, 4096), 596) << what;
+      EXPECT_EQ(count(0, sinks), sinks) << what;
+      EXPECT_EQ(count(3500 - recent, 3500), recent) << what;
+    }
+    // Each head's budget is at most its list's length, 3500 - sinks - recent entries.
+    for (int k : g.stats.budget) EXPECT_LE(k, 3500 - sinks - recent) << what;
+    expect_consistent(g, wl, q, 1, what);
   }
-  expect_consistent(g, wl, q, 1, "tactic with tail");
 }
 
 TEST(CudaMethods, PsaMatchesCpuMethod) {

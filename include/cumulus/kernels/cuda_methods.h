@@ -81,6 +81,10 @@ struct TacticGpuOptions {
   double init_ratio = 0.02;
   int window = 64;
   double p1 = 0.1, p2 = 0.6;
+  // Ours, default 0 = the paper (as the CPU method's parameters of the same names): the
+  // first `sinks` and the last `recent` clustered tokens leave the ranked list and join the
+  // dense tail (always attended, scored exactly, counted in the estimate's total).
+  int sinks = 0, recent = 0;
   uint32_t seed = 0;
   int layer = 0;  // seeds the k-means initial sample as on the CPU (seed, layer, kv head, 0)
   // replica_of[s] = r < s: sequence s holds the same keys as sequence r and reuses its
@@ -93,6 +97,10 @@ struct TacticGpuOptions {
   bool bucket_ranking = true;
   // Benchmarks: record the bucket ranking's phases for SparseDecoder::phase_times.
   bool record_phases = false;
+  // The shared-memory marks' slices per kv head (with the bucket ranking): 0 picks two CTAs
+  // per multiprocessor over the batch's kv heads, at most 32; fewer slices means fewer
+  // global atomics and less parallel marking. The lists are the same for any value.
+  int mark_slices = 0;
 };
 std::unique_ptr<SparseDecoder> make_tactic_gpu(const DeviceKvView& kv, int group, const TacticGpuOptions& o,
                                                const AttentionPlanOptions& plan = {});

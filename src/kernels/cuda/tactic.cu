@@ -14,6 +14,8 @@
 //      the head's first k list entries (plus the dense tail of tokens appended after
 //      prefill) marked in its kv head's bitmap (the group's union, 4.5);
 //   4. the bitmaps compacted into sorted lists for the sparse attention kernel (4.6).
+// With the options sinks / recent (ours, as on the CPU) the first and last clustered
+// tokens are filtered out of the clusters' members at prefill and join the dense tail.
 // Launches per step: centroid scores (wide); the ranking with the list positions and the
 // exactly scored positions' pool rows, one CTA per query head (a bucket sort in shared
 // memory up to 8192 clusters, else a radix sort and a positions kernel); exact scores (many
@@ -71,6 +73,7 @@ struct TacticParams {
   float scale;
   double p, init_ratio, p1, p2;
   int window;
+  int sinks, recent;          // TacticGpuOptions: clustered tokens moved to the dense tail
   const float* q;             // [n_seqs][n_q][D]
   const __half* cent;         // [n_lists][kc_max][D]
   const int32_t* csize;       // [n_lists][kc_max]
@@ -119,6 +122,37 @@ __device__ __forceinline__ void phase_mark(unsigned long long* ph, int i) {
 __device__ __forceinline__ int pool_row(const DeviceKvView& kv, int list, int t) {
   return (__ldg(kv.page_table + static_cast<size_t>(list) * kv.max_pages + (t >> kv.page_shift)) << kv.page_shift) |
          (t & (kv.page_size - 1));
+}
+
+// The ranked list and the dense tail of one (seq, kv head) holding n tokens, of which the
+// first n_idx were clustered: the list is the clustered tokens less the first `sinks` and
+// the last `recent` ([lo, hi), len entries, the clusters' members in rank order; prefill
+// filtered the rest out of the members), the tail is [0, lo) then [hi, n), n_tail tokens,
+// always attended and scored exactly. sinks = recent = 0: the list is [0, n_idx), the tail
+// the tokens appended after prefill.
+struct TacticSpan {
+  int len = 0, lo = 0, hi = 0, n_tail = 0;
+  __host__ __device__ int tail_token(int j) const { return j < lo ? j : hi + (j - lo); }
+};
+
+__host__ __device__ inline TacticSpan tactic_span(int n_idx, int n, int sinks, int recent) {
+  const int idx = n_idx < n ? n_idx : n;
+  TacticSpan s;
+  s.lo = sinks < idx ? sinks : idx;
+  s.hi = idx - recent > s.lo ? idx - recent : s.lo;
+  s.len = s.hi - s.lo;
+  s.n_tail = s.lo + (n - s.hi);
+  return s;
+}
+
+__device__ __forceinline__ TacticSpan tactic_span(const TacticParams& p, int list, int n) {
+  return tactic_span(p.n_idx[list], n, p.sinks, p.recent);
+}
+
+// Sets the bits of the dense tail [0, lo) and [hi, n) in bitmap bw, thread tid of nt.
+__device__ __forceinline__ void mark_tail(uint32_t* bw, const TacticSpan& sp, int n, int tid, int nt) {
+  for (int t0 = tid * 32; t0 < sp.lo; t0 += nt * 32) bitmap_set_range(bw, t0, min(sp.lo, t0 + 32));
+  for (int t0 = sp.hi + tid * 32; t0 < n; t0 += nt * 32) bitmap_set_range(bw, t0, min(n, t0 + 32));
 }
 
 // Gathers the keys of tokens [0, n) of one (seq, kv head) as float32 rows. x: [n][D]
@@ -249,7 +283,7 @@ __global__ void __launch_bounds__(kPosThreads) tactic_positions_kernel(TacticPar
   const int list = seq * p.kv.n_kv_heads + h;
   const int n_c = p.n_clu[list];
   const int n = p.kv.n_tokens[seq];
-  const int L = min(p.n_idx[list], n);
+  const int L = tactic_span(p, list, n).len;
   const int32_t* order = p.order + static_cast<size_t>(row) * p.kc_max;
   const int32_t* csize = p.csize + static_cast<size_t>(list) * p.kc_max;
   const int32_t* cbeg = p.cbeg + static_cast<size_t>(list) * p.kc_max;
@@ -299,10 +333,11 @@ __global__ void __launch_bounds__(kPosThreads) tactic_positions_kernel(TacticPar
 
 // Raw scores of list items [c0, c1) of a row by the whole block: item u < n_exact is the
 // exactly scored list position u (token tok[u]), item u >= n_exact the tail token
-// L + (u - n_exact), whose scaled score goes into the block's (max, sum of exp) instead.
+// sp.tail_token(u - n_exact), whose scaled score goes into the block's (max, sum of exp).
 // Returns (tail max, sum of exp(x - max)) on every thread (max -inf: no tail item).
 template <int D, class T>
-__device__ float2 tactic_score_items(const TacticParams& p, int row, int list, int L, int n_exact, int c0, int c1) {
+__device__ float2 tactic_score_items(const TacticParams& p, int row, int list, const TacticSpan& sp, int n_exact, int c0,
+                                     int c1) {
   constexpr int RL = D / 8, TPL = 32 / RL, U = 4, BT = TPL * U;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
   const int row_lane = lane % RL, tsub = lane / RL;
@@ -325,7 +360,7 @@ __device__ float2 tactic_score_items(const TacticParams& p, int row, int list, i
         if (i < n_exact) {
           r[u] = __ldcg(tok + i);
         } else {
-          const int t = L + (i - n_exact);
+          const int t = sp.tail_token(i - n_exact);
           r[u] = (__ldg(pt + (t >> shift)) << shift) | (t & mask);
         }
       }
@@ -372,19 +407,18 @@ __device__ float2 tactic_score_items(const TacticParams& p, int row, int list, i
 }
 
 // Step 3b. grid: (chunks of kExactItems, rows). Raw scores of the exactly scored tokens
-// into exact[row][u]; the tail [L, n) as one (max, sum of exp) pair per CTA.
+// into exact[row][u]; the dense tail as one (max, sum of exp) pair per CTA.
 template <int D, class T>
 __global__ void __launch_bounds__(kExactThreads) tactic_exact_kernel(TacticParams p) {
   const int row = blockIdx.y;
   const int seq = row / p.n_q, h = (row % p.n_q) / p.group;
   const int list = seq * p.kv.n_kv_heads + h;
-  const int n = p.kv.n_tokens[seq];
-  const int L = min(p.n_idx[list], n);
-  const TacticWindows w = tactic_windows(L, p.init_ratio, p.window, p.p1, p.p2);
-  const int n_items = w.n_exact + (n - L);
+  const TacticSpan sp = tactic_span(p, list, p.kv.n_tokens[seq]);
+  const TacticWindows w = tactic_windows(sp.len, p.init_ratio, p.window, p.p1, p.p2);
+  const int n_items = w.n_exact + sp.n_tail;
   const int c0 = blockIdx.x * kExactItems;
   if (c0 >= n_items) return;
-  const float2 t = tactic_score_items<D, T>(p, row, list, L, w.n_exact, c0, min(n_items, c0 + kExactItems));
+  const float2 t = tactic_score_items<D, T>(p, row, list, sp, w.n_exact, c0, min(n_items, c0 + kExactItems));
   if (threadIdx.x == 0) p.tail_part[static_cast<size_t>(row) * p.max_exact_ctas + blockIdx.x] = t;
 }
 
@@ -528,25 +562,24 @@ __global__ void __launch_bounds__(kBudgetThreads) tactic_budget_kernel(TacticPar
   phase_mark(p.phase != nullptr ? p.phase + static_cast<size_t>(row) * kRankPhaseSlots + kBudgetSlot0 : nullptr, 0);
   const int seq = row / p.n_q, h = (row % p.n_q) / p.group;
   const int list = seq * p.kv.n_kv_heads + h;
-  const int n = p.kv.n_tokens[seq];
-  const int L = min(p.n_idx[list], n);
+  const TacticSpan sp = tactic_span(p, list, p.kv.n_tokens[seq]);
   const float2* tail_part = p.tail_part + static_cast<size_t>(row) * p.max_exact_ctas;
-  const TacticWindows w = tactic_windows(L, p.init_ratio, p.window, p.p1, p.p2);
-  const int n_items = w.n_exact + (n - L);
+  const TacticWindows w = tactic_windows(sp.len, p.init_ratio, p.window, p.p1, p.p2);
+  const int n_items = w.n_exact + sp.n_tail;
   const int n_ctas = (n_items + kExactItems - 1) / kExactItems;
   const int tail_cta0 = w.n_exact / kExactItems;  // first CTA that saw tail tokens
   float tm = -INFINITY;
-  if (n > L)
+  if (sp.n_tail > 0)
     for (int c = tail_cta0 + threadIdx.x; c < n_ctas; c += blockDim.x) tm = fmaxf(tm, tail_part[c].x);
   const float tail_m = block_max(tm);
   double ts = 0;
-  if (n > L)
+  if (sp.n_tail > 0)
     for (int c = tail_cta0 + threadIdx.x; c < n_ctas; c += blockDim.x) {
       const float2 t = tail_part[c];
       if (t.x != -INFINITY) ts += static_cast<double>(t.y) * exp(static_cast<double>(t.x - tail_m));
     }
   const double tail_s = block_sum<double>(ts);
-  tactic_budget_block(p, row, L, w, tail_m, tail_s);
+  tactic_budget_block(p, row, sp.len, w, tail_m, tail_s);
 }
 
 // Marks the first cnt members of one cluster (members[0 .. cnt)) in the bitmap bw. The
@@ -588,8 +621,7 @@ __global__ void __launch_bounds__(kMarkRanks) tactic_mark_kernel(TacticParams p)
   uint32_t* bw = p.bits + static_cast<size_t>(list) * p.words;
   if (blockIdx.x == 0 && qh % p.group == 0) {
     const int n = p.kv.n_tokens[seq];
-    const int L = min(p.n_idx[list], n);
-    for (int t0 = L + threadIdx.x * 32; t0 < n; t0 += blockDim.x * 32) bitmap_set_range(bw, t0, min(n, t0 + 32));
+    mark_tail(bw, tactic_span(p, list, n), n, threadIdx.x, blockDim.x);
   }
   const int r = blockIdx.x * kMarkRanks + threadIdx.x;
   if (r >= n_c) return;
@@ -613,7 +645,7 @@ __global__ void __launch_bounds__(kMarkRanks) tactic_mark_kernel(TacticParams p)
 // are a prefix [0, R) of unknown length, so each slice gets about R / S of them without
 // searching for R); a thread takes one (head, rank) pair at a time, all heads at once, so
 // the chain of dependent loads (position, order, cluster start, members) is paid once per
-// pair, not once per head. Slice 0 also marks the dense tail [L, n).
+// pair, not once per head. Slice 0 also marks the dense tail.
 constexpr int kMarkSmemThreads = 1024;
 constexpr int kMarkSmemMaxWords = 12288;  // 48 KiB of shared memory: 393,216 tokens
 
@@ -624,14 +656,12 @@ __global__ void __launch_bounds__(kMarkSmemThreads) tactic_mark_smem_kernel(Tact
   const int seq = list / p.kv.n_kv_heads, h = list % p.kv.n_kv_heads;
   const int tid = threadIdx.x, nt = blockDim.x;
   const int n = p.kv.n_tokens[seq];
-  const int L = min(p.n_idx[list], n);
   const int n_words = (n + 31) >> 5;  // words of this list's bitmap in use
   const int row0 = seq * p.n_q + h * p.group;
   for (int g = tid; g < p.group; g += nt) s_k[g] = p.budget[row0 + g];
   for (int w = tid; w < n_words; w += nt) mark_bits[w] = 0;
   __syncthreads();
-  if (slice == 0)
-    for (int t0 = L + tid * 32; t0 < n; t0 += nt * 32) bitmap_set_range(mark_bits, t0, min(n, t0 + 32));
+  if (slice == 0) mark_tail(mark_bits, tactic_span(p, list, n), n, tid, nt);
   const int n_c = p.n_clu[list];
   const int per_head = n_c > slice ? (n_c - slice + n_slices - 1) / n_slices : 0;  // this slice's ranks per head
   const int32_t* members = p.members + static_cast<size_t>(list) * p.kv.max_tokens;
@@ -691,8 +721,7 @@ __global__ void __launch_bounds__(kRankThreads) tactic_rank_kernel(TacticParams 
   const int seq = row / p.n_q, qh = row % p.n_q, h = qh / p.group;
   const int list = seq * p.kv.n_kv_heads + h;
   const int n_c = p.n_clu[list];
-  const int n = p.kv.n_tokens[seq];
-  const int L = min(p.n_idx[list], n);
+  const int L = tactic_span(p, list, p.kv.n_tokens[seq]).len;
   const int kc = p.kc_max, B = p.rank_bins;
   uint32_t* key = reinterpret_cast<uint32_t*>(rank_smem);
   int* pos = reinterpret_cast<int*>(rank_smem);  // key's place once the ranking is done
@@ -863,6 +892,9 @@ class TacticGpu final : public SparseDecoder {
     CUMULUS_CHECK(o.init_ratio >= 0 && o.init_ratio <= 1, "tactic: init_ratio={} must be in [0, 1]", o.init_ratio);
     CUMULUS_CHECK(o.window >= 1, "tactic: window={} must be >= 1", o.window);
     CUMULUS_CHECK(o.p1 >= 0 && o.p1 < o.p2 && o.p2 <= 1, "tactic: p1={} and p2={} need 0 <= p1 < p2 <= 1", o.p1, o.p2);
+    CUMULUS_CHECK(o.sinks >= 0 && o.recent >= 0, "tactic: sinks={} and recent={} must be >= 0", o.sinks, o.recent);
+    CUMULUS_CHECK(o.mark_slices >= 0 && o.mark_slices <= 1024, "tactic: mark_slices={} must be in [0, 1024]",
+                  o.mark_slices);
     CUMULUS_CHECK(o.replica_of.empty() || static_cast<int>(o.replica_of.size()) == kv.n_seqs,
                   "tactic: replica_of has {} entries, n_seqs={}", o.replica_of.size(), kv.n_seqs);
     for (size_t s = 0; s < o.replica_of.size(); ++s)
@@ -909,7 +941,7 @@ class TacticGpu final : public SparseDecoder {
       // (fewer atomics, less parallel marking) is the untried next step.
       const int words = b.words;
       if (words <= kMarkSmemMaxWords && group <= 64) {
-        mark_slices_ = std::clamp(2 * sm_count() / std::max(1, n_lists), 1, 32);
+        mark_slices_ = o.mark_slices > 0 ? o.mark_slices : std::clamp(2 * sm_count() / std::max(1, n_lists), 1, 32);
         mark_smem_ = static_cast<size_t>(words) * sizeof(uint32_t);
       }
       if (o.record_phases) {
@@ -985,8 +1017,9 @@ class TacticGpu final : public SparseDecoder {
     // Step 3b covers the exact entries and the tail that later appends can add (up to the
     // cache's capacity): its grid is fixed here, so a step needs no host decision.
     const int min_idx = *std::min_element(n_idx.begin(), n_idx.end());
-    max_exact_ctas_ = std::max(1, ceil_div(static_cast<int64_t>(max_exact_) + std::max(0, kv.max_tokens - min_idx),
-                                           kExactItems));
+    max_exact_ctas_ = std::max(
+        1, ceil_div(static_cast<int64_t>(max_exact_) + std::max(0, kv.max_tokens - min_idx) + o_.sinks + o_.recent,
+                    kExactItems));
     tail_part_ = DeviceBuffer(static_cast<size_t>(kv.n_seqs) * b.n_q * max_exact_ctas_ * sizeof(float2));
     const int rows = kv.n_seqs * b.n_q;
     crow_len_kernel<<<ceil_div(rows, 256), 256, 0, s>>>(n_clu_.as<int32_t>(), rows, b.n_q, b.group, n_kv,
@@ -1053,6 +1086,8 @@ class TacticGpu final : public SparseDecoder {
     p.p1 = o_.p1;
     p.p2 = o_.p2;
     p.window = o_.window;
+    p.sinks = o_.sinks;
+    p.recent = o_.recent;
     p.q = q;
     p.cent = cent_.as<__half>();
     p.csize = csize_.as<int32_t>();
@@ -1124,8 +1159,28 @@ class TacticGpu final : public SparseDecoder {
     DeviceBuffer begin(static_cast<size_t>(k) * sizeof(int32_t));
     int32_t* members = members_.as<int32_t>() + static_cast<size_t>(list) * std::max(1, kv.max_tokens);
     kmeans_group(assign.as<int32_t>(), n, k, members, begin.as<int32_t>(), counts.as<int32_t>(), s);
+    std::vector<int32_t> cnt = to_host<int32_t>(counts, k), beg = to_host<int32_t>(begin, k);
+    // sinks / recent: the members outside [lo, hi) leave their clusters (the centroids stay
+    // as k-means left them, as on the CPU); the decode step adds them to the dense tail.
+    const TacticSpan sp = tactic_span(n, n, o_.sinks, o_.recent);
+    if (sp.lo > 0 || sp.hi < n) {
+      std::vector<int32_t> all(n);
+      CUMULUS_CUDA_CHECK(cudaMemcpyAsync(all.data(), members, n * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+      CUMULUS_CUDA_CHECK(cudaStreamSynchronize(s));
+      std::vector<int32_t> kept;
+      kept.reserve(static_cast<size_t>(sp.len));
+      for (int c = 0; c < k; ++c) {
+        const int b0 = static_cast<int>(kept.size());
+        for (int j = beg[c]; j < beg[c] + cnt[c]; ++j)
+          if (all[j] >= sp.lo && all[j] < sp.hi) kept.push_back(all[j]);
+        beg[c] = b0;
+        cnt[c] = static_cast<int>(kept.size()) - b0;
+      }
+      if (!kept.empty()) CUMULUS_CUDA_CHECK(cudaMemcpyAsync(members, kept.data(), kept.size() * sizeof(int32_t),
+                                                            cudaMemcpyHostToDevice, s));
+      CUMULUS_CUDA_CHECK(cudaStreamSynchronize(s));
+    }
     // Drop empty clusters (they rank nothing), keeping cluster order.
-    const std::vector<int32_t> cnt = to_host<int32_t>(counts, k), beg = to_host<int32_t>(begin, k);
     std::vector<int32_t> keep, sizes, begins;
     for (int c = 0; c < k; ++c)
       if (cnt[c] > 0) keep.push_back(c), sizes.push_back(cnt[c]), begins.push_back(beg[c]);
