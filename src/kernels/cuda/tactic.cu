@@ -693,7 +693,8 @@ __global__ void __launch_bounds__(kMarkSmemThreads) tactic_mark_smem_kernel(Tact
 //
 // The order comes from a bucket sort: B linear bins of [min score, max score] (the bin
 // index is monotone in the score, so bins are in rank order; B about half the clusters),
-// then each bin sorted by one thread (insertion sort on (key, index)). A bin of more than
+// then each cluster placed in its bin by counting the bin's clusters ahead of it (key, then
+// index), a thread per cluster. A bin of more than
 // kRankBinMax clusters (scores piled up, e.g. around an outlier that stretches the range)
 // sends the row to CUB's block radix sort instead: the same order either way. Measured on
 // an H100 at 128K tokens (8192 clusters per kv head): the sort and positions kernels took
@@ -706,12 +707,12 @@ using RankSort = cub::BlockRadixSort<uint32_t, kRankThreads, kRankItems, int32_t
 
 // Dynamic shared memory of the ranking: key [kc + 1] (after the ranking: pos [kc + 1]) and
 // order [kc] in a first region that CUB's storage may overlay, then size [kc], bin count
-// [bins], bin start [bins]. Returns the bytes; *sz_off = the first int after the first
-// region.
+// [bins], bin start [bins], and the scatter's order by bin [kc]. Returns the bytes;
+// *sz_off = the first int after the first region.
 size_t tactic_rank_smem(int kc, int bins, int* sz_off) {
   const size_t first = std::max(4 * (2 * static_cast<size_t>(kc) + 1), sizeof(typename RankSort::TempStorage));
   *sz_off = static_cast<int>((first + 15) / 16 * 4);
-  return 4 * (static_cast<size_t>(*sz_off) + kc + 2 * static_cast<size_t>(bins));
+  return 4 * (static_cast<size_t>(*sz_off) + 2 * static_cast<size_t>(kc) + 2 * static_cast<size_t>(bins));
 }
 
 
@@ -729,6 +730,7 @@ __global__ void __launch_bounds__(kRankThreads) tactic_rank_kernel(TacticParams 
   int* sz = reinterpret_cast<int*>(rank_smem) + p.rank_sz_off;
   int* bcnt = sz + kc;
   int* bend = bcnt + B;
+  int* by_bin = bend + B;  // the clusters grouped by bin, in no order within a bin
   const float* sc = p.cscore + static_cast<size_t>(row) * kc;
   const int32_t* csize = p.csize + static_cast<size_t>(list) * kc;
   const int32_t* cbeg = p.cbeg + static_cast<size_t>(list) * kc;
@@ -786,24 +788,24 @@ __global__ void __launch_bounds__(kRankThreads) tactic_rank_kernel(TacticParams 
   phase_mark(ph, 2);
   if (ph != nullptr && tid == 0) ph[kRankPhases + 1] = cub_sort;
   if (!cub_sort) {
-    for (int c = tid; c < n_c; c += nt) order[atomicAdd(bend + bin_of(key[c]), 1)] = c;
+    for (int c = tid; c < n_c; c += nt) by_bin[atomicAdd(bend + bin_of(key[c]), 1)] = c;
     __syncthreads();
     phase_mark(ph, 3);
-    for (int b = tid; b < B; b += nt) {
+    // Each cluster's place in its bin (key descending, index ascending) by counting the
+    // bin's members ahead of it: a thread per cluster, so the longest chain is one bin's
+    // size, not (as with a thread sorting each bin) the square of the most crowded bin's.
+    for (int i = tid; i < n_c; i += nt) {
+      const int c = by_bin[i];
+      const uint32_t kk = key[c];
+      const int b = bin_of(kk);
       const int e = bend[b], s0 = e - bcnt[b];
-      for (int i = s0 + 1; i < e; ++i) {  // insertion sort: key descending, index ascending
-        const int c = order[i];
-        const uint32_t kk = key[c];
-        int j = i - 1;
-        while (j >= s0) {
-          const int o = order[j];
-          const uint32_t ko = key[o];
-          if (ko > kk || (ko == kk && o < c)) break;
-          order[j + 1] = o;
-          --j;
-        }
-        order[j + 1] = c;
+      int ahead = 0;
+      for (int j = s0; j < e; ++j) {
+        const int o = by_bin[j];
+        const uint32_t ko = key[o];
+        ahead += ko > kk || (ko == kk && o < c);
       }
+      order[s0 + ahead] = c;
     }
   } else {
     phase_mark(ph, 3);
@@ -827,17 +829,32 @@ __global__ void __launch_bounds__(kRankThreads) tactic_rank_kernel(TacticParams 
   __syncthreads();
   phase_mark(ph, 4);
   // List positions of the ranks (prefix sums of the sizes in rank order), over key; order
-  // and pos to global memory for the marks.
+  // and pos to global memory for the marks. A warp scans one contiguous segment of ranks,
+  // 32 consecutive ranks per round (lanes on consecutive words: no bank conflicts), then
+  // the segments are offset by the block's scan of the warps' totals. (A thread per
+  // segment of 8 ranks, lanes 8 words apart, took 9.0 us at 8192 clusters; this 4.8 us.)
   int32_t* gorder = p.order + static_cast<size_t>(row) * kc;
   int32_t* gpos = p.pos + static_cast<size_t>(row) * (kc + 1);
   {
-    const int per = (n_c + nt - 1) / nt;
-    const int r0 = min(n_c, tid * per), r1 = min(n_c, r0 + per);
-    int sum = 0;
-    for (int r = r0; r < r1; ++r) sum += sz[order[r]];
+    const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+    const int seg = ((n_c + nw - 1) / nw + 31) & ~31;
+    const int r0 = min(n_c, warp * seg), r1 = min(n_c, r0 + seg);
+    int carry = 0;
+    for (int j = r0; j < r1; j += 32) {
+      const int r = j + lane;
+      const int x = r < r1 ? sz[order[r]] : 0;
+      int inc = x;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += y;
+      }
+      if (r < r1) pos[r] = carry + inc - x;
+      carry += __shfl_sync(0xffffffffu, inc, 31);
+    }
     int total = 0;
-    int run = block_scan_exclusive<int>(sum, &total);
-    for (int r = r0; r < r1; ++r) pos[r] = run, run += sz[order[r]];
+    const int before = __shfl_sync(0xffffffffu, block_scan_exclusive<int>(lane == 0 ? carry : 0, &total), 0);
+    for (int r = r0 + lane; r < r1; r += 32) pos[r] += before;
     if (tid == 0) pos[n_c] = total;
   }
   __syncthreads();
