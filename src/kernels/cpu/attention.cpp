@@ -67,7 +67,9 @@ namespace {
 constexpr int kBlock = kAttnBlock;
 constexpr int kMaxTile = 8;  // query heads per tile: 8 accumulators fit AVX2's 16 registers
 constexpr float kMaxSlack = 8.0f;
-constexpr int kPrefetchBlocks = 2;  // how many blocks ahead rows are prefetched
+// How many blocks ahead rows are prefetched: dense ranges, sparse lists (see RowPrefetch).
+constexpr int kPrefetchBlocksDense = 1;
+constexpr int kPrefetchBlocksSparse = 2;
 
 #if HWY_TARGET != HWY_SCALAR
 // Four vectors r0..r3 -> one vector whose every 128-bit block holds
@@ -118,23 +120,32 @@ HWY_INLINE hn::Vec<D> attn_sum_rows(D d, const float* HWY_RESTRICT acc) {
   }
 }
 
-// Rows of a block kPrefetchBlocks ahead, prefetched a K row and a V row at a time between
-// the score computations of the current block, so the requests are spread out instead of
-// filling the line-fill buffers in one burst. Pages are separate buffers, so the hardware
-// prefetcher stops at every page boundary (and sparse lists jump between rows).
+// Rows of a block ahead, prefetched while the current block computes. Dense ranges
+// (pages in order, rows contiguous within a page): K rows between the score computations
+// (one per token) and V rows between the steps of the PV loop over the head dimension, one
+// block ahead, so the requests trickle out over the whole block. On Zen 3 a software
+// prefetch holds one of the core's few L1 miss buffers for a full DRAM latency; issued in
+// a burst they fill the buffers and stall the loads of the computation behind them
+// (measured: the burst costs ~20% of the dense step, docs/architecture.md). Sparse lists
+// (scattered rows, where the hardware prefetcher cannot help) keep the burst, K and V row
+// together in the score loop, two blocks ahead: measured faster there than the spread.
 struct RowPrefetch {
   const void* const* k = nullptr;
   const void* const* v = nullptr;
   int n = 0;
   size_t bytes = 0;
-  HWY_INLINE void rows(int i) const {
+  bool v_with_k = false;  // sparse: the V row goes out with the K row
+  HWY_INLINE void row(const void* const* rows, int i) const {
     if (i >= n) return;
-    const char* kc = static_cast<const char*>(k[i]);
-    const char* vc = static_cast<const char*>(v[i]);
-    for (size_t off = 0; off < bytes; off += 64) {
-      hwy::Prefetch(kc + off);
-      hwy::Prefetch(vc + off);
-    }
+    const char* c = static_cast<const char*>(rows[i]);
+    for (size_t off = 0; off < bytes; off += 64) hwy::Prefetch(c + off);
+  }
+  HWY_INLINE void k_row(int i) const {
+    row(k, i);
+    if (v_with_k) row(v, i);
+  }
+  HWY_INLINE void v_row(int i) const {
+    if (!v_with_k) row(v, i);
   }
 };
 
@@ -163,7 +174,7 @@ constexpr int kVecRegs = 16;
 //   krow, vrow: [B] row pointers; q: [G][dim] scaled queries; o: [G][dim]; m: [G];
 //   lsum: [G][N] lane-wise sums of the weights;
 //   accbuf: [G][kBlock][N] scratch; p: [G][kBlock] scratch (scores, then weights)
-//   pf: rows of a later block to prefetch, one K and one V row per token of this block
+//   pf: rows of a later block to prefetch (K rows in the score loop, V rows in the PV loop)
 template <DType kT, int G, class D>
 HWY_INLINE void attn_block_tile(D d, size_t dim, int B, const void* const* krow, const void* const* vrow,
                                 const float* HWY_RESTRICT q, float* HWY_RESTRICT o, float* m,
@@ -197,8 +208,8 @@ HWY_INLINE void attn_block_tile(D d, size_t dim, int B, const void* const* krow,
         hn::StoreU(a0[g], d, acc_at(g, t));
         hn::StoreU(a1[g], d, acc_at(g, t + 1));
       }
-      pf.rows(t);
-      pf.rows(t + 1);
+      pf.k_row(t);
+      pf.k_row(t + 1);
     }
   }
   for (; t < B; ++t) {
@@ -210,10 +221,12 @@ HWY_INLINE void attn_block_tile(D d, size_t dim, int B, const void* const* krow,
       for (int g = 0; g < G; ++g) acc[g] = hn::MulAdd(hn::LoadU(d, q + g * dim + j), k, acc[g]);
     }
     for (int g = 0; g < G; ++g) hn::StoreU(acc[g], d, acc_at(g, t));
-    pf.rows(t);
+    pf.k_row(t);
   }
-  for (t = B; t < kBlock; ++t)
+  for (t = B; t < kBlock; ++t) {
     for (int g = 0; g < G; ++g) hn::StoreU(hn::Zero(d), d, acc_at(g, t));
+    pf.k_row(t);
+  }
   for (int g = 0; g < G; ++g)
     for (int t0 = 0; t0 < kBlock; t0 += static_cast<int>(N))
       hn::StoreU(attn_sum_rows(d, acc_at(g, t0)), d, p + g * kBlock + t0);
@@ -247,8 +260,14 @@ HWY_INLINE void attn_block_tile(D d, size_t dim, int B, const void* const* krow,
 
   // o = alpha * o + sum_t p_t v_t over vectors of the head dimension (two at a time where
   // registers allow), so the accumulators stay in registers; each V vector is widened once
-  // for all G heads and each broadcast weight serves both vectors.
+  // for all G heads and each broadcast weight serves both vectors. After each step of
+  // `lanes` dimensions, the V rows of the block ahead are prefetched up to row
+  // kBlock * (dimensions done) / dim.
   size_t j = 0;
+  int pf_v = 0;  // V rows of the block ahead prefetched so far
+  auto prefetch_v_upto = [&](size_t done) {
+    for (const int hi = static_cast<int>(kBlock * done / dim); pf_v < hi; ++pf_v) pf.v_row(pf_v);
+  };
   if constexpr (kPair) {
     for (; j + 2 * N <= dim; j += 2 * N) {
       V a0[G], a1[G];
@@ -270,6 +289,7 @@ HWY_INLINE void attn_block_tile(D d, size_t dim, int B, const void* const* krow,
         hn::StoreU(a0[g], d, o + g * dim + j);
         hn::StoreU(a1[g], d, o + g * dim + j + N);
       }
+      prefetch_v_upto(j + 2 * N);
     }
   }
   for (; j < dim; j += N) {
@@ -280,6 +300,7 @@ HWY_INLINE void attn_block_tile(D d, size_t dim, int B, const void* const* krow,
       for (int g = 0; g < G; ++g) acc[g] = hn::MulAdd(hn::Set(d, p[g * kBlock + i]), v, acc[g]);
     }
     for (int g = 0; g < G; ++g) hn::StoreU(acc[g], d, o + g * dim + j);
+    prefetch_v_upto(j + N);
   }
 }
 
@@ -297,7 +318,7 @@ void attn_chunk_typed(D d, const AttentionChunk& job) {
   HWY_ALIGN float accbuf[kMaxTile * kBlock * N];
   HWY_ALIGN float p[kMaxTile * kBlock];
   // Row pointers of blocks in a ring of kRing: the current block and the ones up to
-  // kPrefetchBlocks ahead, whose rows are prefetched while the current block computes.
+  // the prefetch distance ahead, whose rows are prefetched while the current block computes.
   constexpr int kRing = 4;
   const void* krow[kRing][kBlock];
   const void* vrow[kRing][kBlock];
@@ -316,13 +337,17 @@ void attn_chunk_typed(D d, const AttentionChunk& job) {
     }
   };
   const int n_blocks = (job.end - job.begin + kBlock - 1) / kBlock;
-  const int pd = std::min(kPrefetchBlocks, kRing - 1);
+  const bool sparse = job.idx != nullptr;
+  const int pd = std::min(sparse ? kPrefetchBlocksSparse : kPrefetchBlocksDense, kRing - 1);
   for (int b = 0; b < std::min(pd, n_blocks); ++b) fill_rows(b);
   // The first blocks have nobody to prefetch them.
   for (int b = 0; b < std::min(pd, n_blocks); ++b) {
     const int pos = job.begin + b * kBlock;
-    RowPrefetch first{krow[b % kRing], vrow[b % kRing], std::min(kBlock, job.end - pos), row_bytes};
-    for (int i = 0; i < first.n; ++i) first.rows(i);
+    RowPrefetch first{krow[b % kRing], vrow[b % kRing], std::min(kBlock, job.end - pos), row_bytes, sparse};
+    for (int i = 0; i < first.n; ++i) {
+      first.k_row(i);
+      first.v_row(i);
+    }
   }
   for (int b = 0; b < n_blocks; ++b) {
     const int pos = job.begin + b * kBlock;
@@ -330,7 +355,8 @@ void attn_chunk_typed(D d, const AttentionChunk& job) {
     RowPrefetch pf;
     if (b + pd < n_blocks) {
       fill_rows(b + pd);
-      pf = {krow[(b + pd) % kRing], vrow[(b + pd) % kRing], std::min(kBlock, job.end - pos - pd * kBlock), row_bytes};
+      pf = {krow[(b + pd) % kRing], vrow[(b + pd) % kRing], std::min(kBlock, job.end - pos - pd * kBlock), row_bytes,
+            sparse};
     }
     const void* const* kr = krow[b % kRing];
     const void* const* vr = vrow[b % kRing];
