@@ -311,10 +311,12 @@ json run_dense(const Problem& pb, const std::vector<std::string>& specs, cuda::S
 }
 
 // tactic (the paper), tactic_split (the ranking as a radix sort and a positions kernel),
-// tactic_s4 (the attention sinks in the dense tail: sinks=4, docs/methods.md) and
-// tactic_msN (the marks in N slices per kv head: TacticGpuOptions::mark_slices).
+// tactic_s4 (the attention sinks in the dense tail: sinks=4, docs/methods.md), tactic_cmarks
+// (the marks by ranked cluster instead of by token range) and tactic_msN (those marks in N
+// slices per kv head: TacticGpuOptions::mark_slices).
 bool is_tactic(const std::string& name) {
-  return name == "tactic" || name == "tactic_split" || name == "tactic_s4" || name.rfind("tactic_ms", 0) == 0;
+  return name == "tactic" || name == "tactic_split" || name == "tactic_s4" || name == "tactic_cmarks" ||
+         name.rfind("tactic_ms", 0) == 0;
 }
 
 cuda::TacticGpuOptions tactic_options(const std::string& name, double p) {
@@ -322,6 +324,7 @@ cuda::TacticGpuOptions tactic_options(const std::string& name, double p) {
   o.p = p;
   o.bucket_ranking = name != "tactic_split";
   o.sinks = name == "tactic_s4" ? 4 : 0;
+  o.token_marks = name != "tactic_cmarks" && name.rfind("tactic_ms", 0) != 0;
   if (name.rfind("tactic_ms", 0) == 0) o.mark_slices = std::stoi(name.substr(9));
   return o;
 }
@@ -348,8 +351,9 @@ std::unique_ptr<cuda::SparseDecoder> make_method(const std::string& name, const 
   }
   if (name == "quest") return cuda::make_quest_gpu(kv, group, quest_budget, po);
   if (name == "oracle_topp") return cuda::make_oracle_topp_gpu(kv, group, p, po);
-  CUMULUS_FAIL("unknown method '{}' (tactic, tactic_split, tactic_s4, tactic_msN, psa, psa_mb4, quest, oracle_topp)",
-               name);
+  CUMULUS_FAIL(
+      "unknown method '{}' (tactic, tactic_split, tactic_s4, tactic_cmarks, tactic_msN, psa, psa_mb4, quest, oracle_topp)",
+      name);
 }
 
 // One sparse method on one problem: prefill, accuracy step, timed select / attend / step.

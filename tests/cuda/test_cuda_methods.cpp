@@ -243,7 +243,8 @@ TEST(CudaMethods, TacticMatchesCpuMethod) {
 // exact rows) selects what the radix sort and positions kernels select: the same lists and
 // budgets, claims within rounding; on the default workload, on one whose sinks dominate
 // and whose other scores are narrow (an outlier that crowds the ranking's bins, so the CUB
-// sort may take over), and with a dense tail after prefill.
+// sort may take over), and with a dense tail after prefill. The marks by token range and by
+// ranked cluster give exactly the same lists.
 TEST(CudaMethods, TacticBucketRankingMatchesRadixSort) {
   CUMULUS_REQUIRE_GPU();
   ThreadPool pool(2);
@@ -262,10 +263,12 @@ TEST(CudaMethods, TacticBucketRankingMatchesRadixSort) {
     std::vector<float> dout, dlse;
     dense_ref(wl, q, n_seqs, dout, dlse);
     const Shape& sh = wl.w.options.shape;
-    std::vector<GpuRun> runs;
-    for (bool bucket : {true, false}) {
+    std::vector<GpuRun> runs;  // bucket ranking with the marks by token range, radix sort, bucket with cluster marks
+    for (int variant : {0, 1, 2}) {
+      const bool bucket = variant != 1;
       cuda::TacticGpuOptions to;
       to.bucket_ranking = bucket;
+      to.token_marks = variant == 0;
       dev.set_n_tokens({cfg.prefill, cfg.prefill});
       auto m = cuda::make_tactic_gpu(dev.view(), sh.group(), to);
       m->prefill();
@@ -273,7 +276,7 @@ TEST(CudaMethods, TacticBucketRankingMatchesRadixSort) {
       runs.push_back(run_method(*m, dev.view(), wl, n_seqs, qd, dlse));
       // Twice: the step leaves its scratch (bitmaps, counters) ready for the next one.
       const GpuRun again = run_method(*m, dev.view(), wl, n_seqs, qd, dlse);
-      EXPECT_EQ(again.lists, runs.back().lists) << cfg.shape << " bucket " << bucket << ": a second step differs";
+      EXPECT_EQ(again.lists, runs.back().lists) << cfg.shape << " variant " << variant << ": a second step differs";
     }
     const std::string what = fmt::format("{} n {} prefill {} sink_mass {} concentration {}", cfg.shape, cfg.n,
                                          cfg.prefill, cfg.sink_mass, cfg.concentration);
@@ -288,6 +291,8 @@ TEST(CudaMethods, TacticBucketRankingMatchesRadixSort) {
       EXPECT_NEAR(runs[0].stats.claimed[i], runs[1].stats.claimed[i], 1e-5) << what << " head " << i;
     }
     EXPECT_GE(same_budget, static_cast<int>(runs[0].stats.budget.size()) - 1) << what;
+    // The two ways of marking the same ranking give the same lists.
+    EXPECT_EQ(runs[0].lists, runs[2].lists) << what << ": marks by token range and by cluster differ";
     std::printf("tactic bucket ranking vs radix sort, %s: Jaccard %.5f, equal budgets %d of %zu\n", what.c_str(), jac,
                 same_budget, runs[0].stats.budget.size());
   }

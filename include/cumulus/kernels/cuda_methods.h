@@ -101,6 +101,13 @@ struct TacticGpuOptions {
   // per multiprocessor over the batch's kv heads, at most 32; fewer slices means fewer
   // global atomics and less parallel marking. The lists are the same for any value.
   int mark_slices = 0;
+  // The marks by token range (with the bucket ranking, when the group's [group][clusters]
+  // start positions fit in shared memory and a CTA has at most 4 tiles of 8192 tokens to
+  // walk): CTAs over runs of a list's tokens test each token's list position against every
+  // head's budget and store whole bitmap words; false, or otherwise: the marks by ranked
+  // cluster (shared-memory bitmaps per slice, flushed with atomics). The lists are the same
+  // either way.
+  bool token_marks = true;
 };
 std::unique_ptr<SparseDecoder> make_tactic_gpu(const DeviceKvView& kv, int group, const TacticGpuOptions& o,
                                                const AttentionPlanOptions& plan = {});

@@ -67,6 +67,11 @@ __device__ __forceinline__ float block_max(float v) {
 //   counts: [n_lists][bitmap_tiles(words)] scratch
 void bitmap_compact(uint32_t* bits, int n_lists, int words, int32_t* idx, int stride, int32_t* len, int* counts,
                     cudaStream_t stream);
+// The compaction's second pass alone, for a producer that wrote every word of the bitmaps
+// and counts[l][tile] (the set bits of tile `tile`, kBitmapTileWords words) itself.
+void bitmap_emit(uint32_t* bits, int n_lists, int words, int32_t* idx, int stride, int32_t* len, const int* counts,
+                 cudaStream_t stream);
+constexpr int kBitmapTileWords = 256;
 int bitmap_tiles(int words);
 
 // Groups rows by cluster (kmeans.cu): counts[c] rows per cluster, begin[c] = exclusive
@@ -113,6 +118,11 @@ struct SparseDecoder::Base {
   void compact(cudaStream_t s) {
     bitmap_compact(bits.as<uint32_t>(), n_lists, words, idx.as<int32_t>(), stride, len.as<int32_t>(),
                    counts.as<int>(), s);
+  }
+  // The same when the marks also wrote `counts` (bitmap_emit).
+  void emit(cudaStream_t s) {
+    bitmap_emit(bits.as<uint32_t>(), n_lists, words, idx.as<int32_t>(), stride, len.as<int32_t>(), counts.as<int>(),
+                s);
   }
 };
 

@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(kSelectThreads) top_mass_kernel(const float* _
   select_write(row, n, kth, take, o, out_len + r);
 }
 
-constexpr int kTileWords = 256;  // bitmap words per CTA of the compaction (one per thread)
+constexpr int kTileWords = kBitmapTileWords;  // bitmap words per CTA of the compaction (one per thread)
 
 // Compaction, pass 1. grid: (tiles, lists). counts[l][tile] = set bits of the tile.
 __global__ void __launch_bounds__(kTileWords) bitmap_count_kernel(const uint32_t* __restrict__ bits, int words,
@@ -278,6 +278,12 @@ void bitmap_compact(uint32_t* bits, int n_lists, int words, int32_t* idx, int st
   const int tiles = bitmap_tiles(words);
   bitmap_count_kernel<<<dim3(tiles, n_lists), kTileWords, 0, stream>>>(bits, words, tiles, counts);
   CUMULUS_CUDA_LAUNCH("bitmap_count_kernel");
+  bitmap_emit(bits, n_lists, words, idx, stride, len, counts, stream);
+}
+
+void bitmap_emit(uint32_t* bits, int n_lists, int words, int32_t* idx, int stride, int32_t* len, const int* counts,
+                 cudaStream_t stream) {
+  const int tiles = bitmap_tiles(words);
   bitmap_emit_kernel<<<dim3(tiles, n_lists), kTileWords, 0, stream>>>(bits, words, tiles, counts, idx, stride, len);
   CUMULUS_CUDA_LAUNCH("bitmap_emit_kernel");
 }

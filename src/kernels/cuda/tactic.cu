@@ -20,8 +20,9 @@
 // exactly scored positions' pool rows, one CTA per query head (a bucket sort in shared
 // memory up to 8192 clusters, else a radix sort and a positions kernel); exact scores (many
 // CTAs per head); fit and budget (one CTA per head, the fitted sum in closed form, the
-// budget found by a warp in 4 rounds of 32 candidates); the marks (a thread per ranked
-// cluster, one atomic per bitmap word); the two compaction passes.
+// budget found by a warp in 4 rounds of 32 candidates); the marks (by token range: whole
+// bitmap words and the tiles' counts, then the compaction's emit pass; or by ranked
+// cluster, shared-memory or global atomics, then both compaction passes).
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -90,6 +91,12 @@ struct TacticParams {
   int max_exact_ctas;
   uint32_t* bits;             // [n_lists][words]
   int words;
+  // The marks by token range (tactic_mark_range_kernel): per token of each list its cluster
+  // (-1: not in the list) and its index among the cluster's members; the compaction's
+  // per-tile counts.
+  const int32_t* cid;         // [n_lists][max_tokens]
+  const int32_t* midx;        // [n_lists][max_tokens]
+  int* counts;                // [n_lists][bitmap_tiles(words)]
   float* claimed;             // [rows]
   int32_t* budget;            // [rows]
   int rank_bins, rank_sz_off;  // the ranking kernel's bins and shared-memory layout
@@ -684,6 +691,75 @@ __global__ void __launch_bounds__(kMarkSmemThreads) tactic_mark_smem_kernel(Tact
   }
 }
 
+// Step 3d by token range, with the bucket ranking. grid: (CTAs per list, lists); a CTA owns
+// a run of tiles of kBitmapTileWords words of one list's bitmap. Token t of the list is in
+// head g's set when it is in the dense tail or start_g[cid[t]] + midx[t] < k_g (its list
+// position is below the head's budget; start_g[c] = the list position where cluster c
+// starts for head g, staged in shared memory from the ranking's order and positions). A
+// warp builds a word with one ballot and stores it (no atomics, no zeroing, no flush), and
+// the CTA stores each tile's count of set bits for the compaction's emit pass
+// (bitmap_count_kernel is not needed).
+constexpr int kMarkRangeThreads = 1024;
+constexpr size_t kRangeSmemMax = 160 * 1024;  // [group][clusters] ints: 4 x 8192 is 128 KiB
+constexpr int kRangeTilesMax = 4;  // tiles one CTA may walk (see the constructor)
+
+__global__ void __launch_bounds__(kMarkRangeThreads) tactic_mark_range_kernel(TacticParams p) {
+  extern __shared__ int32_t st[];  // [group][n_c]
+  __shared__ int s_k[64];
+  const int list = blockIdx.y;
+  const int seq = list / p.kv.n_kv_heads, h = list % p.kv.n_kv_heads;
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
+  const int n = p.kv.n_tokens[seq];
+  const TacticSpan sp = tactic_span(p, list, n);
+  const int n_c = p.n_clu[list];
+  const int row0 = seq * p.n_q + h * p.group;
+  const int tiles = (p.words + kBitmapTileWords - 1) / kBitmapTileWords;
+  const int per_cta = (tiles + gridDim.x - 1) / gridDim.x;
+  const int tile0 = blockIdx.x * per_cta, tile1 = min(tiles, tile0 + per_cta);
+  const bool live = tile0 < tile1 && tile0 * kBitmapTileWords * 32 < n && sp.len > 0;  // list tokens to test
+  if (live) {
+    for (int g = tid; g < p.group; g += nt) s_k[g] = p.budget[row0 + g];
+    for (int g = 0; g < p.group; ++g) {
+      const int32_t* order = p.order + static_cast<size_t>(row0 + g) * p.kc_max;
+      const int32_t* pos = p.pos + static_cast<size_t>(row0 + g) * (p.kc_max + 1);
+      for (int r = tid; r < n_c; r += nt) st[g * n_c + __ldcg(order + r)] = __ldcg(pos + r);
+    }
+  }
+  __syncthreads();
+  const int32_t* cid = p.cid + static_cast<size_t>(list) * p.kv.max_tokens;
+  const int32_t* midx = p.midx + static_cast<size_t>(list) * p.kv.max_tokens;
+  uint32_t* bw = p.bits + static_cast<size_t>(list) * p.words;
+  constexpr int kWordsPerWarp = kBitmapTileWords / (kMarkRangeThreads / 32);
+  for (int tile = tile0; tile < tile1; ++tile) {
+    int set = 0;
+#pragma unroll 2
+    for (int j = 0; j < kWordsPerWarp; ++j) {
+      const int word = tile * kBitmapTileWords + warp * kWordsPerWarp + j;
+      if (word >= p.words) break;  // warp-uniform
+      const int t = word * 32 + lane;
+      bool sel = false;
+      if (t < n) {
+        if (t < sp.lo || t >= sp.hi) {
+          sel = true;  // the dense tail
+        } else if (live) {
+          const int c = __ldg(cid + t);
+          if (c >= 0) {
+            const int m = __ldg(midx + t);
+            for (int g = 0; g < p.group && !sel; ++g) sel = st[g * n_c + c] + m < s_k[g];
+          }
+        }
+      }
+      const uint32_t bits = __ballot_sync(0xffffffffu, sel);
+      if (lane == 0) {
+        bw[word] = bits;
+        set += __popc(bits);
+      }
+    }
+    const int total = block_sum<int>(set);
+    if (tid == 0) p.counts[static_cast<size_t>(list) * tiles + tile] = total;
+  }
+}
+
 // ---- step 2 as one launch: the bucket-sort ranking (up to kRankMaxClusters clusters) ----
 // One CTA of kRankThreads threads per row does what the sort and positions kernels do, with
 // everything in shared memory: the clusters ordered by centroid score, descending, ties to
@@ -961,6 +1037,23 @@ class TacticGpu final : public SparseDecoder {
         mark_slices_ = o.mark_slices > 0 ? o.mark_slices : std::clamp(2 * sm_count() / std::max(1, n_lists), 1, 32);
         mark_smem_ = static_cast<size_t>(words) * sizeof(uint32_t);
       }
+      // The marks by token range need the group's start arrays in shared memory.
+      range_smem_ = static_cast<size_t>(group) * kc_max_ * sizeof(int32_t);
+      // CTAs per list: the batch's lists over the multiprocessors (one CTA fits on each:
+      // the staged starts take most of the shared memory), at most one per tile. A CTA that
+      // must walk more than kRangeTilesMax tiles is slower than the marks by cluster
+      // (measured on an H100: 16 tiles per CTA at 128K tokens, batch 16, cost 77 us more a
+      // step; 4 tiles at 32K, batch 16, 11.5 us less), so those batches keep them.
+      range_ctas_ = std::clamp(sm_count() / std::max(1, n_lists), 1, bitmap_tiles(b.words));
+      const int tiles_per_cta = ceil_div(bitmap_tiles(b.words), range_ctas_);
+      if (o.token_marks && group <= 64 && range_smem_ <= kRangeSmemMax && tiles_per_cta <= kRangeTilesMax) {
+        range_marks_ = true;
+        cid_ = DeviceBuffer(static_cast<size_t>(n_lists) * mt * sizeof(int32_t));
+        midx_ = DeviceBuffer(static_cast<size_t>(n_lists) * mt * sizeof(int32_t));
+        CUMULUS_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(tactic_mark_range_kernel),
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(range_smem_)));
+      }
       if (o.record_phases) {
         phase_ = DeviceBuffer(static_cast<size_t>(rows) * kRankPhaseSlots * sizeof(unsigned long long));
         phase_.fill_bytes(0);
@@ -1078,6 +1171,12 @@ class TacticGpu final : public SparseDecoder {
     CUMULUS_CUDA_LAUNCH("tactic_exact_kernel");
     tactic_budget_kernel<<<rows, kBudgetThreads, 0, s>>>(p);
     CUMULUS_CUDA_LAUNCH("tactic_budget_kernel");
+    if (range_marks_) {
+      tactic_mark_range_kernel<<<dim3(range_ctas_, b.n_lists), kMarkRangeThreads, range_smem_, s>>>(p);
+      CUMULUS_CUDA_LAUNCH("tactic_mark_range_kernel");
+      b.emit(s);
+      return;
+    }
     if (mark_slices_ > 0) {
       tactic_mark_smem_kernel<<<dim3(mark_slices_, b.n_lists), kMarkSmemThreads, mark_smem_, s>>>(p);
       CUMULUS_CUDA_LAUNCH("tactic_mark_smem_kernel");
@@ -1121,6 +1220,9 @@ class TacticGpu final : public SparseDecoder {
     p.max_exact_ctas = max_exact_ctas_;
     p.bits = b.bits.as<uint32_t>();
     p.words = b.words;
+    p.cid = cid_.as<int32_t>();
+    p.midx = midx_.as<int32_t>();
+    p.counts = b.counts.as<int>();
     p.claimed = b.claimed.as<float>();
     p.budget = b.budget.as<int32_t>();
     p.rank_bins = rank_bins_;
@@ -1139,6 +1241,10 @@ class TacticGpu final : public SparseDecoder {
     cp(csize_, static_cast<size_t>(kc_max_) * sizeof(int32_t));
     cp(cbeg_, static_cast<size_t>(kc_max_) * sizeof(int32_t));
     cp(members_, static_cast<size_t>(mt) * sizeof(int32_t));
+    if (range_marks_) {
+      cp(cid_, static_cast<size_t>(mt) * sizeof(int32_t));
+      cp(midx_, static_cast<size_t>(mt) * sizeof(int32_t));
+    }
   }
 
   // K-means of tokens [0, n) of (seq, h); returns the number of non-empty clusters.
@@ -1180,11 +1286,12 @@ class TacticGpu final : public SparseDecoder {
     // sinks / recent: the members outside [lo, hi) leave their clusters (the centroids stay
     // as k-means left them, as on the CPU); the decode step adds them to the dense tail.
     const TacticSpan sp = tactic_span(n, n, o_.sinks, o_.recent);
+    std::vector<int32_t> kept(n);
+    CUMULUS_CUDA_CHECK(cudaMemcpyAsync(kept.data(), members, n * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+    CUMULUS_CUDA_CHECK(cudaStreamSynchronize(s));
     if (sp.lo > 0 || sp.hi < n) {
-      std::vector<int32_t> all(n);
-      CUMULUS_CUDA_CHECK(cudaMemcpyAsync(all.data(), members, n * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
-      CUMULUS_CUDA_CHECK(cudaStreamSynchronize(s));
-      std::vector<int32_t> kept;
+      const std::vector<int32_t> all = std::move(kept);
+      kept.clear();
       kept.reserve(static_cast<size_t>(sp.len));
       for (int c = 0; c < k; ++c) {
         const int b0 = static_cast<int>(kept.size());
@@ -1202,6 +1309,19 @@ class TacticGpu final : public SparseDecoder {
     for (int c = 0; c < k; ++c)
       if (cnt[c] > 0) keep.push_back(c), sizes.push_back(cnt[c]), begins.push_back(beg[c]);
     const int kk = static_cast<int>(keep.size());
+    if (range_marks_) {
+      // Each clustered token's cluster (after the drop) and index among its members.
+      std::vector<int32_t> cid(n, -1), midx(n, 0);
+      for (int j = 0; j < kk; ++j)
+        for (int i = 0; i < sizes[j]; ++i) {
+          const int32_t t = kept[begins[j] + i];
+          cid[t] = j;
+          midx[t] = i;
+        }
+      const size_t off = static_cast<size_t>(list) * std::max(1, kv.max_tokens) * sizeof(int32_t);
+      cid_.upload(cid.data(), cid.size() * sizeof(int32_t), off);
+      midx_.upload(midx.data(), midx.size() * sizeof(int32_t), off);
+    }
     csize_.upload(sizes.data(), kk * sizeof(int32_t), static_cast<size_t>(list) * kc_max_ * sizeof(int32_t));
     cbeg_.upload(begins.data(), kk * sizeof(int32_t), static_cast<size_t>(list) * kc_max_ * sizeof(int32_t));
     DeviceBuffer keep_d = to_device(keep);
@@ -1215,6 +1335,10 @@ class TacticGpu final : public SparseDecoder {
   TacticGpuOptions o_;
   int kc_max_ = 1, max_exact_ = 1, max_exact_ctas_ = 1;
   bool bucket_ = false;
+  bool range_marks_ = false;  // tactic_mark_range_kernel (see the constructor)
+  size_t range_smem_ = 0;
+  int range_ctas_ = 1;  // CTAs per list of tactic_mark_range_kernel
+  DeviceBuffer cid_, midx_;
   int mark_slices_ = 0;  // > 0: tactic_mark_smem_kernel with this many slices per kv head
   size_t mark_smem_ = 0;
   int rank_bins_ = 0, rank_sz_off_ = 0;
