@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "cumulus/core/buffer.h"
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/thread_pool.h"
 #include "cumulus/kernels/attention.h"
@@ -39,10 +40,8 @@ struct FreeDeleter {
 };
 using Slab = std::unique_ptr<uint8_t, FreeDeleter>;
 
-Slab alloc_slab(size_t bytes) {
-  const size_t rounded = (bytes + 63) & ~size_t{63};
-  return Slab(static_cast<uint8_t*>(std::aligned_alloc(64, rounded)));
-}
+// As the KV cache allocates its page slabs (huge pages where large enough).
+Slab alloc_slab(size_t bytes) { return Slab(static_cast<uint8_t*>(alloc_large(bytes))); }
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 

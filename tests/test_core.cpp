@@ -3,9 +3,13 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <random>
 
+#include "cumulus/core/buffer.h"
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/error.h"
 #include "cumulus/core/shape.h"
@@ -106,4 +110,24 @@ TEST(Shape, ValidateNamesTheValue) {
   EXPECT_THROW((Shape{1, 8, 8, 0}.validate()), Error);
   EXPECT_THROW((Shape{1, 8, 8, 12}.validate()), Error);
   EXPECT_THROW((Shape{0, 8, 8, 64}.validate()), Error);
+}
+
+// alloc_large: 2 MiB-aligned whole huge pages from 2 MiB up (what MADV_HUGEPAGE needs to
+// back the range with huge pages), 64-byte aligned below; every byte writable.
+TEST(Buffer, AllocLargeAlignment) {
+  for (size_t bytes : {size_t{0}, size_t{1}, size_t{4096}, (size_t{2} << 20) - 1, size_t{2} << 20,
+                       (size_t{5} << 20) + 3}) {
+    auto* p = static_cast<unsigned char*>(alloc_large(bytes));
+    ASSERT_NE(p, nullptr) << bytes;
+    const auto addr = reinterpret_cast<uintptr_t>(p);
+    EXPECT_EQ(addr % kAlignment, 0u) << bytes;
+    if (bytes >= (size_t{2} << 20)) {
+      EXPECT_EQ(addr % (size_t{2} << 20), 0u) << bytes;
+    }
+    std::memset(p, 0xab, bytes);
+    if (bytes > 0) {
+      EXPECT_EQ(p[bytes - 1], 0xab) << bytes;
+    }
+    std::free(p);
+  }
 }

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <limits>
 
+#include "cumulus/core/buffer.h"
 #include "cumulus/core/error.h"
 
 namespace cumulus {
@@ -121,8 +122,7 @@ void KvCache::append(int layer, const float* k, const float* v, int n) {
       int count = std::max({pages_needed - have, have, 4});
       count = std::min(count, max_pages - have);
       const size_t bytes = 2 * static_cast<size_t>(count) * stride;
-      void* mem = std::aligned_alloc(kAlignment, bytes);
-      if (mem == nullptr) throw std::bad_alloc();
+      void* mem = alloc_large(bytes);  // huge pages where the slab is large enough
       std::memset(mem, 0, bytes);  // padding rows of partial pages read back as zero
       s.slabs.emplace_back(static_cast<std::byte*>(mem));
       auto* base = static_cast<std::byte*>(mem);
