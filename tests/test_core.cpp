@@ -112,8 +112,8 @@ TEST(Shape, ValidateNamesTheValue) {
   EXPECT_THROW((Shape{0, 8, 8, 64}.validate()), Error);
 }
 
-// alloc_large: 2 MiB-aligned whole huge pages from 2 MiB up (what MADV_HUGEPAGE needs to
-// back the range with huge pages), 64-byte aligned below; every byte writable.
+// alloc_large: 2 MiB-aligned from 2 MiB up (what MADV_HUGEPAGE needs to back the range
+// with huge pages), 64-byte aligned below; every byte writable.
 TEST(Buffer, AllocLargeAlignment) {
   for (size_t bytes : {size_t{0}, size_t{1}, size_t{4096}, (size_t{2} << 20) - 1, size_t{2} << 20,
                        (size_t{5} << 20) + 3}) {
