@@ -9,6 +9,18 @@
 
 namespace cumulus::cuda {
 
+// Inclusive scan of one value per lane over a full warp (every lane must call it).
+template <class T>
+__device__ __forceinline__ T warp_scan_inclusive(T x) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  return x;
+}
+
 // Exclusive scan of one value per thread over the block (blockDim.x <= 1024, a multiple
 // of 32); returns the prefix of this thread and writes the block total to *total (every
 // thread). Contains __syncthreads: every thread of the block must call it.
@@ -17,21 +29,11 @@ __device__ __forceinline__ T block_scan_exclusive(T v, T* total) {
   __shared__ T warp_sums[32];
   __shared__ T s_total;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  T x = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const T y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
+  const T x = warp_scan_inclusive(v);
   if (lane == 31) warp_sums[warp] = x;
   __syncthreads();
   if (warp == 0) {
-    T w = lane < nw ? warp_sums[lane] : T(0);
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const T y = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w += y;
-    }
+    const T w = warp_scan_inclusive(lane < nw ? warp_sums[lane] : T(0));
     if (lane < nw) warp_sums[lane] = w;
     if (lane == nw - 1) s_total = w;
   }

@@ -919,12 +919,7 @@ __global__ void __launch_bounds__(kRankThreads) tactic_rank_kernel(TacticParams 
     for (int j = r0; j < r1; j += 32) {
       const int r = j + lane;
       const int x = r < r1 ? sz[order[r]] : 0;
-      int inc = x;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, inc, o);
-        if (lane >= o) inc += y;
-      }
+      const int inc = warp_scan_inclusive(x);
       if (r < r1) pos[r] = carry + inc - x;
       carry += __shfl_sync(0xffffffffu, inc, 31);
     }
@@ -1286,10 +1281,14 @@ class TacticGpu final : public SparseDecoder {
     // sinks / recent: the members outside [lo, hi) leave their clusters (the centroids stay
     // as k-means left them, as on the CPU); the decode step adds them to the dense tail.
     const TacticSpan sp = tactic_span(n, n, o_.sinks, o_.recent);
-    std::vector<int32_t> kept(n);
-    CUMULUS_CUDA_CHECK(cudaMemcpyAsync(kept.data(), members, n * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
-    CUMULUS_CUDA_CHECK(cudaStreamSynchronize(s));
-    if (sp.lo > 0 || sp.hi < n) {
+    const bool filter = sp.lo > 0 || sp.hi < n;
+    std::vector<int32_t> kept;  // the members on the host, when something here needs them
+    if (filter || range_marks_) {
+      kept.resize(n);
+      CUMULUS_CUDA_CHECK(cudaMemcpyAsync(kept.data(), members, n * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+      CUMULUS_CUDA_CHECK(cudaStreamSynchronize(s));
+    }
+    if (filter) {
       const std::vector<int32_t> all = std::move(kept);
       kept.clear();
       kept.reserve(static_cast<size_t>(sp.len));
