@@ -5,7 +5,9 @@
 //
 // Pages are built here (one 64-byte aligned slab per kv head and K/V, carved into pages
 // that the page table visits in a shuffled order, as a cache that reuses pages would).
-// Every timed run starts from cold caches (a 64 MiB sweep before it), as in `cumulus bench`.
+// Every timed run starts from cold caches (twice the last-level cache read, not written,
+// before it: CacheEvictor, as in `cumulus bench`). Each row gives the median run and the
+// fastest; the machine's read bandwidth is measured before and after (membw_measure).
 //
 // usage: attention_bench [--threads 2] [--tokens 32768] [--reps 20] [--json FILE] [--quick]
 #include <hwy/targets.h>
@@ -28,6 +30,8 @@
 #include "cumulus/core/buffer.h"
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/thread_pool.h"
+#include "cumulus/eval/bench.h"
+#include "cumulus/eval/membw.h"
 #include "cumulus/kernels/attention.h"
 
 using namespace cumulus;
@@ -45,82 +49,27 @@ Slab alloc_slab(size_t bytes) { return Slab(static_cast<uint8_t*>(alloc_large(by
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+struct Timing {
+  double median = 0, min = 0;  // seconds
+};
 
-// Sweeps a buffer of twice the last-level cache (32 MiB here) so that the next timed run
-// starts from cold caches: without it the sparse rows (8-32 MiB of K/V) are partly L3 hits.
-void evict_caches() {
-  static std::vector<uint64_t> buf(64u << 17, 1);  // 64 MiB
-  uint64_t sum = 0;
-  for (uint64_t& w : buf) sum += w++;
-  volatile uint64_t sink = sum;
-  (void)sink;
-}
-
-// Median seconds of fn over reps runs after warmup runs, caches swept before each.
+// Median and fastest of fn over reps runs after warmup runs, the caches swept (read-only,
+// by the library's CacheEvictor) before each, so every run reads its K/V from memory. The
+// fastest run is what the kernel does when nothing else on the machine competes for
+// memory; the median is the figure of record.
 template <class Fn>
-double time_median(Fn&& fn, int warmup, int reps) {
+Timing time_runs(CacheEvictor& evictor, Fn&& fn, int warmup, int reps) {
   for (int i = 0; i < warmup; ++i) fn();
   std::vector<double> t;
   for (int i = 0; i < reps; ++i) {
-    evict_caches();
+    evictor.run();
     const auto t0 = Clock::now();
     fn();
     t.push_back(seconds_since(t0));
   }
-  return median(t);
-}
-
-// Read bandwidth: every thread sums its share of a 1 GiB buffer of uint64 words (integer
-// adds vectorise without -ffast-math; four accumulators hide the add latency). With
-// prefetch_bytes > 0 the loop also prefetches that far ahead, as the kernels do; the
-// reference is the better of the two so that the kernels' share is not overstated.
-double measure_read_bandwidth(ThreadPool& pool, int reps, size_t prefetch_bytes) {
-  const size_t bytes = size_t{1} << 30;
-  const size_t words = bytes / 8;
-  Slab buf = alloc_slab(bytes);
-  uint64_t* w = reinterpret_cast<uint64_t*>(buf.get());
-  // Written (not zero pages) so every read goes to DRAM.
-  pool.parallel_for(64, [&](int64_t t, int) {
-    const size_t b = words * t / 64, e = words * (t + 1) / 64;
-    for (size_t i = b; i < e; ++i) w[i] = i * 0x9E3779B97F4A7C15ull;
-  });
-  const int64_t n_tasks = 256;  // 4 MiB each
-  std::vector<uint64_t> sums(n_tasks);
-  const double s = time_median(
-      [&] {
-        pool.parallel_for(n_tasks, [&](int64_t t, int) {
-          const uint64_t* p = w + words * t / n_tasks;
-          const size_t n = words / n_tasks;
-          uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-          if (prefetch_bytes == 0) {
-            for (size_t i = 0; i < n; i += 4) {
-              a0 += p[i];
-              a1 += p[i + 1];
-              a2 += p[i + 2];
-              a3 += p[i + 3];
-            }
-          } else {
-            const char* c = reinterpret_cast<const char*>(p);
-            for (size_t i = 0; i < n; i += 8) {  // one 64-byte line per step
-              __builtin_prefetch(c + i * 8 + prefetch_bytes);
-              a0 += p[i] + p[i + 4];
-              a1 += p[i + 1] + p[i + 5];
-              a2 += p[i + 2] + p[i + 6];
-              a3 += p[i + 3] + p[i + 7];
-            }
-          }
-          sums[t] = a0 + a1 + a2 + a3;
-        });
-      },
-      2, reps);
-  volatile uint64_t sink = std::accumulate(sums.begin(), sums.end(), uint64_t{0});
-  (void)sink;
-  return static_cast<double>(bytes) / s / 1e9;
+  std::sort(t.begin(), t.end());
+  const size_t n = t.size();
+  return {n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]), t.front()};
 }
 
 // One layer of a paged cache: [n_kv][n_pages] pages of [page_size][head_dim] in dtype.
@@ -178,7 +127,8 @@ struct Row {
   std::string kernel, dtype, layout;
   int n_q = 0, n_kv = 0, head_dim = 0, tokens = 0;
   double tokens_per_head = 0.0;
-  double bytes = 0.0, ms = 0.0, gbs = 0.0, pct = 0.0;
+  double bytes = 0.0, ms = 0.0, gbs = 0.0, pct = 0.0;  // at the median
+  double ms_min = 0.0, pct_min = 0.0;                  // at the fastest run
 };
 
 }  // namespace
@@ -208,36 +158,20 @@ int main(int argc, char** argv) {
   }
   if (quick) reps = 5;
 
-  std::string cpu_name = "unknown";
-  {
-    std::ifstream f("/proc/cpuinfo");
-    std::string line;
-    while (std::getline(f, line))
-      if (line.rfind("model name", 0) == 0) {
-        cpu_name = line.substr(line.find(':') + 2);
-        break;
-      }
-  }
+  const BenchMachine machine = bench_machine();
   const char* target = hwy::TargetName(hwy::SupportedAndGeneratedTargets().front());
   ThreadPool pool(threads);
-  std::printf("machine: %s, %u hardware threads; SIMD target %s; %d threads\n", cpu_name.c_str(),
-              std::thread::hardware_concurrency(), target, threads);
+  std::printf("machine: %s, %d hardware threads; SIMD target %s; %d threads\n", machine.cpu.c_str(),
+              machine.logical_cpus, target, threads);
 
   // Other processes on the machine distort both numbers; the load average says how much.
-  auto load_average = [] {
-    std::ifstream f("/proc/loadavg");
-    double l = -1.0;
-    f >> l;
-    return l;
-  };
-  const double load_before = load_average();
-  const double bw_plain = measure_read_bandwidth(pool, quick ? 3 : 7, 0);
-  const double bw_prefetch = measure_read_bandwidth(pool, quick ? 3 : 7, 4096);
-  const double bw = std::max(bw_plain, bw_prefetch);
-  std::printf(
-      "load average %.2f; read bandwidth (sum over 1 GiB, %d threads, median): %.2f GB/s plain, %.2f GB/s with "
-      "prefetch 4 KiB ahead -> reference %.2f GB/s\n\n",
-      load_before, threads, bw_plain, bw_prefetch, bw);
+  const MemBwOptions bw_opts{.bytes = size_t{1} << 30, .warmup = 1, .repeats = quick ? 3 : 7};
+  const MemBwResult bw_before = membw_measure(pool, bw_opts);
+  const double bw = bw_before.gbps_median;
+  std::printf("load average %.2f; read bandwidth (sum over 1 GiB, %d threads, median of %d): %.2f GB/s\n\n",
+              machine.load_average, threads, bw_opts.repeats, bw);
+  // Twice the last-level cache, read before every timed run.
+  CacheEvictor evictor(std::clamp<size_t>(2 * llc_bytes(), size_t{64} << 20, size_t{1} << 30), pool);
 
   std::mt19937 rng(2024);
   std::vector<Row> rows;
@@ -256,15 +190,18 @@ int main(int argc, char** argv) {
   args.out = out.data();
   args.lse = lse.data();
 
-  auto add_row = [&](Row r, double seconds) {
-    r.ms = seconds * 1e3;
-    r.gbs = r.bytes / seconds / 1e9;
+  auto add_row = [&](Row r, Timing t) {
+    r.ms = t.median * 1e3;
+    r.gbs = r.bytes / t.median / 1e9;
     r.pct = 100.0 * r.gbs / bw;
+    r.ms_min = t.min * 1e3;
+    r.pct_min = 100.0 * r.bytes / t.min / 1e9 / bw;
     rows.push_back(r);
-    std::printf("%-7s %-5s %-24s %6.0f tok/head  %8.3f ms/step  %7.2f GB/s  %5.1f%% of read bw\n", r.kernel.c_str(),
-                r.dtype.c_str(), r.layout.c_str(), r.tokens_per_head, r.ms, r.gbs, r.pct);
+    std::printf("%-7s %-5s %-24s %6.0f tok/head  %8.3f ms/step  %7.2f GB/s  %5.1f%% of read bw  (fastest %5.1f%%)\n",
+                r.kernel.c_str(), r.dtype.c_str(), r.layout.c_str(), r.tokens_per_head, r.ms, r.gbs, r.pct, r.pct_min);
     std::fflush(stdout);
   };
+
 
   const std::vector<DType> dtypes = quick ? std::vector<DType>{DType::f16}
                                           : std::vector<DType>{DType::f16, DType::bf16, DType::f32};
@@ -285,7 +222,7 @@ int main(int argc, char** argv) {
       r.tokens = n_tokens;
       r.tokens_per_head = n_tokens;
       r.bytes = 2.0 * row_bytes * n_kv * n_tokens;
-      add_row(r, time_median([&] { cpu::attention_decode_dense(args, pool); }, 3, reps));
+      add_row(r, time_runs(evictor, [&] { cpu::attention_decode_dense(args, pool); }, 3, reps));
 
       if (dt != DType::f16 || !shuffled) continue;
       // Sparse: per kv head, lists of n_sel tokens, either uniformly random tokens or
@@ -319,27 +256,26 @@ int main(int argc, char** argv) {
           s.layout = whole_pages ? "whole pages, shuffled" : "random tokens, shuffled";
           s.tokens_per_head = n_sel;
           s.bytes = 2.0 * row_bytes * static_cast<double>(sel.total());
-          add_row(s, time_median([&] { cpu::attention_decode_sparse(args, sel, pool); }, 3, reps * 4));
+          add_row(s, time_runs(evictor, [&] { cpu::attention_decode_sparse(args, sel, pool); }, 3, reps * 4));
         }
       }
     }
   }
 
   // Bandwidth again after the kernels: a large change means the machine was not quiet.
-  const double bw_after = std::max(measure_read_bandwidth(pool, quick ? 3 : 7, 0),
-                                   measure_read_bandwidth(pool, quick ? 3 : 7, 4096));
+  const double bw_after = membw_measure(pool, bw_opts).gbps_median;
+  const double load_after = bench_machine().load_average;
   std::printf("\nread bandwidth measured again after the kernels: %.2f GB/s (load average %.2f)\n", bw_after,
-              load_average());
+              load_after);
 
   nlohmann::json j;
-  j["machine"] = {{"cpu", cpu_name}, {"hardware_threads", std::thread::hardware_concurrency()},
-                  {"simd_target", target}};
+  j["machine"] = {{"cpu", machine.cpu}, {"hardware_threads", machine.logical_cpus}, {"simd_target", target}};
   j["threads"] = threads;
   j["read_bandwidth_gbs"] = bw;
-  j["read_bandwidth_plain_gbs"] = bw_plain;
-  j["read_bandwidth_prefetch_gbs"] = bw_prefetch;
+  j["read_bandwidth_samples_gbs"] = bw_before.gbps;
   j["read_bandwidth_after_gbs"] = bw_after;
-  j["load_average_before"] = load_before;
+  j["load_average_before"] = machine.load_average;
+  j["load_average_after"] = load_after;
   j["shape"] = {{"n_q_heads", n_q}, {"n_kv_heads", n_kv}, {"head_dim", dim}, {"page_size", page_size}};
   for (const Row& r : rows)
     j["rows"].push_back({{"kernel", r.kernel},
@@ -350,7 +286,9 @@ int main(int argc, char** argv) {
                          {"bytes", r.bytes},
                          {"ms_per_step", r.ms},
                          {"gbs", r.gbs},
-                         {"pct_of_read_bw", r.pct}});
+                         {"pct_of_read_bw", r.pct},
+                         {"ms_per_step_fastest", r.ms_min},
+                         {"pct_of_read_bw_fastest", r.pct_min}});
   std::ofstream(json_path) << j.dump(2) << "\n";
   std::printf("\nwrote %s\n", json_path.c_str());
   return 0;

@@ -120,33 +120,27 @@ HWY_INLINE hn::Vec<D> attn_sum_rows(D d, const float* HWY_RESTRICT acc) {
   }
 }
 
-// Rows of a block ahead, prefetched while the current block computes. Dense ranges
-// (pages in order, rows contiguous within a page): K rows between the score computations
-// (one per token) and V rows between the steps of the PV loop over the head dimension, one
-// block ahead, so the requests trickle out over the whole block. On Zen 3 a software
+// Rows of a block ahead, prefetched while the current block computes: K rows between the
+// score computations (one per token), V rows between the steps of the PV loop over the
+// head dimension, so the requests trickle out over the whole block. On Zen 3 a software
 // prefetch holds one of the core's few L1 miss buffers for a full DRAM latency; issued in
 // a burst they fill the buffers and stall the loads of the computation behind them
-// (measured: the burst costs ~20% of the dense step, docs/architecture.md). Sparse lists
-// (scattered rows, where the hardware prefetcher cannot help) keep the burst, K and V row
-// together in the score loop, two blocks ahead: measured faster there than the spread.
+// (measured: a burst costs ~20% of the dense step; for sparse lists, K and V rows together
+// in the score loop cost 12-20% against this spread, docs/architecture.md). Dense ranges
+// and sparse lists are prefetched the same way; lists look two blocks ahead, since each
+// of their rows is a separate DRAM access that no hardware prefetcher anticipates.
 struct RowPrefetch {
   const void* const* k = nullptr;
   const void* const* v = nullptr;
   int n = 0;
   size_t bytes = 0;
-  bool v_with_k = false;  // sparse: the V row goes out with the K row
   HWY_INLINE void row(const void* const* rows, int i) const {
     if (i >= n) return;
     const char* c = static_cast<const char*>(rows[i]);
     for (size_t off = 0; off < bytes; off += 64) hwy::Prefetch(c + off);
   }
-  HWY_INLINE void k_row(int i) const {
-    row(k, i);
-    if (v_with_k) row(v, i);
-  }
-  HWY_INLINE void v_row(int i) const {
-    if (!v_with_k) row(v, i);
-  }
+  HWY_INLINE void k_row(int i) const { row(k, i); }
+  HWY_INLINE void v_row(int i) const { row(v, i); }
 };
 
 // Makes the compiler load v into a register once instead of folding the load into every
@@ -343,7 +337,7 @@ void attn_chunk_typed(D d, const AttentionChunk& job) {
   // The first blocks have nobody to prefetch them.
   for (int b = 0; b < std::min(pd, n_blocks); ++b) {
     const int pos = job.begin + b * kBlock;
-    RowPrefetch first{krow[b % kRing], vrow[b % kRing], std::min(kBlock, job.end - pos), row_bytes, sparse};
+    RowPrefetch first{krow[b % kRing], vrow[b % kRing], std::min(kBlock, job.end - pos), row_bytes};
     for (int i = 0; i < first.n; ++i) {
       first.k_row(i);
       first.v_row(i);
@@ -355,8 +349,7 @@ void attn_chunk_typed(D d, const AttentionChunk& job) {
     RowPrefetch pf;
     if (b + pd < n_blocks) {
       fill_rows(b + pd);
-      pf = {krow[(b + pd) % kRing], vrow[(b + pd) % kRing], std::min(kBlock, job.end - pos - pd * kBlock), row_bytes,
-            sparse};
+      pf = {krow[(b + pd) % kRing], vrow[(b + pd) % kRing], std::min(kBlock, job.end - pos - pd * kBlock), row_bytes};
     }
     const void* const* kr = krow[b % kRing];
     const void* const* vr = vrow[b % kRing];
