@@ -264,7 +264,7 @@ int main(int argc, char** argv) {
 
   // Bandwidth again after the kernels: a large change means the machine was not quiet.
   const double bw_after = membw_measure(pool, bw_opts).gbps_median;
-  const double load_after = bench_machine().load_average;
+  const double load_after = load_average();
   std::printf("\nread bandwidth measured again after the kernels: %.2f GB/s (load average %.2f)\n", bw_after,
               load_after);
 

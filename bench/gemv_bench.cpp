@@ -24,6 +24,7 @@
 
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/thread_pool.h"
+#include "cumulus/eval/bench.h"
 #include "cumulus/eval/membw.h"
 #include "cumulus/kernels/gemv.h"
 
@@ -34,7 +35,7 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-struct Shape {
+struct MatShape {
   const char* name;
   QuantFormat format;
   int rows, cols;
@@ -48,7 +49,7 @@ struct Matrix {
   std::vector<float> f32;  // dequantised, for sgemv
 };
 
-Matrix make_matrix(const Shape& s, std::mt19937& rng) {
+Matrix make_matrix(const MatShape& s, std::mt19937& rng) {
   Matrix a;
   const int nb = s.cols / kQuantBlock, stride = quant_scale_stride(s.cols);
   std::uniform_int_distribution<int> byte(0, 255);
@@ -68,7 +69,7 @@ Matrix make_matrix(const Shape& s, std::mt19937& rng) {
   return a;
 }
 
-size_t quant_bytes(const Shape& s) {
+size_t quant_bytes(const MatShape& s) {
   const size_t nb = static_cast<size_t>(s.cols / kQuantBlock);
   const size_t scales = static_cast<size_t>(quant_scale_stride(s.cols)) * (s.format == QuantFormat::q4_1 ? 2 : 1) * 2;
   return static_cast<size_t>(s.rows) * (nb * quant_block_bytes(s.format) + scales);
@@ -120,16 +121,9 @@ int main(int argc, char** argv) {
   openblas_set_num_threads(1);
   ThreadPool pool(threads);
   const MemBwResult bw = membw_measure(pool, {.bytes = size_t{512} << 20, .warmup = 1, .repeats = 5});
-  std::printf("gemv_bench: target %s, %d threads, machine read bandwidth %.1f GB/s; load %s", hwy::TargetName(hwy::SupportedAndGeneratedTargets().front()),
-              threads, bw.gbps_median, [] {
-                static char buf[64] = "?\n";
-                if (FILE* f = std::fopen("/proc/loadavg", "r")) {
-                  if (!std::fgets(buf, sizeof buf, f)) std::snprintf(buf, sizeof buf, "?\n");
-                  std::fclose(f);
-                }
-                return buf;
-              }());
-  const Shape shapes[] = {{"wq/wo 576x576", QuantFormat::q4_1, 576, 576},
+  std::printf("gemv_bench: target %s, %d threads, machine read bandwidth %.1f GB/s; load average %.2f\n",
+              hwy::TargetName(hwy::SupportedAndGeneratedTargets().front()), threads, bw.gbps_median, load_average());
+  const MatShape shapes[] = {{"wq/wo 576x576", QuantFormat::q4_1, 576, 576},
                           {"wk/wv 192x576", QuantFormat::q4_1, 192, 576},
                           {"gate/up 1536x576", QuantFormat::q4_1, 1536, 576},
                           {"down 576x1536", QuantFormat::q4_1, 576, 1536},
@@ -140,7 +134,7 @@ int main(int argc, char** argv) {
   out["membw_gbps"] = bw.gbps_median;
   std::printf("\n%-22s %7s %10s %9s %7s %10s %12s %10s %9s %7s\n", "shape", "copies", "quant MB", "ms", "GB/s", "of bw",
               "cpu ns/blk", "sgemv ms", "GB/s", "speedup");
-  for (const Shape& s : shapes) {
+  for (const MatShape& s : shapes) {
     // The head is ~30 MB on its own: one copy streams from memory already.
     const int n = s.rows > 10000 ? 1 : copies;
     std::vector<Matrix> ms;

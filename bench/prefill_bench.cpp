@@ -46,6 +46,7 @@
 
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/thread_pool.h"
+#include "cumulus/eval/bench.h"
 #include "cumulus/kernels/prefill.h"
 #include "cumulus/kv/kv_cache.h"
 #include "cumulus/model/gguf.h"
@@ -72,13 +73,6 @@ double cpu_seconds() {
   timespec ts{};
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
-double load_average() {
-  std::ifstream f("/proc/loadavg");
-  double l = -1.0;
-  f >> l;
-  return l;
 }
 
 std::vector<int> parse_ints(const std::string& s) {
@@ -476,16 +470,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "prefill_bench: --kl-steps, --threads and --reps must be >= 1\n");
     return 2;
   }
-  std::string cpu_name = "unknown";
-  {
-    std::ifstream f("/proc/cpuinfo");
-    std::string line;
-    while (std::getline(f, line))
-      if (line.rfind("model name", 0) == 0) {
-        cpu_name = line.substr(line.find(':') + 2);
-        break;
-      }
-  }
+  const std::string cpu_name = bench_machine().cpu;
   const char* target = hwy::TargetName(hwy::SupportedAndGeneratedTargets().front());
   std::printf("machine: %s, %u hardware threads; SIMD target %s; %d threads; load average %.2f at start\n\n",
               cpu_name.c_str(), std::thread::hardware_concurrency(), target, threads, load_average());

@@ -88,6 +88,13 @@ void BenchOptions::validate() const {
   }
 }
 
+double load_average() {
+  std::ifstream f("/proc/loadavg");
+  double l = -1;
+  if (!(f >> l)) l = -1;
+  return l;
+}
+
 BenchMachine bench_machine() {
   BenchMachine m;
   std::ifstream cpuinfo("/proc/cpuinfo");
@@ -106,8 +113,7 @@ BenchMachine bench_machine() {
   char buf[32];
   std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
   m.date = buf;
-  std::ifstream loadavg("/proc/loadavg");
-  if (!(loadavg >> m.load_average)) m.load_average = -1;
+  m.load_average = load_average();
 #if defined(__VERSION__)
   m.compiler = __VERSION__;
 #endif

@@ -96,6 +96,10 @@ struct BenchReport {
 
 BenchMachine bench_machine();
 
+// The 1-minute load average from /proc/loadavg (-1: unknown). Benchmarks print it before
+// and after their timings: other processes on the machine distort both.
+double load_average();
+
 // Runs the benchmark. Progress lines go to `log` when it is not null.
 BenchReport bench_run(const BenchOptions& options, std::FILE* log = nullptr);
 
