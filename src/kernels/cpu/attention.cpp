@@ -21,7 +21,6 @@
 #define HWY_TARGET_INCLUDE "kernels/cpu/attention.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
-#include <hwy/cache_control.h>
 #include <hwy/contrib/math/math-inl.h>
 
 #include <algorithm>
@@ -32,6 +31,7 @@
 
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/attention.h"
+#include "kernels/cpu/prefetch.h"
 #include "kernels/cpu/row_load-inl.h"
 
 #ifndef CUMULUS_KERNELS_CPU_ATTENTION_ONCE
@@ -140,7 +140,7 @@ struct RowPrefetch {
   HWY_INLINE void row(const void* const* rows, int i) const {
     if (i >= n) return;
     const char* c = static_cast<const char*>(rows[i]);
-    for (size_t off = 0; off < bytes; off += 64) hwy::Prefetch(c + off);
+    for (size_t off = 0; off < bytes; off += 64) prefetch_l2(c + off);
   }
   HWY_INLINE void k_row(int i) const { row(k, i); }
   HWY_INLINE void v_row(int i) const { row(v, i); }
@@ -148,7 +148,7 @@ struct RowPrefetch {
   // r, byte offset off.
   HWY_INLINE void v_lines(int count, int& r, size_t& off) const {
     for (int c = 0; c < count && r < n; ++c) {
-      hwy::Prefetch(static_cast<const char*>(v[r]) + off);
+      prefetch_l2(static_cast<const char*>(v[r]) + off);
       off += 64;
       if (off >= bytes) {
         off = 0;
