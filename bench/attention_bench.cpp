@@ -3,11 +3,15 @@
 // a 1 GiB buffer with the same thread count). Decode attention is memory-bound, so the
 // figure of merit is GB/s of K/V read as a share of that bandwidth.
 //
-// Pages are built here (one 64-byte aligned slab per kv head and K/V, carved into pages
-// that the page table visits in a shuffled order, as a cache that reuses pages would).
-// Every timed run starts from cold caches (twice the last-level cache read, not written,
-// before it: CacheEvictor, as in `cumulus bench`). Each row gives the median run and the
-// fastest; the machine's read bandwidth is measured before and after (membw_measure).
+// Pages are built here (one slab per kv head and K/V, carved into pages that the page
+// table visits in address order, as the KV cache allocates them for one sequence, or in a
+// shuffled order, as a cache that reuses pages would). Sparse lists are random tokens or
+// whole random pages, 2K-8K per kv head. Every timed run starts from cold caches (twice
+// the last-level cache read, not written, before it: CacheEvictor, as in `cumulus bench`).
+// Each row gives the median run and the fastest, as a share of the read bandwidth
+// measured (membw_measure) just before and just after that row, the larger of the two;
+// the run's first and last measurements are printed too. Sparse rows also give the time of
+// touching the same rows without computing (touch_rows), the access pattern's ceiling.
 //
 // usage: attention_bench [--threads 2] [--tokens 32768] [--reps 20] [--json FILE] [--quick]
 #include <hwy/targets.h>
@@ -123,12 +127,58 @@ BenchCache make_cache(int n_kv, int n_tokens, int head_dim, DType dt, int page_s
   return c;
 }
 
+// The access pattern's own ceiling for a sparse list: one 8-byte load from every 64-byte
+// line of the K and V rows the list names, with the next rows prefetched into L2 32 tokens
+// ahead as the kernel does, and no arithmetic. Same task split as the kernel (1024 list
+// entries per task). How fast a machine fetches scattered rows depends on its TLB and
+// page walks as much as on its bandwidth; a kernel near this time is bound by the pattern.
+void touch_rows(const BenchCache& c, const Selection& sel, size_t row_bytes, ThreadPool& pool) {
+  struct Task {
+    int head, begin, end;
+  };
+  std::vector<Task> tasks;
+  for (int h = 0; h < static_cast<int>(sel.tokens.size()); ++h)
+    for (int b = 0; b < static_cast<int>(sel.tokens[h].size()); b += 1024)
+      tasks.push_back({h, b, std::min<int>(static_cast<int>(sel.tokens[h].size()), b + 1024)});
+  std::vector<uint64_t> sums(tasks.size());
+  pool.parallel_for(static_cast<int64_t>(tasks.size()), [&](int64_t t, int) {
+    const Task& task = tasks[static_cast<size_t>(t)];
+    const PagedHeadView& v = c.views[static_cast<size_t>(task.head)];
+    const std::vector<int32_t>& idx = sel.tokens[static_cast<size_t>(task.head)];
+    constexpr int kAhead = 32;
+    uint64_t s = 0;
+    for (int i = task.begin; i < task.end; ++i) {
+      if (i + kAhead < task.end) {
+        const char* k = static_cast<const char*>(v.key(idx[i + kAhead]));
+        const char* vv = static_cast<const char*>(v.value(idx[i + kAhead]));
+        for (size_t off = 0; off < row_bytes; off += 64) {
+          __builtin_prefetch(k + off, 0, 2);
+          __builtin_prefetch(vv + off, 0, 2);
+        }
+      }
+      const char* k = static_cast<const char*>(v.key(idx[i]));
+      const char* vv = static_cast<const char*>(v.value(idx[i]));
+      for (size_t off = 0; off < row_bytes; off += 64) {
+        uint64_t a, b;
+        std::memcpy(&a, k + off, sizeof a);
+        std::memcpy(&b, vv + off, sizeof b);
+        s += a ^ b;
+      }
+    }
+    sums[static_cast<size_t>(t)] = s;
+  });
+  volatile uint64_t keep = 0;
+  for (uint64_t x : sums) keep = keep + x;
+}
+
 struct Row {
   std::string kernel, dtype, layout;
   int n_q = 0, n_kv = 0, head_dim = 0, tokens = 0;
   double tokens_per_head = 0.0;
   double bytes = 0.0, ms = 0.0, gbs = 0.0, pct = 0.0;  // at the median
   double ms_min = 0.0, pct_min = 0.0;                  // at the fastest run
+  double bw = 0.0;  // read bandwidth the shares are taken against (GB/s)
+  double touch_ms = 0.0;  // sparse rows: median of touch_rows over the same list
 };
 
 }  // namespace
@@ -190,15 +240,27 @@ int main(int argc, char** argv) {
   args.out = out.data();
   args.lse = lse.data();
 
-  auto add_row = [&](Row r, Timing t) {
+  // Each row's share is taken against the read bandwidth measured just before and just
+  // after its timed runs, the larger of the two (so a share is never overstated): on a
+  // virtual machine the bandwidth can change by 1.7x within a run (docs/architecture.md),
+  // and one figure for the whole run would compare rows with the wrong one.
+  const MemBwOptions row_bw_opts{.bytes = size_t{1} << 30, .warmup = 0, .repeats = 3};
+  auto add_row = [&](Row r, auto&& kernel, int warmup, int row_reps) {
+    const double bw0 = membw_measure(pool, row_bw_opts).gbps_median;
+    const Timing t = time_runs(evictor, kernel, warmup, row_reps);
+    const double bw1 = membw_measure(pool, row_bw_opts).gbps_median;
+    r.bw = std::max(bw0, bw1);
     r.ms = t.median * 1e3;
     r.gbs = r.bytes / t.median / 1e9;
-    r.pct = 100.0 * r.gbs / bw;
+    r.pct = 100.0 * r.gbs / r.bw;
     r.ms_min = t.min * 1e3;
-    r.pct_min = 100.0 * r.bytes / t.min / 1e9 / bw;
+    r.pct_min = 100.0 * r.bytes / t.min / 1e9 / r.bw;
     rows.push_back(r);
-    std::printf("%-7s %-5s %-24s %6.0f tok/head  %8.3f ms/step  %7.2f GB/s  %5.1f%% of read bw  (fastest %5.1f%%)\n",
-                r.kernel.c_str(), r.dtype.c_str(), r.layout.c_str(), r.tokens_per_head, r.ms, r.gbs, r.pct, r.pct_min);
+    std::printf("%-7s %-5s %-24s %6.0f tok/head  %8.3f ms/step  %7.2f GB/s  %5.1f%% of %5.1f GB/s  (fastest %5.1f%%)",
+                r.kernel.c_str(), r.dtype.c_str(), r.layout.c_str(), r.tokens_per_head, r.ms, r.gbs, r.pct, r.bw,
+                r.pct_min);
+    if (r.touch_ms > 0) std::printf("  touch-only %.3f ms", r.touch_ms);
+    std::printf("\n");
     std::fflush(stdout);
   };
 
@@ -222,9 +284,9 @@ int main(int argc, char** argv) {
       r.tokens = n_tokens;
       r.tokens_per_head = n_tokens;
       r.bytes = 2.0 * row_bytes * n_kv * n_tokens;
-      add_row(r, time_runs(evictor, [&] { cpu::attention_decode_dense(args, pool); }, 3, reps));
+      add_row(r, [&] { cpu::attention_decode_dense(args, pool); }, 3, reps);
 
-      if (dt != DType::f16 || !shuffled) continue;
+      if (dt != DType::f16) continue;
       // Sparse: per kv head, lists of n_sel tokens, either uniformly random tokens or
       // whole random pages (what page-level selectors such as Quest produce).
       for (int n_sel : {2048, 4096, 8192}) {
@@ -253,10 +315,11 @@ int main(int argc, char** argv) {
           }
           Row s = r;
           s.kernel = "sparse";
-          s.layout = whole_pages ? "whole pages, shuffled" : "random tokens, shuffled";
+          s.layout = std::string(whole_pages ? "whole pages" : "random tokens") + (shuffled ? ", shuffled" : ", in order");
           s.tokens_per_head = n_sel;
           s.bytes = 2.0 * row_bytes * static_cast<double>(sel.total());
-          add_row(s, time_runs(evictor, [&] { cpu::attention_decode_sparse(args, sel, pool); }, 3, reps * 4));
+          s.touch_ms = time_runs(evictor, [&] { touch_rows(c, sel, static_cast<size_t>(row_bytes), pool); }, 3, reps * 4).median * 1e3;
+          add_row(s, [&] { cpu::attention_decode_sparse(args, sel, pool); }, 3, reps * 4);
         }
       }
     }
@@ -285,9 +348,11 @@ int main(int argc, char** argv) {
                          {"tokens_per_kv_head", r.tokens_per_head},
                          {"bytes", r.bytes},
                          {"ms_per_step", r.ms},
+                         {"read_bandwidth_gbs", r.bw},
                          {"gbs", r.gbs},
                          {"pct_of_read_bw", r.pct},
                          {"ms_per_step_fastest", r.ms_min},
+                         {"touch_only_ms", r.touch_ms > 0 ? nlohmann::json(r.touch_ms) : nlohmann::json(nullptr)},
                          {"pct_of_read_bw_fastest", r.pct_min}});
   std::ofstream(json_path) << j.dump(2) << "\n";
   std::printf("\nwrote %s\n", json_path.c_str());

@@ -289,7 +289,11 @@ TEST(Bench, SmallRunReportsEveryMethod) {
   EXPECT_EQ(r.methods[2].method, "oracle_topk");
   EXPECT_EQ(r.methods[2].params.at("k"), "256");
   EXPECT_GT(r.membw.gbps_median, 0.0);
-  for (const auto& m : r.methods) EXPECT_GT(m.ms_median, 0.0);
+  for (const auto& m : r.methods) {
+    EXPECT_GT(m.ms_median, 0.0);
+    EXPECT_GT(m.bw_ref_gbps, 0.0);  // each method's own reference, measured around its timing
+    EXPECT_DOUBLE_EQ(m.bw_fraction, m.gbps / m.bw_ref_gbps);
+  }
   const std::string table = bench_table(r);
   EXPECT_NE(table.find("oracle_topk"), std::string::npos);
   const std::string json = bench_json(r);

@@ -67,7 +67,11 @@ struct BenchMethodResult {
   std::vector<double> ms;       // [repeats] mean ms per step of each timed pass
   double ms_median = 0, ms_min = 0;
   double gbps = 0;              // bytes_per_step / ms_median
-  double bw_fraction = 0;       // gbps / measured read bandwidth
+  // Read bandwidth measured just before and just after this method's timing passes (the
+  // larger of the two): on a virtual machine the bandwidth can change by 1.7x within one
+  // run, so each method is compared with the bandwidth of its own moment.
+  double bw_ref_gbps = 0;
+  double bw_fraction = 0;       // gbps / bw_ref_gbps
   double speedup = 0;           // dense ms_median / ms_median
 };
 
