@@ -1,6 +1,7 @@
 // Scoring ops: the SIMD backend against the float64 reference on fresh random caches of
 // awkward sizes (1, 3, 15, 16, 17, 255, 4097 tokens), every storage dtype, 1..8 queries
-// and every SIMD target this binary carries; Quest's bound is >= q.k of every stored key
+// (token scores and the group form of the page bound) and every SIMD target this binary
+// carries; Quest's bound is >= q.k of every stored key
 // in its page; the mean score is q . (mean of the stored keys); bad input names the value.
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
@@ -123,6 +124,40 @@ TEST(Scoring, PageScoresMatchReference) {
   }
 }
 
+// The group form scores every query of a GQA group in one pass over the metadata; each
+// query's row must match the float64 reference for that query alone (1..8 queries: tiles
+// of 4, 3, 2 and 1; page counts that leave the 4-page steps a remainder).
+TEST(Scoring, GroupPageBoundMatchesReference) {
+  std::mt19937 rng(4321);
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(name(c));
+    KvCache kv = random_cache(c.n_tokens, c.head_dim, c.dtype, c.page_size, rng);
+    const PagedHeadView v = kv.view(0, 0);
+    const int np = v.n_pages(), d = c.head_dim;
+    for (int n_q : {1, 2, 3, 4, 5, 8}) {
+      SCOPED_TRACE("n_q=" + std::to_string(n_q));
+      const std::vector<float> q = random_q(n_q, d, rng);
+      for_each_target([&] {
+        std::vector<float> cpu_b(static_cast<size_t>(n_q) * np, NAN), ref_b(np);
+        cpu::page_score_bound(v, q.data(), n_q, cpu_b.data());
+        for (int h = 0; h < n_q; ++h) {
+          const float* qh = q.data() + static_cast<size_t>(h) * d;
+          ref::page_score_bound(v, qh, ref_b.data());
+          for (int p = 0; p < np; ++p) {
+            double norm = 0;
+            for (int j = 0; j < d; ++j) {
+              const size_t m = static_cast<size_t>(p) * d + j;
+              norm += std::max(std::fabs(qh[j] * v.kmin[m]), std::fabs(qh[j] * v.kmax[m]));
+            }
+            ASSERT_LE(std::fabs(cpu_b[static_cast<size_t>(h) * np + p] - ref_b[p]), kTol * norm)
+                << "query " << h << " page " << p;
+          }
+        }
+      });
+    }
+  }
+}
+
 TEST(Scoring, TokenScoresMatchReference) {
   std::mt19937 rng(99);
   for (const Case& c : cases()) {
@@ -237,7 +272,8 @@ TEST(Scoring, BadInputNamesTheValue) {
   // Both backends check the same way.
   for (int backend = 0; backend < 2; ++backend) {
     auto token = backend ? cpu::token_score : ref::token_score;
-    auto bound = backend ? cpu::page_score_bound : ref::page_score_bound;
+    using BoundFn = void (*)(const PagedHeadView&, const float*, float*);
+    auto bound = backend ? static_cast<BoundFn>(cpu::page_score_bound) : ref::page_score_bound;
     auto mean = backend ? cpu::page_score_mean : ref::page_score_mean;
     expect_error([&] { token(v, q.data(), 2, bad_idx, 3, s.data()); }, "idx[2]=20 out of range [0, 20)");
     expect_error([&] { token(v, q.data(), 2, neg_idx, 1, s.data()); }, "idx[0]=-1");
@@ -257,4 +293,6 @@ TEST(Scoring, BadInputNamesTheValue) {
     // Nothing to score is not an error.
     token(v, q.data(), 2, nullptr, 0, nullptr);
   }
+  expect_error([&] { cpu::page_score_bound(v, q.data(), 0, s.data()); }, "n_q=0");
+  expect_error([&] { cpu::page_score_bound(v, q.data(), 2, nullptr); }, "page_score_bound: scores must be non-null");
 }

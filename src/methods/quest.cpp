@@ -29,38 +29,47 @@ class Quest final : public DecodeMethod {
     const int ps = kv.page_size();
     const int k_pages = (budget_ + ps - 1) / ps;
     const bool dense = layer < dense_layers_;
-    for (int h = 0; h < shape_.n_kv_heads; ++h) {
+    if (heads_.size() < static_cast<size_t>(shape_.n_kv_heads)) heads_.resize(static_cast<size_t>(shape_.n_kv_heads));
+    // One task per kv head: the group's bounds in one pass over the page metadata, then
+    // each query head's top pages; kv heads write disjoint lists and stats.
+    ctx.pool->parallel_for(shape_.n_kv_heads, [&](int64_t hh, int) {
+      const int h = static_cast<int>(hh);
+      HeadScratch& w = heads_[static_cast<size_t>(h)];
       const PagedHeadView v = kv.view(layer, h);
       const int n_pages = v.n_pages();
-      scores_.resize(n_pages);
-      page_union_.clear();
+      w.page_union.clear();
       if (dense) {
-        page_union_.resize(n_pages);
-        for (int p = 0; p < n_pages; ++p) page_union_[p] = p;
+        w.page_union.resize(n_pages);
+        for (int p = 0; p < n_pages; ++p) w.page_union[p] = p;
+      } else if (n_pages > 0) {
+        w.scores.resize(static_cast<size_t>(g) * n_pages);
+        cpu::page_score_bound(v, q + static_cast<size_t>(h * g) * shape_.head_dim, g, w.scores.data());
+        for (int j = 0; j < g; ++j) {
+          cpu::select_topk(w.scores.data() + static_cast<size_t>(j) * n_pages, n_pages, k_pages, w.chosen);
+          w.page_union.insert(w.page_union.end(), w.chosen.begin(), w.chosen.end());
+        }
+        selection_normalize(w.page_union);  // the dense list is already sorted
       }
-      for (int j = 0; j < g && !dense; ++j) {
-        cpu::page_score_bound(v, q + static_cast<size_t>(h * g + j) * shape_.head_dim, scores_.data());
-        cpu::select_topk(scores_.data(), n_pages, k_pages, chosen_);
-        page_union_.insert(page_union_.end(), chosen_.begin(), chosen_.end());
-      }
-      if (!dense) selection_normalize(page_union_);  // the dense list is already sorted
       auto& t = out.selection.tokens[h];
       t.clear();
-      for (int32_t p : page_union_)
+      for (int32_t p : w.page_union)
         for (int i = 0; i < v.page_len(p); ++i) t.push_back(p * ps + i);
       // Page min and max (float32) are read once per kv head: its group shares them.
       if (!dense) methods::add_kv_head_bytes(shape_, h, 2.0 * n_pages * shape_.head_dim * sizeof(float), out);
-    }
+    });
     methods::attend_selection(kv, layer, q, *ctx.pool, out);
     for (auto& st : out.stats) st.mass_claimed = dense ? 1.0 : methods::kNoClaim;
   }
 
  private:
+  struct HeadScratch {
+    std::vector<float> scores;  // [group][n_pages]
+    std::vector<int32_t> chosen, page_union;
+  };
   Shape shape_;
   int budget_;
   int dense_layers_;
-  std::vector<float> scores_;
-  std::vector<int32_t> chosen_, page_union_;
+  std::vector<HeadScratch> heads_;  // [n_kv_heads]
 };
 
 }  // namespace

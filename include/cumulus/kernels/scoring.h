@@ -22,6 +22,9 @@ void token_score(const PagedHeadView& kv, const float* q, int n_q, const int32_t
 
 namespace cpu {
 void page_score_bound(const PagedHeadView& kv, const float* q, float* scores);
+// The bound for n_q queries (a GQA group) in one pass over the page metadata.
+//   q: [n_q][head_dim]; scores: [n_q][kv.n_pages()]
+void page_score_bound(const PagedHeadView& kv, const float* q, int n_q, float* scores);
 void page_score_mean(const PagedHeadView& kv, const float* q, float* scores);
 void token_score(const PagedHeadView& kv, const float* q, int n_q, const int32_t* idx, int n, float* scores);
 }  // namespace cpu

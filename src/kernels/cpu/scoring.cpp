@@ -14,7 +14,9 @@
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
 
+#include <algorithm>
 #include <string_view>
+#include <vector>
 
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/scoring.h"
@@ -36,21 +38,73 @@ HWY_INLINE void with_tag(int head_dim, Fn&& fn) {
   }
 }
 
-void page_score_bound_impl(const PagedHeadView& kv, const float* q, float* scores) {
+// Quest's bound for queries [0, kH) of qpos/qneg (tiles of a group), one pass over the
+// page metadata: max(q kmin, q kmax) = max(q, 0) kmax + min(q, 0) kmin since kmin <= kmax,
+// so each term is two FMAs with the query split once into its positive and negative parts.
+// kP pages per step, so each query vector load serves kP FMAs (kP x kH chains).
+//   qpos, qneg: [kH][dim]; scores: [kH][stride], page p of query h at h * stride + p
+template <int kH, int kP, class D>
+HWY_INLINE void page_bound_pages(D d, const PagedHeadView& kv, const float* HWY_RESTRICT qpos,
+                                 const float* HWY_RESTRICT qneg, float* HWY_RESTRICT scores, size_t stride, int& p) {
   const int n_pages = kv.n_pages();
   const size_t dim = static_cast<size_t>(kv.head_dim);
-  with_tag(kv.head_dim, [&](auto d) {
-    const size_t N = hn::Lanes(d);
-    // kmin, kmax: [n_pages][head_dim]; scores: [n_pages]
-    for (int p = 0; p < n_pages; ++p) {
-      const float* mn = kv.kmin + static_cast<size_t>(p) * dim;
-      const float* mx = kv.kmax + static_cast<size_t>(p) * dim;
-      auto acc = hn::Zero(d);
-      for (size_t j = 0; j < dim; j += N) {
-        const auto qv = hn::LoadU(d, q + j);
-        acc = hn::Add(acc, hn::Max(hn::Mul(qv, hn::LoadU(d, mn + j)), hn::Mul(qv, hn::LoadU(d, mx + j))));
+  const size_t N = hn::Lanes(d);
+  for (; p + kP <= n_pages; p += kP) {
+    const float* mn = kv.kmin + static_cast<size_t>(p) * dim;
+    const float* mx = kv.kmax + static_cast<size_t>(p) * dim;
+    hn::Vec<D> a[kP][kH];
+    for (int u = 0; u < kP; ++u)
+      for (int h = 0; h < kH; ++h) a[u][h] = hn::Zero(d);
+    for (size_t j = 0; j < dim; j += N) {
+      hn::Vec<D> vmx[kP], vmn[kP];
+      for (int u = 0; u < kP; ++u) {
+        vmx[u] = hn::LoadU(d, mx + u * dim + j);
+        vmn[u] = hn::LoadU(d, mn + u * dim + j);
       }
-      scores[p] = hn::GetLane(hn::SumOfLanes(d, acc));
+      for (int h = 0; h < kH; ++h) {
+        const auto qp = hn::LoadU(d, qpos + h * dim + j);
+        for (int u = 0; u < kP; ++u) a[u][h] = hn::MulAdd(qp, vmx[u], a[u][h]);
+        const auto qn = hn::LoadU(d, qneg + h * dim + j);
+        for (int u = 0; u < kP; ++u) a[u][h] = hn::MulAdd(qn, vmn[u], a[u][h]);
+      }
+    }
+    for (int u = 0; u < kP; ++u)
+      for (int h = 0; h < kH; ++h) scores[h * stride + p + u] = hn::GetLane(hn::SumOfLanes(d, a[u][h]));
+  }
+}
+
+template <int kH, class D>
+void page_bound_tile(D d, const PagedHeadView& kv, const float* HWY_RESTRICT qpos, const float* HWY_RESTRICT qneg,
+                     float* HWY_RESTRICT scores, size_t stride) {
+  // Pages per step: kP x kH accumulators and 2 kP metadata vectors in the registers.
+  constexpr int kRegs = HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3 ? 32 : 16;
+  constexpr int kP = (4 * kH + 8 + 2 <= kRegs) ? 4 : (2 * kH + 4 + 2 <= kRegs) ? 2 : 1;
+  int p = 0;
+  page_bound_pages<kH, kP>(d, kv, qpos, qneg, scores, stride, p);
+  if constexpr (kP > 1) page_bound_pages<kH, 1>(d, kv, qpos, qneg, scores, stride, p);
+}
+
+void page_score_bound_impl(const PagedHeadView& kv, const float* q, int n_q, float* scores) {
+  const size_t dim = static_cast<size_t>(kv.head_dim);
+  const size_t stride = static_cast<size_t>(kv.n_pages());
+  thread_local std::vector<float> split;
+  split.resize(2 * static_cast<size_t>(n_q) * dim);
+  float* qpos = split.data();
+  float* qneg = qpos + static_cast<size_t>(n_q) * dim;
+  for (size_t i = 0; i < static_cast<size_t>(n_q) * dim; ++i) {
+    qpos[i] = std::max(q[i], 0.0f);
+    qneg[i] = std::min(q[i], 0.0f);
+  }
+  with_tag(kv.head_dim, [&](auto d) {
+    for (int h0 = 0; h0 < n_q;) {
+      const size_t o = static_cast<size_t>(h0) * dim;
+      float* out = scores + static_cast<size_t>(h0) * stride;
+      switch (std::min(n_q - h0, 4)) {
+        case 1: page_bound_tile<1>(d, kv, qpos + o, qneg + o, out, stride); h0 += 1; break;
+        case 2: page_bound_tile<2>(d, kv, qpos + o, qneg + o, out, stride); h0 += 2; break;
+        case 3: page_bound_tile<3>(d, kv, qpos + o, qneg + o, out, stride); h0 += 3; break;
+        default: page_bound_tile<4>(d, kv, qpos + o, qneg + o, out, stride); h0 += 4; break;
+      }
     }
   });
 }
@@ -149,12 +203,15 @@ void check_page_meta(std::string_view fn, const PagedHeadView& kv, const float* 
 
 }  // namespace
 
-void page_score_bound(const PagedHeadView& kv, const float* q, float* scores) {
-  check_view(__func__, kv, q, scores, kv.n_tokens > 0 ? kv.n_pages() : 0);
+void page_score_bound(const PagedHeadView& kv, const float* q, int n_q, float* scores) {
+  check_view(__func__, kv, q, scores, kv.n_tokens > 0 ? static_cast<int64_t>(n_q) * kv.n_pages() : 0);
+  CUMULUS_CHECK(n_q >= 1, "n_q={} must be >= 1", n_q);
   check_page_meta(__func__, kv, kv.kmin, "kmin");
   check_page_meta(__func__, kv, kv.kmax, "kmax");
-  HWY_DYNAMIC_DISPATCH(page_score_bound_impl)(kv, q, scores);
+  if (kv.n_tokens > 0) HWY_DYNAMIC_DISPATCH(page_score_bound_impl)(kv, q, n_q, scores);
 }
+
+void page_score_bound(const PagedHeadView& kv, const float* q, float* scores) { page_score_bound(kv, q, 1, scores); }
 
 void page_score_mean(const PagedHeadView& kv, const float* q, float* scores) {
   check_view(__func__, kv, q, scores, kv.n_tokens > 0 ? kv.n_pages() : 0);
