@@ -31,8 +31,7 @@
 
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/attention.h"
-#include "kernels/cpu/prefetch.h"
-#include "kernels/cpu/row_load-inl.h"
+#include "kernels/cpu/qk-inl.h"
 
 #ifndef CUMULUS_KERNELS_CPU_ATTENTION_ONCE
 #define CUMULUS_KERNELS_CPU_ATTENTION_ONCE
@@ -65,163 +64,17 @@ namespace hn = hwy::HWY_NAMESPACE;
 namespace {
 
 constexpr int kBlock = kAttnBlock;
+static_assert(kBlock == kQkBlock, "the score loop (qk-inl.h) works in blocks of kAttnBlock tokens");
 constexpr int kMaxTile = 8;  // query heads per tile: 8 accumulators fit AVX2's 16 registers
 constexpr float kMaxSlack = 8.0f;
 // How many blocks ahead rows are prefetched: dense ranges, sparse lists (see RowPrefetch).
 constexpr int kPrefetchBlocksDense = 1;
 constexpr int kPrefetchBlocksSparse = 2;
 
-#if HWY_TARGET != HWY_SCALAR
-// Four vectors r0..r3 -> one vector whose every 128-bit block holds
-// [sum r0, sum r1, sum r2, sum r3] over that block's 4 lanes.
-template <class D>
-HWY_INLINE hn::Vec<D> attn_sum4_blocks(D d, hn::Vec<D> r0, hn::Vec<D> r1, hn::Vec<D> r2, hn::Vec<D> r3) {
-  const hn::Repartition<uint64_t, D> d64;
-  // [a0+a2, b0+b2, a1+a3, b1+b3] per block
-  const auto ab = hn::Add(hn::InterleaveLower(d, r0, r1), hn::InterleaveUpper(d, r0, r1));
-  const auto cd = hn::Add(hn::InterleaveLower(d, r2, r3), hn::InterleaveUpper(d, r2, r3));
-  const auto x = hn::BitCast(d64, ab);
-  const auto y = hn::BitCast(d64, cd);
-  return hn::Add(hn::BitCast(d, hn::InterleaveLower(d64, x, y)), hn::BitCast(d, hn::InterleaveUpper(d64, x, y)));
-}
-#endif
-
-// acc: [N][N] floats, row i the accumulator of token i. Returns the vector whose lane i is
-// the sum of row i: N horizontal sums for about 3 shuffles + adds each instead of ~8.
-template <class D>
-HWY_INLINE hn::Vec<D> attn_sum_rows(D d, const float* HWY_RESTRICT acc) {
-  constexpr size_t N = hn::MaxLanes(D());
-  auto row = [&](size_t i) { return hn::LoadU(d, acc + i * N); };
-#if HWY_TARGET != HWY_SCALAR
-  if constexpr (N == 4) {
-    return attn_sum4_blocks(d, row(0), row(1), row(2), row(3));
-  } else if constexpr (N == 8) {
-    const auto v0 = attn_sum4_blocks(d, row(0), row(1), row(2), row(3));  // tokens 0-3, per 128-bit half
-    const auto v1 = attn_sum4_blocks(d, row(4), row(5), row(6), row(7));
-    return hn::Add(hn::ConcatLowerLower(d, v1, v0), hn::ConcatUpperUpper(d, v1, v0));
-  } else if constexpr (N == 16) {
-    const auto v0 = attn_sum4_blocks(d, row(0), row(1), row(2), row(3));  // tokens 0-3 in each of 4 blocks
-    const auto v1 = attn_sum4_blocks(d, row(4), row(5), row(6), row(7));
-    const auto v2 = attn_sum4_blocks(d, row(8), row(9), row(10), row(11));
-    const auto v3 = attn_sum4_blocks(d, row(12), row(13), row(14), row(15));
-    // Blocks [v0.b0+v0.b2, v0.b1+v0.b3, v2.b0+v2.b2, v2.b1+v2.b3] and the same for v1, v3.
-    const auto w02 = hn::Add(hn::ConcatLowerLower(d, v2, v0), hn::ConcatUpperUpper(d, v2, v0));
-    const auto w13 = hn::Add(hn::ConcatLowerLower(d, v3, v1), hn::ConcatUpperUpper(d, v3, v1));
-    // Adjacent blocks summed: [v0, v1, v2, v3] totals.
-    const auto s = hn::OddEvenBlocks(w13, w02);
-    const auto t = hn::SwapAdjacentBlocks(hn::OddEvenBlocks(w02, w13));
-    return hn::Add(s, t);
-  } else
-#endif
-  {
-    HWY_ALIGN float sums[N];
-    for (size_t i = 0; i < N; ++i) sums[i] = hn::GetLane(hn::SumOfLanes(d, row(i)));
-    return hn::Load(d, sums);
-  }
-}
-
-// Rows of a block ahead, prefetched while the current block computes: K rows between the
-// score computations (one per token), V lines one at a time between the tokens of the PV
-// loop, so the requests trickle out over the whole block. A software prefetch holds one of
-// the core's few L1 miss buffers for a full DRAM latency; issued in a burst they fill the
-// buffers and stall the loads of the computation behind them (Zen 3: a burst costs ~20%
-// of the dense step; for sparse lists, K and V rows together in the score loop cost 12-20%
-// against this spread, docs/architecture.md). V goes a line at a time, not a row at a
-// time, because the PV loop reads the current block's V rows a slice of the head
-// dimension at a time, a stride the hardware prefetcher does not follow (Zen 4: the dense
-// step 12-13% faster than with a row after each slice). Dense ranges and sparse lists are
-// prefetched the same way; lists look two blocks ahead, since each of their rows is a
-// separate DRAM access that no hardware prefetcher anticipates.
-struct RowPrefetch {
-  const void* const* k = nullptr;
-  const void* const* v = nullptr;
-  int n = 0;
-  size_t bytes = 0;
-  HWY_INLINE void row(const void* const* rows, int i) const {
-    if (i >= n) return;
-    const char* c = static_cast<const char*>(rows[i]);
-    for (size_t off = 0; off < bytes; off += 64) prefetch_l2(c + off);
-  }
-  HWY_INLINE void k_row(int i) const { row(k, i); }
-  HWY_INLINE void v_row(int i) const { row(v, i); }
-  // Prefetches the next `count` lines of the V rows in order; (r, off) is the cursor: row
-  // r, byte offset off.
-  HWY_INLINE void v_lines(int count, int& r, size_t& off) const {
-    for (int c = 0; c < count && r < n; ++c) {
-      prefetch_l2(static_cast<const char*>(v[r]) + off);
-      off += 64;
-      if (off >= bytes) {
-        off = 0;
-        ++r;
-      }
-    }
-  }
-};
-
-// Makes the compiler load v into a register once instead of folding the load into every
-// FMA that uses it: a query vector feeds two FMAs (two tokens), and folded it costs two
-// loads, which on Zen 3 (two 256-bit loads per cycle) makes the score loop load-bound
-// (10 loads per 8 FMAs instead of 6).
-template <class V>
-HWY_INLINE void attn_keep_in_register(V& v) {
-#if HWY_ARCH_X86 && HWY_TARGET != HWY_SCALAR && HWY_TARGET != HWY_EMU128 && (defined(__GNUC__) || defined(__clang__))
-  __asm__("" : "+x"(v.raw));
-#else
-  (void)v;
-#endif
-}
-
-// Vector registers of the target: 2 x G accumulators (two tokens, or two vectors of the
-// head dimension, per step for more independent FMA chains) are used only where they fit.
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-constexpr int kVecRegs = 32;
-#else
-constexpr int kVecRegs = 16;
-#endif
-
-// Unrolling of the score and PV loops for a tile of G heads, the largest power of two up
-// to `want` whose G x U accumulators, U row vectors and 2 more fit in the registers.
-// Scores: T tokens per step, T x G >= 8 chains cover the FMA latency, at least 2 so each q
-// load serves two FMAs (Zen 4, K/V in L2: T = 4 for G = 4 was no faster than 2). PV: S
-// vectors of the head dimension per step, G x S up to 16, so each broadcast weight serves
-// S FMAs (G = 4: S = 4 instead of 2 took the step from 27.0 to 25.4 ns per token).
-constexpr int attn_unroll(int G, int want) {
-  int u = want;
-  while (u > 1 && u * G + u + 2 > kVecRegs) u /= 2;
-  return u;
-}
-constexpr int attn_score_unroll(int G) { return attn_unroll(G, G >= 4 ? 2 : 8 / G); }
-constexpr int attn_pv_unroll(int G) { return attn_unroll(G, G >= 16 ? 1 : G >= 2 ? 16 / G : 8); }
-
-// Score steps of T tokens from token t on, while T tokens of the block's B are left: the
-// G x T accumulators of q . k over the head dimension, stored to accbuf [G][kBlock][N] for
-// the reduction (attn_sum_rows); K rows of the block ahead are prefetched, one per token.
-// t is advanced.
-template <DType kT, int G, int T, class D>
-HWY_INLINE void attn_score_steps(D d, size_t dim, int B, const void* const* krow, const float* HWY_RESTRICT q,
-                                 float* HWY_RESTRICT accbuf, const RowPrefetch& pf, int& t) {
-  constexpr size_t N = hn::MaxLanes(D());
-  using V = hn::Vec<D>;
-  for (; t + T <= B; t += T) {
-    V a[T][G];
-    for (int u = 0; u < T; ++u)
-      for (int g = 0; g < G; ++g) a[u][g] = hn::Zero(d);
-    for (size_t j = 0; j < dim; j += N) {
-      V k[T];
-      for (int u = 0; u < T; ++u) k[u] = load_row<kT>(d, krow[t + u], j);
-      for (int g = 0; g < G; ++g) {
-        V qv = hn::LoadU(d, q + g * dim + j);
-        if constexpr (T > 1) attn_keep_in_register(qv);
-        for (int u = 0; u < T; ++u) a[u][g] = hn::MulAdd(qv, k[u], a[u][g]);
-      }
-    }
-    // Stores first, prefetches after: a loop between the stores would keep the compiler
-    // from unrolling them, and a[][] would live in memory.
-    for (int u = 0; u < T; ++u)
-      for (int g = 0; g < G; ++g) hn::StoreU(a[u][g], d, accbuf + (static_cast<size_t>(g) * kBlock + t + u) * N);
-    for (int u = 0; u < T; ++u) pf.k_row(t + u);
-  }
-}
+// PV loop unrolling for a tile of G heads: S vectors of the head dimension per step, G x S
+// up to 16, so each broadcast weight serves S FMAs (G = 4: S = 4 instead of 2 took the
+// step from 27.0 to 25.4 ns per token; the score loop's unrolling is qk_score_unroll).
+constexpr int attn_pv_unroll(int G) { return qk_unroll(G, G >= 16 ? 1 : G >= 2 ? 16 / G : 8); }
 
 // PV steps of S vectors of the head dimension from column j on, while S whole vectors are
 // left: o[g] = alpha[g] * o[g] + sum_i p[g][i] v_i over those columns. j is advanced.
@@ -263,23 +116,8 @@ HWY_INLINE void attn_block_tile(D d, size_t dim, int B, const void* const* krow,
                                 const RowPrefetch& pf) {
   constexpr size_t N = hn::MaxLanes(D());
   using V = hn::Vec<D>;
-  auto acc_at = [&](int g, int t) { return accbuf + (static_cast<size_t>(g) * kBlock + t) * N; };
 
-  // Scores: each K vector is widened once and feeds G accumulators; T tokens per step
-  // (attn_score_unroll, then the smaller steps for the rest of the block).
-  constexpr int kTok = attn_score_unroll(G);
-  int t = 0;
-  attn_score_steps<kT, G, kTok>(d, dim, B, krow, q, accbuf, pf, t);
-  if constexpr (kTok > 4) attn_score_steps<kT, G, 4>(d, dim, B, krow, q, accbuf, pf, t);
-  if constexpr (kTok > 2) attn_score_steps<kT, G, 2>(d, dim, B, krow, q, accbuf, pf, t);
-  if constexpr (kTok > 1) attn_score_steps<kT, G, 1>(d, dim, B, krow, q, accbuf, pf, t);
-  for (t = B; t < kBlock; ++t) {
-    for (int g = 0; g < G; ++g) hn::StoreU(hn::Zero(d), d, acc_at(g, t));
-    pf.k_row(t);
-  }
-  for (int g = 0; g < G; ++g)
-    for (int t0 = 0; t0 < kBlock; t0 += static_cast<int>(N))
-      hn::StoreU(attn_sum_rows(d, acc_at(g, t0)), d, p + g * kBlock + t0);
+  qk_block_scores<kT, G>(d, dim, B, krow, q, accbuf, p, pf);
 
   // Online softmax over the block, vectorised over its tokens. The running max m moves
   // only when a score exceeds it by more than kMaxSlack (weights stay <= e^kMaxSlack, far

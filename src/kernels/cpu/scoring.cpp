@@ -4,9 +4,9 @@
 // raw token scores q . k. Accumulation is float32 (the reference uses float64; tests
 // compare by normalised error). 16-bit keys are widened with PromoteTo as they load.
 //
-// token_score reads each key row once for up to 8 queries (a GQA group): the row is
-// widened one vector at a time and fed to one accumulator per query, so a group costs one
-// pass over the keys instead of n_q.
+// token_score reads each key row once for up to 8 queries (a GQA group), in blocks of 16
+// tokens whose accumulators are reduced together (the score loop of decode attention,
+// qk-inl.h), so a group costs one pass over the keys instead of n_q.
 
 // This file is compiled once per SIMD target by foreach_target.h.
 #undef HWY_TARGET_INCLUDE
@@ -15,12 +15,13 @@
 #include <hwy/highway.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string_view>
 #include <vector>
 
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/scoring.h"
-#include "kernels/cpu/row_load-inl.h"
+#include "kernels/cpu/qk-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace cumulus::cpu::HWY_NAMESPACE {
@@ -124,41 +125,55 @@ void page_score_mean_impl(const PagedHeadView& kv, const float* q, float* scores
   });
 }
 
-// Scores tokens idx[0..n) (or 0..n-1) against queries [h0, h0 + kQ).
+// Scores of tokens idx[0..n) (or 0..n-1) against the n_q queries, in blocks of kQkBlock
+// tokens (qk-inl.h, as decode attention computes its scores): each K row is read once for
+// a tile of up to 8 queries, the accumulators of a block are reduced together into whole
+// vectors of scores, and the K rows of the block kAhead blocks on are prefetched meanwhile.
 //   q: [n_q][head_dim]; scores: [n_q][n]
-template <DType kT, int kQ, class D>
-void token_score_block(D d, const PagedHeadView& kv, const float* q, int h0, const int32_t* idx, int n,
-                       float* scores) {
-  const size_t dim = static_cast<size_t>(kv.head_dim);
-  const size_t N = hn::Lanes(d);
-  const float* qb = q + static_cast<size_t>(h0) * dim;
-  for (int i = 0; i < n; ++i) {
-    const void* row = kv.key(idx == nullptr ? i : idx[i]);
-    hn::Vec<D> acc[kQ];
-    for (int h = 0; h < kQ; ++h) acc[h] = hn::Zero(d);
-    for (size_t j = 0; j < dim; j += N) {
-      const auto k = load_row<kT>(d, row, j);
-      for (int h = 0; h < kQ; ++h) acc[h] = hn::MulAdd(hn::LoadU(d, qb + h * dim + j), k, acc[h]);
-    }
-    for (int h = 0; h < kQ; ++h) scores[static_cast<size_t>(h0 + h) * n + i] = hn::GetLane(hn::SumOfLanes(d, acc[h]));
-  }
-}
-
 template <DType kT, class D>
 void token_score_typed(D d, const PagedHeadView& kv, const float* q, int n_q, const int32_t* idx, int n,
                        float* scores) {
-  // Blocks of at most 8 queries: 8 accumulators plus the key and a query vector fit the
-  // 16 registers of AVX2. A GQA group of up to 8 is one block, so one pass over the keys.
-  for (int h0 = 0; h0 < n_q; h0 += 8) {
-    switch (n_q - h0 < 8 ? n_q - h0 : 8) {
-      case 1: token_score_block<kT, 1>(d, kv, q, h0, idx, n, scores); break;
-      case 2: token_score_block<kT, 2>(d, kv, q, h0, idx, n, scores); break;
-      case 3: token_score_block<kT, 3>(d, kv, q, h0, idx, n, scores); break;
-      case 4: token_score_block<kT, 4>(d, kv, q, h0, idx, n, scores); break;
-      case 5: token_score_block<kT, 5>(d, kv, q, h0, idx, n, scores); break;
-      case 6: token_score_block<kT, 6>(d, kv, q, h0, idx, n, scores); break;
-      case 7: token_score_block<kT, 7>(d, kv, q, h0, idx, n, scores); break;
-      default: token_score_block<kT, 8>(d, kv, q, h0, idx, n, scores); break;
+  constexpr size_t N = hn::MaxLanes(D());
+  constexpr int kTile = 8;
+  const size_t dim = static_cast<size_t>(kv.head_dim);
+  HWY_ALIGN float accbuf[kTile * kQkBlock * N];
+  HWY_ALIGN float p[kTile * kQkBlock];
+  // Row pointers of the current block and the ones up to kAhead blocks on (a ring).
+  constexpr int kRing = 4;
+  const int ahead = idx != nullptr ? 2 : 1;  // a list's rows are scattered: look further ahead
+  const void* krow[kRing][kQkBlock];
+  const int n_blocks = (n + kQkBlock - 1) / kQkBlock;
+  auto block_len = [&](int blk) { return std::min(kQkBlock, n - blk * kQkBlock); };
+  auto fill = [&](int blk) {
+    const int pos = blk * kQkBlock;
+    for (int i = 0; i < block_len(blk); ++i) krow[blk % kRing][i] = kv.key(idx != nullptr ? idx[pos + i] : pos + i);
+  };
+  for (int b = 0; b < std::min(ahead, n_blocks); ++b) {
+    fill(b);
+    const RowPrefetch first{krow[b % kRing], nullptr, block_len(b), kv.row_bytes()};
+    for (int i = 0; i < first.n; ++i) first.k_row(i);
+  }
+  for (int b = 0; b < n_blocks; ++b) {
+    const int B = block_len(b);
+    RowPrefetch pf;
+    if (b + ahead < n_blocks) {
+      fill(b + ahead);
+      pf = {krow[(b + ahead) % kRing], nullptr, block_len(b + ahead), kv.row_bytes()};
+    }
+    for (int h0 = 0; h0 < n_q;) {
+      const float* qh = q + static_cast<size_t>(h0) * dim;
+      int G = 1;
+      switch (std::min(n_q - h0, kTile)) {
+        case 8: qk_block_scores<kT, 8>(d, dim, B, krow[b % kRing], qh, accbuf, p, pf); G = 8; break;
+        case 7: case 6: case 5: case 4: qk_block_scores<kT, 4>(d, dim, B, krow[b % kRing], qh, accbuf, p, pf); G = 4; break;
+        case 3: case 2: qk_block_scores<kT, 2>(d, dim, B, krow[b % kRing], qh, accbuf, p, pf); G = 2; break;
+        default: qk_block_scores<kT, 1>(d, dim, B, krow[b % kRing], qh, accbuf, p, pf); break;
+      }
+      for (int g = 0; g < G; ++g)
+        std::memcpy(scores + static_cast<size_t>(h0 + g) * n + static_cast<size_t>(b) * kQkBlock, p + g * kQkBlock,
+                    sizeof(float) * static_cast<size_t>(B));
+      h0 += G;
+      pf.n = 0;  // only the first tile prefetches
     }
   }
 }
