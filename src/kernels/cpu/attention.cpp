@@ -74,7 +74,7 @@ constexpr int kPrefetchBlocksSparse = 2;
 // PV loop unrolling for a tile of G heads: S vectors of the head dimension per step, G x S
 // up to 16, so each broadcast weight serves S FMAs (G = 4: S = 4 instead of 2 took the
 // step from 27.0 to 25.4 ns per token; the score loop's unrolling is qk_score_unroll).
-constexpr int attn_pv_unroll(int G) { return qk_unroll(G, G >= 16 ? 1 : G >= 2 ? 16 / G : 8); }
+constexpr int attn_pv_unroll(int G) { return qk_unroll(G, G >= 16 ? 1 : G >= 8 ? 2 : G >= 4 ? 4 : 8); }
 
 // PV steps of S vectors of the head dimension from column j on, while S whole vectors are
 // left: o[g] = alpha[g] * o[g] + sum_i p[g][i] v_i over those columns. j is advanced.
@@ -232,6 +232,9 @@ void attn_chunk_typed(D d, const AttentionChunk& job) {
       } else if (rest >= 4) {
         attn_block_tile<kT, 4>(d, dim, B, kr, vr, q, o, job.m + g0, ls, accbuf, p, pf);
         g0 += 4;
+      } else if (rest == 3) {  // SmolLM2's group: one pass over the block, not 2 + 1
+        attn_block_tile<kT, 3>(d, dim, B, kr, vr, q, o, job.m + g0, ls, accbuf, p, pf);
+        g0 += 3;
       } else if (rest >= 2) {
         attn_block_tile<kT, 2>(d, dim, B, kr, vr, q, o, job.m + g0, ls, accbuf, p, pf);
         g0 += 2;
