@@ -1,6 +1,8 @@
-// Core: dtype conversions against known bit patterns, thread-pool determinism, errors.
+// Core: dtype conversions against known bit patterns, thread-pool determinism, errors,
+// selection_normalize against sort + unique.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -8,10 +10,13 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "cumulus/core/buffer.h"
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/error.h"
+#include "cumulus/core/selection.h"
 #include "cumulus/core/shape.h"
 #include "cumulus/core/thread_pool.h"
 
@@ -129,5 +134,27 @@ TEST(Buffer, AllocLargeAlignment) {
       EXPECT_EQ(p[bytes - 1], 0xab) << bytes;
     }
     std::free(p);
+  }
+}
+
+// selection_normalize sorts and de-duplicates; it takes a bitmap path for dense lists and
+// sorts sparse ones: both must give exactly std::sort + std::unique, at every size and
+// spread (duplicates, negative and extreme values included).
+TEST(Selection, NormalizeEqualsSortUnique) {
+  std::mt19937 rng(77);
+  for (int n : {0, 1, 2, 63, 64, 65, 1000, 20000}) {
+    for (int64_t spread : {int64_t{1}, int64_t{100}, int64_t{40000}, int64_t{1} << 31}) {
+      for (int64_t base : {int64_t{0}, int64_t{-5000}, int64_t{INT32_MIN}}) {
+        SCOPED_TRACE("n=" + std::to_string(n) + " spread=" + std::to_string(spread) + " base=" + std::to_string(base));
+        std::uniform_int_distribution<int64_t> pick(0, spread - 1);
+        std::vector<int32_t> idx(n);
+        for (auto& x : idx) x = static_cast<int32_t>(std::min<int64_t>(base + pick(rng), INT32_MAX));
+        std::vector<int32_t> want = idx;
+        std::sort(want.begin(), want.end());
+        want.erase(std::unique(want.begin(), want.end()), want.end());
+        selection_normalize(idx);
+        ASSERT_EQ(idx, want);
+      }
+    }
   }
 }
