@@ -315,10 +315,12 @@ int main(int argc, char** argv) {
           }
           Row s = r;
           s.kernel = "sparse";
-          s.layout = std::string(whole_pages ? "whole pages" : "random tokens") + (shuffled ? ", shuffled" : ", in order");
+          s.layout =
+              std::string(whole_pages ? "whole pages" : "random tokens") + (shuffled ? ", shuffled" : ", in order");
           s.tokens_per_head = n_sel;
           s.bytes = 2.0 * row_bytes * static_cast<double>(sel.total());
-          s.touch_ms = time_runs(evictor, [&] { touch_rows(c, sel, static_cast<size_t>(row_bytes), pool); }, 3, reps * 4).median * 1e3;
+          const auto touch = [&] { touch_rows(c, sel, static_cast<size_t>(row_bytes), pool); };
+          s.touch_ms = time_runs(evictor, touch, 3, reps * 4).median * 1e3;
           add_row(s, [&] { cpu::attention_decode_sparse(args, sel, pool); }, 3, reps * 4);
         }
       }

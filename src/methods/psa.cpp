@@ -42,6 +42,13 @@ double log_add(double a, double b) {
 enum class Criticality { kMean, kBound };
 enum class Stop { kEstimate, kCertified };
 
+// Scratch of one kv head's task.
+struct Scratch {
+  std::vector<float> crit_scores, bounds, scores;
+  std::vector<double> log_rest;
+  std::vector<int32_t> order, idx;
+};
+
 class Psa final : public DecodeMethod {
  public:
   Psa(const Shape& shape, double threshold, int microbatch, Criticality crit, Stop stop)
@@ -52,50 +59,54 @@ class Psa final : public DecodeMethod {
     methods::attn_output_reset(shape_, out);
     const int g = shape_.group();
     const int d = shape_.head_dim;
-    for (int h = 0; h < shape_.n_kv_heads; ++h) {
+    // One task per kv head: each writes its own list, stats and scratch.
+    scratch_.resize(std::max(scratch_.size(), static_cast<size_t>(shape_.n_kv_heads)));
+    ctx.pool->parallel_for(shape_.n_kv_heads, [&](int64_t hh, int) {
+      const int h = static_cast<int>(hh);
       const PagedHeadView v = kv.view(layer, h);
       auto& uni = out.selection.tokens[h];
       uni.clear();
       for (int j = 0; j < g; ++j) {
         const int qh = h * g + j;
-        out.stats[qh].mass_claimed = run_head(v, q + static_cast<size_t>(qh) * d, uni);
+        Scratch& w = scratch_[static_cast<size_t>(h)];
+        out.stats[qh].mass_claimed = run_head(v, q + static_cast<size_t>(qh) * d, w, uni);
       }
       selection_normalize(uni);
       // Block metadata (float32 [n_pages][head_dim] arrays) is read once per kv head.
       const int meta_arrays = (crit_ == Criticality::kMean ? 1 : 2) +
                               (stop_ == Stop::kCertified && crit_ == Criticality::kMean ? 2 : 0);
       methods::add_kv_head_bytes(shape_, h, static_cast<double>(meta_arrays) * v.n_pages() * d * sizeof(float), out);
-    }
+    });
     methods::attend_selection(kv, layer, q, *ctx.pool, out);
   }
 
  private:
   // Algorithm 1 for one query head: appends the visited blocks' tokens to `visited` and
   // returns P_acc at the stop (1 when every block was visited).
-  double run_head(const PagedHeadView& v, const float* q, std::vector<int32_t>& visited) {
+  double run_head(const PagedHeadView& v, const float* q, Scratch& w, std::vector<int32_t>& visited) const {
     const int n_pages = v.n_pages();
     const double scale = attention_scale(v.head_dim);
-    crit_scores_.resize(n_pages);
+    w.crit_scores.resize(n_pages);
     if (crit_ == Criticality::kMean) {
-      cpu::page_score_mean(v, q, crit_scores_.data());
+      cpu::page_score_mean(v, q, w.crit_scores.data());
     } else {
-      cpu::page_score_bound(v, q, crit_scores_.data());
+      cpu::page_score_bound(v, q, w.crit_scores.data());
     }
-    cpu::select_topk(crit_scores_.data(), n_pages, n_pages, order_);  // line 6: rank by CS
+    cpu::select_topk(w.crit_scores.data(), n_pages, n_pages, w.order);  // line 6: rank by CS
 
-    // certified: log_rest_[r] = log sum_{r' >= r} |b_r'| exp(scale * ub_b_r'), the bound on
+    // certified: w.log_rest[r] = log sum_{r' >= r} |b_r'| exp(scale * ub_b_r'), the bound on
     // what the blocks from rank r on can hold.
     if (stop_ == Stop::kCertified) {
       if (crit_ == Criticality::kBound) {
-        bounds_ = crit_scores_;
+        w.bounds = w.crit_scores;
       } else {
-        bounds_.resize(n_pages);
-        cpu::page_score_bound(v, q, bounds_.data());
+        w.bounds.resize(n_pages);
+        cpu::page_score_bound(v, q, w.bounds.data());
       }
-      log_rest_.assign(n_pages + 1, kNegInf);
+      w.log_rest.assign(n_pages + 1, kNegInf);
       for (int r = n_pages - 1; r >= 0; --r) {
-        const int b = order_[r];
-        log_rest_[r] = log_add(log_rest_[r + 1], std::log(static_cast<double>(v.page_len(b))) + scale * bounds_[b]);
+        const int b = w.order[r];
+        w.log_rest[r] = log_add(w.log_rest[r + 1], std::log(static_cast<double>(v.page_len(b))) + scale * w.bounds[b]);
       }
     }
 
@@ -105,27 +116,27 @@ class Psa final : public DecodeMethod {
     double p_acc = 1.0;
     for (int r = 0; r < n_pages;) {
       const int r_end = std::min(n_pages, r + microbatch_);
-      idx_.clear();
+      w.idx.clear();
       for (int u = r; u < r_end; ++u) {
-        const int b = order_[u];
-        for (int i = 0; i < v.page_len(b); ++i) idx_.push_back(b * v.page_size + i);
+        const int b = w.order[u];
+        for (int i = 0; i < v.page_len(b); ++i) w.idx.push_back(b * v.page_size + i);
       }
-      scores_.resize(idx_.size());
-      cpu::token_score(v, q, 1, idx_.data(), static_cast<int>(idx_.size()), scores_.data());
+      w.scores.resize(w.idx.size());
+      cpu::token_score(v, q, 1, w.idx.data(), static_cast<int>(w.idx.size()), w.scores.data());
       // Per-block AS (the paper aggregates the weights of each block on chip, section 4).
       size_t t = 0;
       for (int u = r; u < r_end; ++u) {
-        const int len = v.page_len(order_[u]);
+        const int len = v.page_len(w.order[u]);
         double mx = kNegInf;
-        for (int i = 0; i < len; ++i) mx = std::max(mx, scale * scores_[t + i]);
+        for (int i = 0; i < len; ++i) mx = std::max(mx, scale * w.scores[t + i]);
         double sum = 0;
-        for (int i = 0; i < len; ++i) sum += std::exp(scale * scores_[t + i] - mx);
+        for (int i = 0; i < len; ++i) sum += std::exp(scale * w.scores[t + i] - mx);
         const double log_as = mx + std::log(sum);
         t += len;
         log_acc = log_add(log_acc, log_as);  // line 12
         log_min = std::min(log_min, log_as);  // line 13
       }
-      visited.insert(visited.end(), idx_.begin(), idx_.end());
+      visited.insert(visited.end(), w.idx.begin(), w.idx.end());
       n_left -= r_end - r;  // line 14
       r = r_end;
       // Lines 15-16: P_acc = AS_acc / AS_total, as 1 / (1 + rest / AS_acc) in log space.
@@ -133,7 +144,7 @@ class Psa final : public DecodeMethod {
       if (stop_ == Stop::kEstimate) {
         if (n_left > 0) log_rest = log_min + std::log(static_cast<double>(n_left));
       } else {
-        log_rest = log_rest_[r];
+        log_rest = w.log_rest[r];
       }
       p_acc = log_rest == kNegInf ? 1.0 : 1.0 / (1.0 + std::exp(log_rest - log_acc));
       if (p_acc >= threshold_) break;  // line 17 (">=": section 3.2 stops when P_acc equals it)
@@ -146,9 +157,7 @@ class Psa final : public DecodeMethod {
   int microbatch_;
   Criticality crit_;
   Stop stop_;
-  std::vector<float> crit_scores_, bounds_, scores_;
-  std::vector<double> log_rest_;
-  std::vector<int32_t> order_, idx_;
+  std::vector<Scratch> scratch_;  // [n_kv_heads], one per task
 };
 
 }  // namespace

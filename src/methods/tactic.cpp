@@ -58,6 +58,15 @@ struct HeadIndex {
   int n_clusters() const { return static_cast<int>(begin.size()) - 1; }
 };
 
+// Decode scratch of one kv head (the heads of a step run as parallel tasks).
+struct Scratch {
+  std::vector<float> cscores, tail_scores, all_scores, exact;
+  std::vector<double> weights, ew;  // [list] estimated weights; exact weights of the scored positions
+  std::vector<int32_t> order, list, tail_idx, gather;
+  std::vector<int> pos;
+  int n_scored = 0;  // cluster_optimal: tokens in all_scores per query head
+};
+
 class Tactic final : public DecodeMethod {
  public:
   Tactic(const Shape& shape, const TacticOptions& o)
@@ -81,32 +90,41 @@ class Tactic final : public DecodeMethod {
     const int g = shape_.group();
     const int d = shape_.head_dim;
     const float scale = attention_scale(d);
+    const int n = kv.n_tokens(layer);
+    // Reclustering first, one kv head at a time (K-means spreads over the pool itself);
+    // then one task per kv head: each reads its own index and writes its own list, stats
+    // and scratch.
     for (int h = 0; h < shape_.n_kv_heads; ++h) {
       HeadIndex& idx = index_[layer][h];
-      const int n = kv.n_tokens(layer);
       if (n - idx.n_indexed >= o_.recluster_interval) cluster_segment(kv, layer, h, idx.n_indexed, n, ctx.pool, idx);
+    }
+    scratch_.resize(std::max(scratch_.size(), static_cast<size_t>(shape_.n_kv_heads)));
+    ctx.pool->parallel_for(shape_.n_kv_heads, [&](int64_t hh, int) {
+      const int h = static_cast<int>(hh);
+      const HeadIndex& idx = index_[layer][h];
+      Scratch& w = scratch_[static_cast<size_t>(h)];
       const PagedHeadView v = kv.view(layer, h);
       const float* qg = q + static_cast<size_t>(h) * g * d;
       const int n_list = idx.n_indexed, n_clusters = idx.n_clusters();
       const double row = static_cast<double>(v.row_bytes());
 
       // Centroid scores [g][n_clusters] (4.3) and exact tail scores [g][n_tail].
-      cscores_.resize(static_cast<size_t>(g) * std::max(n_clusters, 1));
-      if (n_clusters > 0) cpu::kmeans_centroid_score(idx.centroids.data(), n_clusters, d, qg, g, cscores_.data());
+      w.cscores.resize(static_cast<size_t>(g) * std::max(n_clusters, 1));
+      if (n_clusters > 0) cpu::kmeans_centroid_score(idx.centroids.data(), n_clusters, d, qg, g, w.cscores.data());
       // The dense tail: tokens after the clusters, plus the sinks and recent tokens taken
       // out of the clusters (ascending; clustered tokens in [lo, hi) stay in the list).
       const int lo = std::min(o_.sinks, n_list), hi = std::max(lo, n_list - o_.recent);
-      tail_idx_.clear();
-      for (int t = 0; t < lo; ++t) tail_idx_.push_back(t);
-      for (int t = hi; t < n; ++t) tail_idx_.push_back(t);
-      const int n_tail = static_cast<int>(tail_idx_.size());
-      tail_scores_.resize(static_cast<size_t>(g) * n_tail);
-      if (n_tail > 0) cpu::token_score(v, qg, g, tail_idx_.data(), n_tail, tail_scores_.data());
+      w.tail_idx.clear();
+      for (int t = 0; t < lo; ++t) w.tail_idx.push_back(t);
+      for (int t = hi; t < n; ++t) w.tail_idx.push_back(t);
+      const int n_tail = static_cast<int>(w.tail_idx.size());
+      w.tail_scores.resize(static_cast<size_t>(g) * n_tail);
+      if (n_tail > 0) cpu::token_score(v, qg, g, w.tail_idx.data(), n_tail, w.tail_scores.data());
       // cluster_optimal reads every clustered key once for the group: scores by token id.
-      n_scored_ = n_list;
+      w.n_scored = n_list;
       if (o_.cluster_optimal && n_list > 0) {
-        all_scores_.resize(static_cast<size_t>(g) * n_list);
-        cpu::token_score(v, qg, g, nullptr, n_list, all_scores_.data());
+        w.all_scores.resize(static_cast<size_t>(g) * n_list);
+        cpu::token_score(v, qg, g, nullptr, n_list, w.all_scores.data());
       }
       methods::add_kv_head_bytes(shape_, h,
                                  static_cast<double>(n_clusters) * d * sizeof(float) +
@@ -118,29 +136,29 @@ class Tactic final : public DecodeMethod {
       for (int j = 0; j < g; ++j) {
         const int qh = h * g + j;
         // 4.3: clusters by q . centroid (descending, ties to the lower index), unpacked.
-        list_.clear();
+        w.list.clear();
         if (n_clusters > 0) {
-          cpu::select_topk(cscores_.data() + static_cast<size_t>(j) * n_clusters, n_clusters, n_clusters, order_);
+          cpu::select_topk(w.cscores.data() + static_cast<size_t>(j) * n_clusters, n_clusters, n_clusters, w.order);
           const bool whole = lo == 0 && hi == n_list;  // no sinks or recent tokens taken out
-          for (int32_t c : order_) {
+          for (int32_t c : w.order) {
             const auto b = idx.members.begin() + idx.begin[c], e = idx.members.begin() + idx.begin[c + 1];
             if (whole) {
-              list_.insert(list_.end(), b, e);
+              w.list.insert(w.list.end(), b, e);
             } else {
-              std::copy_if(b, e, std::back_inserter(list_), [&](int32_t t) { return t >= lo && t < hi; });
+              std::copy_if(b, e, std::back_inserter(w.list), [&](int32_t t) { return t >= lo && t < hi; });
             }
           }
         }
-        const float* tail_j = tail_scores_.data() + static_cast<size_t>(j) * n_tail;
+        const float* tail_j = w.tail_scores.data() + static_cast<size_t>(j) * n_tail;
         int scored = 0;
-        const int k = budget(v, qg + static_cast<size_t>(j) * d, scale, j, tail_j, n_tail,
+        const int k = budget(v, qg + static_cast<size_t>(j) * d, scale, j, tail_j, n_tail, w,
                              out.stats[qh].mass_claimed, scored);
         out.stats[qh].bytes_read += scored * row;
-        uni.insert(uni.end(), list_.begin(), list_.begin() + k);
+        uni.insert(uni.end(), w.list.begin(), w.list.begin() + k);
       }
-      uni.insert(uni.end(), tail_idx_.begin(), tail_idx_.end());  // the dense tail
+      uni.insert(uni.end(), w.tail_idx.begin(), w.tail_idx.end());  // the dense tail
       selection_normalize(uni);
-    }
+    });
     methods::attend_selection(kv, layer, q, *ctx.pool, out);
   }
 
@@ -190,20 +208,20 @@ class Tactic final : public DecodeMethod {
     }
   }
 
-  // Algorithm 1 for query head j over list_ (n_list tokens): returns the budget k, sets
-  // `claimed` and `scored` (keys scored exactly for this head alone).
+  // Algorithm 1 for query head j over w.list (the ranked, unpacked clusters): returns the
+  // budget k, sets `claimed` and `scored` (keys scored exactly for this head alone).
   //   tail: [n_tail] raw scores of the dense tail for this head
-  int budget(const PagedHeadView& v, const float* q, float scale, int j, const float* tail, int n_tail,
-             double& claimed, int& scored) {
-    const int L = static_cast<int>(list_.size());
-    w_.assign(L, 0.0);
+  int budget(const PagedHeadView& v, const float* q, float scale, int j, const float* tail, int n_tail, Scratch& w,
+             double& claimed, int& scored) const {
+    const int L = static_cast<int>(w.list.size());
+    w.weights.assign(L, 0.0);
     double shift = -std::numeric_limits<double>::infinity();
     for (int i = 0; i < n_tail; ++i) shift = std::max(shift, static_cast<double>(scale * tail[i]));
     scored = 0;
     if (o_.cluster_optimal) {
-      const float* s = all_scores_.data() + static_cast<size_t>(j) * n_scored_;  // by token id
-      for (int i = 0; i < L; ++i) shift = std::max(shift, static_cast<double>(scale * s[list_[i]]));
-      for (int i = 0; i < L; ++i) w_[i] = std::exp(scale * s[list_[i]] - shift);
+      const float* s = w.all_scores.data() + static_cast<size_t>(j) * w.n_scored;  // by token id
+      for (int i = 0; i < L; ++i) shift = std::max(shift, static_cast<double>(scale * s[w.list[i]]));
+      for (int i = 0; i < L; ++i) w.weights[i] = std::exp(scale * s[w.list[i]] - shift);
     } else if (L > 0) {
       // Exactly scored list positions: [0, N) and the two windows (Alg. 1 lines 4 and 8).
       const int N = std::clamp(static_cast<int>(std::ceil(o_.init_ratio * L)), 1, L);
@@ -215,31 +233,31 @@ class Tactic final : public DecodeMethod {
       const auto [b2, e2] = window_at(o_.p2);
       // A list too short for two disjoint windows past N is scored exactly (no fit).
       const bool exact_all = e1 > b2 || b1 < N || N >= L;
-      pos_.clear();
+      w.pos.clear();
       if (exact_all) {
-        for (int i = 0; i < L; ++i) pos_.push_back(i);
+        for (int i = 0; i < L; ++i) w.pos.push_back(i);
       } else {
-        for (int i = 0; i < N; ++i) pos_.push_back(i);
-        for (int i = b1; i < e1; ++i) pos_.push_back(i);
-        for (int i = b2; i < e2; ++i) pos_.push_back(i);
+        for (int i = 0; i < N; ++i) w.pos.push_back(i);
+        for (int i = b1; i < e1; ++i) w.pos.push_back(i);
+        for (int i = b2; i < e2; ++i) w.pos.push_back(i);
       }
-      gather_.resize(pos_.size());
-      for (size_t u = 0; u < pos_.size(); ++u) gather_[u] = list_[pos_[u]];
-      exact_.resize(pos_.size());
-      cpu::token_score(v, q, 1, gather_.data(), static_cast<int>(gather_.size()), exact_.data());
-      scored = static_cast<int>(pos_.size());
-      for (float s : exact_) shift = std::max(shift, static_cast<double>(scale * s));
-      ew_.resize(pos_.size());
-      for (size_t u = 0; u < pos_.size(); ++u) ew_[u] = std::exp(scale * exact_[u] - shift);
+      w.gather.resize(w.pos.size());
+      for (size_t u = 0; u < w.pos.size(); ++u) w.gather[u] = w.list[w.pos[u]];
+      w.exact.resize(w.pos.size());
+      cpu::token_score(v, q, 1, w.gather.data(), static_cast<int>(w.gather.size()), w.exact.data());
+      scored = static_cast<int>(w.pos.size());
+      for (float s : w.exact) shift = std::max(shift, static_cast<double>(scale * s));
+      w.ew.resize(w.pos.size());
+      for (size_t u = 0; u < w.pos.size(); ++u) w.ew[u] = std::exp(scale * w.exact[u] - shift);
       if (exact_all) {
-        for (int i = 0; i < L; ++i) w_[i] = ew_[i];
+        for (int i = 0; i < L; ++i) w.weights[i] = w.ew[i];
       } else {
-        for (int i = 0; i < N; ++i) w_[i] = ew_[i];
+        for (int i = 0; i < N; ++i) w.weights[i] = w.ew[i];
         // Window means of y and of 1/x (x = 1-based position): the mean of a/x + b over a
         // window is a * mean(1/x) + b, so the curve passes through both window means.
         auto means = [&](int off, int b, int e) {
           double mu = 0, hx = 0;
-          for (int i = b; i < e; ++i) mu += ew_[off + i - b], hx += 1.0 / (i + 1);
+          for (int i = b; i < e; ++i) mu += w.ew[off + i - b], hx += 1.0 / (i + 1);
           return std::pair<double, double>{mu / (e - b), hx / (e - b)};
         };
         const auto [mu1, h1] = means(N, b1, e1);
@@ -247,13 +265,13 @@ class Tactic final : public DecodeMethod {
         const double a = (mu1 - mu2) / (h1 - h2);
         const double b = mu1 - a * h1;
         // Estimates past N; a/x + b may cross zero (b < 0): a score is never negative.
-        for (int i = N; i < L; ++i) w_[i] = std::max(0.0, a / (i + 1) + b);
+        for (int i = N; i < L; ++i) w.weights[i] = std::max(0.0, a / (i + 1) + b);
       }
     }
     double tail_sum = 0;
     for (int i = 0; i < n_tail; ++i) tail_sum += std::exp(scale * tail[i] - shift);
     double total = 0;
-    for (double x : w_) total += x;
+    for (double x : w.weights) total += x;
     int k = L;
     double prefix = total;
     if (o_.p < 1.0 && total > 0) {
@@ -262,7 +280,7 @@ class Tactic final : public DecodeMethod {
       const double target = o_.p * total;
       prefix = 0;
       k = 0;
-      while (k < L && prefix < target) prefix += w_[k++];
+      while (k < L && prefix < target) prefix += w.weights[k++];
     }
     claimed = total + tail_sum > 0 ? (prefix + tail_sum) / (total + tail_sum) : 1.0;
     return k;
@@ -272,12 +290,10 @@ class Tactic final : public DecodeMethod {
   TacticOptions o_;
   std::vector<std::vector<HeadIndex>> index_;  // [n_layers][n_kv_heads]
   std::vector<bool> prefilled_;                // [n_layers]
-  // Scratch.
-  std::vector<float> x_, cent_, cscores_, tail_scores_, all_scores_, exact_;
-  std::vector<double> w_, ew_;
-  std::vector<int32_t> assign_, counts_, perm_, order_, list_, tail_idx_, gather_;
-  std::vector<int> pos_;
-  int n_scored_ = 0;  // cluster_optimal: tokens in all_scores_ per query head
+  // Clustering scratch (one kv head at a time).
+  std::vector<float> x_, cent_;
+  std::vector<int32_t> assign_, counts_, perm_;
+  std::vector<Scratch> scratch_;  // [n_kv_heads] decode scratch, one per task
 };
 
 }  // namespace

@@ -147,7 +147,8 @@ HWY_INLINE void attn_block_tile(D d, size_t dim, int B, const void* const* krow,
   }
 
   // o = alpha * o + sum_t p_t v_t over S vectors of the head dimension at a time
-  // (attn_pv_unroll, then smaller steps for the rest), so the accumulators stay in registers; each V vector is widened once for all G heads and each broadcast weight
+  // (attn_pv_unroll, then smaller steps for the rest), so the accumulators stay in
+  // registers; each V vector is widened once for all G heads and each broadcast weight
   // serves S vectors. The V lines of the block ahead are prefetched in order, pf_per after
   // each token of each step, so they spread over all steps * B tokens of the loop.
   constexpr int kS = attn_pv_unroll(G);

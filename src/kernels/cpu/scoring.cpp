@@ -165,7 +165,10 @@ void token_score_typed(D d, const PagedHeadView& kv, const float* q, int n_q, co
       int G = 1;
       switch (std::min(n_q - h0, kTile)) {
         case 8: qk_block_scores<kT, 8>(d, dim, B, krow[b % kRing], qh, accbuf, p, pf); G = 8; break;
-        case 7: case 6: case 5: case 4: qk_block_scores<kT, 4>(d, dim, B, krow[b % kRing], qh, accbuf, p, pf); G = 4; break;
+        case 7: case 6: case 5: case 4:
+          qk_block_scores<kT, 4>(d, dim, B, krow[b % kRing], qh, accbuf, p, pf);
+          G = 4;
+          break;
         case 3: qk_block_scores<kT, 3>(d, dim, B, krow[b % kRing], qh, accbuf, p, pf); G = 3; break;
         case 2: qk_block_scores<kT, 2>(d, dim, B, krow[b % kRing], qh, accbuf, p, pf); G = 2; break;
         default: qk_block_scores<kT, 1>(d, dim, B, krow[b % kRing], qh, accbuf, p, pf); break;
