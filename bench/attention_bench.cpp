@@ -9,7 +9,7 @@
 // whole random pages, 2K-8K per kv head. Every timed run starts from cold caches (twice
 // the last-level cache read, not written, before it: CacheEvictor, as in `cumulus bench`).
 // Each row gives the median run and the fastest, as a share of the read bandwidth
-// measured (membw_measure) just before and just after that row, the larger of the two;
+// measured (MemBwProbe) just before and just after that row, the larger of the two;
 // the run's first and last measurements are printed too. Sparse rows also give the time of
 // touching the same rows without computing (touch_rows), the access pattern's ceiling.
 //
@@ -37,6 +37,7 @@
 #include "cumulus/eval/bench.h"
 #include "cumulus/eval/membw.h"
 #include "cumulus/kernels/attention.h"
+#include "kernels/cpu/prefetch.h"
 
 using namespace cumulus;
 using Clock = std::chrono::steady_clock;
@@ -152,8 +153,8 @@ void touch_rows(const BenchCache& c, const Selection& sel, size_t row_bytes, Thr
         const char* k = static_cast<const char*>(v.key(idx[i + kAhead]));
         const char* vv = static_cast<const char*>(v.value(idx[i + kAhead]));
         for (size_t off = 0; off < row_bytes; off += 64) {
-          __builtin_prefetch(k + off, 0, 2);
-          __builtin_prefetch(vv + off, 0, 2);
+          cpu::prefetch_l2(k + off);
+          cpu::prefetch_l2(vv + off);
         }
       }
       const char* k = static_cast<const char*>(v.key(idx[i]));
@@ -215,11 +216,12 @@ int main(int argc, char** argv) {
               machine.logical_cpus, target, threads);
 
   // Other processes on the machine distort both numbers; the load average says how much.
-  const MemBwOptions bw_opts{.bytes = size_t{1} << 30, .warmup = 1, .repeats = quick ? 3 : 7};
-  const MemBwResult bw_before = membw_measure(pool, bw_opts);
+  MemBwProbe probe(pool, size_t{1} << 30);
+  const int bw_repeats = quick ? 3 : 7;
+  const MemBwResult bw_before = probe.measure(1, bw_repeats);
   const double bw = bw_before.gbps_median;
   std::printf("load average %.2f; read bandwidth (sum over 1 GiB, %d threads, median of %d): %.2f GB/s\n\n",
-              machine.load_average, threads, bw_opts.repeats, bw);
+              machine.load_average, threads, bw_repeats, bw);
   // Twice the last-level cache, read before every timed run.
   CacheEvictor evictor(std::clamp<size_t>(2 * llc_bytes(), size_t{64} << 20, size_t{1} << 30), pool);
 
@@ -244,11 +246,10 @@ int main(int argc, char** argv) {
   // after its timed runs, the larger of the two (so a share is never overstated): on a
   // virtual machine the bandwidth can change by 1.7x within a run (docs/architecture.md),
   // and one figure for the whole run would compare rows with the wrong one.
-  const MemBwOptions row_bw_opts{.bytes = size_t{1} << 30, .warmup = 0, .repeats = 3};
   auto add_row = [&](Row r, auto&& kernel, int warmup, int row_reps) {
-    const double bw0 = membw_measure(pool, row_bw_opts).gbps_median;
+    const double bw0 = probe.measure(0, 3).gbps_median;
     const Timing t = time_runs(evictor, kernel, warmup, row_reps);
-    const double bw1 = membw_measure(pool, row_bw_opts).gbps_median;
+    const double bw1 = probe.measure(0, 3).gbps_median;
     r.bw = std::max(bw0, bw1);
     r.ms = t.median * 1e3;
     r.gbs = r.bytes / t.median / 1e9;
@@ -328,7 +329,7 @@ int main(int argc, char** argv) {
   }
 
   // Bandwidth again after the kernels: a large change means the machine was not quiet.
-  const double bw_after = membw_measure(pool, bw_opts).gbps_median;
+  const double bw_after = probe.measure(1, bw_repeats).gbps_median;
   const double load_after = load_average();
   std::printf("\nread bandwidth measured again after the kernels: %.2f GB/s (load average %.2f)\n", bw_after,
               load_after);

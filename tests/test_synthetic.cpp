@@ -5,11 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "cumulus/core/error.h"
 #include "cumulus/eval/bench.h"
+#include "cumulus/eval/membw.h"
 #include "cumulus/eval/synthetic.h"
+#include "kernel_check.h"
 
 namespace cumulus {
 namespace {
@@ -299,6 +302,26 @@ TEST(Bench, SmallRunReportsEveryMethod) {
   const std::string json = bench_json(r);
   EXPECT_NE(json.find("\"read_bandwidth_gbps\""), std::string::npos);
   EXPECT_NE(json.find("\"speedup_vs_dense\""), std::string::npos);
+}
+
+// The bandwidth probe keeps its buffer across measurements (the benchmarks measure before
+// and after every row); each measurement returns the samples asked for, and bad sizes and
+// counts are errors that name the value.
+TEST(MemBw, ProbeMeasuresRepeatedlyAndRejectsBadInput) {
+  using check::expect_error;
+  ThreadPool pool(2);
+  MemBwProbe probe(pool, size_t{64} << 20);
+  for (int repeats : {1, 3}) {
+    const MemBwResult r = probe.measure(0, repeats);
+    EXPECT_EQ(r.bytes, size_t{64} << 20);
+    EXPECT_EQ(r.threads, 2);
+    EXPECT_EQ(r.gbps_plain.size(), static_cast<size_t>(repeats));
+    EXPECT_EQ(r.gbps_prefetch.size(), static_cast<size_t>(repeats));
+    EXPECT_GT(r.gbps_median, 0.0);
+  }
+  expect_error([&] { probe.measure(-1, 3); }, "warmup=-1");
+  expect_error([&] { probe.measure(0, 0); }, "repeats=0");
+  expect_error([&] { MemBwProbe small(pool, size_t{1} << 20); }, "bytes=1048576");
 }
 
 }  // namespace

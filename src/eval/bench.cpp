@@ -131,10 +131,10 @@ BenchReport bench_run(const BenchOptions& o, std::FILE* log) {
   const Shape& s = rep.shape;
   ThreadPool pool(o.threads);
 
-  // Bandwidth first, while the workload does not yet hold memory.
-  MemBwOptions bw;
-  bw.bytes = o.membw_bytes;
-  rep.membw = membw_measure(pool, bw);
+  // Bandwidth first, while the workload does not yet hold memory; the probe stays for the
+  // per-method references below.
+  MemBwProbe probe(pool, o.membw_bytes);
+  rep.membw = probe.measure();
   log_line(log, fmt::format("read bandwidth: {:.1f} GB/s ({} threads, {} MiB buffer)", rep.membw.gbps_median,
                             rep.membw.threads, rep.membw.bytes >> 20));
 
@@ -245,8 +245,7 @@ BenchReport bench_run(const BenchOptions& o, std::FILE* log) {
 
     // Timing passes: each step timed on its own, after the caches were swept; the read
     // bandwidth measured right before and right after them is this method's reference.
-    const MemBwOptions ref_bw{.bytes = o.membw_bytes, .warmup = 0, .repeats = 3};
-    const double bw_before = membw_measure(pool, ref_bw).gbps_median;
+    const double bw_before = probe.measure(0, 3).gbps_median;
     for (int pass = 0; pass < o.warmup + o.repeats; ++pass) {
       double total = 0;
       for (int step = 0; step < o.steps; ++step) {
@@ -260,7 +259,7 @@ BenchReport bench_run(const BenchOptions& o, std::FILE* log) {
     r.ms_median = median(r.ms);
     r.ms_min = *std::min_element(r.ms.begin(), r.ms.end());
     r.gbps = r.bytes_per_step / (r.ms_median * 1e-3) * 1e-9;
-    r.bw_ref_gbps = std::max(bw_before, membw_measure(pool, ref_bw).gbps_median);
+    r.bw_ref_gbps = std::max(bw_before, probe.measure(0, 3).gbps_median);
     r.bw_fraction = r.gbps / r.bw_ref_gbps;
     rep.methods.push_back(std::move(r));
     log_line(log, fmt::format("{}: prefill {:.1f} ms, {:.3f} ms/step ({:.1f} s since start)", name,

@@ -12,7 +12,6 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
-#include <memory>
 
 #include "cumulus/core/buffer.h"
 #include "cumulus/core/error.h"
@@ -20,10 +19,6 @@
 namespace cumulus {
 
 namespace {
-
-struct FreeDeleter {
-  void operator()(void* p) const noexcept { std::free(p); }
-};
 
 constexpr size_t kBlockBytes = size_t{1} << 20;  // 1 MiB per task
 
@@ -54,26 +49,30 @@ uint64_t block_sum_prefetch(const uint64_t* p, size_t n_groups) {
 
 }  // namespace
 
-MemBwResult membw_measure(ThreadPool& pool, const MemBwOptions& o) {
-  CUMULUS_CHECK(o.bytes >= (size_t{64} << 20) && o.bytes <= (size_t{64} << 30),
-                "bytes={} must be in [64 MiB, 64 GiB]", o.bytes);
-  CUMULUS_CHECK(o.warmup >= 0 && o.warmup <= 100, "warmup={} must be in [0, 100]", o.warmup);
-  CUMULUS_CHECK(o.repeats >= 1 && o.repeats <= 1000, "repeats={} must be in [1, 1000]", o.repeats);
-  const size_t n_blocks = o.bytes / kBlockBytes;
+MemBwProbe::MemBwProbe(ThreadPool& pool, size_t bytes) : pool_(pool) {
+  CUMULUS_CHECK(bytes >= (size_t{64} << 20) && bytes <= (size_t{64} << 30), "bytes={} must be in [64 MiB, 64 GiB]",
+                bytes);
+  n_blocks_ = bytes / kBlockBytes;
   const size_t words_per_block = kBlockBytes / sizeof(uint64_t);
   // Raw allocation: a vector would zero it on one thread before the pool's first touch.
-  std::unique_ptr<uint64_t, FreeDeleter> buf(
-      static_cast<uint64_t*>(std::aligned_alloc(kAlignment, n_blocks * kBlockBytes)));
-  CUMULUS_CHECK(buf != nullptr, "cannot allocate bytes={}", n_blocks * kBlockBytes);
-  pool.parallel_for(static_cast<int64_t>(n_blocks), [&](int64_t b, int) {
-    uint64_t* p = buf.get() + b * words_per_block;
+  buf_ = static_cast<uint64_t*>(std::aligned_alloc(kAlignment, n_blocks_ * kBlockBytes));
+  CUMULUS_CHECK(buf_ != nullptr, "cannot allocate bytes={}", n_blocks_ * kBlockBytes);
+  pool_.parallel_for(static_cast<int64_t>(n_blocks_), [&](int64_t b, int) {
+    uint64_t* p = buf_ + b * words_per_block;
     for (size_t i = 0; i < words_per_block; ++i) p[i] = static_cast<uint64_t>(b) * 0x9e3779b97f4a7c15ULL + i;
   });
+}
 
-  std::vector<uint64_t> sums(n_blocks);
+MemBwProbe::~MemBwProbe() { std::free(buf_); }
+
+MemBwResult MemBwProbe::measure(int warmup, int repeats) {
+  CUMULUS_CHECK(warmup >= 0 && warmup <= 100, "warmup={} must be in [0, 100]", warmup);
+  CUMULUS_CHECK(repeats >= 1 && repeats <= 1000, "repeats={} must be in [1, 1000]", repeats);
+  const size_t words_per_block = kBlockBytes / sizeof(uint64_t);
+  std::vector<uint64_t> sums(n_blocks_);
   MemBwResult r;
-  r.bytes = n_blocks * kBlockBytes;
-  r.threads = pool.n_threads();
+  r.bytes = n_blocks_ * kBlockBytes;
+  r.threads = pool_.n_threads();
   volatile uint64_t sink = 0;  // the sums feed a value the optimiser must keep
   auto median = [](std::vector<double> x) {
     std::sort(x.begin(), x.end());
@@ -81,15 +80,15 @@ MemBwResult membw_measure(ThreadPool& pool, const MemBwOptions& o) {
   };
   for (int prefetch = 0; prefetch < 2; ++prefetch) {
     std::vector<double>& samples = prefetch ? r.gbps_prefetch : r.gbps_plain;
-    for (int pass = 0; pass < o.warmup + o.repeats; ++pass) {
+    for (int pass = 0; pass < warmup + repeats; ++pass) {
       const auto t0 = std::chrono::steady_clock::now();
-      pool.parallel_for(static_cast<int64_t>(n_blocks), [&](int64_t b, int) {
-        const uint64_t* p = buf.get() + b * words_per_block;
+      pool_.parallel_for(static_cast<int64_t>(n_blocks_), [&](int64_t b, int) {
+        const uint64_t* p = buf_ + b * words_per_block;
         sums[b] = prefetch ? block_sum_prefetch(p, words_per_block / 8) : block_sum(p, words_per_block / 8);
       });
       const auto t1 = std::chrono::steady_clock::now();
       for (uint64_t s : sums) sink = sink + s;
-      if (pass >= o.warmup)
+      if (pass >= warmup)
         samples.push_back(static_cast<double>(r.bytes) / std::chrono::duration<double>(t1 - t0).count() * 1e-9);
     }
   }
@@ -99,6 +98,11 @@ MemBwResult membw_measure(ThreadPool& pool, const MemBwOptions& o) {
   r.gbps_median = std::max(plain, pre);
   r.gbps_max = *std::max_element(r.gbps.begin(), r.gbps.end());
   return r;
+}
+
+MemBwResult membw_measure(ThreadPool& pool, const MemBwOptions& o) {
+  MemBwProbe probe(pool, o.bytes);
+  return probe.measure(o.warmup, o.repeats);
 }
 
 size_t llc_bytes() {

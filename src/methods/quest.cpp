@@ -29,7 +29,7 @@ class Quest final : public DecodeMethod {
     const int ps = kv.page_size();
     const int k_pages = (budget_ + ps - 1) / ps;
     const bool dense = layer < dense_layers_;
-    if (heads_.size() < static_cast<size_t>(shape_.n_kv_heads)) heads_.resize(static_cast<size_t>(shape_.n_kv_heads));
+    heads_.resize(std::max(heads_.size(), static_cast<size_t>(shape_.n_kv_heads)));
     // One task per kv head: the group's bounds in one pass over the page metadata, then
     // each query head's top pages; kv heads write disjoint lists and stats.
     ctx.pool->parallel_for(shape_.n_kv_heads, [&](int64_t hh, int) {
@@ -48,7 +48,7 @@ class Quest final : public DecodeMethod {
           cpu::select_topk(w.scores.data() + static_cast<size_t>(j) * n_pages, n_pages, k_pages, w.chosen);
           w.page_union.insert(w.page_union.end(), w.chosen.begin(), w.chosen.end());
         }
-        selection_normalize(w.page_union);  // the dense list is already sorted
+        selection_normalize(w.page_union);
       }
       auto& t = out.selection.tokens[h];
       t.clear();

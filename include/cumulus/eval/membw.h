@@ -30,7 +30,25 @@ struct MemBwResult {
   std::vector<double> gbps_plain, gbps_prefetch;  // [repeats] each loop's passes
 };
 
-// Throws Error naming a bad option.
+// The probe with its buffer allocated and written once (by the pool, so pages sit near the
+// threads), for measuring again and again in one run (before and after each benchmark
+// row) without paying a fresh allocation and first touch each time. Throws Error naming a
+// bad bytes (range as MemBwOptions), warmup or repeats.
+class MemBwProbe {
+ public:
+  MemBwProbe(ThreadPool& pool, size_t bytes = MemBwOptions{}.bytes);
+  ~MemBwProbe();
+  MemBwProbe(const MemBwProbe&) = delete;
+  MemBwProbe& operator=(const MemBwProbe&) = delete;
+  MemBwResult measure(int warmup = MemBwOptions{}.warmup, int repeats = MemBwOptions{}.repeats);
+
+ private:
+  ThreadPool& pool_;
+  size_t n_blocks_ = 0;
+  uint64_t* buf_ = nullptr;
+};
+
+// One probe, measured once. Throws Error naming a bad option.
 MemBwResult membw_measure(ThreadPool& pool, const MemBwOptions& options = {});
 
 // Size of the last-level cache from sysfs (cpu0's highest-level unified cache); 0 when

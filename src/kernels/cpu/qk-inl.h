@@ -134,12 +134,14 @@ constexpr int kQkVecRegs = 32;
 constexpr int kQkVecRegs = 16;
 #endif
 
-// Unrolling of the score and PV loops for a tile of G heads, the largest power of two up
-// to `want` whose G x U accumulators, U row vectors and 2 more fit in the registers.
-// Scores: T tokens per step, T x G >= 8 chains cover the FMA latency, at least 2 so each q
-// load serves two FMAs (Zen 4, K/V in L2: T = 4 for G = 4 was no faster than 2). PV: S
-// vectors of the head dimension per step, G x S up to 16, so each broadcast weight serves
-// S FMAs (G = 4: S = 4 instead of 2 took the step from 27.0 to 25.4 ns per token).
+// Queries per tile, at most: 8 accumulators fit AVX2's 16 registers.
+constexpr int kQkMaxTile = 8;
+
+// Loop unrolling for a tile of G queries: the largest power of two up to `want` whose
+// G x U accumulators, U row vectors and 2 more fit in the registers (the PV loop's choice
+// of `want` is attn_pv_unroll in attention.cpp). Scores: T tokens per step, T x G >= 8
+// chains cover the FMA latency, at least 2 so each q load serves two FMAs (Zen 4, K/V in
+// L2: T = 4 for G = 4 was no faster than 2).
 constexpr int qk_unroll(int G, int want) {
   int u = want;
   while (u > 1 && u * G + u + 2 > kQkVecRegs) u /= 2;

@@ -78,8 +78,7 @@ template <int kH, class D>
 void page_bound_tile(D d, const PagedHeadView& kv, const float* HWY_RESTRICT qpos, const float* HWY_RESTRICT qneg,
                      float* HWY_RESTRICT scores, size_t stride) {
   // Pages per step: kP x kH accumulators and 2 kP metadata vectors in the registers.
-  constexpr int kRegs = HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3 ? 32 : 16;
-  constexpr int kP = (4 * kH + 8 + 2 <= kRegs) ? 4 : (2 * kH + 4 + 2 <= kRegs) ? 2 : 1;
+  constexpr int kP = (4 * kH + 8 + 2 <= kQkVecRegs) ? 4 : (2 * kH + 4 + 2 <= kQkVecRegs) ? 2 : 1;
   int p = 0;
   page_bound_pages<kH, kP>(d, kv, qpos, qneg, scores, stride, p);
   if constexpr (kP > 1) page_bound_pages<kH, 1>(d, kv, qpos, qneg, scores, stride, p);
@@ -134,10 +133,9 @@ template <DType kT, class D>
 void token_score_typed(D d, const PagedHeadView& kv, const float* q, int n_q, const int32_t* idx, int n,
                        float* scores) {
   constexpr size_t N = hn::MaxLanes(D());
-  constexpr int kTile = 8;
   const size_t dim = static_cast<size_t>(kv.head_dim);
-  HWY_ALIGN float accbuf[kTile * kQkBlock * N];
-  HWY_ALIGN float p[kTile * kQkBlock];
+  HWY_ALIGN float accbuf[kQkMaxTile * kQkBlock * N];
+  HWY_ALIGN float p[kQkMaxTile * kQkBlock];
   // Row pointers of the current block and the ones up to kAhead blocks on (a ring).
   constexpr int kRing = 4;
   const int ahead = idx != nullptr ? 2 : 1;  // a list's rows are scattered: look further ahead
@@ -160,18 +158,18 @@ void token_score_typed(D d, const PagedHeadView& kv, const float* q, int n_q, co
       fill(b + ahead);
       pf = {krow[(b + ahead) % kRing], nullptr, block_len(b + ahead), kv.row_bytes()};
     }
+    // Tiles as in decode attention (attn_chunk_typed): 8s, then one of 4, 3, 2 or 1.
     for (int h0 = 0; h0 < n_q;) {
       const float* qh = q + static_cast<size_t>(h0) * dim;
-      int G = 1;
-      switch (std::min(n_q - h0, kTile)) {
-        case 8: qk_block_scores<kT, 8>(d, dim, B, krow[b % kRing], qh, accbuf, p, pf); G = 8; break;
-        case 7: case 6: case 5: case 4:
-          qk_block_scores<kT, 4>(d, dim, B, krow[b % kRing], qh, accbuf, p, pf);
-          G = 4;
-          break;
-        case 3: qk_block_scores<kT, 3>(d, dim, B, krow[b % kRing], qh, accbuf, p, pf); G = 3; break;
-        case 2: qk_block_scores<kT, 2>(d, dim, B, krow[b % kRing], qh, accbuf, p, pf); G = 2; break;
-        default: qk_block_scores<kT, 1>(d, dim, B, krow[b % kRing], qh, accbuf, p, pf); break;
+      const void* const* kr = krow[b % kRing];
+      const int rest = n_q - h0;
+      const int G = rest >= kQkMaxTile ? kQkMaxTile : rest >= 4 ? 4 : rest;
+      switch (G) {
+        case 8: qk_block_scores<kT, 8>(d, dim, B, kr, qh, accbuf, p, pf); break;
+        case 4: qk_block_scores<kT, 4>(d, dim, B, kr, qh, accbuf, p, pf); break;
+        case 3: qk_block_scores<kT, 3>(d, dim, B, kr, qh, accbuf, p, pf); break;
+        case 2: qk_block_scores<kT, 2>(d, dim, B, kr, qh, accbuf, p, pf); break;
+        default: qk_block_scores<kT, 1>(d, dim, B, kr, qh, accbuf, p, pf); break;
       }
       for (int g = 0; g < G; ++g)
         std::memcpy(scores + static_cast<size_t>(h0 + g) * n + static_cast<size_t>(b) * kQkBlock, p + g * kQkBlock,
