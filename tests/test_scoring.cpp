@@ -158,6 +158,62 @@ TEST(Scoring, GroupPageBoundMatchesReference) {
   }
 }
 
+// The group form of the mean score, each query's row against the float64 reference.
+TEST(Scoring, GroupPageMeanMatchesReference) {
+  std::mt19937 rng(2468);
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(name(c));
+    KvCache kv = random_cache(c.n_tokens, c.head_dim, c.dtype, c.page_size, rng);
+    const PagedHeadView v = kv.view(0, 0);
+    const int np = v.n_pages(), d = c.head_dim;
+    for (int n_q : {1, 3, 4, 8}) {
+      SCOPED_TRACE("n_q=" + std::to_string(n_q));
+      const std::vector<float> q = random_q(n_q, d, rng);
+      std::vector<float> ref_m(static_cast<size_t>(n_q) * np);
+      ref::page_score_mean(v, q.data(), n_q, ref_m.data());
+      for_each_target([&] {
+        std::vector<float> cpu_m(static_cast<size_t>(n_q) * np, NAN);
+        cpu::page_score_mean(v, q.data(), n_q, cpu_m.data());
+        for (int h = 0; h < n_q; ++h)
+          for (int p = 0; p < np; ++p) {
+            double norm = 0;
+            for (int j = 0; j < d; ++j) norm += std::fabs(q[h * d + j] * v.kmean[static_cast<size_t>(p) * d + j]);
+            const size_t i = static_cast<size_t>(h) * np + p;
+            ASSERT_LE(std::fabs(cpu_m[i] - ref_m[i]), kTol * norm) << "query " << h << " page " << p;
+          }
+      });
+    }
+  }
+}
+
+// score_max and score_exp against plain float64 loops (not the reference functions: the
+// reference is one of the two things checked), lengths around the vector widths.
+TEST(Scoring, SoftmaxPiecesMatchFloat64) {
+  std::mt19937 rng(97);
+  std::normal_distribution<float> nd(0.0f, 4.0f);
+  for (int n : {0, 1, 3, 15, 16, 17, 31, 33, 255, 4097}) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    std::vector<float> x(static_cast<size_t>(n));
+    for (auto& v : x) v = nd(rng);
+    double want_max = -INFINITY;
+    for (float v : x) want_max = std::max(want_max, static_cast<double>(v));
+    const float scale = 0.125f, shift = n ? static_cast<float>(want_max * scale) : 0.0f;
+    double want_sum = 0;
+    std::vector<double> want(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) want_sum += (want[i] = std::exp(static_cast<double>(scale) * x[i] - shift));
+    std::vector<float> got(static_cast<size_t>(n), NAN);
+    EXPECT_EQ(ref::score_max(x.data(), n), static_cast<float>(want_max));
+    EXPECT_NEAR(ref::score_exp(x.data(), n, scale, shift, got.data()), want_sum, 1e-12 * (1 + want_sum));
+    for_each_target([&] {
+      EXPECT_EQ(cpu::score_max(x.data(), n), static_cast<float>(want_max));
+      std::fill(got.begin(), got.end(), NAN);
+      // float32 exp: a few ulps per term.
+      EXPECT_NEAR(cpu::score_exp(x.data(), n, scale, shift, got.data()), want_sum, 1e-5 * (1 + want_sum));
+      for (int i = 0; i < n; ++i) ASSERT_NEAR(got[i], want[i], 1e-6 * (1 + want[i])) << "i=" << i;
+    });
+  }
+}
+
 TEST(Scoring, TokenScoresMatchReference) {
   std::mt19937 rng(99);
   for (const Case& c : cases()) {
@@ -274,7 +330,7 @@ TEST(Scoring, BadInputNamesTheValue) {
     auto token = backend ? cpu::token_score : ref::token_score;
     using BoundFn = void (*)(const PagedHeadView&, const float*, float*);
     auto bound = backend ? static_cast<BoundFn>(cpu::page_score_bound) : ref::page_score_bound;
-    auto mean = backend ? cpu::page_score_mean : ref::page_score_mean;
+    auto mean = backend ? static_cast<BoundFn>(cpu::page_score_mean) : static_cast<BoundFn>(ref::page_score_mean);
     expect_error([&] { token(v, q.data(), 2, bad_idx, 3, s.data()); }, "idx[2]=20 out of range [0, 20)");
     expect_error([&] { token(v, q.data(), 2, neg_idx, 1, s.data()); }, "idx[0]=-1");
     expect_error([&] { token(v, q.data(), 2, nullptr, -1, s.data()); }, "n=-1");
@@ -294,5 +350,9 @@ TEST(Scoring, BadInputNamesTheValue) {
     token(v, q.data(), 2, nullptr, 0, nullptr);
   }
   expect_error([&] { cpu::page_score_bound(v, q.data(), 0, s.data()); }, "n_q=0");
+  expect_error([&] { cpu::page_score_mean(v, q.data(), 0, s.data()); }, "n_q=0");
+  expect_error([&] { cpu::page_score_mean(v, q.data(), 2, nullptr); }, "page_score_mean: scores must be non-null");
+  expect_error([&] { cpu::score_exp(s.data(), 3, 1.0f, 0.0f, nullptr); }, "score_exp: n=3");
+  expect_error([&] { ref::score_max(nullptr, 2); }, "score_max: n=2");
   expect_error([&] { cpu::page_score_bound(v, q.data(), 2, nullptr); }, "page_score_bound: scores must be non-null");
 }

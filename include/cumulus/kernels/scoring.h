@@ -14,10 +14,16 @@ namespace ref {
 void page_score_bound(const PagedHeadView& kv, const float* q, float* scores);
 // q . kmean[p]. scores: [kv.n_pages()]
 void page_score_mean(const PagedHeadView& kv, const float* q, float* scores);
+// The same for n_q queries. q: [n_q][head_dim]; scores: [n_q][kv.n_pages()]
+void page_score_mean(const PagedHeadView& kv, const float* q, int n_q, float* scores);
 // scores[h][i] = q[h] . k[idx[i]] for h in [0, n_q).
 //   q: [n_q][head_dim]; idx: [n] token indices, or nullptr for tokens 0..n-1;
 //   scores: [n_q][n]
 void token_score(const PagedHeadView& kv, const float* q, int n_q, const int32_t* idx, int n, float* scores);
+// Softmax pieces over raw scores x [n]: the largest value (-inf for n = 0), and
+// out[i] = exp(scale * x[i] - shift) [n] with their sum (float64) returned.
+float score_max(const float* x, int n);
+double score_exp(const float* x, int n, float scale, float shift, float* out);
 }  // namespace ref
 
 namespace cpu {
@@ -26,7 +32,11 @@ void page_score_bound(const PagedHeadView& kv, const float* q, float* scores);
 //   q: [n_q][head_dim]; scores: [n_q][kv.n_pages()]
 void page_score_bound(const PagedHeadView& kv, const float* q, int n_q, float* scores);
 void page_score_mean(const PagedHeadView& kv, const float* q, float* scores);
+// One pass over the page means for a group (the key rows of token_score's loop).
+void page_score_mean(const PagedHeadView& kv, const float* q, int n_q, float* scores);
 void token_score(const PagedHeadView& kv, const float* q, int n_q, const int32_t* idx, int n, float* scores);
+float score_max(const float* x, int n);
+double score_exp(const float* x, int n, float scale, float shift, float* out);
 }  // namespace cpu
 
 }  // namespace cumulus

@@ -13,9 +13,12 @@
 #define HWY_TARGET_INCLUDE "kernels/cpu/scoring.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
+#include <hwy/contrib/math/math-inl.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <string_view>
 #include <vector>
 
@@ -180,6 +183,58 @@ void token_score_typed(D d, const PagedHeadView& kv, const float* q, int n_q, co
   }
 }
 
+// The group's q . kmean over every page: the page means read as float32 key rows, pages of
+// kv.page_size rows each, through token_score's loop (one pass for the whole group).
+void page_score_mean_group_impl(const PagedHeadView& kv, const float* q, int n_q, float* scores) {
+  const int n_pages = kv.n_pages();
+  const size_t dim = static_cast<size_t>(kv.head_dim);
+  thread_local std::vector<const void*> rows;  // [ceil(n_pages / page_size)] "pages" of means
+  rows.resize(static_cast<size_t>((n_pages + kv.page_size - 1) >> kv.page_shift));
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = kv.kmean + (i << kv.page_shift) * dim;
+  PagedHeadView means = kv;
+  means.k_pages = rows.data();
+  means.v_pages = nullptr;
+  means.n_tokens = n_pages;
+  means.dtype = DType::f32;
+  with_tag(kv.head_dim, [&](auto d) { token_score_typed<DType::f32>(d, means, q, n_q, nullptr, n_pages, scores); });
+}
+
+float score_max_impl(const float* x, int n) {
+  const hn::ScalableTag<float> d;
+  const size_t N = hn::Lanes(d);
+  auto m0 = hn::Set(d, -std::numeric_limits<float>::infinity());
+  auto m1 = m0;
+  size_t i = 0;
+  for (; i + 2 * N <= static_cast<size_t>(n); i += 2 * N) {
+    m0 = hn::Max(m0, hn::LoadU(d, x + i));
+    m1 = hn::Max(m1, hn::LoadU(d, x + i + N));
+  }
+  float m = hn::GetLane(hn::MaxOfLanes(d, hn::Max(m0, m1)));
+  for (; i < static_cast<size_t>(n); ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// exp in float32 (Highway's Exp, as decode attention's softmax); each vector's lanes are
+// summed in float32 and the vector sums in float64.
+double score_exp_impl(const float* x, int n, float scale, float shift, float* out) {
+  const hn::ScalableTag<float> d;
+  const size_t N = hn::Lanes(d);
+  const auto vs = hn::Set(d, scale);
+  const auto vb = hn::Set(d, -shift);
+  double sum = 0;
+  size_t i = 0;
+  for (; i + N <= static_cast<size_t>(n); i += N) {
+    const auto e = hn::Exp(d, hn::MulAdd(hn::LoadU(d, x + i), vs, vb));
+    hn::StoreU(e, d, out + i);
+    sum += hn::GetLane(hn::SumOfLanes(d, e));
+  }
+  for (; i < static_cast<size_t>(n); ++i) {
+    out[i] = std::exp(x[i] * scale - shift);
+    sum += out[i];
+  }
+  return sum;
+}
+
 void token_score_impl(const PagedHeadView& kv, const float* q, int n_q, const int32_t* idx, int n, float* scores) {
   with_tag(kv.head_dim, [&](auto d) {
     switch (kv.dtype) {
@@ -199,6 +254,9 @@ namespace cumulus::cpu {
 HWY_EXPORT(page_score_bound_impl);
 HWY_EXPORT(page_score_mean_impl);
 HWY_EXPORT(token_score_impl);
+HWY_EXPORT(page_score_mean_group_impl);
+HWY_EXPORT(score_max_impl);
+HWY_EXPORT(score_exp_impl);
 
 namespace {
 
@@ -234,6 +292,24 @@ void page_score_mean(const PagedHeadView& kv, const float* q, float* scores) {
   check_view(__func__, kv, q, scores, kv.n_tokens > 0 ? kv.n_pages() : 0);
   check_page_meta(__func__, kv, kv.kmean, "kmean");
   HWY_DYNAMIC_DISPATCH(page_score_mean_impl)(kv, q, scores);
+}
+
+void page_score_mean(const PagedHeadView& kv, const float* q, int n_q, float* scores) {
+  CUMULUS_CHECK(n_q >= 1, "n_q={} must be >= 1", n_q);
+  check_view(__func__, kv, q, scores, kv.n_tokens > 0 ? static_cast<int64_t>(n_q) * kv.n_pages() : 0);
+  check_page_meta(__func__, kv, kv.kmean, "kmean");
+  if (kv.n_tokens > 0) HWY_DYNAMIC_DISPATCH(page_score_mean_group_impl)(kv, q, n_q, scores);
+}
+
+float score_max(const float* x, int n) {
+  CUMULUS_CHECK(n >= 0 && (n == 0 || x != nullptr), "score_max: n={} with x={}", n, static_cast<const void*>(x));
+  return HWY_DYNAMIC_DISPATCH(score_max_impl)(x, n);
+}
+
+double score_exp(const float* x, int n, float scale, float shift, float* out) {
+  CUMULUS_CHECK(n >= 0 && (n == 0 || (x != nullptr && out != nullptr)), "score_exp: n={} needs non-null x and out",
+                n);
+  return HWY_DYNAMIC_DISPATCH(score_exp_impl)(x, n, scale, shift, out);
 }
 
 void token_score(const PagedHeadView& kv, const float* q, int n_q, const int32_t* idx, int n, float* scores) {

@@ -2,6 +2,9 @@
 // it). Quest's page bound (Quest section 3.2: for each channel the larger of q_j * min and
 // q_j * max, summed), PSA's mean-key page score, and raw token scores q . k. Every sum is
 // accumulated in float64 and rounded to float32 once at the end.
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <string_view>
 #include <vector>
 
@@ -60,6 +63,32 @@ void page_score_mean(const PagedHeadView& kv, const float* q, float* scores) {
     for (int j = 0; j < d; ++j) s += static_cast<double>(q[j]) * m[j];
     scores[p] = static_cast<float>(s);
   }
+}
+
+void page_score_mean(const PagedHeadView& kv, const float* q, int n_q, float* scores) {
+  CUMULUS_CHECK(n_q >= 1, "n_q={} must be >= 1", n_q);
+  const size_t n_pages = kv.n_tokens > 0 ? static_cast<size_t>(kv.n_pages()) : 0;
+  for (int h = 0; h < n_q; ++h)
+    page_score_mean(kv, q + static_cast<size_t>(h) * kv.head_dim, scores + static_cast<size_t>(h) * n_pages);
+}
+
+float score_max(const float* x, int n) {
+  CUMULUS_CHECK(n >= 0 && (n == 0 || x != nullptr), "score_max: n={} with x={}", n, static_cast<const void*>(x));
+  float m = -std::numeric_limits<float>::infinity();
+  for (int i = 0; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+double score_exp(const float* x, int n, float scale, float shift, float* out) {
+  CUMULUS_CHECK(n >= 0 && (n == 0 || (x != nullptr && out != nullptr)), "score_exp: n={} needs non-null x and out",
+                n);
+  double sum = 0;
+  for (int i = 0; i < n; ++i) {
+    const double e = std::exp(static_cast<double>(scale) * x[i] - shift);
+    out[i] = static_cast<float>(e);
+    sum += e;
+  }
+  return sum;
 }
 
 void token_score(const PagedHeadView& kv, const float* q, int n_q, const int32_t* idx, int n, float* scores) {
