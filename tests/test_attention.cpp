@@ -344,3 +344,50 @@ TEST(AttentionValidate, BadInputNamesTheValue) {
   b = make_args(odd, 2, q, r);
   expect_all(b, nullptr, "kv[1].head_dim=12");
 }
+
+// The weighted value sum (a method's own weights over a list, no softmax) against the
+// float64 reference: awkward list lengths, unsorted lists with repeats, 1..8 queries.
+TEST(AttentionWeightedValues, MatchesReference) {
+  std::mt19937 rng(4242);
+  int case_no = 0;
+  for (DType dt : kDTypes) {
+    for (int n : {0, 1, 3, 15, 16, 17, 255, 4097}) {
+      for (int n_q : {1, 2, 3, 4, 5, 8}) {
+        const int dim = (case_no % 5 == 2) ? 24 : (case_no % 7 == 3) ? 64 : 128;
+        const int page_size = kPageSizes[case_no % 3];
+        ++case_no;
+        AttnTestCache c = attn_cache_random({std::max(n, 40)}, dim, dt, page_size, rng);
+        std::vector<int32_t> idx(static_cast<size_t>(n));
+        for (auto& t : idx) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(std::max(n, 40)));
+        std::uniform_real_distribution<float> ud(0.0f, 1.0f);
+        std::vector<float> w(static_cast<size_t>(n_q) * n);
+        for (auto& x : w) x = ud(rng);
+        std::vector<float> want(static_cast<size_t>(n_q) * dim, NAN);
+        ref::attention_weighted_values(c.views[0], idx.data(), n, w.data(), n_q, want.data());
+        const std::string what = fmt::format("dtype={} n={} n_q={} dim={}", dtype_name(dt), n, n_q, dim);
+        if (n > 0) {
+          double norm = 0;
+          for (float x : want) norm += static_cast<double>(x) * x;
+          ASSERT_GT(norm, 0.0) << what;
+        }
+        for_each_target([&] {
+          std::vector<float> got(want.size(), NAN);
+          cpu::attention_weighted_values(c.views[0], idx.data(), n, w.data(), n_q, got.data());
+          if (n == 0) {
+            for (float x : got) ASSERT_EQ(x, 0.0f) << what;
+          } else {
+            EXPECT_LE(norm_err(got, want), kOutTol) << what;
+          }
+        });
+      }
+    }
+  }
+  AttnTestCache c = attn_cache_random({20}, 32, DType::f16, 16, rng);
+  const int32_t bad[] = {3, 20};
+  std::vector<float> w(4, 1.0f), out(64);
+  for (auto fn : {cpu::attention_weighted_values, ref::attention_weighted_values}) {
+    expect_error([&] { fn(c.views[0], bad, 2, w.data(), 1, out.data()); }, "idx[1]=20 out of range [0, 20)");
+    expect_error([&] { fn(c.views[0], bad, 1, w.data(), 0, out.data()); }, "n_q=0");
+    expect_error([&] { fn(c.views[0], bad, 1, nullptr, 1, out.data()); }, "idx and w must be non-null");
+  }
+}

@@ -401,6 +401,19 @@ TEST(HierTopp, EveryHeadReachesPOverTheUnion) {
   EXPECT_GE(sparse_heads, 6) << "the fixtures should leave most kv heads sparse";
 }
 
+// Every page scored with the default sinks and recent tokens, on GQA groups: the total is
+// exact, so each head's claim is the union's true mass and reaches P.
+TEST(HierTopp, EveryPageScoredClaimsTheTrueMass) {
+  for (const Shape& s : kShapes) {
+    Fixture f = make_fixture(s, 2000, 23, DType::f16, 3.0f, 16);
+    AttnOutput out = run("hier_topp", f, {{"candidate_p", "1"}, {"dense_above", "1"}, {"min_context", "0"}});
+    for (int qh = 0; qh < s.n_q_heads; ++qh) {
+      EXPECT_GE(out.stats[qh].mass_claimed, 0.9 - 1e-6) << "head " << qh;
+      EXPECT_NEAR(out.stats[qh].mass_true, out.stats[qh].mass_claimed, 1e-4) << "head " << qh;
+    }
+  }
+}
+
 // The cost rule: contexts of at most min_context tokens attend every token and claim 1.
 TEST(HierTopp, ShortContextsAttendDensely) {
   Fixture f = make_fixture({1, 8, 2, 64}, 900, 5);

@@ -26,6 +26,7 @@
 #include <cmath>
 
 #include "cumulus/core/error.h"
+#include "cumulus/kernels/attention.h"
 #include "cumulus/kernels/scoring.h"
 #include "cumulus/kernels/selection.h"
 #include "cumulus/methods/registry.h"
@@ -51,38 +52,77 @@ class HierTopp final : public DecodeMethod {
   void decode(int layer, const float* q, const KvCache& kv, const DecodeContext& ctx, AttnOutput& out) override {
     methods::attn_output_reset(shape_, out);
     const int n = kv.n_tokens(layer);
+    const int g = shape_.group();
     const bool dense = n <= o_.min_context || o_.p >= 1.0;
     heads_.resize(std::max(heads_.size(), static_cast<size_t>(shape_.n_kv_heads)));
-    // One task per kv head: each writes only its own list and its group's stats.
+    dense_head_.assign(static_cast<size_t>(shape_.n_kv_heads), 0);
+    // One task per kv head: each writes only its own list, output rows and stats. A head
+    // that stays sparse is attended here from its exact weights (only V rows read again);
+    // the heads the cost rule sends to dense attention go to the sparse kernel below.
     ctx.pool->parallel_for(shape_.n_kv_heads, [&](int64_t hh, int) {
       const int h = static_cast<int>(hh);
       if (dense || !select_head(layer, h, q, kv, heads_[static_cast<size_t>(h)], out)) {
+        dense_head_[static_cast<size_t>(h)] = 1;
         auto& t = out.selection.tokens[h];
         t.resize(static_cast<size_t>(n));
         for (int i = 0; i < n; ++i) t[i] = i;
-        for (int j = 0; j < shape_.group(); ++j) out.stats[h * shape_.group() + j].mass_claimed = 1.0;
+        for (int j = 0; j < g; ++j) out.stats[h * g + j].mass_claimed = 1.0;
       }
     });
-    methods::attend_selection(kv, layer, q, *ctx.pool, out);
+    if (std::find(dense_head_.begin(), dense_head_.end(), 1) == dense_head_.end()) return;
+    // The dense heads through the sparse kernel with every token listed; the sparse heads'
+    // lists are emptied for the call (their rows are already written) and restored.
+    Selection& sel = out.selection;
+    dense_sel_.tokens.resize(static_cast<size_t>(shape_.n_kv_heads));
+    for (int h = 0; h < shape_.n_kv_heads; ++h) {
+      dense_sel_.tokens[h].clear();
+      if (dense_head_[h]) std::swap(dense_sel_.tokens[h], sel.tokens[h]);
+    }
+    std::vector<PagedHeadView> views = methods::layer_views(kv, layer);
+    dense_out_.resize(out.out.size());
+    std::vector<float> lse(static_cast<size_t>(shape_.n_q_heads));
+    DecodeAttnArgs a;
+    a.kv = views.data();
+    a.n_kv_heads = shape_.n_kv_heads;
+    a.group = g;
+    a.scale = attention_scale(shape_.head_dim);
+    a.q = q;
+    a.out = dense_out_.data();
+    a.lse = lse.data();
+    cpu::attention_decode_sparse(a, dense_sel_, *ctx.pool);
+    const size_t rows = static_cast<size_t>(g) * shape_.head_dim;
+    for (int h = 0; h < shape_.n_kv_heads; ++h) {
+      if (!dense_head_[h]) continue;
+      std::swap(dense_sel_.tokens[h], sel.tokens[h]);
+      std::copy_n(dense_out_.data() + h * rows, rows, out.out.data() + h * rows);
+      for (int j = 0; j < g; ++j) out.stats[h * g + j].tokens_attended = n;
+      methods::add_kv_head_bytes(shape_, h, static_cast<double>(n) * kv.bytes_per_token_head(), out);
+    }
   }
 
  private:
   struct HeadScratch {
     std::vector<float> page_scores;   // [group][n_pages] q_j . kmean_p
-    std::vector<float> page_weights;  // [group][n_mid] len_p exp(scale score - page max)
+    std::vector<float> page_weights;  // [group][n_mid] exp(scale score - page_shift_j)
     std::vector<float> page_key;      // [n_mid] max_j of the page's share of head j's estimate
     std::vector<int32_t> page_order;  // [n_mid] middle pages, ranked by page_key
-    std::vector<int32_t> idx;         // [m] scored tokens: exact region, then candidates
-    std::vector<float> scores;        // [group][m] raw q . k
-    std::vector<float> weights;       // [group][m] exp(scale score - shift_j)
+    std::vector<int32_t> idx;         // [m] scored tokens: exact region, then candidates by round
+    std::vector<float> scores;        // [group][cap] raw q . k of idx
+    std::vector<float> weights;       // [group][cap] exp(scale score - shift_j)
+    std::vector<float> fresh;         // [group][m_new] scores of one round's new tokens
     std::vector<float> token_key;     // [m_cand] max_j share of head j's total
     std::vector<int32_t> token_order;
-    std::vector<int32_t> chosen;
-    std::vector<int32_t> cand_pages;  // sorted page indices of the candidate prefix
+    std::vector<int32_t> new_pages;   // one round's new candidate pages, ascending
+    std::vector<int32_t> chosen;      // positions into idx of the union, by token
+    std::vector<float> page_exact;    // [group][n_mid] exact weight sums of scored pages
+    std::vector<uint64_t> mark;       // [ceil(n / 64)] the union as a bitmap over tokens
+    std::vector<int32_t> pos_of;      // [n] position in idx of a marked token
+    std::vector<float> union_w;       // [group][u] exact weights of the union's tokens
   };
 
-  // Selects kv head h's union into out.selection.tokens[h] with each head's claim.
-  // Returns false where the cost rule sends the head to dense attention.
+  // Selects kv head h's union into out.selection.tokens[h], attends it (out rows, stats,
+  // bytes) and returns true; returns false where the cost rule sends the head to dense
+  // attention (nothing of it written but the bytes already read).
   bool select_head(int layer, int h, const float* q_all, const KvCache& kv, HeadScratch& w, AttnOutput& out) const {
     const int g = shape_.group();
     const int d = shape_.head_dim;
@@ -108,14 +148,13 @@ class HierTopp final : public DecodeMethod {
       const float* s = w.page_scores.data() + static_cast<size_t>(j) * n_pages + lo_page;
       float* e = w.page_weights.data() + static_cast<size_t>(j) * n_mid;
       page_shift[j] = scale * cpu::score_max(s, n_mid);
-      // Every middle page holds ps tokens (the partial last page is in the exact region).
-      est_total[j] = cpu::score_exp(s, n_mid, scale, static_cast<float>(page_shift[j]), e) * ps;
+      est_total[j] = cpu::score_exp(s, n_mid, scale, static_cast<float>(page_shift[j]), e);
     }
     w.page_key.assign(static_cast<size_t>(n_mid), 0.0f);
     for (int j = 0; j < g; ++j) {
       const float inv = static_cast<float>(1.0 / est_total[j]);
       const float* e = w.page_weights.data() + static_cast<size_t>(j) * n_mid;
-      for (int p = 0; p < n_mid; ++p) w.page_key[p] = std::max(w.page_key[p], e[p] * ps * inv);
+      for (int p = 0; p < n_mid; ++p) w.page_key[p] = std::max(w.page_key[p], e[p] * inv);
     }
     cpu::select_topk(w.page_key.data(), n_mid, n_mid, w.page_order);
     // The shortest prefix of the ranking that holds candidate_p of every head's estimate.
@@ -127,56 +166,88 @@ class HierTopp final : public DecodeMethod {
         const int p = w.page_order[n_cand++];
         reached = 0;
         for (int j = 0; j < g; ++j) {
-          acc[j] += static_cast<double>(w.page_weights[static_cast<size_t>(j) * n_mid + p]) * ps;
+          acc[j] += w.page_weights[static_cast<size_t>(j) * n_mid + p];
           reached += acc[j] >= o_.candidate_p * est_total[j] ? 1 : 0;
         }
       }
     }
 
-    // 3-5. Score the candidates exactly; double them until every head can reach P.
-    const int n_exact_lo = lo_page * ps;
+    // 3-5. Score the candidates exactly, round by round (a round adds half as many pages again
+    // and scores only those)
+    // until every head can reach P.
     w.idx.clear();
-    for (int t = 0; t < n_exact_lo; ++t) w.idx.push_back(t);
+    for (int t = 0; t < lo_page * ps; ++t) w.idx.push_back(t);
     for (int t = hi_page * ps; t < n; ++t) w.idx.push_back(t);
     const int m_exact = static_cast<int>(w.idx.size());
-    std::vector<double> shift(g), exact_sum(g), cand_exact(g), cand_est(g), rest_est(g), total(g);
+    const size_t cap = static_cast<size_t>(m_exact) + static_cast<size_t>(n_mid) * ps;
+    w.scores.resize(static_cast<size_t>(g) * cap);
+    w.weights.resize(static_cast<size_t>(g) * cap);
+    w.page_exact.resize(static_cast<size_t>(g) * n_mid);
+    // Weights are exp(scale s - shift_j) with shift_j fixed by the first round (the page
+    // estimates' and the first scores' maximum); a later round whose scores pass it by more
+    // than kShiftSlack (float exp would near overflow) raises it and rescales what is held.
+    constexpr double kShiftSlack = 60.0;
+    std::vector<double> shift(g), exact(g), total(g);
+    int n_scored = 0;  // candidate pages scored so far (a prefix of page_order)
+    int m_done = 0;    // entries of idx scored so far
     for (;;) {
       if (n_cand > o_.dense_above * n_pages) return false;
-      // Candidate pages in address order, so their K rows are read as ascending runs.
-      w.cand_pages.assign(w.page_order.begin(), w.page_order.begin() + n_cand);
-      std::sort(w.cand_pages.begin(), w.cand_pages.end());
-      w.idx.resize(static_cast<size_t>(m_exact));
-      for (int p : w.cand_pages)
+      // The round's new pages in address order, so their K rows are read as ascending runs.
+      w.new_pages.assign(w.page_order.begin() + n_scored, w.page_order.begin() + n_cand);
+      std::sort(w.new_pages.begin(), w.new_pages.end());
+      const int m_old = m_done;  // the first round also scores the exact region
+      for (int p : w.new_pages)
         for (int i = 0; i < ps; ++i) w.idx.push_back((lo_page + p) * ps + i);
       const int m = static_cast<int>(w.idx.size());
-      w.scores.resize(static_cast<size_t>(g) * m);
-      w.weights.resize(static_cast<size_t>(g) * m);
-      cpu::token_score(v, q, g, w.idx.data(), m, w.scores.data());
-      // A round that doubles the candidates scores every row again: all of them count.
-      methods::add_kv_head_bytes(shape_, h, static_cast<double>(m) * v.row_bytes(), out);
+      const int m_new = m - m_old;
+      w.fresh.resize(static_cast<size_t>(g) * m_new);
+      cpu::token_score(v, q, g, w.idx.data() + m_old, m_new, w.fresh.data());
+      methods::add_kv_head_bytes(shape_, h, static_cast<double>(m_new) * v.row_bytes(), out);
       bool all_can = true;
       for (int j = 0; j < g; ++j) {
-        const float* s = w.scores.data() + static_cast<size_t>(j) * m;
-        float* e = w.weights.data() + static_cast<size_t>(j) * m;
-        shift[j] = std::max(static_cast<double>(scale * cpu::score_max(s, m)), page_shift[j]);
-        exact_sum[j] = cpu::score_exp(s, m, scale, static_cast<float>(shift[j]), e);
-        // The candidates' estimate and the rest's, rescaled from page_shift to shift.
-        const double rescale = std::exp(page_shift[j] - shift[j]) * ps;
+        float* sc = w.scores.data() + static_cast<size_t>(j) * cap;
+        float* e = w.weights.data() + static_cast<size_t>(j) * cap;
+        float* px = w.page_exact.data() + static_cast<size_t>(j) * n_mid;
+        std::copy_n(w.fresh.data() + static_cast<size_t>(j) * m_new, m_new, sc + m_old);
+        const double s_new = static_cast<double>(scale * cpu::score_max(sc + m_old, m_new));
+        if (m_old == 0) {
+          shift[j] = std::max(page_shift[j], s_new);
+          exact[j] = 0;
+        } else if (s_new > shift[j] + kShiftSlack) {
+          const float r = static_cast<float>(std::exp(shift[j] - s_new));
+          for (int i = 0; i < m_old; ++i) e[i] *= r;
+          for (int k = 0; k < n_scored; ++k) px[w.page_order[k]] *= r;
+          exact[j] *= r;
+          shift[j] = s_new;
+        }
+        exact[j] += cpu::score_exp(sc + m_old, m_new, scale, static_cast<float>(shift[j]), e + m_old);
+        // Per-page exact sums of the round's pages (their tokens follow in page order).
+        const int base = m_old == 0 ? m_exact : m_old;
+        for (size_t k = 0; k < w.new_pages.size(); ++k) {
+          const float* ek = e + base + k * ps;
+          float sum = 0;
+          for (int i = 0; i < ps; ++i) sum += ek[i];
+          px[w.new_pages[k]] = sum;
+        }
+        // The pages not scored: their estimate times the Jensen gap measured on the scored
+        // pages of the lower half of the ranking (the ones most like the pages left out),
+        // never below 1; rescaled from page_shift to shift.
         const float* pe = w.page_weights.data() + static_cast<size_t>(j) * n_mid;
-        double ce = 0, re = 0;
-        for (int r = 0; r < n_mid; ++r) (r < n_cand ? ce : re) += pe[w.page_order[r]];
-        cand_est[j] = ce * rescale;
-        rest_est[j] = re * rescale;
-        double cx = 0;
-        for (int i = m_exact; i < m; ++i) cx += e[i];
-        cand_exact[j] = cx;
-        const double ratio = cand_est[j] > 0 ? std::max(1.0, cand_exact[j] / cand_est[j]) : 1.0;
-        total[j] = exact_sum[j] + ratio * rest_est[j];
-        all_can = all_can && exact_sum[j] >= o_.p * total[j];
+        double gap_x = 0, gap_e = 0, rest = 0;
+        for (int r = n_cand / 2; r < n_cand; ++r) {
+          gap_x += px[w.page_order[r]];
+          gap_e += pe[w.page_order[r]];
+        }
+        for (int r = n_cand; r < n_mid; ++r) rest += pe[w.page_order[r]];
+        const double rescale = std::exp(page_shift[j] - shift[j]) * ps;
+        const double gap = gap_e > 0 ? std::max(1.0, gap_x / (gap_e * rescale)) : 1.0;
+        total[j] = exact[j] + gap * rest * rescale;
+        all_can = all_can && exact[j] >= o_.p * total[j];
       }
-      if (all_can) break;
-      if (n_cand == n_mid) break;  // every page scored: the rest estimate is 0, P is reachable
-      n_cand = std::min(n_mid, 2 * n_cand);
+      n_scored = n_cand;
+      m_done = m;
+      if (all_can || n_cand == n_mid) break;  // all pages scored: the total is exact
+      n_cand = std::min(n_mid, n_cand + (n_cand + 1) / 2);
     }
 
     // Prune: the exact region always, then candidates by max_j share until all heads reach P.
@@ -186,38 +257,77 @@ class HierTopp final : public DecodeMethod {
     std::vector<float> inv(g);
     for (int j = 0; j < g; ++j) {
       inv[j] = static_cast<float>(1.0 / total[j]);
-      const float* e = w.weights.data() + static_cast<size_t>(j) * m;
+      const float* e = w.weights.data() + static_cast<size_t>(j) * cap;
       for (int i = 0; i < m_exact; ++i) mass[j] += e[i];
       mass[j] /= total[j];
     }
     w.token_key.assign(static_cast<size_t>(m_cand), 0.0f);
     for (int j = 0; j < g; ++j) {
-      const float* e = w.weights.data() + static_cast<size_t>(j) * m + m_exact;
-      for (int i = 0; i < m_cand; ++i) w.token_key[i] = std::max(w.token_key[i], e[i] * inv[j]);
+      const float* e = w.weights.data() + static_cast<size_t>(j) * cap + m_exact;
+      const float iv = inv[j];
+      float* key = w.token_key.data();
+      for (int i = 0; i < m_cand; ++i) key[i] = std::max(key[i], e[i] * iv);
     }
     auto reached = [&] {
       for (int j = 0; j < g; ++j)
         if (mass[j] < o_.p) return false;
       return true;
     };
-    auto& t = out.selection.tokens[h];
-    t.assign(w.idx.begin(), w.idx.begin() + m_exact);
+    // The union as a bitmap over tokens, with each chosen token's position in idx.
+    w.mark.assign(static_cast<size_t>((n + 63) / 64), 0);
+    if (w.pos_of.size() < static_cast<size_t>(n)) w.pos_of.resize(static_cast<size_t>(n));
+    auto choose = [&](int i) {
+      const int32_t tok = w.idx[i];
+      w.mark[tok >> 6] |= uint64_t{1} << (tok & 63);
+      w.pos_of[tok] = i;
+    };
+    for (int i = 0; i < m_exact; ++i) choose(i);
+    int u = m_exact;
     if (!reached() && m_cand > 0) {
       cpu::select_topk(w.token_key.data(), m_cand, m_cand, w.token_order);
       for (int r = 0; r < m_cand && !reached(); ++r) {
         const int i = m_exact + w.token_order[r];
-        t.push_back(w.idx[i]);
-        for (int j = 0; j < g; ++j) mass[j] += static_cast<double>(w.weights[static_cast<size_t>(j) * m + i]) / total[j];
+        choose(i);
+        ++u;
+        for (int j = 0; j < g; ++j) mass[j] += static_cast<double>(w.weights[static_cast<size_t>(j) * cap + i]) / total[j];
       }
     }
-    selection_normalize(t);
-    for (int j = 0; j < g; ++j) out.stats[h * g + j].mass_claimed = std::min(1.0, mass[j]);
+    auto& t = out.selection.tokens[h];
+    t.clear();
+    w.chosen.clear();
+    for (size_t word = 0; word < w.mark.size(); ++word)
+      for (uint64_t bits = w.mark[word]; bits != 0; bits &= bits - 1) {
+        const int32_t tok = static_cast<int32_t>(word * 64 + static_cast<size_t>(__builtin_ctzll(bits)));
+        t.push_back(tok);
+        w.chosen.push_back(w.pos_of[tok]);
+      }
+
+    // Attend the union from the exact weights: o_j = sum_U e_ji v_i / sum_U e_ji.
+    w.union_w.resize(static_cast<size_t>(g) * u);
+    for (int j = 0; j < g; ++j) {
+      const float* e = w.weights.data() + static_cast<size_t>(j) * cap;
+      float* uw = w.union_w.data() + static_cast<size_t>(j) * u;
+      double sum = 0;
+      for (int r = 0; r < u; ++r) sum += (uw[r] = e[w.chosen[r]]);
+      const float sc = static_cast<float>(1.0 / sum);
+      for (int r = 0; r < u; ++r) uw[r] *= sc;
+    }
+    float* o = out.out.data() + static_cast<size_t>(h) * g * d;
+    cpu::attention_weighted_values(v, t.data(), u, w.union_w.data(), g, o);
+    methods::add_kv_head_bytes(shape_, h, static_cast<double>(u) * v.row_bytes(), out);
+    for (int j = 0; j < g; ++j) {
+      out.stats[h * g + j].tokens_attended = u;
+      out.stats[h * g + j].mass_claimed = std::min(1.0, mass[j]);
+    }
     return true;
   }
 
   Shape shape_;
   HierToppOptions o_;
   std::vector<HeadScratch> heads_;  // [n_kv_heads]
+  std::vector<char> dense_head_;    // [n_kv_heads] sent to dense attention this step
+  Selection dense_sel_;
+  std::vector<float> dense_out_;    // [n_q_heads][head_dim]
 };
 
 }  // namespace

@@ -33,6 +33,23 @@ struct DecodeAttnArgs {
   float* mass = nullptr;
 };
 
+// Weighted sums of value rows for n_q queries of one kv head, with weights computed by
+// the caller (a method that already holds exact softmax weights of its set):
+//   out[g] = sum_i w[g][i] v_{idx[i]}
+//   idx: [n] token indices into kv; w: [n_q][n]; out: [n_q][head_dim] float32.
+// No normalisation: the caller divides by its own sum. Single-threaded (one kv head).
+namespace ref {
+void attention_weighted_values(const PagedHeadView& kv, const int32_t* idx, int n, const float* w, int n_q,
+                               float* out);
+}  // namespace ref
+namespace cpu {
+void attention_weighted_values(const PagedHeadView& kv, const int32_t* idx, int n, const float* w, int n_q,
+                               float* out);
+}  // namespace cpu
+// Checks of attention_weighted_values shared by the backends (Error naming the value).
+void weighted_values_validate(const PagedHeadView& kv, const int32_t* idx, int n, const float* w, int n_q,
+                              const float* out);
+
 namespace ref {
 void attention_decode_dense(const DecodeAttnArgs& a);
 // sel.tokens[h]: sorted unique indices into kv[h]; every query head of kv head h attends

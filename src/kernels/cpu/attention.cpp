@@ -251,7 +251,94 @@ void attn_chunk_typed(D d, const AttentionChunk& job) {
   for (int g = 0; g < job.group; ++g) job.l[g] = hn::GetLane(hn::SumOfLanes(d, hn::LoadU(d, lsum.data() + g * N)));
 }
 
+// out[g] = sum_i w[g][i] v_{idx[i]} for a tile of G heads, in blocks of kBlock tokens
+// through the PV loop of attention (alpha = 1), V rows of the next block prefetched.
+template <DType kT, int G, class D>
+void weighted_values_tile(D d, const PagedHeadView& kv, const int32_t* idx, int n, const float* w, size_t w_stride,
+                          float* out) {
+  const size_t dim = static_cast<size_t>(kv.head_dim);
+  HWY_ALIGN float p[G * kBlock];
+  float ones[G];  // alpha of the PV loop: nothing to rescale
+  for (int g = 0; g < G; ++g) ones[g] = 1.0f;
+  const void* vrow[2][kBlock];
+  auto fill = [&](int blk) {
+    const int pos = blk * kBlock;
+    for (int i = 0; i < std::min(kBlock, n - pos); ++i) vrow[blk & 1][i] = kv.value(idx[pos + i]);
+  };
+  const int n_blocks = (n + kBlock - 1) / kBlock;
+  if (n_blocks > 0) fill(0);
+  constexpr int kS = attn_pv_unroll(G);
+  for (int b = 0; b < n_blocks; ++b) {
+    const int pos = b * kBlock;
+    const int B = std::min(kBlock, n - pos);
+    RowPrefetch pf;
+    if (b + 1 < n_blocks) {
+      fill(b + 1);
+      pf = {nullptr, vrow[(b + 1) & 1], std::min(kBlock, n - pos - kBlock), kv.row_bytes()};
+    }
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < B; ++i) p[g * kBlock + i] = w[static_cast<size_t>(g) * w_stride + pos + i];
+    int pf_row = 0;
+    size_t pf_off = 0;
+    int pf_per = 0;
+    if (pf.n > 0) {
+      const int lines = pf.n * static_cast<int>((pf.bytes + 63) / 64);
+      const int slots = static_cast<int>((dim + kS * hn::Lanes(d) - 1) / (kS * hn::Lanes(d))) * B;
+      pf_per = (lines + slots - 1) / slots;
+    }
+    size_t j = 0;
+    const void* const* vr = vrow[b & 1];
+    attn_pv_steps<kT, G, kS>(d, dim, B, vr, p, ones, out, pf, pf_per, pf_row, pf_off, j);
+    if constexpr (kS > 4) attn_pv_steps<kT, G, 4>(d, dim, B, vr, p, ones, out, pf, pf_per, pf_row, pf_off, j);
+    if constexpr (kS > 2) attn_pv_steps<kT, G, 2>(d, dim, B, vr, p, ones, out, pf, pf_per, pf_row, pf_off, j);
+    if constexpr (kS > 1) attn_pv_steps<kT, G, 1>(d, dim, B, vr, p, ones, out, pf, pf_per, pf_row, pf_off, j);
+  }
+}
+
+template <DType kT, class D>
+void weighted_values_typed(D d, const PagedHeadView& kv, const int32_t* idx, int n, const float* w, int n_q,
+                           float* out) {
+  const size_t dim = static_cast<size_t>(kv.head_dim);
+  std::fill(out, out + static_cast<size_t>(n_q) * dim, 0.0f);
+  for (int g0 = 0; g0 < n_q;) {
+    const int rest = n_q - g0;
+    const float* wg = w + static_cast<size_t>(g0) * n;
+    float* o = out + static_cast<size_t>(g0) * dim;
+    const size_t ws = static_cast<size_t>(n);
+    if (rest >= 4) {
+      weighted_values_tile<kT, 4>(d, kv, idx, n, wg, ws, o);
+      g0 += 4;
+    } else if (rest == 3) {
+      weighted_values_tile<kT, 3>(d, kv, idx, n, wg, ws, o);
+      g0 += 3;
+    } else if (rest == 2) {
+      weighted_values_tile<kT, 2>(d, kv, idx, n, wg, ws, o);
+      g0 += 2;
+    } else {
+      weighted_values_tile<kT, 1>(d, kv, idx, n, wg, ws, o);
+      g0 += 1;
+    }
+  }
+}
+
 }  // namespace
+
+void attention_weighted_values_impl(const PagedHeadView& kv, const int32_t* idx, int n, const float* w, int n_q,
+                                    float* out) {
+  const hn::ScalableTag<float> df;
+  auto run = [&](auto d) {
+    switch (kv.dtype) {
+      case DType::f32: weighted_values_typed<DType::f32>(d, kv, idx, n, w, n_q, out); break;
+      case DType::f16: weighted_values_typed<DType::f16>(d, kv, idx, n, w, n_q, out); break;
+      case DType::bf16: weighted_values_typed<DType::bf16>(d, kv, idx, n, w, n_q, out); break;
+    }
+  };
+  if (kv.head_dim % static_cast<int>(hn::Lanes(df)) == 0) {
+    run(df);
+  } else {
+    run(hn::CappedTag<float, 8>());
+  }
+}
 
 void attention_chunk_impl(const AttentionChunk& job) {
   // The widest float vector whose lane count divides head_dim (a multiple of 8).
@@ -277,6 +364,7 @@ HWY_AFTER_NAMESPACE();
 namespace cumulus::cpu {
 
 HWY_EXPORT(attention_chunk_impl);
+HWY_EXPORT(attention_weighted_values_impl);
 
 namespace {
 
@@ -371,6 +459,12 @@ void attention_decode_dense(const DecodeAttnArgs& a, ThreadPool& pool) {
 void attention_decode_sparse(const DecodeAttnArgs& a, const Selection& sel, ThreadPool& pool) {
   attention_decode_validate(a, &sel);
   attention_decode_run(a, &sel, pool);
+}
+
+void attention_weighted_values(const PagedHeadView& kv, const int32_t* idx, int n, const float* w, int n_q,
+                               float* out) {
+  weighted_values_validate(kv, idx, n, w, n_q, out);
+  HWY_DYNAMIC_DISPATCH(attention_weighted_values_impl)(kv, idx, n, w, n_q, out);
 }
 
 }  // namespace cumulus::cpu

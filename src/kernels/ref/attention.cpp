@@ -66,7 +66,38 @@ void attention_decode_validate(const DecodeAttnArgs& a, const Selection* sel) {
   }
 }
 
+void weighted_values_validate(const PagedHeadView& kv, const int32_t* idx, int n, const float* w, int n_q,
+                              const float* out) {
+  CUMULUS_CHECK(head_dim_supported(kv.head_dim), "kv.head_dim={} is not supported (multiples of 8 in [8, 256])",
+                kv.head_dim);
+  CUMULUS_CHECK(n_q >= 1, "n_q={} must be >= 1", n_q);
+  CUMULUS_CHECK(n >= 0, "n={} must be >= 0", n);
+  CUMULUS_CHECK(out != nullptr, "out must be non-null");
+  if (n == 0) return;
+  CUMULUS_CHECK(idx != nullptr && w != nullptr, "idx and w must be non-null for n={}", n);
+  CUMULUS_CHECK(kv.v_pages != nullptr, "kv.v_pages must be non-null");
+  for (int i = 0; i < n; ++i)
+    CUMULUS_CHECK(idx[i] >= 0 && idx[i] < kv.n_tokens, "idx[{}]={} out of range [0, {})", i, idx[i], kv.n_tokens);
+}
+
 namespace ref {
+
+void attention_weighted_values(const PagedHeadView& kv, const int32_t* idx, int n, const float* w, int n_q,
+                               float* out) {
+  weighted_values_validate(kv, idx, n, w, n_q, out);
+  const int d = kv.head_dim;
+  std::vector<double> o(static_cast<size_t>(n_q) * d, 0.0);
+  std::vector<float> v(static_cast<size_t>(d));
+  for (int i = 0; i < n; ++i) {
+    convert_to_f32(kv.value(idx[i]), kv.dtype, v.data(), d);
+    for (int g = 0; g < n_q; ++g) {
+      const double wi = w[static_cast<size_t>(g) * n + i];
+      for (int j = 0; j < d; ++j) o[static_cast<size_t>(g) * d + j] += wi * v[j];
+    }
+  }
+  for (size_t j = 0; j < o.size(); ++j) out[j] = static_cast<float>(o[j]);
+}
+
 namespace {
 
 // Attends query heads [h * group, (h + 1) * group) over tokens idx[0..n) of kv[h] (or
