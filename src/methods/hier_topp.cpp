@@ -8,20 +8,22 @@
 //      sum_p e[j][p], and the shortest prefix holding `candidate_p` of every head's
 //      estimated mass becomes the candidate set (Twilight's "select, then prune");
 //   3. the candidates' keys are scored exactly (whole pages: contiguous reads). The mass
-//      of the pages left out is estimated as their e times the ratio exact / e measured on
-//      the candidate pages in the same step (>= 1 by Jensen), so each head's total is
-//      exact over what was read and estimated only for what was not;
+//      of the pages left out is estimated as their e times the Jensen gap (exact / e,
+//      >= 1) measured in the same step on the scored pages of the lower half of the
+//      ranking, the ones most like the pages left out; so each head's total is exact over
+//      what was read and estimated only for what was not;
 //   4. the group's union is pruned at token granularity to the smallest prefix of the
 //      candidates, ranked by max_j of their exact share, at which EVERY head's share of
 //      that total reaches P: each head's mass is counted over the union the group reads,
-//      not over a list of its own (the lever of issue 17: no 2.4x union inflation);
-//   5. if a head cannot reach P over the candidates, the candidate prefix doubles (more
-//      pages scored exactly) until it can; a kv head whose candidates pass `dense_above`
-//      of the pages, and every kv head of a context of at most `min_context` tokens,
-//      attends densely instead (the cost rule: there the selection would not pay).
+//      not over a list of its own;
+//   5. if a head cannot reach P over the candidates, the candidate prefix grows by half
+//      (only the added pages are scored) until it can; a kv head whose candidates pass
+//      `dense_above` of the pages, and every kv head of a context of at most `min_context`
+//      tokens, attends densely instead (the cost rule: there the selection would not pay);
+//   6. the union is attended from the weights of step 3: only its V rows are read.
 // Claims: each head's share of the estimated total over the attended union (1 for dense).
 // Bytes read: the page means (float32) once per kv head, the candidates' K rows once, and
-// the union's K and V rows (the sparse attention kernel).
+// the union's V rows. docs/methods.md has the measurements behind these choices.
 #include <algorithm>
 #include <cmath>
 

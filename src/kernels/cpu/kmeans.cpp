@@ -2,9 +2,9 @@
 // (Tactic 001 section 4.2-4.3); accumulation is float32.
 //
 // Assignment uses ||x - c||^2 = ||x||^2 - 2 x.c + ||c||^2 and drops the ||x||^2 term (the
-// same for every centroid), so each (row, centroid) pair costs one dot product; a row is
-// held in registers while four centroids stream past it. Rows are split into fixed tasks of
-// kRowsPerTask, so the result does not depend on the number of threads.
+// same for every centroid), so each (row, centroid) pair costs one dot product, computed as
+// a GEMM tile of rows x centroids (assign_tile). Rows are split into fixed tasks of
+// kKmeansTaskRows, so the result does not depend on the number of threads.
 
 // This file is compiled once per SIMD target by foreach_target.h.
 #undef HWY_TARGET_INCLUDE
@@ -17,6 +17,14 @@
 
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/kmeans.h"
+
+#ifndef CUMULUS_KERNELS_CPU_KMEANS_ONCE
+#define CUMULUS_KERNELS_CPU_KMEANS_ONCE
+namespace cumulus::cpu {
+// Rows per assignment task: fixed, so the result does not depend on the thread count.
+constexpr int kKmeansTaskRows = 64;
+}  // namespace cumulus::cpu
+#endif
 
 HWY_BEFORE_NAMESPACE();
 namespace cumulus::cpu::HWY_NAMESPACE {
@@ -60,39 +68,100 @@ HWY_INLINE void dot4(const float* x, const float* c0, const float* c1, const flo
   }
 }
 
-// Rows [i0, i1): nearest centroid by ||c||^2 - 2 x.c. cnorm: [k]. Returns changes.
-int64_t assign_rows_impl(const float* x, int i0, int i1, int dim, const float* centroids, const float* cnorm, int k,
+// Rows [i0, i1): nearest centroid by ||c||^2 - 2 x.c, GEMM-shaped. The centroids are held
+// transposed in tiles of W = kV vectors: ct [k_pad / W][dim][W] (padding columns 0 with
+// cnorm +inf, never chosen), so one tile (dim x W floats, 32 KiB at d = 128 and W = 64)
+// stays in L1 while every row of the task passes it, kR rows at a time with kR x kV
+// accumulators in registers: per step kV centroid loads and kR broadcasts feed kR x kV
+// FMAs (the rows-by-centroids product of a GEMM; the previous loop, one row against four
+// centroids with a horizontal sum each and the whole centroid table per row, was load-bound).
+// Each lane keeps its best distance and centroid; strict < over centroids in increasing
+// order, then the lanes' minimum with the lowest index among equals, and across tiles a
+// strict < again, gives "ties: the lower c". cnorm: [k_pad].
+//   best, arg: [kR] in/out, the rows' best distance and centroid so far
+template <int kR, int kV, class D>
+HWY_INLINE void assign_tile(D d, const float* x, int i0, int dim, const float* ct_tile, const float* cnorm, int c0,
+                            float* best_row, int32_t* arg_row) {
+  using V = hn::Vec<D>;
+  using DI = hn::RebindToSigned<D>;
+  const DI di;
+  using VI = hn::Vec<DI>;
+  constexpr size_t N = hn::MaxLanes(D());
+  const size_t W = kV * hn::Lanes(d);
+  const size_t D_ = static_cast<size_t>(dim);
+  V acc[kR][kV];
+  for (int r = 0; r < kR; ++r)
+    for (int v = 0; v < kV; ++v) acc[r][v] = hn::Zero(d);
+  for (size_t j = 0; j < D_; ++j) {
+    const float* row = ct_tile + j * W;
+    V cv[kV];
+    for (int v = 0; v < kV; ++v) cv[v] = hn::LoadU(d, row + v * hn::Lanes(d));
+    for (int r = 0; r < kR; ++r) {
+      const V xv = hn::Set(d, x[static_cast<size_t>(i0 + r) * D_ + j]);
+      for (int v = 0; v < kV; ++v) acc[r][v] = hn::MulAdd(xv, cv[v], acc[r][v]);
+    }
+  }
+  const VI lane = hn::Iota(di, 0);
+  const V minus2 = hn::Set(d, -2.0f);
+  HWY_ALIGN float bv[N];
+  HWY_ALIGN int32_t ai[N];
+  for (int r = 0; r < kR; ++r) {
+    V best = hn::Set(d, std::numeric_limits<float>::infinity());
+    VI arg = hn::Zero(di);
+    for (int v = 0; v < kV; ++v) {
+      const int cv0 = c0 + v * static_cast<int>(hn::Lanes(d));
+      const V dist = hn::MulAdd(minus2, acc[r][v], hn::LoadU(d, cnorm + cv0));
+      const auto better = hn::Lt(dist, best);
+      best = hn::IfThenElse(better, dist, best);
+      arg = hn::IfThenElse(hn::RebindMask(di, better), hn::Add(lane, hn::Set(di, cv0)), arg);
+    }
+    hn::Store(best, d, bv);
+    hn::Store(arg, di, ai);
+    for (size_t l = 0; l < hn::Lanes(d); ++l)
+      if (bv[l] < best_row[r] || (bv[l] == best_row[r] && ai[l] < arg_row[r])) {
+        best_row[r] = bv[l];
+        arg_row[r] = ai[l];
+      }
+  }
+}
+
+// kV vectors of centroids per tile: 4 with 16 lanes (16 accumulators of 32 registers), 2
+// with fewer (AVX2: 8 of 16).
+template <class D>
+constexpr int assign_vectors() {
+  return hn::MaxLanes(D()) >= 16 ? 4 : 2;
+}
+
+// Returns how many assignments of rows [i0, i1) changed; at most kKmeansTaskRows rows.
+int64_t assign_rows_impl(const float* x, int i0, int i1, int dim, const float* ct, const float* cnorm, int k_pad,
                          int32_t* assign) {
-  const size_t D = static_cast<size_t>(dim);
+  const hn::ScalableTag<float> d;
+  constexpr int kV = assign_vectors<decltype(d)>();
+  const int W = kV * static_cast<int>(hn::Lanes(d));
+  float best[kKmeansTaskRows];
+  int32_t arg[kKmeansTaskRows];
+  for (int r = 0; r < i1 - i0; ++r) {
+    best[r] = std::numeric_limits<float>::infinity();
+    arg[r] = 0;
+  }
+  for (int c0 = 0; c0 < k_pad; c0 += W) {
+    const float* tile = ct + static_cast<size_t>(c0) * dim;  // [dim][W]
+    int i = i0;
+    for (; i + 4 <= i1; i += 4) assign_tile<4, kV>(d, x, i, dim, tile, cnorm, c0, best + (i - i0), arg + (i - i0));
+    for (; i < i1; ++i) assign_tile<1, kV>(d, x, i, dim, tile, cnorm, c0, best + (i - i0), arg + (i - i0));
+  }
   int64_t changed = 0;
-  float dots[4];
   for (int i = i0; i < i1; ++i) {
-    const float* xi = x + static_cast<size_t>(i) * D;
-    float best = std::numeric_limits<float>::infinity();
-    int32_t arg = 0;
-    int c = 0;
-    for (; c + 4 <= k; c += 4) {
-      const float* cc = centroids + static_cast<size_t>(c) * D;
-      dot4(xi, cc, cc + D, cc + 2 * D, cc + 3 * D, D, dots);
-      for (int u = 0; u < 4; ++u) {
-        const float d2 = cnorm[c + u] - 2.0f * dots[u];
-        if (d2 < best) {
-          best = d2;
-          arg = c + u;
-        }
-      }
-    }
-    for (; c < k; ++c) {
-      const float d2 = cnorm[c] - 2.0f * dot(xi, centroids + static_cast<size_t>(c) * D, D);
-      if (d2 < best) {
-        best = d2;
-        arg = c;
-      }
-    }
-    if (assign[i] != arg) ++changed;
-    assign[i] = arg;
+    if (assign[i] != arg[i - i0]) ++changed;
+    assign[i] = arg[i - i0];
   }
   return changed;
+}
+
+// Centroids per tile of assign_rows_impl (kV x lanes): k_pad is a multiple of it.
+int assign_tile_width() {
+  const hn::ScalableTag<float> d;
+  return assign_vectors<decltype(d)>() * static_cast<int>(hn::Lanes(d));
 }
 
 void centroid_norms_impl(const float* centroids, int k, int dim, float* cnorm) {
@@ -139,27 +208,32 @@ HWY_AFTER_NAMESPACE();
 namespace cumulus::cpu {
 
 HWY_EXPORT(assign_rows_impl);
+HWY_EXPORT(assign_tile_width);
 HWY_EXPORT(centroid_norms_impl);
 HWY_EXPORT(accumulate_rows_impl);
 HWY_EXPORT(centroid_score_impl);
-
-namespace {
-constexpr int kRowsPerTask = 64;
-}  // namespace
 
 int64_t kmeans_assign(const float* x, int n, int dim, const float* centroids, int k, int32_t* assign,
                       ThreadPool* pool) {
   kmeans_validate(__func__, x, n, dim, centroids, k);
   CUMULUS_CHECK(n == 0 || assign != nullptr, "assign must be non-null (n={})", n);
   if (n == 0) return 0;
-  std::vector<float> cnorm(k);
+  // Centroids transposed in tiles of `width` and padded, once per call:
+  // ct [k_pad / width][dim][width], cnorm [k_pad].
+  const int width = HWY_DYNAMIC_DISPATCH(assign_tile_width)();
+  const int k_pad = (k + width - 1) / width * width;
+  std::vector<float> cnorm(static_cast<size_t>(k_pad), std::numeric_limits<float>::infinity());
   HWY_DYNAMIC_DISPATCH(centroid_norms_impl)(centroids, k, dim, cnorm.data());
-  const int64_t n_tasks = (n + kRowsPerTask - 1) / kRowsPerTask;
+  std::vector<float> ct(static_cast<size_t>(dim) * k_pad, 0.0f);
+  for (int c = 0; c < k; ++c)
+    for (int j = 0; j < dim; ++j)
+      ct[(static_cast<size_t>(c / width) * dim + j) * width + c % width] = centroids[static_cast<size_t>(c) * dim + j];
+  const int64_t n_tasks = (n + kKmeansTaskRows - 1) / kKmeansTaskRows;
   std::vector<int64_t> changed(n_tasks, 0);
   auto task = [&](int64_t t, int) {
-    const int i0 = static_cast<int>(t) * kRowsPerTask;
-    const int i1 = i0 + kRowsPerTask < n ? i0 + kRowsPerTask : n;
-    changed[t] = HWY_DYNAMIC_DISPATCH(assign_rows_impl)(x, i0, i1, dim, centroids, cnorm.data(), k, assign);
+    const int i0 = static_cast<int>(t) * kKmeansTaskRows;
+    const int i1 = i0 + kKmeansTaskRows < n ? i0 + kKmeansTaskRows : n;
+    changed[t] = HWY_DYNAMIC_DISPATCH(assign_rows_impl)(x, i0, i1, dim, ct.data(), cnorm.data(), k_pad, assign);
   };
   if (pool != nullptr && n_tasks > 1) {
     pool->parallel_for(n_tasks, task);
