@@ -76,6 +76,8 @@ TEST_F(Cli, BenchContextBeyondTheModelIsRejected) {
                   "--bench-context 100000 + --bench-decode 2 exceeds the context");
   expect_rejected(gen("--bench --bench-context 512 --bench-decode 2"), "exceeds the context");
   expect_rejected("generate --model " + model_ + " --max-tokens 600", "--max-tokens 600 leaves no room");
+  expect_rejected(eval("kl", "--context 100000"), "context=100000 exceeds the model's context of 512");
+  expect_rejected(eval("niah", "--lengths 1024"), "length=1024 exceeds the model's context of 512");
 }
 
 // Defect 2: methods, parameters and output paths before any work.

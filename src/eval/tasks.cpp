@@ -656,12 +656,22 @@ void EvalOptions::validate() const {
   }
 }
 
+void EvalOptions::validate(const ModelConfig& model) const {
+  const int ctx = model.context_length;
+  if (task == "niah" || (task == "matched" && matched_niah)) {
+    for (int l : lengths) CUMULUS_CHECK(l <= ctx, "length={} exceeds the model's context of {} tokens", l, ctx);
+  }
+  if (task != "niah") {
+    const int c = context > 0 ? context : ctx;
+    CUMULUS_CHECK(c <= ctx, "context={} exceeds the model's context of {} tokens", c, ctx);
+    CUMULUS_CHECK(c - steps >= 16, "context={} leaves {} prompt tokens before the {} steps: need >= 16", c, c - steps,
+                  steps);
+  }
+}
+
 EvalReport eval_run(const EvalModel& model, const EvalOptions& options, std::FILE* progress_out) {
   options.validate();
-  const int ctx = model.weights.config.context_length;
-  if (options.task == "niah" || (options.task == "matched" && options.matched_niah))
-    for (int l : options.lengths)
-      CUMULUS_CHECK(l <= ctx, "length={} exceeds the model's context of {} tokens", l, ctx);
+  options.validate(model.weights.config);
   Progress progress(progress_out);
   Evaluator e(model, options, progress);
   return e.run();

@@ -40,7 +40,7 @@ void eval_command_run(EvalArgs& a) {
   if (!a.markdown.empty()) file_check_output(a.markdown, "--markdown");
   if (!a.json.empty()) file_check_output(a.json, "--json");
   if (!a.svg_dir.empty()) dir_check_output(a.svg_dir, "--svg-dir");
-  eval_model_check(a.model, a.tokenizer);
+  o.validate(eval_model_check(a.model, a.tokenizer));
 
   const EvalModel model = eval_model_load(a.model, a.tokenizer, storage);
   const EvalReport rep = eval_run(model, o, stderr);

@@ -99,6 +99,9 @@ struct EvalOptions {
   // method, and the methods, parameters and sweeps the task will run (dense is the
   // reference's label; matched takes adaptive methods only).
   void validate() const;
+  // The checks that need the model's hyperparameters (its header, eval_model_check):
+  // context and NIAH lengths within the model's context.
+  void validate(const ModelConfig& model) const;
 };
 
 // One method's decode steps from one prefill: a teacher-forced continuation or a greedy
