@@ -146,6 +146,7 @@ TEST_F(Cli, InconsistentOptionsAreRejected) {
   expect_rejected(gen("--prefill flexprefill --prefill-param gamma=0.9 --prefill-param gamma=0.8"),
                   "key 'gamma' is given twice");
   expect_rejected("bench --param quest.budget=64 --param quest.budget=128", "already set");
+  expect_rejected("bench --membw-mib 100000000", "--membw-mib=100000000 must be in [64, 16384]");
   expect_rejected(eval("kl", "--method dense=tactic"), "the label 'dense' is the dense reference's");
   expect_rejected(eval("kl", "--method a=tactic,a=psa"), "label 'a' is given twice");
   expect_rejected(eval("matched", "--method quest"), "quest is not an adaptive method");

@@ -43,7 +43,7 @@ void bench_command_run(const BenchArgs& a) {
   BenchOptions o = a.o;
   o.dtype = dtype_from_name(a.dtype);
   for (const auto& p : a.params) param_add(o, p);
-  CUMULUS_CHECK(a.membw_mib >= 64, "--membw-mib={} must be >= 64", a.membw_mib);
+  CUMULUS_CHECK(a.membw_mib >= 64 && a.membw_mib <= 16384, "--membw-mib={} must be in [64, 16384]", a.membw_mib);
   o.membw_bytes = static_cast<size_t>(a.membw_mib) << 20;
   CUMULUS_CHECK(a.evict_mib >= -1 && a.evict_mib <= 16384, "--evict-mib={} must be in [0, 16384]", a.evict_mib);
   if (a.evict_mib >= 0) o.evict_bytes = static_cast<size_t>(a.evict_mib) << 20;

@@ -121,6 +121,7 @@ CASES=(
   "number|bench --threads 0"
   "number|bench --seed -1"
   "number|bench --context 10"
+  "number|bench --membw-mib 100000000"
   "number|trace --profile-synthetic smollm2-135m --p 2"
   # output paths
   "output|${E} --markdown /nonexistent/x.md"
