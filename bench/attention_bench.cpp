@@ -33,6 +33,7 @@
 
 #include "cumulus/core/buffer.h"
 #include "cumulus/core/dtype.h"
+#include "cumulus/core/file.h"
 #include "cumulus/core/thread_pool.h"
 #include "cumulus/eval/bench.h"
 #include "cumulus/eval/membw.h"
@@ -357,7 +358,7 @@ int main(int argc, char** argv) {
                          {"ms_per_step_fastest", r.ms_min},
                          {"touch_only_ms", r.touch_ms > 0 ? nlohmann::json(r.touch_ms) : nlohmann::json(nullptr)},
                          {"pct_of_read_bw_fastest", r.pct_min}});
-  std::ofstream(json_path) << j.dump(2) << "\n";
+  cumulus::file_write_atomic(json_path, j.dump(2) + "\n", "--json");
   std::printf("\nwrote %s\n", json_path.c_str());
   return 0;
 }

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "cumulus/core/error.h"
+#include "cumulus/core/file.h"
 #include "cumulus/core/thread_pool.h"
 #include "cumulus/eval/synthetic.h"
 #include "cumulus/eval/trace.h"
@@ -628,7 +629,7 @@ int main(int argc, char** argv) {
         runs.push_back(run);
         json partial = report;  // written after every run: a later failure keeps the earlier results
         partial["runs"] = runs;
-        std::ofstream(o.json_path) << partial.dump(1);
+        cumulus::file_write_atomic(o.json_path, partial.dump(1), "--json");
       }
     }
     report["runs"] = runs;
@@ -651,7 +652,7 @@ int main(int argc, char** argv) {
                        l[name]["step_us"].get<double>(), l["dense_us"].get<double>());
     }
     report["traces"] = traces;
-    std::ofstream(o.json_path) << report.dump(1);
+    cumulus::file_write_atomic(o.json_path, report.dump(1), "--json");
     fmt::print("wrote {}\n", o.json_path);
   } catch (const std::exception& e) {
     fmt::print(stderr, "cuda_decode_bench: error: {}\n", e.what());

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "cumulus/core/dtype.h"
+#include "cumulus/core/file.h"
 #include "cumulus/core/thread_pool.h"
 #include "cumulus/kernels/cuda.h"
 #include "cumulus/kernels/cuda_prefill.h"
@@ -329,7 +330,7 @@ int main(int argc, char** argv) {
                                 {"attention_speedup_vs_dense", dense_ms / median(t_attn)}}}});
     std::fflush(stdout);
   }
-  std::ofstream(json_path) << report.dump(2) << "\n";
+  cumulus::file_write_atomic(json_path, report.dump(2) + "\n", "--json");
   std::printf("\nJSON: %s\n", json_path.c_str());
   return 0;
 }

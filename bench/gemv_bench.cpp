@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cumulus/core/dtype.h"
+#include "cumulus/core/file.h"
 #include "cumulus/core/thread_pool.h"
 #include "cumulus/eval/bench.h"
 #include "cumulus/eval/membw.h"
@@ -190,8 +191,7 @@ int main(int argc, char** argv) {
               "32-element block; speedup: sgemv time / quantised time\n",
               threads);
   if (!json_path.empty()) {
-    std::ofstream f(json_path);
-    f << out.dump(2) << "\n";
+    cumulus::file_write_atomic(json_path, out.dump(2) + "\n", "--json");
   }
   return 0;
 }

@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "cumulus/core/dtype.h"
+#include "cumulus/core/file.h"
 #include "cumulus/core/thread_pool.h"
 #include "cumulus/eval/bench.h"
 #include "cumulus/kernels/prefill.h"
@@ -494,7 +495,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   out["load_average_end"] = load_average();
-  std::ofstream(json_path) << out.dump(2) << "\n";
+  cumulus::file_write_atomic(json_path, out.dump(2) + "\n", "--json");
   std::printf("load average %.2f at the end; JSON: %s\n", load_average(), json_path.c_str());
   return 0;
 }

@@ -29,6 +29,7 @@
 #include "cumulus/eval/tasks.h"
 #include "cumulus/model/text.h"
 #include "cumulus/model/tokenizer.h"
+#include "fixtures.h"
 
 using namespace cumulus;
 namespace fs = std::filesystem;
@@ -195,7 +196,7 @@ class EvalText : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!fs::exists(smollm2_json()) || !fs::exists(tok512()) || !fs::exists(pride()))
-      GTEST_SKIP() << "no " << shared_dir() << " (../shared missing)";
+      CUMULUS_FIXTURE_MISSING("no " << shared_dir() << " (../shared missing)");
     bpe_ = tokenizer_from_hf_json(smollm2_json().string(), 1, 2);
     spm_ = tokenizer_from_llama2c(tok512().string(), 512);
   }

@@ -15,6 +15,7 @@
 #include "cumulus/eval/report.h"
 #include "cumulus/eval/tasks.h"
 #include "cumulus/model/session.h"
+#include "fixtures.h"
 
 using namespace cumulus;
 namespace fs = std::filesystem;
@@ -34,7 +35,7 @@ class EvalTasks : public ::testing::Test {
     model_ = nullptr;
   }
   void SetUp() override {
-    if (!model_) GTEST_SKIP() << "no " << kModel << " or " << kText << " (../shared missing)";
+    if (!model_) CUMULUS_FIXTURE_MISSING("no " << kModel << " or " << kText << " (../shared missing)");
   }
   static EvalOptions options(const std::string& task) {
     EvalOptions o;

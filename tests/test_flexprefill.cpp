@@ -27,6 +27,7 @@
 #include "cumulus/model/tokenizer.h"
 #include "methods/flexprefill.h"
 #include "methods/method_util.h"
+#include "fixtures.h"
 
 using namespace cumulus;
 using namespace cumulus::attn_test;
@@ -307,7 +308,7 @@ const std::string kStories = std::string(CUMULUS_SHARED_DIR) + "/data/models/sto
 class FlexPrefillStories : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!std::filesystem::exists(kStories + "/stories260K.bin")) GTEST_SKIP() << "no " << kStories;
+    if (!std::filesystem::exists(kStories + "/stories260K.bin")) CUMULUS_FIXTURE_MISSING("no " << kStories);
     weights_ = std::make_unique<ModelWeights>(model_weights_load(kStories + "/stories260K.bin"));
     tok_ = tokenizer_from_llama2c(kStories + "/tok512.bin", weights_->config.vocab_size);
     std::string text;

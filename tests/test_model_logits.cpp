@@ -42,6 +42,7 @@
 #include "cumulus/model/model_weights.h"
 #include "cumulus/model/session.h"
 #include "cumulus/model/tokenizer.h"
+#include "fixtures.h"
 
 using namespace cumulus;
 namespace fs = std::filesystem;
@@ -53,7 +54,7 @@ constexpr double kMaxCenteredDiff = 0.4;
 constexpr double kMeanAbsDiff = 0.2;
 constexpr int kMinOverlap = 17;
 
-fs::path repo_root() { return fs::path(__FILE__).parent_path().parent_path(); }
+fs::path repo_root() { return cumulus::test::source_dir(); }
 fs::path smollm2_gguf() { return repo_root() / "models/SmolLM2-135M-Instruct.Q4_1.gguf"; }
 fs::path fixture_path() { return repo_root() / "tests/data/smollm2_llamacpp_logits.json"; }
 
@@ -116,7 +117,7 @@ double expect_matches(const std::vector<float>& logits, const Golden& g, const c
 }  // namespace
 
 TEST(SmolLM2, LogitsMatchLlamaCpp) {
-  if (!fs::exists(smollm2_gguf())) GTEST_SKIP() << smollm2_gguf() << " missing: run scripts/fetch-model.sh";
+  if (!fs::exists(smollm2_gguf())) CUMULUS_FIXTURE_MISSING(smollm2_gguf() << " missing: run scripts/fetch-model.sh");
   std::ifstream in(fixture_path());
   ASSERT_TRUE(in.good()) << fixture_path();
   const nlohmann::json fx = nlohmann::json::parse(in);
@@ -192,7 +193,7 @@ TEST(SmolLM2, CompactWeightsMatchFloat32Weights) {
 #ifdef CUMULUS_SANITIZED
   GTEST_SKIP() << "float32 copy of the model (540 MB) skipped under the sanitizers";
 #endif
-  if (!fs::exists(smollm2_gguf())) GTEST_SKIP() << smollm2_gguf() << " missing: run scripts/fetch-model.sh";
+  if (!fs::exists(smollm2_gguf())) CUMULUS_FIXTURE_MISSING(smollm2_gguf() << " missing: run scripts/fetch-model.sh");
   std::ifstream in(fixture_path());
   ASSERT_TRUE(in.good()) << fixture_path();
   const std::vector<int32_t> ids = nlohmann::json::parse(in).at("token_ids").get<std::vector<int32_t>>();

@@ -20,12 +20,13 @@
 #include "cumulus/core/error.h"
 #include "cumulus/model/gguf.h"
 #include "cumulus/model/quant.h"
+#include "fixtures.h"
 
 using namespace cumulus;
 
 namespace {
 
-std::filesystem::path repo_root() { return std::filesystem::path(__FILE__).parent_path().parent_path(); }
+std::filesystem::path repo_root() { return cumulus::test::source_dir(); }
 
 // A random f16-representable scale in [lo, hi], returned as bits and value.
 struct Half {
@@ -268,7 +269,7 @@ TEST(Quant, MatchesGgufPyReference) {
 
 TEST(Quant, SmolLM2TokenEmbeddingsPlausible) {
   const auto path = repo_root() / "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-  if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " missing: run scripts/fetch-model.sh";
+  if (!std::filesystem::exists(path)) CUMULUS_FIXTURE_MISSING(path << " missing: run scripts/fetch-model.sh");
   const GgufFile f = GgufFile::open(path.string());
   const GgufTensorInfo* t = f.find_tensor("token_embd.weight");
   ASSERT_NE(t, nullptr);

@@ -16,13 +16,14 @@
 #include "cumulus/model/tokenizer.h"
 #include "model/tokenizer_impl.h"
 #include "test_model_gguf_writer.h"
+#include "fixtures.h"
 
 using namespace cumulus;
 namespace fs = std::filesystem;
 
 namespace {
 
-fs::path repo_root() { return fs::path(__FILE__).parent_path().parent_path(); }
+fs::path repo_root() { return cumulus::test::source_dir(); }
 fs::path shared_dir() { return fs::path(CUMULUS_SHARED_DIR); }
 fs::path smollm2_json() { return shared_dir() / "data/models/smollm2-135m-instruct-meta/tokenizer.json"; }
 fs::path smollm2_gguf() { return repo_root() / "models/SmolLM2-135M-Instruct.Q4_1.gguf"; }
@@ -84,7 +85,7 @@ TEST(Tokenizer, Gpt2PreTokenizerSplits) {
 }
 
 TEST(Tokenizer, SmolLM2MatchesHuggingFaceFromTokenizerJson) {
-  if (!fs::exists(smollm2_json())) GTEST_SKIP() << smollm2_json() << " missing (../shared not present)";
+  if (!fs::exists(smollm2_json())) CUMULUS_FIXTURE_MISSING(smollm2_json() << " missing (../shared not present)");
   const auto tok = tokenizer_from_hf_json(smollm2_json().string(), 1, 2);
   EXPECT_EQ(tok->kind(), TokenizerKind::gpt2_bpe);
   EXPECT_EQ(tok->vocab_size(), 49152u);
@@ -92,7 +93,7 @@ TEST(Tokenizer, SmolLM2MatchesHuggingFaceFromTokenizerJson) {
 }
 
 TEST(Tokenizer, SmolLM2MatchesHuggingFaceFromGguf) {
-  if (!fs::exists(smollm2_gguf())) GTEST_SKIP() << smollm2_gguf() << " missing: run scripts/fetch-model.sh";
+  if (!fs::exists(smollm2_gguf())) CUMULUS_FIXTURE_MISSING(smollm2_gguf() << " missing: run scripts/fetch-model.sh");
   const GgufFile f = GgufFile::open(smollm2_gguf().string());
   const auto tok = tokenizer_from_gguf(f);
   EXPECT_EQ(tok->kind(), TokenizerKind::gpt2_bpe);
@@ -109,7 +110,7 @@ TEST(Tokenizer, SmolLM2MatchesHuggingFaceFromGguf) {
 }
 
 TEST(Tokenizer, Llama2cTok512RoundTrips) {
-  if (!fs::exists(tok512())) GTEST_SKIP() << tok512() << " missing (../shared not present)";
+  if (!fs::exists(tok512())) CUMULUS_FIXTURE_MISSING(tok512() << " missing (../shared not present)");
   const auto tok = tokenizer_from_llama2c(tok512().string(), 512);
   EXPECT_EQ(tok->kind(), TokenizerKind::llama2c);
   EXPECT_EQ(tok->vocab_size(), 512u);
@@ -150,7 +151,7 @@ TEST(Tokenizer, Llama2cTok512RoundTrips) {
 }
 
 TEST(Tokenizer, Llama2cTokenizerFileErrors) {
-  if (!fs::exists(tok512())) GTEST_SKIP() << tok512() << " missing (../shared not present)";
+  if (!fs::exists(tok512())) CUMULUS_FIXTURE_MISSING(tok512() << " missing (../shared not present)");
   EXPECT_THROW(tokenizer_from_llama2c(tok512().string(), 511), Error);  // bytes left over
   EXPECT_THROW(tokenizer_from_llama2c(tok512().string(), 513), Error);  // truncated
   EXPECT_THROW(tokenizer_from_llama2c("/nonexistent/tok.bin", 512), Error);
@@ -159,7 +160,7 @@ TEST(Tokenizer, Llama2cTokenizerFileErrors) {
 // The tok512 vocabulary written as a GGUF `llama` tokenizer (spaces as U+2581, token types)
 // must encode exactly like the llama2.c loader.
 TEST(Tokenizer, GgufLlamaSentencepieceMatchesLlama2c) {
-  if (!fs::exists(tok512())) GTEST_SKIP() << tok512() << " missing (../shared not present)";
+  if (!fs::exists(tok512())) CUMULUS_FIXTURE_MISSING(tok512() << " missing (../shared not present)");
   const auto ref = tokenizer_from_llama2c(tok512().string(), 512);
   std::vector<std::string> tokens;
   std::vector<float> scores;

@@ -18,6 +18,7 @@
 #include "cumulus/model/gguf.h"
 #include "cumulus/model/model_weights.h"
 #include "test_model_gguf_writer.h"
+#include "fixtures.h"
 
 using namespace cumulus;
 using cumulus::test::GgufWriter;
@@ -25,7 +26,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-fs::path repo_root() { return fs::path(__FILE__).parent_path().parent_path(); }
+fs::path repo_root() { return cumulus::test::source_dir(); }
 fs::path stories260k() { return fs::path(CUMULUS_SHARED_DIR) / "data/models/stories260K/stories260K.bin"; }
 fs::path smollm2_gguf() { return repo_root() / "models/SmolLM2-135M-Instruct.Q4_1.gguf"; }
 
@@ -121,7 +122,7 @@ std::vector<uint8_t> small_llama_gguf(const std::string& arch = "llama", const s
 }  // namespace
 
 TEST(Llama2c, Stories260KLoads) {
-  if (!fs::exists(stories260k())) GTEST_SKIP() << stories260k() << " missing (../shared not present)";
+  if (!fs::exists(stories260k())) CUMULUS_FIXTURE_MISSING(stories260k() << " missing (../shared not present)");
   const ModelConfig c = model_config_from_llama2c(stories260k().string());
   EXPECT_EQ(c.dim, 64);
   EXPECT_EQ(c.hidden_dim, 172);
@@ -168,7 +169,7 @@ TEST(Llama2c, Stories260KLoads) {
 }
 
 TEST(Llama2c, WrongSizeAndBadHeader) {
-  if (!fs::exists(stories260k())) GTEST_SKIP() << stories260k() << " missing (../shared not present)";
+  if (!fs::exists(stories260k())) CUMULUS_FIXTURE_MISSING(stories260k() << " missing (../shared not present)");
   const std::vector<uint8_t> good = read_file(stories260k());
   const fs::path p = temp_file("stories.bin");
   std::vector<uint8_t> b(good.begin(), good.end() - 1);
@@ -283,7 +284,7 @@ TEST(Model, GgufLoaderErrorsNameFileAndTensor) {
 }
 
 TEST(Model, SmolLM2GgufMatchesConfigJson) {
-  if (!fs::exists(smollm2_gguf())) GTEST_SKIP() << smollm2_gguf() << " missing: run scripts/fetch-model.sh";
+  if (!fs::exists(smollm2_gguf())) CUMULUS_FIXTURE_MISSING(smollm2_gguf() << " missing: run scripts/fetch-model.sh");
   const GgufFile f = GgufFile::open(smollm2_gguf().string());
   const ModelConfig c = model_config_from_gguf(f);
   const fs::path cfg_path = fs::path(CUMULUS_SHARED_DIR) / "data/models/smollm2-135m-instruct-meta/config.json";

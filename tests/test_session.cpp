@@ -14,6 +14,7 @@
 #include "cumulus/model/sampler.h"
 #include "cumulus/model/session.h"
 #include "cumulus/model/tokenizer.h"
+#include "fixtures.h"
 
 using namespace cumulus;
 
@@ -62,7 +63,8 @@ Generated generate(const ModelWeights& w, const Tokenizer& tok, SessionOptions o
 class Stories260K : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!std::filesystem::exists(kDir + "/stories260K.bin")) GTEST_SKIP() << "no " << kDir << " (../shared missing)";
+    if (!std::filesystem::exists(kDir + "/stories260K.bin"))
+      CUMULUS_FIXTURE_MISSING("no " << kDir << " (../shared missing)");
     weights_ = std::make_unique<ModelWeights>(model_weights_load(kDir + "/stories260K.bin"));
     tok_ = tokenizer_from_llama2c(kDir + "/tok512.bin", weights_->config.vocab_size);
     sample_ = golden_sample();

@@ -73,6 +73,23 @@ std::vector<std::string> split_commas(const std::string& s) {
 
 }  // namespace
 
+std::map<std::string, std::string> key_values_parse(const std::vector<std::string>& items, const char* option) {
+  std::map<std::string, std::string> out;
+  for (const auto& p : items) {
+    const size_t eq = p.find('=');
+    CUMULUS_CHECK(eq != std::string::npos && eq > 0, "{} '{}' must be key=value", option, p);
+    const auto [it, fresh] = out.emplace(p.substr(0, eq), p.substr(eq + 1));
+    CUMULUS_CHECK(fresh, "{} '{}': key '{}' is given twice", option, p, it->first);
+  }
+  return out;
+}
+
+void prefill_spec_check(const std::string& method, const std::map<std::string, std::string>& params) {
+  const MethodInfo& info = Registry::builtin().find(method);
+  CUMULUS_CHECK(info.make_prefill != nullptr, "--prefill {}: a {} method, not a prefill method", method, info.kind);
+  Registry::builtin().parse(method, params);
+}
+
 std::string params_text(const std::map<std::string, std::string>& params) {
   std::string s;
   for (const auto& [k, v] : params) s += (s.empty() ? "" : " ") + k + "=" + v;
@@ -92,14 +109,24 @@ std::vector<MethodSpec> method_specs_parse(const std::vector<std::string>& entri
     CUMULUS_CHECK(!s.label.empty() && !s.method.empty(), "--method entry '{}' must be method or label=method", e);
     CUMULUS_CHECK(s.label.find_first_of(" .,") == std::string::npos,
                   "--method entry '{}': a label may not contain spaces, dots or commas", e);
-    Registry::builtin().find(s.method);  // throws, listing the known names
+    const MethodInfo& info = Registry::builtin().find(s.method);  // throws, listing the known names
+    CUMULUS_CHECK(info.make_decode != nullptr, "--method entry '{}': {} is a {} method, not a decode method", e,
+                  s.method, info.kind);
     for (const auto& b : base) CUMULUS_CHECK(b.label != s.label, "--method: label '{}' is given twice", s.label);
     s.curve = s.label;
     base.push_back(std::move(s));
   }
+  // Which --param set each (entry, key): a second one for the same pair is an Error, not a
+  // silent "last one wins".
+  std::vector<std::map<std::string, std::string>> set_by(base.size());
   for (const auto& p : params) {
     const Override o = override_parse(p, "--param");
-    for (size_t i : override_targets(base, o, p, "--param")) base[i].params[o.key] = o.value;
+    for (size_t i : override_targets(base, o, p, "--param")) {
+      const auto [it, fresh] = set_by[i].emplace(o.key, p);
+      CUMULUS_CHECK(fresh, "--param '{}': {}'s parameter '{}' is already set by --param '{}'", p, base[i].label, o.key,
+                    it->second);
+      base[i].params[o.key] = o.value;
+    }
   }
   // Sweeps: per entry, the list of (key, values) in the order given.
   std::vector<std::vector<std::pair<std::string, std::vector<std::string>>>> entry_sweeps(base.size());

@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <functional>
 #include <set>
 
 #include "cumulus/core/error.h"
+#include "cumulus/core/file.h"
 #include "cumulus/eval/niah.h"
 #include "cumulus/eval/progress.h"
 #include "cumulus/methods/registry.h"
@@ -32,6 +34,83 @@ std::vector<std::string> all_decode_methods() {
   for (const auto& m : Registry::builtin().list())
     if (m.kind == "decode" && m.name != "dense") out.push_back(m.name);
   return out;
+}
+
+// kl, ppl, niah: the selected methods (default: all) with dense first; dense is the
+// reference of every comparison, so no other method may take its label.
+std::vector<MethodSpec> eval_specs_with_dense(const EvalOptions& o) {
+  std::vector<MethodSpec> specs =
+      method_specs_parse(o.methods.empty() ? all_decode_methods() : o.methods, o.params, o.sweeps);
+  for (const auto& s : specs)
+    CUMULUS_CHECK(s.label != "dense" || s.method == "dense",
+                  "--method dense={}: the label 'dense' is the dense reference's; give this run another label",
+                  s.method);
+  auto it = std::find_if(specs.begin(), specs.end(), [](const MethodSpec& s) { return s.method == "dense"; });
+  if (it == specs.end()) {
+    specs.insert(specs.begin(), MethodSpec{"dense", "dense", "dense", {}});
+  } else {
+    std::rotate(specs.begin(), it, it + 1);
+  }
+  return specs;
+}
+
+// The variants of Tactic Table 1 (our version, issue 4), by label.
+struct MassVariant {
+  const char* entry;
+  const char* name;
+  std::map<std::string, std::string> fixed;  // what defines the variant (wins over --param)
+};
+
+std::vector<MassVariant> mass_variants() {
+  return {
+      {"optimal=oracle_topp", "Optimal", {}},
+      {"cluster_optimal=tactic", "Cluster Optimal", {{"mode", "cluster_optimal"}}},
+      {"tactic", "Tactic", {{"mode", "fit"}}},
+      {"psa_mean=psa", "PSA (mean)", {{"criticality", "mean"}, {"stop", "estimate"}}},
+      {"psa_bound=psa", "PSA (bound)", {{"criticality", "bound"}, {"stop", "estimate"}}},
+      // The certificate is a sum of Quest bounds over unvisited pages: visiting pages in
+      // bound order shrinks it fastest.
+      {"psa_certified=psa", "PSA (certified)", {{"criticality", "bound"}, {"stop", "certified"}}},
+  };
+}
+
+// mass: dense, the variants, then the LFPS and Quest rows matched to Tactic's budget.
+std::vector<std::string> mass_entries() {
+  std::vector<std::string> entries{"dense"};
+  for (const auto& v : mass_variants()) entries.push_back(v.entry);
+  entries.push_back("lfps");
+  entries.push_back("quest");
+  return entries;
+}
+
+// matched: the adaptive methods (--method, default tactic) and the fixed-budget baselines
+// given their budget.
+struct MatchedSpecs {
+  std::vector<MethodSpec> all, adaptive, baselines;
+};
+
+MatchedSpecs matched_specs(const EvalOptions& o) {
+  std::vector<std::string> entries = o.methods.empty() ? std::vector<std::string>{"tactic"} : o.methods;
+  // An adaptive method sets its own budget; a fixed-budget one (or dense) would only be
+  // matched against itself. Checked on --method alone, before the baselines join.
+  for (const auto& s : method_specs_parse(entries))
+    CUMULUS_CHECK(s.method != "dense" && s.method != "quest" && s.method != "lfps" && s.method != "oracle_topk" &&
+                      s.method != "streaming",
+                  "matched --method {}: {} is not an adaptive method (it has a fixed budget); give tactic, psa or "
+                  "oracle_topp, and fixed-budget methods as --baselines",
+                  s.label, s.method);
+  for (const auto& b : o.baselines) {
+    budget_param(b);  // throws for a method without a budget
+    entries.push_back(b);
+  }
+  MatchedSpecs m;
+  m.all = method_specs_parse(entries, o.params, o.sweeps);
+  std::set<std::string> baseline_set(o.baselines.begin(), o.baselines.end());
+  for (auto& s : m.all) (baseline_set.count(s.curve) ? m.baselines : m.adaptive).push_back(s);
+  for (const auto& s : m.baselines)
+    CUMULUS_CHECK(s.label == s.curve, "--sweep may not vary the baseline {} (its budget is matched)", s.curve);
+  CUMULUS_CHECK(!m.adaptive.empty(), "matched needs an adaptive method (--method, default tactic)");
+  return m;
 }
 
 // The target P of an adaptive method, from its resolved parameters (NaN for none).
@@ -130,8 +209,6 @@ class Evaluator {
   void niah_grid(EvalReport& rep, const std::vector<MethodSpec>& specs, int runs_per_cell,
                  const std::function<void(NiahCell&, const AnswerFn&)>& fill);
 
-  // Specs from the options' text; dense moved (or added) to the front.
-  std::vector<MethodSpec> specs_with_dense(const std::vector<std::string>& default_methods) const;
   void continuation_setup(EvalReport& rep, const std::vector<MethodSpec>& specs);
 
   const EvalModel& m_;
@@ -291,18 +368,6 @@ RunStats Evaluator::run_matched(const MethodSpec& base, double target_tokens, in
   return best;
 }
 
-std::vector<MethodSpec> Evaluator::specs_with_dense(const std::vector<std::string>& default_methods) const {
-  std::vector<MethodSpec> specs =
-      method_specs_parse(o_.methods.empty() ? default_methods : o_.methods, o_.params, o_.sweeps);
-  auto it = std::find_if(specs.begin(), specs.end(), [](const MethodSpec& s) { return s.method == "dense"; });
-  if (it == specs.end()) {
-    specs.insert(specs.begin(), MethodSpec{"dense", "dense", "dense", {}});
-  } else {
-    std::rotate(specs.begin(), it, it + 1);
-  }
-  return specs;
-}
-
 void Evaluator::continuation_setup(EvalReport& rep, const std::vector<MethodSpec>& specs) {
   const int ctx = o_.context > 0 ? o_.context : m_.weights.config.context_length;
   CUMULUS_CHECK(ctx <= m_.weights.config.context_length, "context={} exceeds the model's context of {} tokens", ctx,
@@ -323,7 +388,7 @@ void Evaluator::continuation_setup(EvalReport& rep, const std::vector<MethodSpec
 }
 
 void Evaluator::task_continuation(EvalReport& rep) {
-  const std::vector<MethodSpec> specs = specs_with_dense(all_decode_methods());
+  const std::vector<MethodSpec> specs = eval_specs_with_dense(o_);
   const int ctx = o_.context > 0 ? o_.context : m_.weights.config.context_length;
   const bool sparse = sparse_prefill();
   progress_.plan((ctx - o_.steps) * (sparse ? 2 : 1), static_cast<int64_t>(specs.size() + sparse) * o_.steps);
@@ -343,26 +408,8 @@ void Evaluator::task_continuation(EvalReport& rep) {
 }
 
 void Evaluator::task_mass(EvalReport& rep) {
-  // The variants of Tactic Table 1 (our version, issue 4), by label.
-  struct Variant {
-    const char* entry;
-    const char* name;
-    std::map<std::string, std::string> fixed;  // what defines the variant (wins over --param)
-  };
-  const std::vector<Variant> variants = {
-      {"optimal=oracle_topp", "Optimal", {}},
-      {"cluster_optimal=tactic", "Cluster Optimal", {{"mode", "cluster_optimal"}}},
-      {"tactic", "Tactic", {{"mode", "fit"}}},
-      {"psa_mean=psa", "PSA (mean)", {{"criticality", "mean"}, {"stop", "estimate"}}},
-      {"psa_bound=psa", "PSA (bound)", {{"criticality", "bound"}, {"stop", "estimate"}}},
-      // The certificate is a sum of Quest bounds over unvisited pages: visiting pages in
-      // bound order shrinks it fastest.
-      {"psa_certified=psa", "PSA (certified)", {{"criticality", "bound"}, {"stop", "certified"}}},
-  };
-  std::vector<std::string> entries{"dense"};
-  for (const auto& v : variants) entries.push_back(v.entry);
-  entries.push_back("lfps");
-  entries.push_back("quest");
+  const std::vector<MassVariant> variants = mass_variants();
+  const std::vector<std::string> entries = mass_entries();
   std::vector<MethodSpec> specs = method_specs_parse(entries, o_.params, {});
   const int ctx = o_.context > 0 ? o_.context : m_.weights.config.context_length;
   const int runs_per_target = static_cast<int>(variants.size()) + 2 * std::max(1, o_.match_iters);
@@ -392,18 +439,10 @@ void Evaluator::task_mass(EvalReport& rep) {
 }
 
 void Evaluator::task_matched(EvalReport& rep) {
-  std::vector<std::string> entries = o_.methods.empty() ? std::vector<std::string>{"tactic"} : o_.methods;
-  for (const auto& b : o_.baselines) {
-    budget_param(b);  // throws for a method without a budget
-    entries.push_back(b);
-  }
-  std::vector<MethodSpec> all = method_specs_parse(entries, o_.params, o_.sweeps);
-  std::set<std::string> baseline_set(o_.baselines.begin(), o_.baselines.end());
-  std::vector<MethodSpec> adaptive, baselines;
-  for (auto& s : all) (baseline_set.count(s.curve) ? baselines : adaptive).push_back(s);
-  for (const auto& s : baselines)
-    CUMULUS_CHECK(s.label == s.curve, "--sweep may not vary the baseline {} (its budget is matched)", s.curve);
-  CUMULUS_CHECK(!adaptive.empty(), "matched needs an adaptive method (--method, default tactic)");
+  const MatchedSpecs m = matched_specs(o_);
+  const std::vector<MethodSpec>& all = m.all;
+  const std::vector<MethodSpec>& adaptive = m.adaptive;
+  const std::vector<MethodSpec>& baselines = m.baselines;
   std::vector<MethodSpec> session_specs = all;
   const MethodSpec dense{"dense", "dense", "dense", {}};
   const int runs = 1 + static_cast<int>(adaptive.size()) *
@@ -475,7 +514,7 @@ void Evaluator::niah_grid(EvalReport& rep, const std::vector<MethodSpec>& specs,
 }
 
 void Evaluator::task_niah(EvalReport& rep) {
-  const std::vector<MethodSpec> specs = specs_with_dense(all_decode_methods());
+  const std::vector<MethodSpec> specs = eval_specs_with_dense(o_);
   niah_grid(rep, specs, static_cast<int>(specs.size()), [&](NiahCell& cell, const AnswerFn& answer) {
     for (const auto& spec : specs) cell.runs.push_back(answer(spec, ""));
   });
@@ -540,17 +579,46 @@ std::string budget_param(const std::string& method) {
                method);
 }
 
+namespace {
+
+// The llama2.c tokenizer a model uses: `given`, else the one beside the model.
+std::string llama2c_tokenizer_path(const std::string& model, const std::string& given, int32_t vocab_size) {
+  if (!given.empty()) return given;
+  const std::string found = tokenizer_find_llama2c(model, vocab_size);
+  if (found.empty()) {
+    std::string dir = std::filesystem::path(model).parent_path().string();
+    if (dir.empty()) dir.assign(1, '.');  // (assign: GCC 12 -Wrestrict false positive on = ".")
+    CUMULUS_FAIL("llama2.c model '{}' has no tokenizer beside it (looked for {}/tok{}.bin and {}/tokenizer.bin): "
+                 "give --tokenizer",
+                 model, dir, vocab_size, dir);
+  }
+  return found;
+}
+
+}  // namespace
+
+ModelConfig eval_model_check(const std::string& model, const std::string& tokenizer) {
+  const ModelConfig c = model_config_load(model);
+  if (c.format == ModelFormat::gguf) {
+    CUMULUS_CHECK(tokenizer.empty(),
+                  "--tokenizer '{}' given with the GGUF model '{}', which carries its own tokenizer: drop --tokenizer",
+                  tokenizer, model);
+  } else {
+    file_check_input(llama2c_tokenizer_path(model, tokenizer, c.vocab_size), "llama2c tokenizer");
+  }
+  return c;
+}
+
 EvalModel eval_model_load(const std::string& model, const std::string& tokenizer, WeightStorage storage) {
+  const ModelConfig c = eval_model_check(model, tokenizer);
   EvalModel m;
   m.path = model;
   m.storage = storage == WeightStorage::f32 ? "f32" : "compact";
   m.weights = model_weights_load(model, storage);
-  if (m.weights.config.format == ModelFormat::gguf) {
+  if (c.format == ModelFormat::gguf) {
     m.tokenizer = tokenizer_from_gguf(GgufFile::open(model));
   } else {
-    const std::string tok = tokenizer.empty() ? tokenizer_find_llama2c(model, m.weights.config.vocab_size) : tokenizer;
-    CUMULUS_CHECK(!tok.empty(), "no tokenizer for llama2.c model '{}': give one (tok<vocab>.bin)", model);
-    m.tokenizer = tokenizer_from_llama2c(tok, m.weights.config.vocab_size);
+    m.tokenizer = tokenizer_from_llama2c(llama2c_tokenizer_path(model, tokenizer, c.vocab_size), c.vocab_size);
   }
   return m;
 }
@@ -574,14 +642,36 @@ void EvalOptions::validate() const {
   CUMULUS_CHECK(task != "mass" || (methods.empty() && sweeps.empty()),
                 "mass runs fixed variants (optimal, cluster_optimal, tactic, psa_mean, psa_bound, psa_certified, lfps, "
                 "quest) at --targets: tune them with --param, not --method/--sweep");
+  CUMULUS_CHECK(page_size >= 1 && page_size <= 256 && (page_size & (page_size - 1)) == 0,
+                "page_size={} must be a power of two in [1, 256]", page_size);
+  prefill_spec_check(prefill_method, prefill_params);
+  // The methods, parameters and sweeps each task will run, parsed now so that a typo fails
+  // before the model is loaded.
+  if (task == "mass") {
+    method_specs_parse(mass_entries(), params, {});
+  } else if (task == "matched") {
+    matched_specs(*this);
+  } else {
+    eval_specs_with_dense(*this);
+  }
+}
+
+void EvalOptions::validate(const ModelConfig& model) const {
+  const int ctx = model.context_length;
+  if (task == "niah" || (task == "matched" && matched_niah)) {
+    for (int l : lengths) CUMULUS_CHECK(l <= ctx, "length={} exceeds the model's context of {} tokens", l, ctx);
+  }
+  if (task != "niah") {
+    const int c = context > 0 ? context : ctx;
+    CUMULUS_CHECK(c <= ctx, "context={} exceeds the model's context of {} tokens", c, ctx);
+    CUMULUS_CHECK(c - steps >= 16, "context={} leaves {} prompt tokens before the {} steps: need >= 16", c, c - steps,
+                  steps);
+  }
 }
 
 EvalReport eval_run(const EvalModel& model, const EvalOptions& options, std::FILE* progress_out) {
   options.validate();
-  const int ctx = model.weights.config.context_length;
-  if (options.task == "niah" || (options.task == "matched" && options.matched_niah))
-    for (int l : options.lengths)
-      CUMULUS_CHECK(l <= ctx, "length={} exceeds the model's context of {} tokens", l, ctx);
+  options.validate(model.weights.config);
   Progress progress(progress_out);
   Evaluator e(model, options, progress);
   return e.run();

@@ -1,12 +1,14 @@
 // Reader of `cumulus trace` files (include/cumulus/eval/trace.h; format in docs/cuda.md).
 #include "cumulus/eval/trace.h"
 
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/error.h"
+#include "cumulus/core/file.h"
 
 namespace cumulus {
 
@@ -21,8 +23,14 @@ KvCache TraceFile::cache(int record) const {
 }
 
 TraceFile trace_read(const std::string& path) {
+  file_check_input(path, "trace");
   std::ifstream f(path, std::ios::binary);
-  CUMULUS_CHECK(f.good(), "trace {}: cannot open", path);
+  CUMULUS_CHECK(f.good(), "trace {}: cannot open ({})", path, std::strerror(errno));
+  // The header's sizes are checked against the file's real size before any allocation: a
+  // small file claiming large records must not reach gigabytes of memory.
+  f.seekg(0, std::ios::end);
+  const auto file_size = static_cast<uint64_t>(f.tellg());
+  f.seekg(0, std::ios::beg);
   char magic[8] = {};
   uint32_t version = 0, hb = 0;
   f.read(magic, 8);
@@ -56,6 +64,14 @@ TraceFile trace_read(const std::string& path) {
                 "trace {}: inconsistent header {}", path, t.header);
   const size_t kvn = static_cast<size_t>(t.n_tokens) * t.n_kv_heads * t.head_dim;
   const size_t qn = static_cast<size_t>(t.steps) * t.n_q_heads * t.head_dim;
+  // Bounded above: n_tokens <= 2^22, heads <= 1024, head_dim <= 512, records <= 1024, so
+  // no product overflows u64.
+  const uint64_t record_bytes = 2 * uint64_t{kvn} * 2 + uint64_t{qn} * 4;
+  const uint64_t want = 16 + uint64_t{hb} + record_bytes * t.layers.size();
+  CUMULUS_CHECK(want == file_size,
+                "trace {}: file has {} bytes, but its header ({} records of {} tokens, {} kv heads, {} q heads, "
+                "head_dim {}, {} steps) implies {}",
+                path, file_size, t.layers.size(), t.n_tokens, t.n_kv_heads, t.n_q_heads, t.head_dim, t.steps, want);
   for (int layer : t.layers) {
     t.k.emplace_back(kvn);
     t.v.emplace_back(kvn);

@@ -4,9 +4,8 @@
 // Q8_0 kept quantised unless WeightStorage::f32), norms are dequantised to float32.
 #include <fmt/ranges.h>
 
-#include <fstream>
-
 #include "cumulus/core/error.h"
+#include "cumulus/core/file.h"
 #include "cumulus/model/gguf.h"
 #include "cumulus/model/model_weights.h"
 
@@ -61,9 +60,20 @@ WeightMatrix load_matrix(const GgufFile& f, const std::string& name, uint64_t ne
 }  // namespace
 
 ModelFormat model_format_of(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  CUMULUS_CHECK(in.good(), "cannot open model '{}'", path);
-  return gguf_has_magic(path) ? ModelFormat::gguf : ModelFormat::llama2c;
+  file_check_input(path, "model");
+  if (gguf_has_magic(path)) return ModelFormat::gguf;
+  // llama2.c files have no magic: a file is one when its header is consistent with its size.
+  try {
+    (void)model_config_from_llama2c(path);
+  } catch (const Error& e) {
+    CUMULUS_FAIL("model '{}': not a GGUF or llama2.c model (no GGUF magic; as llama2.c: {})", path, e.what());
+  }
+  return ModelFormat::llama2c;
+}
+
+ModelConfig model_config_load(const std::string& path) {
+  if (model_format_of(path) == ModelFormat::gguf) return model_config_from_gguf(GgufFile::open(path));
+  return model_config_from_llama2c(path);
 }
 
 ModelConfig model_config_from_gguf(const GgufFile& f) {

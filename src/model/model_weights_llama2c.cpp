@@ -5,10 +5,12 @@
 // w1[L][H][D], w2[L][D][H], w3[L][H][D], rms_final[D], freq_cis_real[S][hd/2],
 // freq_cis_imag[S][hd/2] (skipped: RoPE is recomputed), [wcls[V][D]]. The file must be
 // exactly that long.
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 
 #include "cumulus/core/error.h"
+#include "cumulus/core/file.h"
 #include "cumulus/model/model_weights.h"
 
 namespace cumulus {
@@ -99,16 +101,18 @@ uint64_t file_size_of(const std::string& path, std::ifstream& in) {
 }  // namespace
 
 ModelConfig model_config_from_llama2c(const std::string& path) {
+  file_check_input(path, "llama2c model");
   std::ifstream in(path, std::ios::binary);
-  CUMULUS_CHECK(in.good(), "llama2c: cannot open '{}'", path);
+  CUMULUS_CHECK(in.good(), "llama2c: cannot open '{}' ({})", path, std::strerror(errno));
   const uint64_t size = file_size_of(path, in);
   Llama2cLayout layout{};
   return config_from_header(path, read_header(path, in), size, &layout);
 }
 
 ModelWeights model_weights_from_llama2c(const std::string& path) {
+  file_check_input(path, "llama2c model");
   std::ifstream in(path, std::ios::binary);
-  CUMULUS_CHECK(in.good(), "llama2c: cannot open '{}'", path);
+  CUMULUS_CHECK(in.good(), "llama2c: cannot open '{}' ({})", path, std::strerror(errno));
   const uint64_t size = file_size_of(path, in);
   Llama2cLayout y{};
   ModelWeights w;

@@ -1,9 +1,6 @@
 #include "cumulus/model/text.h"
 
-#include <fstream>
-#include <sstream>
-
-#include "cumulus/core/error.h"
+#include "cumulus/core/file.h"
 
 namespace cumulus {
 
@@ -21,12 +18,9 @@ std::string text_strip_gutenberg(std::string_view text) {
 }
 
 std::string text_read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  CUMULUS_CHECK(f.good(), "cannot open '{}'", path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  CUMULUS_CHECK(!f.bad(), "cannot read '{}'", path);
-  return ss.str();
+  // A directory opens as an empty stream with std::ifstream, and /dev/zero never ends:
+  // file_read refuses the first and caps the second.
+  return file_read(path, "text file", kTextReadMax);
 }
 
 }  // namespace cumulus

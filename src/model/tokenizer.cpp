@@ -10,6 +10,7 @@
 #include <iterator>
 
 #include "cumulus/core/error.h"
+#include "cumulus/core/file.h"
 #include "cumulus/model/gguf.h"
 #include "model/tokenizer_impl.h"
 
@@ -192,9 +193,11 @@ std::unique_ptr<Tokenizer> tokenizer_from_hf_json(const std::string& path, int32
 
 std::unique_ptr<Tokenizer> tokenizer_from_llama2c(const std::string& path, int32_t vocab_size) {
   CUMULUS_CHECK(vocab_size > 3, "llama2c tokenizer '{}': vocab_size={} must be > 3", path, vocab_size);
-  std::ifstream in(path, std::ios::binary);
-  CUMULUS_CHECK(in.good(), "cannot open llama2c tokenizer '{}'", path);
-  const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CUMULUS_CHECK(!path.empty(), "llama2c tokenizer: no path given (none was found beside the model: give one)");
+  // A tok*.bin holds at most vocab_size x (8 + max_token_length <= 1024) bytes after its
+  // 4-byte header; file_read refuses directories and caps what it reads.
+  const std::string bytes = file_read(path, "llama2c tokenizer",
+                                      4 + static_cast<size_t>(vocab_size) * (8 + 1024));
   size_t pos = 0;
   auto read = [&](void* dst, size_t n, std::string_view what) {
     CUMULUS_CHECK(n <= bytes.size() - pos, "llama2c tokenizer '{}': truncated at offset {} reading {}", path, pos, what);

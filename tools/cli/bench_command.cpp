@@ -8,11 +8,11 @@
 #include <fmt/format.h>
 
 #include <cstdio>
-#include <fstream>
 #include <memory>
 
 #include "cli.h"
 #include "cumulus/core/error.h"
+#include "cumulus/core/file.h"
 #include "cumulus/eval/bench.h"
 
 namespace cumulus::cli {
@@ -34,17 +34,22 @@ void param_add(BenchOptions& o, const std::string& text) {
   const size_t eq = text.find('=');
   CUMULUS_CHECK(dot != std::string::npos && eq != std::string::npos && dot > 0 && eq > dot + 1,
                 "--param '{}' must look like method.key=value", text);
-  o.params[text.substr(0, dot)][text.substr(dot + 1, eq - dot - 1)] = text.substr(eq + 1);
+  const auto [it, fresh] =
+      o.params[text.substr(0, dot)].emplace(text.substr(dot + 1, eq - dot - 1), text.substr(eq + 1));
+  CUMULUS_CHECK(fresh, "--param '{}': {}.{} is already set (to {})", text, text.substr(0, dot), it->first, it->second);
 }
 
 void bench_command_run(const BenchArgs& a) {
   BenchOptions o = a.o;
   o.dtype = dtype_from_name(a.dtype);
   for (const auto& p : a.params) param_add(o, p);
-  CUMULUS_CHECK(a.membw_mib >= 64, "--membw-mib={} must be >= 64", a.membw_mib);
+  CUMULUS_CHECK(a.membw_mib >= 64 && a.membw_mib <= 16384, "--membw-mib={} must be in [64, 16384]", a.membw_mib);
   o.membw_bytes = static_cast<size_t>(a.membw_mib) << 20;
   CUMULUS_CHECK(a.evict_mib >= -1 && a.evict_mib <= 16384, "--evict-mib={} must be in [0, 16384]", a.evict_mib);
   if (a.evict_mib >= 0) o.evict_bytes = static_cast<size_t>(a.evict_mib) << 20;
+  // Every option and the output path before the benchmark starts.
+  o.validate();
+  if (!a.json.empty() && a.json != "-") file_check_output(a.json, "--json");
   const BenchReport rep = bench_run(o, stderr);
   const std::string table = bench_table(rep);
   if (a.json == "-") {
@@ -54,10 +59,7 @@ void bench_command_run(const BenchArgs& a) {
   }
   fmt::print("\n{}", table);
   if (!a.json.empty()) {
-    std::ofstream f(a.json);
-    CUMULUS_CHECK(f.good(), "--json: cannot open '{}' for writing", a.json);
-    f << bench_json(rep);
-    CUMULUS_CHECK(f.good(), "--json: writing '{}' failed", a.json);
+    file_write_atomic(a.json, bench_json(rep), "--json");
     fmt::print("JSON report: {}\n", a.json);
   }
 }
@@ -75,11 +77,13 @@ void add_bench_command(CLI::App& app) {
       ->delimiter(',');
   cmd->add_option("--param", args->params, "Method parameter method.key=value (repeatable), e.g. oracle_topk.k=1024");
   cmd->add_option("--dtype", args->dtype, "KV storage dtype: f16, bf16 or f32")->capture_default_str();
-  cmd->add_option("--threads", o.threads, "Threads for the methods and the bandwidth probe")->capture_default_str();
+  cmd->add_option("--threads", o.threads, "Threads for the methods and the bandwidth probe")
+      ->check(threads_range())
+      ->capture_default_str();
   cmd->add_option("--steps", o.steps, "Decode steps (queries) per pass")->capture_default_str();
   cmd->add_option("--warmup", o.warmup, "Untimed passes before timing")->capture_default_str();
   cmd->add_option("--repeats", o.repeats, "Timed passes; ms/step is their median")->capture_default_str();
-  cmd->add_option("--seed", o.seed, "Workload seed")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "Workload seed")->check(seed_check())->capture_default_str();
   cmd->add_option("--concentration", o.concentration,
                   "Workload concentration in (0, 16]: higher = fewer tokens hold the mass")
       ->capture_default_str();

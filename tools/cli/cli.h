@@ -20,7 +20,23 @@ void add_trace_command(CLI::App& app);
 
 // --weights NAME of generate and eval: compact (keep Q4_0/Q4_1/Q8_0 quantised) or f32.
 WeightStorage weight_storage_from_name(const std::string& name);
-// --prefill-param key=value (repeatable) of generate and eval; the registry checks the keys.
+// --prefill-param key=value (repeatable) of generate and eval; a key given twice is an
+// Error; the registry checks the keys.
 std::map<std::string, std::string> prefill_param_map(const std::vector<std::string>& params);
+
+// --threads takes one range in every subcommand.
+inline constexpr int kThreadsMax = 256;
+inline CLI::Range threads_range() { return CLI::Range(1, kThreadsMax); }
+
+// --seed: a non-negative integer (CLI11 alone would wrap -1 to 2^64 - 1).
+inline CLI::Validator seed_check() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        if (s.empty() || s.size() > 20 || s.find_first_not_of("0123456789") != std::string::npos)
+          return "must be an integer in [0, 2^64), not '" + s + "'";
+        return "";
+      },
+      "SEED");
+}
 
 }  // namespace cumulus::cli

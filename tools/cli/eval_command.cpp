@@ -9,11 +9,11 @@
 
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 
 #include "cli.h"
 #include "cumulus/core/error.h"
+#include "cumulus/core/file.h"
 #include "cumulus/eval/report.h"
 #include "cumulus/eval/tasks.h"
 
@@ -27,37 +27,39 @@ struct EvalArgs {
   std::string json, markdown, svg_dir;
 };
 
-void write_file(const std::string& path, const std::string& text, const char* what) {
-  std::ofstream f(path, std::ios::binary);
-  CUMULUS_CHECK(f.good(), "{}: cannot open '{}' for writing", what, path);
-  f << text;
-  CUMULUS_CHECK(f.good(), "{}: writing '{}' failed", what, path);
-}
-
 void eval_command_run(EvalArgs& a) {
+  // Everything is checked before the model is loaded: options, methods, the text, the
+  // model and tokenizer files, and every output path (an hour's evaluation must not be lost
+  // to a typo in --markdown).
   EvalOptions o = a.o;
   o.kv_dtype = dtype_from_name(a.kv_dtype);
   o.prefill_params = prefill_param_map(a.prefill_params);
   const WeightStorage storage = weight_storage_from_name(a.weights);
-  o.validate();  // before loading the model
+  o.validate();
+  file_check_input(o.text, "--text");
+  if (!a.markdown.empty()) file_check_output(a.markdown, "--markdown");
+  if (!a.json.empty()) file_check_output(a.json, "--json");
+  if (!a.svg_dir.empty()) dir_check_output(a.svg_dir, "--svg-dir");
+  o.validate(eval_model_check(a.model, a.tokenizer));
+
   const EvalModel model = eval_model_load(a.model, a.tokenizer, storage);
   const EvalReport rep = eval_run(model, o, stderr);
   const std::string md = eval_markdown(rep);
   if (a.markdown.empty()) {
     fmt::print("{}", md);
   } else {
-    write_file(a.markdown, md, "--markdown");
+    file_write_atomic(a.markdown, md, "--markdown");
     fmt::print(stderr, "Markdown: {}\n", a.markdown);
   }
   if (!a.json.empty()) {
-    write_file(a.json, eval_json(rep), "--json");
+    file_write_atomic(a.json, eval_json(rep), "--json");
     fmt::print(stderr, "JSON: {}\n", a.json);
   }
   if (!a.svg_dir.empty()) {
     std::filesystem::create_directories(a.svg_dir);
     for (const auto& [name, svg] : eval_svgs(rep)) {
       const std::string path = (std::filesystem::path(a.svg_dir) / name).string();
-      write_file(path, svg, "--svg-dir");
+      file_write_atomic(path, svg, "--svg-dir");
       fmt::print(stderr, "SVG: {}\n", path);
     }
   }
@@ -100,7 +102,7 @@ void add_eval_command(CLI::App& app) {
   cmd->add_option("--template", o.niah_template, "niah prompt: auto (chat when the vocabulary has ChatML), chat, plain")
       ->check(CLI::IsMember({"auto", "chat", "plain"}))
       ->capture_default_str();
-  cmd->add_option("--seed", o.seed, "niah: seed of the numbers")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "niah: seed of the numbers")->check(seed_check())->capture_default_str();
   cmd->add_option("--targets", o.targets, "mass: target P values")->delimiter(',')->capture_default_str();
   cmd->add_option("--baselines", o.baselines, "matched: fixed-budget methods given the adaptive method's budget")
       ->delimiter(',')
@@ -108,7 +110,7 @@ void add_eval_command(CLI::App& app) {
   cmd->add_option("--match-iters", o.match_iters, "budget runs per matched baseline at most (1: budget = target)")
       ->capture_default_str();
   cmd->add_flag("--niah", o.matched_niah, "matched: also the NIAH grid (--lengths, --depths), matched per prompt");
-  cmd->add_option("--threads", o.threads, "threads")->capture_default_str();
+  cmd->add_option("--threads", o.threads, "threads")->check(threads_range())->capture_default_str();
   cmd->add_option("--page-size", o.page_size, "KV cache page size")->capture_default_str();
   cmd->add_option("--kv-dtype", a->kv_dtype, "KV storage: f16, bf16, f32")->capture_default_str();
   cmd->add_option("--json", a->json, "write the full report (per-step values) as JSON");

@@ -13,7 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
+#include <cmath>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -23,8 +23,10 @@
 
 #include "cli.h"
 #include "cumulus/core/error.h"
+#include "cumulus/core/file.h"
 #include "cumulus/eval/membw.h"
 #include "cumulus/eval/method_spec.h"
+#include "cumulus/eval/tasks.h"
 #include "cumulus/methods/registry.h"
 #include "cumulus/model/gguf.h"
 #include "cumulus/model/model_weights.h"
@@ -68,15 +70,6 @@ struct RunResult {
   PrefillStats prefill_stats;
 };
 
-// "--param key=value" applies to every selected method that declares `key`;
-// "--param method.key=value" to that method only (eval/method_spec.h, shared with eval).
-std::map<std::string, std::map<std::string, std::string>> split_params(const std::vector<std::string>& params,
-                                                                       const std::vector<std::string>& methods) {
-  std::map<std::string, std::map<std::string, std::string>> out;
-  for (const auto& s : method_specs_parse(methods, params)) out[s.method] = s.params;
-  return out;
-}
-
 // The session options both generation and --bench take from the command line.
 SessionOptions session_options(const GenerateOptions& o, const std::string& method,
                                const std::map<std::string, std::string>& params) {
@@ -92,23 +85,22 @@ SessionOptions session_options(const GenerateOptions& o, const std::string& meth
 }
 
 RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector<int32_t>& prompt,
-                  const std::string& method, const std::map<std::string, std::string>& params,
-                  const GenerateOptions& o) {
-  SessionOptions so = session_options(o, method, params);
+                  const MethodSpec& spec, const GenerateOptions& o) {
+  SessionOptions so = session_options(o, spec.method, spec.params);
   so.eval = o.eval;
   Session s(w, so);
   CUMULUS_CHECK(static_cast<int64_t>(prompt.size()) + o.max_tokens <= s.capacity(),
                 "prompt of {} tokens + --max-tokens {} exceeds the model's context of {} tokens", prompt.size(),
                 o.max_tokens, s.capacity());
   Sampler sampler({.temperature = o.temperature, .top_p = o.top_p, .seed = o.seed});
-  RunResult r{method, static_cast<int>(prompt.size()), 0, 0, 0, {}, {}};
+  RunResult r{spec.label, static_cast<int>(prompt.size()), 0, 0, 0, {}, {}};
 
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
   const std::vector<float>* logits = &s.prefill(prompt);
   r.prefill_s = std::chrono::duration<double>(clock::now() - t0).count();
 
-  if (!o.quiet) fmt::print("\n--- {} ---\n", method);
+  if (!o.quiet) fmt::print("\n--- {} ---\n", spec.label);
   auto t1 = clock::now();
   for (int i = 0; i < o.max_tokens; ++i) {
     const int32_t next = sampler.sample(*logits);
@@ -151,15 +143,15 @@ double decode_weight_bytes(const ModelWeights& w) {
 }
 
 // One (method, context) measurement: median over repetitions of fresh sessions.
-BenchRun bench_one(const ModelWeights& w, const std::vector<int32_t>& source, const std::string& method,
-                   const std::map<std::string, std::string>& params, int context, const GenerateOptions& o) {
+BenchRun bench_one(const ModelWeights& w, const std::vector<int32_t>& source, const MethodSpec& spec, int context,
+                   const GenerateOptions& o) {
   std::vector<int32_t> prompt(static_cast<size_t>(context));
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = source[i % source.size()];
   std::vector<double> pre, dec;
   std::vector<DecodeProfile> profs;
   double kv_bytes = 0;
   for (int rep = 0; rep < o.repetitions; ++rep) {
-    SessionOptions so = session_options(o, method, params);
+    SessionOptions so = session_options(o, spec.method, spec.params);
     so.max_tokens = context + o.bench_decode;
     so.profile = true;
     Session s(w, so);
@@ -178,7 +170,7 @@ BenchRun bench_one(const ModelWeights& w, const std::vector<int32_t>& source, co
                (context + 0.5 * (o.bench_decode + 1)) * s.summary().mean_kv_fraction();
   }
   BenchRun r;
-  r.method = method;
+  r.method = spec.label;
   r.context = context;
   r.decode_tokens = o.bench_decode;
   r.prefill_s = median(pre);
@@ -210,14 +202,9 @@ std::string profile_line(const DecodeProfile& p) {
   return s;
 }
 
-void run_bench(const ModelWeights& w, const std::vector<int32_t>& source,
-               const std::map<std::string, std::map<std::string, std::string>>& params, const GenerateOptions& o) {
+void run_bench(const ModelWeights& w, const std::vector<int32_t>& source, const std::vector<MethodSpec>& specs,
+               const GenerateOptions& o) {
   CUMULUS_CHECK(!source.empty(), "--bench: the prompt is empty");
-  CUMULUS_CHECK(o.bench_decode >= 1, "--bench-decode={} must be >= 1", o.bench_decode);
-  CUMULUS_CHECK(o.repetitions >= 1 && o.repetitions <= 100, "--repetitions={} must be in [1, 100]", o.repetitions);
-  CUMULUS_CHECK(!o.bench_contexts.empty(), "--bench-context needs at least one length");
-  for (int c : o.bench_contexts)
-    CUMULUS_CHECK(c >= 1 && c <= (1 << 20), "--bench-context {} must be in [1, 2^20]", c);
 
   ThreadPool pool(o.threads);
   const MemBwResult bw = membw_measure(pool, {.bytes = size_t{512} << 20, .warmup = 1, .repeats = 5});
@@ -228,11 +215,10 @@ void run_bench(const ModelWeights& w, const std::vector<int32_t>& source,
              bw.gbps_median);
 
   std::vector<BenchRun> runs;
-  for (const auto& m : o.methods) {
-    auto it = params.find(m);
+  for (const auto& spec : specs) {
     for (int c : o.bench_contexts) {
-      fmt::print(stderr, "bench: {} at context {} ...\n", m, c);
-      runs.push_back(bench_one(w, source, m, it == params.end() ? std::map<std::string, std::string>{} : it->second, c, o));
+      fmt::print(stderr, "bench: {} at context {} ...\n", spec.label, c);
+      runs.push_back(bench_one(w, source, spec, c, o));
     }
   }
 
@@ -281,33 +267,64 @@ void run_bench(const ModelWeights& w, const std::vector<int32_t>& source,
                              {"head", 1e3 * p.head},
                              {"other", 1e3 * p.other}}}});
     }
-    std::ofstream f(o.json);
-    CUMULUS_CHECK(f.good(), "cannot write --json {}", o.json);
-    f << j.dump(2) << "\n";
+    file_write_atomic(o.json, j.dump(2) + "\n", "--json");
   }
 }
 
-void run_generate(const GenerateOptions& o) {
+// Every option, method, parameter and path, checked before the model is loaded; returns
+// the methods to run. The model's header gives its context, which bounds --bench-context
+// and --max-tokens.
+std::vector<MethodSpec> generate_validate(const GenerateOptions& o) {
   CUMULUS_CHECK(o.prompt.empty() || o.prompt_file.empty(), "give --prompt or --prompt-file, not both");
   CUMULUS_CHECK(o.max_tokens >= 1, "--max-tokens={} must be >= 1", o.max_tokens);
   CUMULUS_CHECK(o.prompt_tokens >= 0, "--prompt-tokens={} must be >= 0", o.prompt_tokens);
-
-  ModelWeights w = model_weights_load(o.model, weight_storage_from_name(o.weights));
-  std::unique_ptr<Tokenizer> tok;
-  if (w.config.format == ModelFormat::gguf) {
-    tok = tokenizer_from_gguf(GgufFile::open(o.model));
-  } else {
-    tok = tokenizer_from_llama2c(o.tokenizer.empty() ? tokenizer_find_llama2c(o.model, w.config.vocab_size)
-                                                     : o.tokenizer,
-                                 w.config.vocab_size);
+  CUMULUS_CHECK(o.bench || o.json.empty(), "--json '{}' writes the --bench results: add --bench or drop --json",
+                o.json);
+  CUMULUS_CHECK(o.page_size >= 1 && o.page_size <= 256 && (o.page_size & (o.page_size - 1)) == 0,
+                "--page-size={} must be a power of two in [1, 256]", o.page_size);
+  CUMULUS_CHECK(o.temperature >= 0 && std::isfinite(o.temperature), "--temperature={} must be >= 0", o.temperature);
+  CUMULUS_CHECK(o.top_p > 0 && o.top_p <= 1, "--top-p={} must be in (0, 1]", o.top_p);
+  if (o.bench) {
+    CUMULUS_CHECK(o.bench_decode >= 1 && o.bench_decode <= 4096, "--bench-decode={} must be in [1, 4096]",
+                  o.bench_decode);
+    CUMULUS_CHECK(o.repetitions >= 1 && o.repetitions <= 100, "--repetitions={} must be in [1, 100]", o.repetitions);
+    CUMULUS_CHECK(!o.bench_contexts.empty(), "--bench-context needs at least one length");
+    for (int c : o.bench_contexts) CUMULUS_CHECK(c >= 1, "--bench-context {} must be >= 1", c);
   }
+  dtype_from_name(o.kv_dtype);
+  weight_storage_from_name(o.weights);
+  prefill_spec_check(o.prefill, prefill_param_map(o.prefill_params));
+  std::vector<MethodSpec> specs = method_specs_parse(o.methods, o.params);
+  if (!o.prompt_file.empty()) file_check_input(o.prompt_file, "--prompt-file");
+  if (!o.json.empty()) file_check_output(o.json, "--json");
+
+  const ModelConfig c = eval_model_check(o.model, o.tokenizer);
+  const int ctx = c.context_length;
+  if (o.bench) {
+    for (int n : o.bench_contexts)
+      CUMULUS_CHECK(static_cast<int64_t>(n) + o.bench_decode <= ctx,
+                    "--bench-context {} + --bench-decode {} exceeds the context of model '{}' ({} tokens)", n,
+                    o.bench_decode, o.model, ctx);
+  } else {
+    CUMULUS_CHECK(o.max_tokens < ctx,
+                  "--max-tokens {} leaves no room for a prompt in the context of model '{}' ({} tokens)", o.max_tokens,
+                  o.model, ctx);
+  }
+  return specs;
+}
+
+void run_generate(const GenerateOptions& o) {
+  const std::vector<MethodSpec> specs = generate_validate(o);
+  const EvalModel model = eval_model_load(o.model, o.tokenizer, weight_storage_from_name(o.weights));
+  const ModelWeights& w = model.weights;
+  const Tokenizer* tok = model.tokenizer.get();
   if (o.bench && o.prompt.empty() && o.prompt_file.empty()) {
     // No text given: random token ids, as llama-bench feeds.
     std::mt19937 rng(static_cast<uint32_t>(o.seed));
     std::uniform_int_distribution<int32_t> id(0, w.config.vocab_size - 1);
     std::vector<int32_t> prompt(1024);
     for (auto& t : prompt) t = id(rng);
-    return run_bench(w, prompt, split_params(o.params, o.methods), o);
+    return run_bench(w, prompt, specs, o);
   }
   std::string text = o.prompt_file.empty() ? o.prompt : text_strip_gutenberg(text_read_file(o.prompt_file));
   std::vector<int32_t> prompt = tok->encode(text, tok->add_bos_default());
@@ -318,13 +335,9 @@ void run_generate(const GenerateOptions& o) {
                 "prompt of {} tokens does not fit the model's context of {} tokens (use --prompt-tokens)",
                 prompt.size(), w.config.context_length);
 
-  const auto params = split_params(o.params, o.methods);
-  if (o.bench) return run_bench(w, prompt, params, o);
+  if (o.bench) return run_bench(w, prompt, specs, o);
   std::vector<RunResult> results;
-  for (const auto& m : o.methods) {
-    auto it = params.find(m);
-    results.push_back(run_one(w, *tok, prompt, m, it == params.end() ? std::map<std::string, std::string>{} : it->second, o));
-  }
+  for (const auto& spec : specs) results.push_back(run_one(w, *tok, prompt, spec, o));
 
   fmt::print("\n{:<14} {:>7} {:>9} {:>10} {:>7} {:>10} {:>10} {:>9} {:>9}\n", "method", "prompt", "prefill", "tok/s",
              "gen", "tok/s", "kv read", "tokens", "claimed");
@@ -350,23 +363,25 @@ void add_generate_command(CLI::App& app) {
   auto o = std::make_shared<GenerateOptions>();
   auto* cmd = app.add_subcommand("generate", "Generate text with a real model under one or more attention methods");
   cmd->add_option("--model", o->model, "GGUF or llama2.c .bin model")->required();
-  cmd->add_option("--tokenizer", o->tokenizer, "llama2.c tok*.bin (default: found beside the model)");
+  cmd->add_option("--tokenizer", o->tokenizer, "llama2.c tok*.bin (default: found beside the model; not with GGUF)");
   cmd->add_option("--prompt", o->prompt, "prompt text");
   cmd->add_option("--prompt-file", o->prompt_file, "prompt file (Gutenberg header/footer stripped)");
   cmd->add_option("--prompt-tokens", o->prompt_tokens, "keep only the first N prompt tokens (0 = all)");
   cmd->add_option("--max-tokens", o->max_tokens, "tokens to generate")->capture_default_str();
-  cmd->add_option("--method", o->methods, "decode method(s), comma-separated, run one after another")
+  cmd->add_option("--method", o->methods,
+                  "decode method(s), comma-separated, run one after another; 'label=method' runs a method under its "
+                  "own label")
       ->delimiter(',')
       ->capture_default_str();
-  cmd->add_option("--param", o->params, "key=value or method.key=value (repeatable)");
+  cmd->add_option("--param", o->params, "key=value or X.key=value, X a label or method (repeatable)");
   cmd->add_option("--prefill", o->prefill, "prefill method: dense or flexprefill")->capture_default_str();
   cmd->add_option("--prefill-param", o->prefill_params, "key=value for the prefill method (repeatable)");
-  cmd->add_option("--threads", o->threads, "threads")->capture_default_str();
+  cmd->add_option("--threads", o->threads, "threads")->check(threads_range())->capture_default_str();
   cmd->add_option("--page-size", o->page_size, "KV cache page size")->capture_default_str();
   cmd->add_option("--kv-dtype", o->kv_dtype, "KV storage: f16, bf16, f32")->capture_default_str();
   cmd->add_option("--temperature", o->temperature, "0 = greedy")->capture_default_str();
   cmd->add_option("--top-p", o->top_p, "nucleus sampling")->capture_default_str();
-  cmd->add_option("--seed", o->seed, "sampling seed")->capture_default_str();
+  cmd->add_option("--seed", o->seed, "sampling seed")->check(seed_check())->capture_default_str();
   cmd->add_flag("--eval", o->eval, "also measure the true mass of every attended set (slower)");
   cmd->add_flag("--quiet", o->quiet, "do not print the generated text");
   cmd->add_option("--weights", o->weights, "compact (keep Q4_0/Q4_1/Q8_0 quantised) or f32 (dequantise all)")
@@ -389,13 +404,7 @@ WeightStorage weight_storage_from_name(const std::string& name) {
 }
 
 std::map<std::string, std::string> prefill_param_map(const std::vector<std::string>& params) {
-  std::map<std::string, std::string> out;
-  for (const auto& p : params) {
-    const size_t eq = p.find('=');
-    CUMULUS_CHECK(eq != std::string::npos && eq > 0, "--prefill-param '{}' must be key=value", p);
-    out[p.substr(0, eq)] = p.substr(eq + 1);
-  }
-  return out;
+  return key_values_parse(params, "--prefill-param");
 }
 
 }  // namespace cumulus::cli

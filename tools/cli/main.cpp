@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <string>
 
 #include "cli.h"
 #include "cumulus/core/error.h"
@@ -16,6 +17,19 @@ int main(int argc, char** argv) {
   cumulus::cli::add_eval_command(app);
   cumulus::cli::add_info_command(app);
   cumulus::cli::add_trace_command(app);
+  // CLI11 answers an unknown first word with "A subcommand is required"; name it instead.
+  if (argc > 1 && argv[1][0] != '-') {
+    std::string known;
+    bool found = false;
+    for (const CLI::App* sub : app.get_subcommands({})) {
+      known += (known.empty() ? "" : ", ") + sub->get_name();
+      found = found || sub->get_name() == argv[1];
+    }
+    if (!found) {
+      fmt::print(stderr, "error: unknown subcommand '{}' (known: {}; see --help)\n", argv[1], known);
+      return 1;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

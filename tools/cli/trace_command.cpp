@@ -21,7 +21,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -29,6 +28,7 @@
 #include "cli.h"
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/error.h"
+#include "cumulus/core/file.h"
 #include "cumulus/core/thread_pool.h"
 #include "cumulus/eval/synthetic.h"
 #include "cumulus/eval/trace.h"
@@ -117,14 +117,20 @@ void run_trace(const TraceOptions& o) {
   CUMULUS_CHECK(o.prompt_tokens >= 1, "--prompt-tokens={} must be >= 1", o.prompt_tokens);
   CUMULUS_CHECK(o.steps >= 1 && o.steps <= 4096, "--steps={} must be in [1, 4096]", o.steps);
   CUMULUS_CHECK(!o.layers.empty(), "--layers must name at least one layer");
+  // Paths and the model's header before the model is loaded.
+  file_check_input(o.text, "--text");
+  file_check_output(o.out, "--out");
+  {
+    const ModelConfig h = model_config_load(o.model);
+    CUMULUS_CHECK(h.format == ModelFormat::gguf, "--model {}: cumulus trace reads GGUF models", o.model);
+    for (int l : o.layers)
+      CUMULUS_CHECK(l >= 0 && l < h.n_layers, "--layers: layer {} out of range [0, {})", l, h.n_layers);
+    CUMULUS_CHECK(o.prompt_tokens + o.steps <= h.context_length,
+                  "--prompt-tokens {} + --steps {} exceed the model's context of {} tokens", o.prompt_tokens, o.steps,
+                  h.context_length);
+  }
   ModelWeights w = model_weights_load(o.model);
-  CUMULUS_CHECK(w.config.format == ModelFormat::gguf, "--model {}: cumulus trace reads GGUF models", o.model);
   const ModelConfig& c = w.config;
-  for (int l : o.layers)
-    CUMULUS_CHECK(l >= 0 && l < c.n_layers, "--layers: layer {} out of range [0, {})", l, c.n_layers);
-  CUMULUS_CHECK(o.prompt_tokens + o.steps <= c.context_length,
-                "--prompt-tokens {} + --steps {} exceed the model's context of {} tokens", o.prompt_tokens, o.steps,
-                c.context_length);
   auto tok = tokenizer_from_gguf(GgufFile::open(o.model));
   std::vector<int32_t> prompt = tok->encode(text_strip_gutenberg(text_read_file(o.text)), tok->add_bos_default());
   CUMULUS_CHECK(static_cast<int>(prompt.size()) >= o.prompt_tokens,
@@ -171,13 +177,14 @@ void run_trace(const TraceOptions& o) {
   h["q_dtype"] = "f32";
   h["attend"] = "step j attends tokens [0, prompt_tokens + j + 1)";
   const std::string header = h.dump();
-  std::ofstream f(o.out, std::ios::binary);
-  CUMULUS_CHECK(f.good(), "--out {}: cannot open for writing", o.out);
+  // The whole trace is assembled in memory and written atomically (file_write_atomic).
+  std::string bytes;
+  auto put = [&](const void* src, size_t len) { bytes.append(static_cast<const char*>(src), len); };
   const uint32_t version = 1, hb = static_cast<uint32_t>(header.size());
-  f.write("CUMTRACE", 8);
-  f.write(reinterpret_cast<const char*>(&version), 4);
-  f.write(reinterpret_cast<const char*>(&hb), 4);
-  f.write(header.data(), hb);
+  put("CUMTRACE", 8);
+  put(&version, 4);
+  put(&hb, 4);
+  put(header.data(), hb);
   std::vector<float> row(c.head_dim);
   std::vector<uint16_t> half(static_cast<size_t>(n) * c.n_kv_heads * c.head_dim);
   for (size_t i = 0; i < o.layers.size(); ++i) {
@@ -191,12 +198,11 @@ void run_trace(const TraceOptions& o) {
           uint16_t* dst = half.data() + (static_cast<size_t>(t) * c.n_kv_heads + kh) * c.head_dim;
           for (int j = 0; j < c.head_dim; ++j) dst[j] = f32_to_f16(row[j]);
         }
-      f.write(reinterpret_cast<const char*>(half.data()), static_cast<std::streamsize>(half.size() * 2));
+      put(half.data(), half.size() * 2);
     }
-    f.write(reinterpret_cast<const char*>(queries[i].data()), static_cast<std::streamsize>(queries[i].size() * 4));
+    put(queries[i].data(), queries[i].size() * 4);
   }
-  CUMULUS_CHECK(f.good(), "--out {}: write failed", o.out);
-  f.close();
+  file_write_atomic(o.out, bytes, "--out");
   fmt::print("trace: {} layers x ({} tokens K/V f16 + {} queries), {} kv heads, {} query heads, head_dim {} -> {}\n",
              o.layers.size(), n, o.steps, c.n_kv_heads, c.n_heads, c.head_dim, o.out);
 }
@@ -212,7 +218,7 @@ void add_trace_command(CLI::App& app) {
   cmd->add_option("--prompt-tokens", o->prompt_tokens, "prompt length in tokens")->capture_default_str();
   cmd->add_option("--steps", o->steps, "greedy decode steps recorded")->capture_default_str();
   cmd->add_option("--layers", o->layers, "layers to record, comma-separated")->delimiter(',')->capture_default_str();
-  cmd->add_option("--threads", o->threads, "threads")->capture_default_str();
+  cmd->add_option("--threads", o->threads, "threads")->check(threads_range())->capture_default_str();
   cmd->add_option("--out", o->out, "output file")->capture_default_str();
   cmd->add_option("--profile", o->profile, "instead of recording: measure the attention of this trace file (CPU)");
   cmd->add_option("--profile-synthetic", o->profile_synthetic,
@@ -223,7 +229,7 @@ void add_trace_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--concentration", o->concentration, "--profile-synthetic: SyntheticOptions::concentration")
       ->capture_default_str();
-  cmd->add_option("--seed", o->seed, "--profile-synthetic: seed")->capture_default_str();
+  cmd->add_option("--seed", o->seed, "--profile-synthetic: seed")->check(seed_check())->capture_default_str();
   cmd->callback([o] {
     CUMULUS_CHECK(o->profile.empty() || o->profile_synthetic.empty(),
                   "--profile and --profile-synthetic are exclusive");

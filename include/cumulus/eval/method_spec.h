@@ -8,7 +8,9 @@
 //           "X.key=value"                        entries labelled X or running method X
 //   sweep   "key=v1,v2,..." / "X.key=v1,v2,..."  one variant per value (several sweeps on
 //                                                one entry: every combination)
-// Keys are checked against the registry; an override no entry declares is an Error.
+// Keys are checked against the registry; an override no entry declares is an Error, and so
+// is a second --param for the same entry and key, a label given twice, and a method that
+// cannot decode.
 #pragma once
 
 #include <map>
@@ -27,6 +29,14 @@ struct MethodSpec {
 std::vector<MethodSpec> method_specs_parse(const std::vector<std::string>& entries,
                                            const std::vector<std::string>& params = {},
                                            const std::vector<std::string>& sweeps = {});
+
+// "key=value" items (e.g. --prefill-param) as a map; an item without '=' or a key given
+// twice is an Error naming `option`.
+std::map<std::string, std::string> key_values_parse(const std::vector<std::string>& items, const char* option);
+
+// A prefill method and its parameters as Session will build them: Error for an unknown
+// method, one that cannot prefill, an unknown key or a bad value.
+void prefill_spec_check(const std::string& method, const std::map<std::string, std::string>& params);
 
 // "k1=v1 k2=v2" (sorted by key; "" for none), for labels and tables.
 std::string params_text(const std::map<std::string, std::string>& params);

@@ -58,6 +58,10 @@ struct EvalModel {
 };
 // GGUF (tokenizer from its metadata) or llama2.c .bin (tokenizer: `tokenizer`, else found
 // beside the model).
+// Throws the Error eval_model_load would for a bad model or tokenizer path, before loading
+// anything: not a file, not a GGUF or llama2.c model, --tokenizer given with a GGUF model, a
+// llama2.c model with no tokenizer. Returns the model's hyperparameters (its header only).
+ModelConfig eval_model_check(const std::string& model, const std::string& tokenizer = "");
 EvalModel eval_model_load(const std::string& model, const std::string& tokenizer = "",
                           WeightStorage storage = WeightStorage::compact);
 
@@ -91,7 +95,13 @@ struct EvalOptions {
   int match_iters = 3;       // budget runs per baseline at most (1: budget = target, no calibration)
   bool matched_niah = false;  // matched: also the NIAH grid, matched per cell
 
-  void validate() const;  // Error naming the first bad value
+  // Error naming the first bad value, before any model is loaded: ranges, the prefill
+  // method, and the methods, parameters and sweeps the task will run (dense is the
+  // reference's label; matched takes adaptive methods only).
+  void validate() const;
+  // The checks that need the model's hyperparameters (its header, eval_model_check):
+  // context and NIAH lengths within the model's context.
+  void validate(const ModelConfig& model) const;
 };
 
 // One method's decode steps from one prefill: a teacher-forced continuation or a greedy

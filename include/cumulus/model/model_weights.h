@@ -68,8 +68,12 @@ struct ModelWeights {
   size_t bytes() const;
 };
 
-// GGUF magic -> gguf, anything else -> llama2c (whose loader then checks the header).
+// GGUF magic -> gguf; a llama2.c header consistent with the file's size -> llama2c. Throws
+// Error for a path that cannot be read, a directory, or "not a GGUF or llama2.c model".
 ModelFormat model_format_of(const std::string& path);
+// Either format's hyperparameters, by model_format_of; no tensor data is read, so commands
+// check their options against the model (its context) before loading it.
+ModelConfig model_config_load(const std::string& path);
 
 // Hyperparameters only (no tensor data read). Throws Error naming the file and key for an
 // architecture other than `llama`, a missing key or inconsistent values.

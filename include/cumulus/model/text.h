@@ -2,6 +2,7 @@
 // prompts use only the book between the "*** START OF" and "*** END OF" marker lines.
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <string_view>
 
@@ -9,7 +10,10 @@ namespace cumulus {
 
 // The text between the START and END marker lines when both exist, else `text` itself.
 std::string text_strip_gutenberg(std::string_view text);
-// Whole file as bytes; throws Error naming the path when it cannot be read.
+// Texts (prompts, documents, haystacks) are read whole, up to this many bytes.
+inline constexpr size_t kTextReadMax = size_t{256} << 20;
+// Whole file as bytes; throws Error naming the path when it cannot be read, is a
+// directory, or holds more than kTextReadMax bytes.
 std::string text_read_file(const std::string& path);
 
 }  // namespace cumulus

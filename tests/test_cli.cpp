@@ -1,0 +1,164 @@
+// The `cumulus` command line on bad input (issue 19): every bad option, method, parameter or
+// path gives an Error naming it and a non-zero exit before any model is loaded or any work
+// starts. Each case runs the built binary (CUMULUS_CLI_PATH) under `timeout`, so an option
+// checked only after the work (a hang, a two-minute prefill) fails the test by its exit
+// code (124) instead of passing late.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "fixtures.h"
+
+namespace cumulus {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct CliResult {
+  int code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+// Runs `cumulus ARGS` from a scratch folder with a time limit of `seconds`.
+CliResult cli_run(const std::string& args, int seconds = 20) {
+  const std::string cmd =
+      "timeout " + std::to_string(seconds) + " " + std::string(CUMULUS_CLI_PATH) + " " + args + " 2>&1";
+  CliResult r;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  std::array<char, 4096> buf{};
+  size_t n = 0;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  const int status = ::pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = (test::stories260k_dir() / "stories260K.bin").string();
+    text_ = (test::shared_dir() / "data/text/tinyshakespeare_input.txt").string();
+    if (!fs::exists(model_) || !fs::exists(text_)) CUMULUS_FIXTURE_MISSING("no " << model_ << " or " << text_);
+    dir_ = fs::temp_directory_path() / ("cumulus_cli_test_" + std::to_string(::getpid()));
+    fs::create_directories(dir_);
+  }
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  // Exit code 1 or CLI11's own (105: validation) and the message naming what is wrong.
+  static void expect_rejected(const std::string& args, const std::string& needle) {
+    const CliResult r = cli_run(args);
+    EXPECT_NE(r.code, 0) << args << "\n" << r.output;
+    EXPECT_NE(r.code, 124) << "timed out (the check came after the work): " << args;
+    EXPECT_NE(r.output.find(needle), std::string::npos) << args << "\nwanted '" << needle << "' in:\n" << r.output;
+  }
+  std::string gen(const std::string& rest) const {
+    return "generate --model " + model_ + " --quiet --max-tokens 4 " + rest;
+  }
+  std::string eval(const std::string& task, const std::string& rest) const {
+    return "eval " + task + " --model " + model_ + " --text " + text_ + " " + rest;
+  }
+  std::string model_, text_;
+  fs::path dir_;
+};
+
+// Defect 1: --bench contexts are checked against the model's context (512 tokens).
+TEST_F(Cli, BenchContextBeyondTheModelIsRejected) {
+  expect_rejected(gen("--prompt-file " + text_ + " --bench --bench-context 100000 --bench-decode 2"),
+                  "--bench-context 100000 + --bench-decode 2 exceeds the context");
+  expect_rejected(gen("--bench --bench-context 512 --bench-decode 2"), "exceeds the context");
+  expect_rejected("generate --model " + model_ + " --max-tokens 600", "--max-tokens 600 leaves no room");
+  expect_rejected(eval("kl", "--context 100000"), "context=100000 exceeds the model's context of 512");
+  expect_rejected(eval("niah", "--lengths 1024"), "length=1024 exceeds the model's context of 512");
+}
+
+// Defect 2: methods, parameters and output paths before any work.
+TEST_F(Cli, MethodsAndOutputPathsAreCheckedFirst) {
+  expect_rejected(gen("--method dense,tactic,x=nosuch"), "nosuch");
+  expect_rejected(gen("--method dense,flexprefill"), "not a decode method");
+  expect_rejected(gen("--prefill nosuch"), "nosuch");
+  expect_rejected(eval("kl", "--markdown /nonexistent/x.md"), "--markdown '/nonexistent/x.md': folder '/nonexistent'");
+  expect_rejected(eval("kl", "--json /nonexistent/x.json"), "--json '/nonexistent/x.json'");
+  expect_rejected(eval("kl", "--svg-dir /dev/null/plots"), "--svg-dir '/dev/null/plots'");
+  expect_rejected(eval("kl", "--json " + dir_.string()), "is a directory");
+  expect_rejected(eval("kl", "--method tactic --param tactic.nokey=1"), "nokey");
+  expect_rejected("bench --json /nonexistent/x.json", "--json '/nonexistent/x.json'");
+  expect_rejected(gen("--bench --bench-context 64 --bench-decode 2 --json /nonexistent/x.json"),
+                  "--json '/nonexistent/x.json'");
+}
+
+// generate takes label=method as eval does (one parser, eval/method_spec.h).
+TEST_F(Cli, GenerateRunsLabelledMethods) {
+  const CliResult r = cli_run("generate --model " + model_ + " --prompt 'Once upon' --max-tokens 3 "
+                              "--method dense,x=tactic --param x.p=0.5",
+                              60);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("--- x ---"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--- dense ---"), std::string::npos) << r.output;
+}
+
+// Defect 3: a directory is not a text, a prompt, a tokenizer or a model.
+TEST_F(Cli, DirectoriesAreRejected) {
+  expect_rejected(gen("--prompt-file " + dir_.string()), "is a directory");
+  expect_rejected("eval kl --model " + model_ + " --text " + dir_.string(), "is a directory");
+  expect_rejected(gen("--tokenizer " + dir_.string()), "is a directory");
+  expect_rejected("generate --model " + dir_.string(), "is a directory");
+}
+
+// Defect 4: reads are capped.
+TEST_F(Cli, EndlessPromptFileIsCapped) {
+  expect_rejected(gen("--prompt-file /dev/zero"), "more than the limit");
+}
+
+// Defect 5: errors say what the file is and why it cannot be used.
+TEST_F(Cli, ErrorsNameTheCause) {
+  const fs::path junk = dir_ / "junk.bin";
+  std::ofstream(junk) << "this is not a model, just 58 bytes of text; no magic at all";
+  expect_rejected("generate --model " + junk.string(), "not a GGUF or llama2.c model");
+  expect_rejected("generate --model " + (dir_ / "none.gguf").string(), "No such file or directory");
+  const fs::path lonely = dir_ / "stories260K.bin";  // no tok512.bin beside it
+  fs::copy_file(model_, lonely);
+  expect_rejected("generate --model " + lonely.string(), "has no tokenizer beside it");
+  expect_rejected("frobnicate --model x", "unknown subcommand 'frobnicate'");
+}
+
+// Defect 6: one range and one meaning per option.
+TEST_F(Cli, InconsistentOptionsAreRejected) {
+  for (const char* cmd : {"generate", "eval", "bench"}) {
+    const std::string base = std::string(cmd) == "generate" ? gen("")
+                             : std::string(cmd) == "eval"   ? eval("kl", "")
+                                                            : std::string("bench");
+    expect_rejected(base + " --threads 0", "--threads");
+    expect_rejected(base + " --threads 257", "--threads");
+    expect_rejected(base + " --seed -1", "--seed");
+  }
+  expect_rejected(gen("--json " + (dir_ / "x.json").string()), "add --bench or drop --json");
+  expect_rejected(gen("--method tactic --param p=0.9 --param p=0.8"), "already set by --param 'p=0.9'");
+  expect_rejected(gen("--method tactic --param p=0.9 --param tactic.p=0.8"), "already set");
+  expect_rejected(gen("--prefill flexprefill --prefill-param gamma=0.9 --prefill-param gamma=0.8"),
+                  "key 'gamma' is given twice");
+  expect_rejected("bench --param quest.budget=64 --param quest.budget=128", "already set");
+  expect_rejected("bench --membw-mib 100000000", "--membw-mib=100000000 must be in [64, 16384]");
+  expect_rejected(eval("kl", "--method dense=tactic"), "the label 'dense' is the dense reference's");
+  expect_rejected(eval("kl", "--method a=tactic,a=psa"), "label 'a' is given twice");
+  expect_rejected(eval("matched", "--method quest"), "quest is not an adaptive method");
+}
+
+// --tokenizer belongs to llama2.c models; a GGUF model carries its own.
+TEST_F(Cli, TokenizerWithGgufIsRejected) {
+  const fs::path gguf = test::smollm2_gguf_path();
+  if (!fs::exists(gguf)) CUMULUS_FIXTURE_MISSING(gguf << " missing: run scripts/fetch-model.sh");
+  const fs::path tok = test::stories260k_dir() / "tok512.bin";
+  expect_rejected("generate --model " + gguf.string() + " --tokenizer " + tok.string(), "drop --tokenizer");
+}
+
+}  // namespace
+}  // namespace cumulus
