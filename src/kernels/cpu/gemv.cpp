@@ -19,6 +19,12 @@
 // Rows go in groups of kGroupRows sharing the activation loads (and giving four rows' FMA
 // chains to interleave); a row left over is computed alone by the same instruction
 // sequence, so every row's result depends on nothing but that row and x.
+//
+// The verbatim formats (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) read the GGUF blocks in place, one row
+// at a time (one stream, which the hardware prefetcher follows): per scale group of 16 or
+// 32 weights, the codes are widened to int16 and multiplied with the activation codes
+// exactly as above, then converted once and accumulated by scale * dx; the K-quants' 6-bit
+// sub-block scales and mins are unpacked per 256-weight block in scalar code.
 
 // This file is compiled once per SIMD target by foreach_target.h.
 #undef HWY_TARGET_INCLUDE
@@ -28,6 +34,7 @@
 #include <hwy/highway.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "cumulus/core/error.h"
@@ -228,6 +235,198 @@ void dequantize_rows_format(const QuantMatrixView& w, int row_begin, int row_end
   }
 }
 
+// ---- Verbatim formats (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): the GGUF blocks read in place ----
+//
+// A walker decodes one block into int16 code vectors of L lanes: sink.codes(c, e) gets the
+// codes of elements [e, e + L) of the block, and sink.group(e0, n, scale, min) follows the
+// last codes of a scale group [e0, e0 + n) (n = 16 or 32; weights = scale * code - min).
+// The GEMV and the dequantiser are the two sinks, so both read the codes through the same
+// instructions. Bits are split in 16-bit lanes after widening the bytes, as for Q4_x above.
+
+// One f16 at p (unaligned) as float32, by the vector conversion (vcvtph2ps on x86).
+HWY_INLINE float f16_at(const uint8_t* p) {
+  const hn::CappedTag<float, 1> d1;
+  const hn::Rebind<hwy::float16_t, decltype(d1)> dh1;
+  return hn::GetLane(hn::PromoteTo(d1, hn::LoadU(dh1, reinterpret_cast<const hwy::float16_t*>(p))));
+}
+
+// bit i of lane i (as int16), for testing one bit of a u16 per lane.
+alignas(32) constexpr int16_t kLaneBit[16] = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                              static_cast<int16_t>(-32768)};
+
+// Q5_0 (f16 d, u32 qh, qs[16]) and Q5_1 (f16 d, f16 m, u32 qh, qs[16]): element j < 16 is
+// the low nibble of qs[j], element 16 + j the high nibble; bit 4 of element e is bit e of qh.
+template <QuantFormat F, class Sink>
+HWY_INLINE void walk_q5(const uint8_t* blk, Sink& sink) {
+  const DI16 di16;
+  const hn::Rebind<uint8_t, DI16> du8;
+  constexpr size_t L = hn::MaxLanes(DI16());
+  constexpr bool kMin = F == QuantFormat::q5_1;
+  const uint8_t* qhp = blk + (kMin ? 4 : 2);
+  const uint8_t* qs = qhp + 4;
+  uint32_t qh;
+  std::memcpy(&qh, qhp, 4);
+  const auto bits = hn::LoadU(di16, kLaneBit);
+  const auto sixteen = hn::Set(di16, 16);
+  for (size_t half = 0; half < 2; ++half) {
+    for (size_t j = 0; j < 16; j += L) {
+      const auto v = hn::PromoteTo(di16, hn::LoadU(du8, qs + j));
+      auto c = half ? hn::ShiftRight<4>(v) : hn::And(v, hn::Set(di16, 0x0F));
+      const auto h = hn::Set(di16, static_cast<int16_t>(static_cast<uint16_t>(qh >> (16 * half + j))));
+      c = hn::Or(c, hn::IfThenElseZero(hn::TestBit(h, bits), sixteen));
+      if constexpr (!kMin) c = hn::Sub(c, sixteen);
+      sink.codes(c, 16 * half + j);
+    }
+  }
+  sink.group(0, 32, f16_at(blk), kMin ? -f16_at(blk + 2) : 0.0f);
+}
+
+// Q4_K (f16 d, f16 dmin, scales[12], qs[128]) and Q5_K (the same with qh[32] before qs):
+// sub-block s (32 weights) of 64-element group g = s / 2 has its low 4 bits in the low
+// (even s) or high (odd s) nibbles of qs[32 g .. 32 g + 31]; Q5_K's bit 4 of its element l
+// is bit s of qh[l]. Scales: 6-bit sc_s and m_s packed in 12 bytes (see model/quant.cpp).
+template <QuantFormat F, class Sink>
+HWY_INLINE void walk_k45(const uint8_t* blk, Sink& sink) {
+  const DI16 di16;
+  const hn::Rebind<uint8_t, DI16> du8;
+  constexpr size_t L = hn::MaxLanes(DI16());
+  constexpr bool kFive = F == QuantFormat::q5_k;
+  const float d = f16_at(blk), dmin = f16_at(blk + 2);
+  const uint8_t* sc = blk + 4;
+  const uint8_t* qh = blk + 16;
+  const uint8_t* qs = blk + (kFive ? 48 : 16);
+  for (int s = 0; s < 8; ++s) {
+    const int scale = s < 4 ? (sc[s] & 63) : ((sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4));
+    const int min = s < 4 ? (sc[s + 4] & 63) : ((sc[s + 4] >> 4) | ((sc[s] >> 6) << 4));
+    const uint8_t* q = qs + 32 * (s / 2);
+    for (size_t j = 0; j < 32; j += L) {
+      const auto v = hn::PromoteTo(di16, hn::LoadU(du8, q + j));
+      auto c = s % 2 ? hn::ShiftRight<4>(v) : hn::And(v, hn::Set(di16, 0x0F));
+      if constexpr (kFive) {
+        const auto h = hn::PromoteTo(di16, hn::LoadU(du8, qh + j));
+        c = hn::Or(c, hn::ShiftLeft<4>(hn::And(hn::ShiftRightSame(h, s), hn::Set(di16, 1))));
+      }
+      sink.codes(c, static_cast<size_t>(32 * s) + j);
+    }
+    sink.group(32 * s, 32, d * static_cast<float>(scale), dmin * static_cast<float>(min));
+  }
+}
+
+// Q6_K (ql[128], qh[64], int8 scales[16], f16 d): half h (128 weights), quarter k (32),
+// element l: low 4 bits in ql[64 h + 32 (k % 2) + l] (low nibble for k < 2, high for
+// k >= 2), top 2 bits at bits 2k of qh[32 h + l]; code q - 32; scale scales[8 h + 2 k + l / 16].
+template <class Sink>
+HWY_INLINE void walk_q6k(const uint8_t* blk, Sink& sink) {
+  const DI16 di16;
+  const hn::Rebind<uint8_t, DI16> du8;
+  constexpr size_t L = hn::MaxLanes(DI16());
+  const float d = f16_at(blk + 208);
+  const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = blk + 64 * h;
+    const uint8_t* qh = blk + 128 + 32 * h;
+    for (int k = 0; k < 4; ++k) {
+      for (size_t l16 = 0; l16 < 32; l16 += 16) {
+        for (size_t j = l16; j < l16 + 16; j += L) {
+          const auto v = hn::PromoteTo(di16, hn::LoadU(du8, ql + 32 * (k % 2) + j));
+          const auto lo = k < 2 ? hn::And(v, hn::Set(di16, 0x0F)) : hn::ShiftRight<4>(v);
+          const auto top = hn::And(hn::ShiftRightSame(hn::PromoteTo(di16, hn::LoadU(du8, qh + j)), 2 * k), hn::Set(di16, 3));
+          sink.codes(hn::Sub(hn::Or(lo, hn::ShiftLeft<4>(top)), hn::Set(di16, 32)), static_cast<size_t>(128 * h + 32 * k) + j);
+        }
+        const int e0 = 128 * h + 32 * k + static_cast<int>(l16);
+        sink.group(e0, 16, d * static_cast<float>(sc[e0 / 16]), 0.0f);
+      }
+    }
+  }
+}
+
+template <QuantFormat F, class Sink>
+HWY_INLINE void walk_block(const uint8_t* blk, Sink& sink) {
+  if constexpr (F == QuantFormat::q5_0 || F == QuantFormat::q5_1) walk_q5<F>(blk, sink);
+  else if constexpr (F == QuantFormat::q4_k || F == QuantFormat::q5_k) walk_k45<F>(blk, sink);
+  else walk_q6k(blk, sink);
+}
+
+// GEMV sink: the codes of a group against the activation codes, summed exactly in int32
+// (pmaddwd), then one conversion and one FMA by scale * dx of the group's activation block;
+// the min term is -min * (dx sum q) of that block, a scalar per group.
+struct GemvSink {
+  const int16_t* xq;  // the block's activation codes [block]
+  const float* dx;    // its activation scales, one per 32
+  const float* xsum;  // dx * sum q, one per 32
+  hn::Vec<DI32> s0, s1;
+  hn::Vec<DF> acc;
+  float min_acc;
+  HWY_INLINE void codes(hn::Vec<DI16> c, size_t e) {
+    const DI16 di16;
+    const DI32 di32;
+    s0 = hn::ReorderWidenMulAccumulate(di32, c, hn::LoadU(di16, xq + e), s0, s1);
+  }
+  HWY_INLINE void group(int e0, int n, float scale, float min) {
+    const DF df;
+    const DI32 di32;
+    const int a = e0 / kQuantBlock;
+    acc = hn::MulAdd(hn::ConvertTo(df, hn::Add(s0, s1)), hn::Set(df, scale * dx[a]), acc);
+    min_acc -= min * xsum[a];
+    s0 = hn::Zero(di32);
+    s1 = hn::Zero(di32);
+    (void)n;
+  }
+};
+
+template <QuantFormat F>
+void gemv_rows_verbatim(const QuantMatrixView& w, int row_begin, int row_end, const QuantActivation& x, float* y) {
+  const DF df;
+  const DI32 di32;
+  constexpr int kBlock = F == QuantFormat::q5_0 || F == QuantFormat::q5_1 ? 32 : 256;
+  const int nb = w.cols / kBlock;
+  const size_t tb = static_cast<size_t>(quant_block_bytes(F));
+  const size_t row_bytes = static_cast<size_t>(nb) * tb;
+  for (int r = row_begin; r < row_end; ++r) {
+    const uint8_t* row = w.qs + static_cast<size_t>(r) * row_bytes;
+    GemvSink sink{nullptr, nullptr, nullptr, hn::Zero(di32), hn::Zero(di32), hn::Zero(df), 0.0f};
+    for (int b = 0; b < nb; ++b) {
+      const size_t e = static_cast<size_t>(b) * kBlock;
+      sink.xq = x.q.data() + e;
+      sink.dx = x.d.data() + e / kQuantBlock;
+      sink.xsum = x.sum.data() + e / kQuantBlock;
+      walk_block<F>(row + static_cast<size_t>(b) * tb, sink);
+    }
+    y[r - row_begin] = hn::GetLane(hn::SumOfLanes(df, sink.acc)) + sink.min_acc;
+  }
+}
+
+// Dequantisation sink: codes to float32 in out, then scale * code - min per group.
+struct DequantSink {
+  float* out;  // the block's [block] outputs
+  HWY_INLINE void codes(hn::Vec<DI16> c, size_t e) {
+    const DI16 di16;
+    alignas(32) int16_t buf[hn::MaxLanes(DI16())];
+    hn::Store(c, di16, buf);
+    for (size_t i = 0; i < hn::Lanes(di16); ++i) out[e + i] = static_cast<float>(buf[i]);
+  }
+  HWY_INLINE void group(int e0, int n, float scale, float min) {
+    const DD dd;
+    const auto vs = hn::Set(dd, scale), vm = hn::Set(dd, min);
+    for (int i = e0; i < e0 + n; i += static_cast<int>(hn::Lanes(dd)))
+      hn::StoreU(hn::MulSub(hn::LoadU(dd, out + i), vs, vm), dd, out + i);
+  }
+};
+
+template <QuantFormat F>
+void dequantize_rows_verbatim(const QuantMatrixView& w, int row_begin, int row_end, float* out) {
+  constexpr int kBlock = F == QuantFormat::q5_0 || F == QuantFormat::q5_1 ? 32 : 256;
+  const int nb = w.cols / kBlock;
+  const size_t tb = static_cast<size_t>(quant_block_bytes(F));
+  for (int r = row_begin; r < row_end; ++r) {
+    const uint8_t* row = w.qs + static_cast<size_t>(r) * nb * tb;
+    for (int b = 0; b < nb; ++b) {
+      DequantSink sink{out + static_cast<size_t>(r - row_begin) * w.cols + static_cast<size_t>(b) * kBlock};
+      walk_block<F>(row + static_cast<size_t>(b) * tb, sink);
+    }
+  }
+}
+
 // Activation rounding, exactly as ref::quant_activation: per block, amax by a max over
 // lanes, inv = 32767 / amax (scalar), q = nearest-even(x * inv) (float multiply, then
 // cvtps2dq), dx = amax / 32767, sum = dx * (integer sum of q).
@@ -268,6 +467,11 @@ void gemv_quant_rows_impl(const QuantMatrixView& w, int row_begin, int row_end, 
     case QuantFormat::q4_0: return gemv_rows_format<QuantFormat::q4_0>(w, row_begin, row_end, x, y);
     case QuantFormat::q4_1: return gemv_rows_format<QuantFormat::q4_1>(w, row_begin, row_end, x, y);
     case QuantFormat::q8_0: return gemv_rows_format<QuantFormat::q8_0>(w, row_begin, row_end, x, y);
+    case QuantFormat::q5_0: return gemv_rows_verbatim<QuantFormat::q5_0>(w, row_begin, row_end, x, y);
+    case QuantFormat::q5_1: return gemv_rows_verbatim<QuantFormat::q5_1>(w, row_begin, row_end, x, y);
+    case QuantFormat::q4_k: return gemv_rows_verbatim<QuantFormat::q4_k>(w, row_begin, row_end, x, y);
+    case QuantFormat::q5_k: return gemv_rows_verbatim<QuantFormat::q5_k>(w, row_begin, row_end, x, y);
+    case QuantFormat::q6_k: return gemv_rows_verbatim<QuantFormat::q6_k>(w, row_begin, row_end, x, y);
   }
 }
 
@@ -276,6 +480,11 @@ void quant_dequantize_rows_impl(const QuantMatrixView& w, int row_begin, int row
     case QuantFormat::q4_0: return dequantize_rows_format<QuantFormat::q4_0>(w, row_begin, row_end, out);
     case QuantFormat::q4_1: return dequantize_rows_format<QuantFormat::q4_1>(w, row_begin, row_end, out);
     case QuantFormat::q8_0: return dequantize_rows_format<QuantFormat::q8_0>(w, row_begin, row_end, out);
+    case QuantFormat::q5_0: return dequantize_rows_verbatim<QuantFormat::q5_0>(w, row_begin, row_end, out);
+    case QuantFormat::q5_1: return dequantize_rows_verbatim<QuantFormat::q5_1>(w, row_begin, row_end, out);
+    case QuantFormat::q4_k: return dequantize_rows_verbatim<QuantFormat::q4_k>(w, row_begin, row_end, out);
+    case QuantFormat::q5_k: return dequantize_rows_verbatim<QuantFormat::q5_k>(w, row_begin, row_end, out);
+    case QuantFormat::q6_k: return dequantize_rows_verbatim<QuantFormat::q6_k>(w, row_begin, row_end, out);
   }
 }
 
