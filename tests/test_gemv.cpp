@@ -6,9 +6,9 @@
 // gguf-py's dequantised matrices (tests/data/quant_reference.json); the activation
 // rounding is bit-identical to the reference's and within its documented bound of the
 // exact product; bit-identical results for 1, 2 and 3 threads and for a row computed
-// alone or in a group; dequantisation equals the reference; WeightMatrix repacks GGUF
-// blocks into values equal to the GGUF dequantiser's (itself checked against gguf-py in
-// test_model_quant.cpp); bad views are errors that name the value.
+// alone or in a group; dequantisation equals the reference; WeightMatrix keeps GGUF
+// blocks as values equal to the GGUF dequantiser's (itself checked against gguf-py in
+// test_model_quant.cpp); bad views and bad tensors are errors that name the value.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -307,15 +307,22 @@ TEST(GemvQuant, MatchesGgufPyProduct) {
     const std::vector<double> xd = c.at("x"), y = c.at("y"), abs_y = c.at("abs_y");
     const std::vector<float> x(xd.begin(), xd.end());
     ASSERT_EQ(static_cast<int>(x.size()), cols);
-    if (quant_format_repacked(*f)) continue;  // covered through WeightMatrix once it keeps every format
-    const QuantMatrixView view{*f, rows, cols, raw.data(), nullptr, nullptr};
+    // Through the loader's path: the GGUF bytes become a WeightMatrix (repacked or kept).
+    const GgmlType t = *[&]() -> std::optional<GgmlType> {
+      for (GgmlType g : {GgmlType::q4_0, GgmlType::q4_1, GgmlType::q5_0, GgmlType::q5_1, GgmlType::q8_0, GgmlType::q4_k,
+                         GgmlType::q5_k, GgmlType::q6_k})
+        if (ggml_type_name(g) == name) return g;
+      return std::nullopt;
+    }();
+    const WeightMatrix w = WeightMatrix::from_ggml(t, raw, rows, cols, WeightStorage::compact, "fixture");
+    ASSERT_EQ(w.quant_view().format, *f);
     QuantActivation xq;
     ref::quant_activation(x.data(), cols, xq);
     std::vector<double> deq(static_cast<size_t>(rows) * cols);
-    ref::quant_dequantize_rows(view, 0, rows, deq.data());
+    ref::quant_dequantize_rows(w.quant_view(), 0, rows, deq.data());
     for_each_target([&] {
       std::vector<float> got(static_cast<size_t>(rows), std::numeric_limits<float>::quiet_NaN());
-      cpu::gemv_quant(view, x.data(), got.data(), pool);
+      cpu::gemv_quant(w.quant_view(), x.data(), got.data(), pool);
       for (int r = 0; r < rows; ++r) {
         double bound = kTol * abs_y[static_cast<size_t>(r)];
         for (int k = 0; k < cols; ++k)
@@ -325,7 +332,7 @@ TEST(GemvQuant, MatchesGgufPyProduct) {
     });
     ++n_cases;
   }
-  EXPECT_EQ(n_cases, 5);
+  EXPECT_EQ(n_cases, 8);
 }
 
 TEST(GemvQuant, WeightMatrixRepacksGgufBlocks) {
@@ -335,29 +342,52 @@ TEST(GemvQuant, WeightMatrixRepacksGgufBlocks) {
   std::mt19937 rng(31);
   std::uniform_int_distribution<int> byte(0, 255);
   std::uniform_real_distribution<float> scale(-0.05f, 0.05f);
-  for (GgmlType t : {GgmlType::q4_0, GgmlType::q4_1, GgmlType::q8_0}) {
-    const int rows = 19, cols = 17 * 32;
+  for (GgmlType t : {GgmlType::q4_0, GgmlType::q4_1, GgmlType::q5_0, GgmlType::q5_1, GgmlType::q8_0, GgmlType::q4_k,
+                     GgmlType::q5_k, GgmlType::q6_k}) {
     const GgmlTypeInfo& info = ggml_type_info(t);
-    std::vector<uint8_t> raw(static_cast<size_t>(rows) * (cols / 32) * info.type_size);
+    const int rows = 19, cols = static_cast<int>(info.block_size) * (info.block_size == 32 ? 17 : 3);
+    std::vector<uint8_t> raw(static_cast<size_t>(rows) * (cols / info.block_size) * info.type_size);
+    // Finite f16 fields (random bytes could make Inf/NaN f16 values): d (and m / dmin) at
+    // the block's start, Q6_K's d at byte 208.
+    const std::vector<size_t> fields = t == GgmlType::q6_k                            ? std::vector<size_t>{208}
+                                       : t == GgmlType::q4_1 || t == GgmlType::q5_1 ||
+                                               t == GgmlType::q4_k || t == GgmlType::q5_k ? std::vector<size_t>{0, 2}
+                                                                                       : std::vector<size_t>{0};
     for (size_t b = 0; b < raw.size(); b += info.type_size) {
       for (size_t i = 0; i < info.type_size; ++i) raw[b + i] = static_cast<uint8_t>(byte(rng));
-      // Finite scales (random bytes could make Inf/NaN f16 values).
-      const uint16_t d = f32_to_f16(scale(rng)), m = f32_to_f16(scale(rng));
-      std::memcpy(&raw[b], &d, 2);
-      if (t == GgmlType::q4_1) std::memcpy(&raw[b + 2], &m, 2);
+      for (size_t off : fields) {
+        const uint16_t h = f32_to_f16(scale(rng));
+        std::memcpy(&raw[b + off], &h, 2);
+      }
     }
     std::vector<float> want(static_cast<size_t>(rows) * cols);
     dequantize_row(t, raw.data(), want.data(), want.size());
-    const WeightMatrix w = WeightMatrix::from_ggml(t, raw.data(), rows, cols, WeightStorage::compact);
+    const WeightMatrix w = WeightMatrix::from_ggml(t, raw, rows, cols, WeightStorage::compact, "w");
     ASSERT_TRUE(w.quantized());
     EXPECT_EQ(w.storage_name(), info.name);
     const std::vector<float> got = w.to_f32();
-    for (size_t i = 0; i < want.size(); ++i)
-      ASSERT_LE(std::fabs(got[i] - want[i]), 2.4e-7 * std::fabs(want[i]) + 1e-30) << info.name << " element " << i;
-    const WeightMatrix f = WeightMatrix::from_ggml(t, raw.data(), rows, cols, WeightStorage::f32);
+    // Repacked formats: the same float32 operations as the GGUF dequantiser, 1 ulp. Verbatim
+    // formats: d sc q - dmin m in another order of float32 roundings: 1e-6 of the row's
+    // largest value (see DequantizeMatchesReference).
+    for (int r = 0; r < rows; ++r) {
+      float row_max = 0;
+      for (int c = 0; c < cols; ++c) row_max = std::max(row_max, std::fabs(want[static_cast<size_t>(r) * cols + c]));
+      for (int c = 0; c < cols; ++c) {
+        const size_t i = static_cast<size_t>(r) * cols + c;
+        const double tol = info.block_size == 32 && t != GgmlType::q5_0 && t != GgmlType::q5_1
+                               ? 2.4e-7 * std::fabs(want[i]) + 1e-30
+                               : 1e-6 * row_max;
+        ASSERT_LE(std::fabs(got[i] - want[i]), tol) << info.name << " element " << i;
+      }
+    }
+    const WeightMatrix f = WeightMatrix::from_ggml(t, raw, rows, cols, WeightStorage::f32, "w");
     EXPECT_FALSE(f.quantized());
     EXPECT_EQ(f.to_f32(), want);
     EXPECT_LT(w.bytes() * 5, f.bytes() * 2) << "compact storage is not compact";
+    // The verbatim formats hold exactly the tensor's bytes.
+    if (!quant_format_repacked(w.quant_view().format)) {
+      EXPECT_EQ(w.bytes(), raw.size()) << info.name;
+    }
 
     // weight_matmul, the path the model runs: the compact matrix and the float32 one in one
     // call, 1 and 3 rows of x, on 1-3 threads. Compact = ref::gemv_quant over its view (the
@@ -438,5 +468,18 @@ TEST(GemvQuant, BadViewsAreErrors) {
   v.format = QuantFormat::q5_0;
   expect_error(v, "d and m must be null");
 
-  EXPECT_THROW(WeightMatrix::from_ggml(GgmlType::q4_1, m.qs.data(), 1, 40, WeightStorage::compact), Error);
+  // GGUF tensors that do not fit their type: the error names the tensor, type and value.
+  check::expect_error([&] { WeightMatrix::from_ggml(GgmlType::q4_1, m.qs, 1, 40, WeightStorage::compact, "t.a"); },
+                      "weight matrix 't.a' (Q4_1) [1][40]: cols=40 is not a multiple of the Q4_1 block size 32");
+  check::expect_error([&] { WeightMatrix::from_ggml(GgmlType::q4_k, k.qs, 2, 640, WeightStorage::compact, "blk.0.x"); },
+                      "weight matrix 'blk.0.x' (Q4_K) [2][640]: cols=640 is not a multiple of the Q4_K block size 256");
+  check::expect_error([&] { WeightMatrix::from_ggml(GgmlType::q5_0, m.qs, 2, 100, WeightStorage::f32, "t.b"); },
+                      "cols=100 is not a multiple of the Q5_0 block size 32");
+  // Truncated: 4 rows of 512 Q4_K need 4 * 2 * 144 = 1152 bytes.
+  const std::span<const uint8_t> short_data(k.qs.data(), k.qs.size() - 1);
+  for (WeightStorage st : {WeightStorage::compact, WeightStorage::f32})
+    check::expect_error([&] { WeightMatrix::from_ggml(GgmlType::q4_k, short_data, 4, 512, st, "blk.3.ffn_down.weight"); },
+                        "weight matrix 'blk.3.ffn_down.weight' (Q4_K) [4][512] needs 1152 bytes, the tensor has 1151");
+  check::expect_error([&] { WeightMatrix::from_ggml(GgmlType::q3_k, k.qs, 1, 256, WeightStorage::compact, "t.c"); },
+                      "'t.c' has type Q3_K, which cannot be dequantised");
 }

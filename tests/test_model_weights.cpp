@@ -5,11 +5,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <random>
 
 #include <unistd.h>
 
@@ -17,6 +20,7 @@
 #include "cumulus/core/error.h"
 #include "cumulus/model/gguf.h"
 #include "cumulus/model/model_weights.h"
+#include "cumulus/model/session.h"
 #include "test_model_gguf_writer.h"
 
 using namespace cumulus;
@@ -280,6 +284,147 @@ TEST(Model, GgufLoaderErrorsNameFileAndTensor) {
   w2.kv_string("general.architecture", "llama");
   expect_error_naming([&] { model_config_from_gguf(GgufFile::from_bytes("k.gguf", w2.bytes())); },
                       {"k.gguf", "missing metadata key 'llama.block_count'"});
+}
+
+namespace {
+
+// Random blocks of a ggml type for n elements, with finite f16 fields (random bytes could
+// make Inf/NaN): d (and m / dmin) at the block's start, Q6_K's d at byte 208. Scales are
+// chosen so that the model's activations stay of order 1.
+std::vector<uint8_t> random_blocks(GgmlType t, uint64_t n, std::mt19937& rng) {
+  const GgmlTypeInfo& info = ggml_type_info(t);
+  std::vector<uint8_t> raw(n / info.block_size * info.type_size);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  const bool k = info.block_size == 256;
+  const float mag = k ? 2e-4f : 4e-3f;  // K-quants multiply d by a 6- or 8-bit sub-block scale
+  for (size_t b = 0; b < raw.size(); b += info.type_size) {
+    for (size_t i = 0; i < info.type_size; ++i) raw[b + i] = static_cast<uint8_t>(byte(rng));
+    std::vector<size_t> fields{0};
+    if (t == GgmlType::q6_k) fields = {208};
+    if (t == GgmlType::q4_1 || t == GgmlType::q5_1 || t == GgmlType::q4_k || t == GgmlType::q5_k) fields = {0, 2};
+    for (size_t off : fields) {
+      const uint16_t h = f32_to_f16(mag * u(rng));
+      std::memcpy(&raw[b + off], &h, 2);
+    }
+  }
+  return raw;
+}
+
+// A llama of dim 256, hidden 512, 4 heads over 2 kv heads (head_dim 64), vocab 10, one
+// layer, whose matrices are in the types a Q4_K_M file mixes (and Q5_K, Q5_1).
+struct KQuantLlama {
+  std::vector<uint8_t> bytes;
+  std::map<std::string, std::pair<GgmlType, std::vector<uint8_t>>> tensors;  // name -> type, data
+};
+KQuantLlama kquant_llama() {
+  std::mt19937 rng(4);
+  GgufWriter w;
+  w.kv_string("general.architecture", "llama");
+  w.kv_u32("llama.block_count", 1);
+  w.kv_u32("llama.context_length", 64);
+  w.kv_u32("llama.embedding_length", 256);
+  w.kv_u32("llama.feed_forward_length", 512);
+  w.kv_u32("llama.attention.head_count", 4);
+  w.kv_u32("llama.attention.head_count_kv", 2);
+  KQuantLlama m;
+  auto add = [&](const std::string& name, uint64_t ne0, uint64_t ne1, GgmlType t) {
+    std::vector<uint8_t> data;
+    if (t == GgmlType::f32) {
+      std::vector<float> v(ne0 * ne1, 1.0f);
+      data = GgufWriter::as_bytes(v);
+    } else {
+      data = random_blocks(t, ne0 * ne1, rng);
+    }
+    w.tensor(name, ne1 == 1 ? std::vector<uint64_t>{ne0} : std::vector<uint64_t>{ne0, ne1}, static_cast<uint32_t>(t), data);
+    m.tensors[name] = {t, data};
+  };
+  add("token_embd.weight", 256, 10, GgmlType::q8_0);
+  add("blk.0.attn_norm.weight", 256, 1, GgmlType::f32);
+  add("blk.0.attn_q.weight", 256, 256, GgmlType::q4_k);
+  add("blk.0.attn_k.weight", 256, 128, GgmlType::q5_0);
+  add("blk.0.attn_v.weight", 256, 128, GgmlType::q6_k);
+  add("blk.0.attn_output.weight", 256, 256, GgmlType::q5_k);
+  add("blk.0.ffn_norm.weight", 256, 1, GgmlType::f32);
+  add("blk.0.ffn_gate.weight", 256, 512, GgmlType::q4_k);
+  add("blk.0.ffn_down.weight", 512, 256, GgmlType::q6_k);
+  add("blk.0.ffn_up.weight", 256, 512, GgmlType::q5_1);
+  add("output_norm.weight", 256, 1, GgmlType::f32);
+  m.bytes = w.bytes();
+  return m;
+}
+
+}  // namespace
+
+TEST(Model, GgufKQuantWeightsStayCompact) {
+  // A Q4_K_M-like file keeps its size in memory: every matrix in its block format, the
+  // model's bytes equal to the tensors' bytes, and values equal to the GGUF dequantiser's.
+  const KQuantLlama m = kquant_llama();
+  const GgufFile f = GgufFile::from_bytes("kq.gguf", m.bytes);
+  const ModelWeights w = model_weights_from_gguf(f);
+  size_t tensor_bytes = 0;
+  for (const auto& [name, t] : m.tensors) tensor_bytes += t.second.size();
+  EXPECT_EQ(w.bytes(), tensor_bytes);
+  const LayerWeights& L = w.layers[0];
+  const std::pair<const WeightMatrix*, const char*> mats[] = {
+      {&w.token_embd, "token_embd.weight"}, {&L.wq, "blk.0.attn_q.weight"},       {&L.wk, "blk.0.attn_k.weight"},
+      {&L.wv, "blk.0.attn_v.weight"},       {&L.wo, "blk.0.attn_output.weight"}, {&L.w_gate, "blk.0.ffn_gate.weight"},
+      {&L.w_down, "blk.0.ffn_down.weight"}, {&L.w_up, "blk.0.ffn_up.weight"}};
+  for (const auto& [mat, name] : mats) {
+    const auto& [type, data] = m.tensors.at(name);
+    EXPECT_EQ(mat->storage_name(), ggml_type_name(type)) << name;
+    std::vector<float> want(mat->size());
+    dequantize_row(type, data.data(), want.data(), want.size());
+    const std::vector<float> got = mat->to_f32();
+    float mx = 0;
+    for (float v : want) mx = std::max(mx, std::fabs(v));
+    ASSERT_GT(mx, 0.0f) << name;
+    for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-6f * mx) << name << " element " << i;
+  }
+  // Decode on the compact weights against the same weights in float32: logits agree up to
+  // the activation rounding (kernels/gemv.h), bit-identically over thread counts.
+  const ModelWeights w32 = model_weights_from_gguf(f, WeightStorage::f32);
+  EXPECT_GT(w32.bytes(), 4 * w.bytes());
+  const std::vector<int32_t> prompt{1, 7, 3, 9, 2};
+  std::vector<std::vector<float>> first;
+  for (int threads : {1, 2}) {
+    SessionOptions o;
+    o.n_threads = threads;
+    Session a(w, o), b(w32, o);
+    a.prefill(prompt);
+    b.prefill(prompt);
+    const int32_t steps[] = {4, 8, 0};
+    for (size_t s = 0; s < 3; ++s) {
+      const int32_t t = steps[s];
+      const std::vector<float> la = a.decode(t);
+      const std::vector<float>& lb = b.decode(t);
+      double worst = 0, mag = 0;
+      for (size_t i = 0; i < la.size(); ++i) {
+        worst = std::max(worst, std::fabs(static_cast<double>(la[i]) - lb[i]));
+        mag = std::max(mag, std::fabs(static_cast<double>(lb[i])));
+      }
+      EXPECT_LE(worst, 1e-3 * mag + 1e-4) << "threads " << threads << " token " << t;
+      if (threads == 1) first.push_back(la);
+      else EXPECT_EQ(la, first[s]) << "token " << t;
+    }
+  }
+}
+
+TEST(Model, GgufKQuantTensorsThatDoNotFit) {
+  // A K-quant tensor whose rows are not whole blocks, and one cut short: errors name the
+  // tensor, its type and the value.
+  GgufWriter w;
+  w.kv_string("general.architecture", "llama");
+  w.tensor("blk.0.attn_q.weight", {640, 2}, static_cast<uint32_t>(GgmlType::q4_k), std::vector<uint8_t>(2 * 144 * 3));
+  expect_error_naming([&] { GgufFile::from_bytes("a.gguf", w.bytes()); },
+                      {"a.gguf", "tensor 'blk.0.attn_q.weight'", "ne[0]=640", "Q4_K block size 256"});
+  GgufWriter w2;
+  w2.kv_string("general.architecture", "llama");
+  // [512][3] Q6_K needs 3 * 2 * 210 = 1260 bytes; the file holds 1000.
+  w2.tensor("blk.0.ffn_down.weight", {512, 3}, static_cast<uint32_t>(GgmlType::q6_k), std::vector<uint8_t>(1000));
+  expect_error_naming([&] { GgufFile::from_bytes("b.gguf", w2.bytes()); },
+                      {"b.gguf", "tensor 'blk.0.ffn_down.weight' (Q6_K, 1536 elements, 1260 bytes)", "past the end",
+                       "(1000 bytes)"});
 }
 
 TEST(Model, SmolLM2GgufMatchesConfigJson) {
