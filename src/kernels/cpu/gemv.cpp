@@ -23,8 +23,10 @@
 // The verbatim formats (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) read the GGUF blocks in place, one row
 // at a time (one stream, which the hardware prefetcher follows): per scale group of 16 or
 // 32 weights, the codes are widened to int16 and multiplied with the activation codes
-// exactly as above, then converted once and accumulated by scale * dx; the K-quants' 6-bit
-// sub-block scales and mins are unpacked per 256-weight block in scalar code.
+// exactly as above, then converted once and accumulated by scale * dx into four
+// accumulators in turn; the K-quants' sub-block scales and mins are unpacked per
+// 256-weight block (four 6-bit fields per u32 operation, then 8 lanes to float32), and the
+// mins' term is one dot product per row, as Q4_1's.
 
 // This file is compiled once per SIMD target by foreach_target.h.
 #undef HWY_TARGET_INCLUDE
@@ -237,9 +239,11 @@ void dequantize_rows_format(const QuantMatrixView& w, int row_begin, int row_end
 
 // ---- Verbatim formats (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): the GGUF blocks read in place ----
 //
-// A walker decodes one block into int16 code vectors of L lanes: sink.codes(c, e) gets the
-// codes of elements [e, e + L) of the block, and sink.group(e0, n, scale, min) follows the
-// last codes of a scale group [e0, e0 + n) (n = 16 or 32; weights = scale * code - min).
+// A walker decodes one block: sink.block(scale, min) first, with the block's group scales
+// scale[G] (d sc, float32; G = 1, 8 or 16 groups) and its mins min[B / 32] per 32 weights
+// (dmin m, or -m for Q5_1; nullptr for formats without), then sink.codes(c, e) with the int16
+// codes of elements [e, e + L) of the block, and sink.group(g, e0, n) after the last codes of
+// group g = [e0, e0 + n) (n = 32, or 16 for Q6_K): its weights are scale[g] * code - min.
 // The GEMV and the dequantiser are the two sinks, so both read the codes through the same
 // instructions. Bits are split in 16-bit lanes after widening the bytes, as for Q4_x above.
 
@@ -248,6 +252,16 @@ HWY_INLINE float f16_at(const uint8_t* p) {
   const hn::CappedTag<float, 1> d1;
   const hn::Rebind<hwy::float16_t, decltype(d1)> dh1;
   return hn::GetLane(hn::PromoteTo(d1, hn::LoadU(dh1, reinterpret_cast<const hwy::float16_t*>(p))));
+}
+
+// out[i] = f * b[i] for n (a multiple of 8) integers b of type T (uint8_t or int8_t).
+template <typename T>
+HWY_INLINE void scale_bytes(const T* b, float f, int n, float* out) {
+  const DS ds;
+  const hn::Rebind<int32_t, DS> d32;
+  const hn::Rebind<T, DS> d8;
+  for (int i = 0; i < n; i += static_cast<int>(hn::Lanes(ds)))
+    hn::StoreU(hn::Mul(hn::ConvertTo(ds, hn::PromoteTo(d32, hn::LoadU(d8, b + i))), hn::Set(ds, f)), ds, out + i);
 }
 
 // bit i of lane i (as int16), for testing one bit of a u16 per lane.
@@ -266,6 +280,9 @@ HWY_INLINE void walk_q5(const uint8_t* blk, Sink& sink) {
   const uint8_t* qs = qhp + 4;
   uint32_t qh;
   std::memcpy(&qh, qhp, 4);
+  const float scale = f16_at(blk);
+  const float min = kMin ? -f16_at(blk + 2) : 0.0f;
+  sink.block(&scale, kMin ? &min : nullptr);
   const auto bits = hn::LoadU(di16, kLaneBit);
   const auto sixteen = hn::Set(di16, 16);
   for (size_t half = 0; half < 2; ++half) {
@@ -278,26 +295,35 @@ HWY_INLINE void walk_q5(const uint8_t* blk, Sink& sink) {
       sink.codes(c, 16 * half + j);
     }
   }
-  sink.group(0, 32, f16_at(blk), kMin ? -f16_at(blk + 2) : 0.0f);
+  sink.group(0, 0, 32);
 }
 
 // Q4_K (f16 d, f16 dmin, scales[12], qs[128]) and Q5_K (the same with qh[32] before qs):
-// sub-block s (32 weights) of 64-element group g = s / 2 has its low 4 bits in the low
-// (even s) or high (odd s) nibbles of qs[32 g .. 32 g + 31]; Q5_K's bit 4 of its element l
-// is bit s of qh[l]. Scales: 6-bit sc_s and m_s packed in 12 bytes (see model/quant.cpp).
+// sub-block s (32 weights) of 64-element group s / 2 has its low 4 bits in the low (even s)
+// or high (odd s) nibbles of qs[32 (s / 2) .. + 31]; Q5_K's bit 4 of its element l is bit s
+// of qh[l]. The 6-bit scale sc_s and min m_s of sub-block s: s < 4 in the low 6 bits of
+// bytes s and s + 4 of the 12; s >= 4 in the low and high nibbles of byte s + 4, with the top
+// 2 bits in bits 6-7 of bytes s - 4 and s. Unpacked here 4 at a time in u32 words (x86 is
+// little-endian, as the file is): bits 6-7 of each byte move to bits 4-5 by a shift of 2.
 template <QuantFormat F, class Sink>
 HWY_INLINE void walk_k45(const uint8_t* blk, Sink& sink) {
   const DI16 di16;
   const hn::Rebind<uint8_t, DI16> du8;
   constexpr size_t L = hn::MaxLanes(DI16());
   constexpr bool kFive = F == QuantFormat::q5_k;
-  const float d = f16_at(blk), dmin = f16_at(blk + 2);
-  const uint8_t* sc = blk + 4;
+  uint32_t w[3];
+  std::memcpy(w, blk + 4, 12);
+  const uint32_t packed[4] = {w[0] & 0x3F3F3F3Fu, (w[2] & 0x0F0F0F0Fu) | ((w[0] >> 2) & 0x30303030u),
+                              w[1] & 0x3F3F3F3Fu, ((w[2] >> 4) & 0x0F0F0F0Fu) | ((w[1] >> 2) & 0x30303030u)};
+  uint8_t sc_m[16];  // sc_0..7, m_0..7
+  std::memcpy(sc_m, packed, 16);
+  alignas(32) float scale[8], min[8];
+  scale_bytes(sc_m, f16_at(blk), 8, scale);
+  scale_bytes(sc_m + 8, f16_at(blk + 2), 8, min);
+  sink.block(scale, min);
   const uint8_t* qh = blk + 16;
   const uint8_t* qs = blk + (kFive ? 48 : 16);
   for (int s = 0; s < 8; ++s) {
-    const int scale = s < 4 ? (sc[s] & 63) : ((sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4));
-    const int min = s < 4 ? (sc[s + 4] & 63) : ((sc[s + 4] >> 4) | ((sc[s] >> 6) << 4));
     const uint8_t* q = qs + 32 * (s / 2);
     for (size_t j = 0; j < 32; j += L) {
       const auto v = hn::PromoteTo(di16, hn::LoadU(du8, q + j));
@@ -308,7 +334,7 @@ HWY_INLINE void walk_k45(const uint8_t* blk, Sink& sink) {
       }
       sink.codes(c, static_cast<size_t>(32 * s) + j);
     }
-    sink.group(32 * s, 32, d * static_cast<float>(scale), dmin * static_cast<float>(min));
+    sink.group(s, 32 * s, 32);
   }
 }
 
@@ -320,8 +346,9 @@ HWY_INLINE void walk_q6k(const uint8_t* blk, Sink& sink) {
   const DI16 di16;
   const hn::Rebind<uint8_t, DI16> du8;
   constexpr size_t L = hn::MaxLanes(DI16());
-  const float d = f16_at(blk + 208);
-  const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
+  alignas(32) float scale[16];
+  scale_bytes(reinterpret_cast<const int8_t*>(blk + 192), f16_at(blk + 208), 16, scale);
+  sink.block(scale, nullptr);
   for (int h = 0; h < 2; ++h) {
     const uint8_t* ql = blk + 64 * h;
     const uint8_t* qh = blk + 128 + 32 * h;
@@ -334,7 +361,7 @@ HWY_INLINE void walk_q6k(const uint8_t* blk, Sink& sink) {
           sink.codes(hn::Sub(hn::Or(lo, hn::ShiftLeft<4>(top)), hn::Set(di16, 32)), static_cast<size_t>(128 * h + 32 * k) + j);
         }
         const int e0 = 128 * h + 32 * k + static_cast<int>(l16);
-        sink.group(e0, 16, d * static_cast<float>(sc[e0 / 16]), 0.0f);
+        sink.group(e0 / 16, e0, 16);
       }
     }
   }
@@ -347,29 +374,41 @@ HWY_INLINE void walk_block(const uint8_t* blk, Sink& sink) {
   else walk_q6k(blk, sink);
 }
 
-// GEMV sink: the codes of a group against the activation codes, summed exactly in int32
-// (pmaddwd), then one conversion and one FMA by scale * dx of the group's activation block;
-// the min term is -min * (dx sum q) of that block, a scalar per group.
+constexpr bool verbatim_has_min(QuantFormat f) {
+  return f == QuantFormat::q5_1 || f == QuantFormat::q4_k || f == QuantFormat::q5_k;
+}
+constexpr int verbatim_block(QuantFormat f) { return f == QuantFormat::q5_0 || f == QuantFormat::q5_1 ? 32 : 256; }
+
+// GEMV sink: a group's codes against the activation codes, summed exactly in int32
+// (pmaddwd), then one conversion and one FMA by scale * dx of the group's activation block,
+// into four accumulators in turn (one chain would wait an FMA latency per group). The mins
+// are stored per 32 weights and dotted with dx sum q once per row (as Q4_1's above).
+template <QuantFormat F>
 struct GemvSink {
+  static constexpr int kMins = verbatim_block(F) / kQuantBlock;
   const int16_t* xq;  // the block's activation codes [block]
   const float* dx;    // its activation scales, one per 32
-  const float* xsum;  // dx * sum q, one per 32
+  float* mins;        // the row's mins at this block, one per 32
+  const float* scale = nullptr;
   hn::Vec<DI32> s0, s1;
-  hn::Vec<DF> acc;
-  float min_acc;
-  HWY_INLINE void codes(hn::Vec<DI16> c, size_t e) {
-    const DI16 di16;
-    const DI32 di32;
-    s0 = hn::ReorderWidenMulAccumulate(di32, c, hn::LoadU(di16, xq + e), s0, s1);
+  hn::Vec<DF> acc0, acc1, acc2, acc3;
+  HWY_INLINE void block(const float* sc, const float* mn) {
+    scale = sc;
+    if constexpr (verbatim_has_min(F))
+      for (int i = 0; i < kMins; ++i) mins[i] = mn[i];
   }
-  HWY_INLINE void group(int e0, int n, float scale, float min) {
+  HWY_INLINE void codes(hn::Vec<DI16> c, size_t e) {
+    s0 = hn::ReorderWidenMulAccumulate(DI32(), c, hn::LoadU(DI16(), xq + e), s0, s1);
+  }
+  HWY_INLINE void group(int g, int e0, int n) {
     const DF df;
-    const DI32 di32;
-    const int a = e0 / kQuantBlock;
-    acc = hn::MulAdd(hn::ConvertTo(df, hn::Add(s0, s1)), hn::Set(df, scale * dx[a]), acc);
-    min_acc -= min * xsum[a];
-    s0 = hn::Zero(di32);
-    s1 = hn::Zero(di32);
+    const auto next = hn::MulAdd(hn::ConvertTo(df, hn::Add(s0, s1)), hn::Set(df, scale[g] * dx[e0 / kQuantBlock]), acc0);
+    acc0 = acc1;
+    acc1 = acc2;
+    acc2 = acc3;
+    acc3 = next;
+    s0 = hn::Zero(DI32());
+    s1 = hn::Zero(DI32());
     (void)n;
   }
 };
@@ -377,37 +416,55 @@ struct GemvSink {
 template <QuantFormat F>
 void gemv_rows_verbatim(const QuantMatrixView& w, int row_begin, int row_end, const QuantActivation& x, float* y) {
   const DF df;
-  const DI32 di32;
-  constexpr int kBlock = F == QuantFormat::q5_0 || F == QuantFormat::q5_1 ? 32 : 256;
+  constexpr int kBlock = verbatim_block(F);
   const int nb = w.cols / kBlock;
   const size_t tb = static_cast<size_t>(quant_block_bytes(F));
   const size_t row_bytes = static_cast<size_t>(nb) * tb;
+  // The row's mins [cols / 32], zero-padded like x.sum to a multiple of 16.
+  const int n32 = gemv_pad16(w.cols / kQuantBlock);
+  thread_local std::vector<float> mins;
+  if (verbatim_has_min(F)) mins.assign(static_cast<size_t>(n32), 0.0f);
   for (int r = row_begin; r < row_end; ++r) {
     const uint8_t* row = w.qs + static_cast<size_t>(r) * row_bytes;
-    GemvSink sink{nullptr, nullptr, nullptr, hn::Zero(di32), hn::Zero(di32), hn::Zero(df), 0.0f};
+    GemvSink<F> sink{nullptr, nullptr, nullptr, nullptr, hn::Zero(DI32()), hn::Zero(DI32()),
+                     hn::Zero(df),    hn::Zero(df), hn::Zero(df), hn::Zero(df)};
     for (int b = 0; b < nb; ++b) {
       const size_t e = static_cast<size_t>(b) * kBlock;
       sink.xq = x.q.data() + e;
       sink.dx = x.d.data() + e / kQuantBlock;
-      sink.xsum = x.sum.data() + e / kQuantBlock;
+      sink.mins = mins.data() + e / kQuantBlock;
       walk_block<F>(row + static_cast<size_t>(b) * tb, sink);
     }
-    y[r - row_begin] = hn::GetLane(hn::SumOfLanes(df, sink.acc)) + sink.min_acc;
+    auto acc = hn::Add(hn::Add(sink.acc0, sink.acc1), hn::Add(sink.acc2, sink.acc3));
+    if constexpr (verbatim_has_min(F)) {
+      constexpr size_t N = hn::MaxLanes(DF());
+      auto t = hn::Zero(df);
+      for (int i = 0; i < n32; i += static_cast<int>(N))
+        t = hn::MulAdd(hn::LoadU(df, mins.data() + i), hn::LoadU(df, x.sum.data() + i), t);
+      acc = hn::Sub(acc, t);
+    }
+    y[r - row_begin] = hn::GetLane(hn::SumOfLanes(df, acc));
   }
 }
 
 // Dequantisation sink: codes to float32 in out, then scale * code - min per group.
 struct DequantSink {
   float* out;  // the block's [block] outputs
+  const float* scale = nullptr;
+  const float* min = nullptr;
+  HWY_INLINE void block(const float* sc, const float* mn) {
+    scale = sc;
+    min = mn;
+  }
   HWY_INLINE void codes(hn::Vec<DI16> c, size_t e) {
     const DI16 di16;
     alignas(32) int16_t buf[hn::MaxLanes(DI16())];
     hn::Store(c, di16, buf);
     for (size_t i = 0; i < hn::Lanes(di16); ++i) out[e + i] = static_cast<float>(buf[i]);
   }
-  HWY_INLINE void group(int e0, int n, float scale, float min) {
+  HWY_INLINE void group(int g, int e0, int n) {
     const DD dd;
-    const auto vs = hn::Set(dd, scale), vm = hn::Set(dd, min);
+    const auto vs = hn::Set(dd, scale[g]), vm = hn::Set(dd, min ? min[e0 / kQuantBlock] : 0.0f);
     for (int i = e0; i < e0 + n; i += static_cast<int>(hn::Lanes(dd)))
       hn::StoreU(hn::MulSub(hn::LoadU(dd, out + i), vs, vm), dd, out + i);
   }
@@ -415,7 +472,7 @@ struct DequantSink {
 
 template <QuantFormat F>
 void dequantize_rows_verbatim(const QuantMatrixView& w, int row_begin, int row_end, float* out) {
-  constexpr int kBlock = F == QuantFormat::q5_0 || F == QuantFormat::q5_1 ? 32 : 256;
+  constexpr int kBlock = verbatim_block(F);
   const int nb = w.cols / kBlock;
   const size_t tb = static_cast<size_t>(quant_block_bytes(F));
   for (int r = row_begin; r < row_end; ++r) {
