@@ -47,6 +47,7 @@ struct MatShape {
 struct Matrix {
   std::vector<uint8_t> qs;
   std::vector<uint16_t> d, m;
+  std::vector<uint32_t> qh;
   QuantMatrixView view;
   std::vector<float> f32;  // dequantised, for sgemv
 };
@@ -56,13 +57,13 @@ Matrix make_matrix(const MatShape& s, std::mt19937& rng) {
   std::uniform_int_distribution<int> byte(0, 255);
   std::uniform_real_distribution<float> sc(0.001f, 0.05f);
   if (!quant_format_repacked(s.format)) {
-    // The GGUF blocks as they are: random bytes, with finite f16 scales (d, and m / dmin
-    // after it; Q6_K's d at byte 208).
+    // The GGUF blocks as they are: random bytes, with finite f16 scales (d, and dmin after
+    // it; Q6_K's d at byte 208).
     const size_t tb = static_cast<size_t>(quant_block_bytes(s.format));
     a.qs.resize(static_cast<size_t>(s.rows) * static_cast<size_t>(s.cols / quant_format_block(s.format)) * tb);
     for (auto& b : a.qs) b = static_cast<uint8_t>(byte(rng));
     const size_t d_at = s.format == QuantFormat::q6_k ? 208 : 0;
-    const bool second = s.format != QuantFormat::q5_0 && s.format != QuantFormat::q6_k;
+    const bool second = s.format != QuantFormat::q6_k;
     for (size_t blk = 0; blk < a.qs.size(); blk += tb) {
       const uint16_t d = f32_to_f16(sc(rng) * 0.1f), m = f32_to_f16(sc(rng) * 0.1f);
       std::memcpy(&a.qs[blk + d_at], &d, 2);
@@ -74,27 +75,36 @@ Matrix make_matrix(const MatShape& s, std::mt19937& rng) {
     a.qs.resize(static_cast<size_t>(s.rows) * nb * quant_block_bytes(s.format));
     for (auto& b : a.qs) b = static_cast<uint8_t>(byte(rng));
     a.d.assign(static_cast<size_t>(s.rows) * stride, 0);
-    if (s.format == QuantFormat::q4_1) a.m.assign(a.d.size(), 0);
+    if (s.format == QuantFormat::q4_1 || s.format == QuantFormat::q5_1) a.m.assign(a.d.size(), 0);
+    if (s.format == QuantFormat::q5_0 || s.format == QuantFormat::q5_1) {
+      a.qh.resize(static_cast<size_t>(s.rows) * nb);
+      std::uniform_int_distribution<uint32_t> word;
+      for (auto& h : a.qh) h = word(rng);
+    }
     for (int r = 0; r < s.rows; ++r)
       for (int b = 0; b < nb; ++b) {
         a.d[static_cast<size_t>(r) * stride + b] = f32_to_f16(sc(rng));
         if (!a.m.empty()) a.m[static_cast<size_t>(r) * stride + b] = f32_to_f16(-sc(rng));
       }
-    a.view = {s.format, s.rows, s.cols, a.qs.data(), a.d.data(), a.m.empty() ? nullptr : a.m.data()};
+    a.view = {s.format, s.rows, s.cols, a.qs.data(), a.d.data(), a.m.empty() ? nullptr : a.m.data(),
+              a.qh.empty() ? nullptr : a.qh.data()};
   }
   a.f32.resize(static_cast<size_t>(s.rows) * s.cols);
   cpu::quant_dequantize_rows(a.view, 0, s.rows, a.f32.data());
   return a;
 }
 
-// Bytes a pass reads from one matrix: codes and scales (repacked: the padded scale rows).
+// Bytes a pass reads from one matrix: codes and scales (repacked: the padded scale rows,
+// and Q5_x's bit-4 words).
 size_t quant_bytes(const MatShape& s) {
   if (!quant_format_repacked(s.format))
     return static_cast<size_t>(s.rows) * static_cast<size_t>(s.cols / quant_format_block(s.format)) *
            static_cast<size_t>(quant_block_bytes(s.format));
   const size_t nb = static_cast<size_t>(s.cols / kQuantBlock);
-  const size_t scales = static_cast<size_t>(quant_scale_stride(s.cols)) * (s.format == QuantFormat::q4_1 ? 2 : 1) * 2;
-  return static_cast<size_t>(s.rows) * (nb * quant_block_bytes(s.format) + scales);
+  const bool has_min = s.format == QuantFormat::q4_1 || s.format == QuantFormat::q5_1;
+  const bool has_qh = s.format == QuantFormat::q5_0 || s.format == QuantFormat::q5_1;
+  const size_t scales = static_cast<size_t>(quant_scale_stride(s.cols)) * (has_min ? 2 : 1) * 2;
+  return static_cast<size_t>(s.rows) * (nb * (quant_block_bytes(s.format) + (has_qh ? 4 : 0)) + scales);
 }
 
 double median(std::vector<double> v) {

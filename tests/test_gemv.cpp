@@ -55,15 +55,17 @@ std::vector<size_t> f16_fields(QuantFormat f) {
   }
 }
 
-// A random quantised matrix: codes are uniform bytes, scales f16 of magnitude [1e-3, 0.1]
-// and either sign, mins in [-0.5, 0.5]. Repacked formats: padding scales beyond cols / 32
-// stay zero, as the layout requires. Verbatim formats: random blocks whose f16 fields are
-// set likewise (K-quant sub-block scales and codes are the random bytes).
+// A random quantised matrix: codes (and Q5_x bit-4 words) are uniform bytes, scales f16 of
+// magnitude [1e-3, 0.1] and either sign, mins in [-0.5, 0.5]. Repacked formats: padding
+// scales beyond cols / 32 stay zero, as the layout requires. Verbatim formats: random
+// blocks whose f16 fields are set likewise (K-quant sub-block scales and codes are the
+// random bytes).
 struct RandomMatrix {
   QuantFormat format;
   int rows, cols;
   std::vector<uint8_t> qs;
   std::vector<uint16_t> d, m;
+  std::vector<uint32_t> qh;
 
   RandomMatrix(QuantFormat f, int r, int c, std::mt19937& rng) : format(f), rows(r), cols(c) {
     std::uniform_int_distribution<int> byte(0, 255);
@@ -83,18 +85,25 @@ struct RandomMatrix {
     const int nb = c / kQuantBlock, stride = quant_scale_stride(c);
     qs.resize(static_cast<size_t>(r) * nb * quant_block_bytes(f));
     for (auto& b : qs) b = static_cast<uint8_t>(byte(rng));
+    const bool has_min = f == QuantFormat::q4_1 || f == QuantFormat::q5_1;
     d.assign(static_cast<size_t>(r) * stride, 0);
-    if (f == QuantFormat::q4_1) m.assign(d.size(), 0);
+    if (has_min) m.assign(d.size(), 0);
+    if (f == QuantFormat::q5_0 || f == QuantFormat::q5_1) {
+      std::uniform_int_distribution<uint32_t> word;
+      qh.resize(static_cast<size_t>(r) * nb);
+      for (auto& h : qh) h = word(rng);
+    }
     for (int i = 0; i < r; ++i) {
       for (int b = 0; b < nb; ++b) {
         const size_t k = static_cast<size_t>(i) * stride + b;
         d[k] = f32_to_f16(byte(rng) % 2 ? mag(rng) : -mag(rng));
-        if (f == QuantFormat::q4_1) m[k] = f32_to_f16(mn(rng));
+        if (has_min) m[k] = f32_to_f16(mn(rng));
       }
     }
   }
   QuantMatrixView view() const {
-    return {format, rows, cols, qs.data(), d.empty() ? nullptr : d.data(), m.empty() ? nullptr : m.data()};
+    return {format, rows, cols, qs.data(), d.empty() ? nullptr : d.data(), m.empty() ? nullptr : m.data(),
+            qh.empty() ? nullptr : qh.data()};
   }
 };
 
@@ -366,17 +375,14 @@ TEST(GemvQuant, WeightMatrixRepacksGgufBlocks) {
     ASSERT_TRUE(w.quantized());
     EXPECT_EQ(w.storage_name(), info.name);
     const std::vector<float> got = w.to_f32();
-    // Repacked formats: the same float32 operations as the GGUF dequantiser, 1 ulp. Verbatim
-    // formats: d sc q - dmin m in another order of float32 roundings: 1e-6 of the row's
+    // Repacked formats: the same float32 operations as the GGUF dequantiser, 1 ulp. K-quants: d sc q - dmin m in another order of float32 roundings: 1e-6 of the row's
     // largest value (see DequantizeMatchesReference).
     for (int r = 0; r < rows; ++r) {
       float row_max = 0;
       for (int c = 0; c < cols; ++c) row_max = std::max(row_max, std::fabs(want[static_cast<size_t>(r) * cols + c]));
       for (int c = 0; c < cols; ++c) {
         const size_t i = static_cast<size_t>(r) * cols + c;
-        const double tol = info.block_size == 32 && t != GgmlType::q5_0 && t != GgmlType::q5_1
-                               ? 2.4e-7 * std::fabs(want[i]) + 1e-30
-                               : 1e-6 * row_max;
+        const double tol = info.block_size == 32 ? 2.4e-7 * std::fabs(want[i]) + 1e-30 : 1e-6 * row_max;
         ASSERT_LE(std::fabs(got[i] - want[i]), tol) << info.name << " element " << i;
       }
     }
@@ -463,10 +469,15 @@ TEST(GemvQuant, BadViewsAreErrors) {
   expect_error(v, "cols=288 must be a positive multiple of 256");
   v = k.view();
   v.d = m.d.data();
-  expect_error(v, "d and m must be null");
+  expect_error(v, "d, m and qh must be null");
+  // Q5_x: the bit-4 words.
+  const RandomMatrix q5(QuantFormat::q5_1, 4, 64, rng);
+  v = q5.view();
+  v.qh = nullptr;
+  expect_error(v, "(Q5_1): qh must be set");
   v = m.view();
-  v.format = QuantFormat::q5_0;
-  expect_error(v, "d and m must be null");
+  v.qh = q5.qh.data();
+  expect_error(v, "(Q4_1): qh must be null");
 
   // GGUF tensors that do not fit their type: the error names the tensor, type and value.
   check::expect_error([&] { WeightMatrix::from_ggml(GgmlType::q4_1, m.qs, 1, 40, WeightStorage::compact, "t.a"); },

@@ -78,7 +78,7 @@ WeightMatrix WeightMatrix::from_ggml(GgmlType type, std::span<const uint8_t> dat
   w.cols_ = cols;
   w.format_ = *format;
   if (!quant_format_repacked(w.format_)) {
-    // Q5_0, Q5_1 and the K-quants: the tensor's bytes as they are (kernels/gemv.h).
+    // The K-quants: the tensor's bytes as they are (kernels/gemv.h).
     w.qs_.assign(data.begin(), data.begin() + static_cast<std::ptrdiff_t>(need));
     return w;
   }
@@ -87,17 +87,23 @@ WeightMatrix WeightMatrix::from_ggml(GgmlType type, std::span<const uint8_t> dat
   const size_t qb = static_cast<size_t>(quant_block_bytes(w.format_));
   const size_t block_bytes = info.type_size;  // bytes of one GGUF block
   w.qs_.resize(static_cast<size_t>(rows) * nb * qb);
+  // GGUF blocks: Q4_0 {f16 d, qs[16]}, Q4_1 {f16 d, f16 m, qs[16]}, Q5_0 {f16 d, u32 qh,
+  // qs[16]}, Q5_1 {f16 d, f16 m, u32 qh, qs[16]}, Q8_0 {f16 d, i8 qs[32]}.
+  const bool has_min = w.format_ == QuantFormat::q4_1 || w.format_ == QuantFormat::q5_1;
+  const bool has_qh = w.format_ == QuantFormat::q5_0 || w.format_ == QuantFormat::q5_1;
+  const size_t qh_offset = has_min ? 4 : 2;
+  const size_t qs_offset = qh_offset + (has_qh ? 4 : 0);
   w.d_.assign(static_cast<size_t>(rows) * stride, 0);
-  if (w.format_ == QuantFormat::q4_1) w.m_.assign(static_cast<size_t>(rows) * stride, 0);
-  // GGUF blocks: Q4_0 {f16 d, qs[16]}, Q4_1 {f16 d, f16 m, qs[16]}, Q8_0 {f16 d, i8 qs[32]}.
-  const size_t qs_offset = w.format_ == QuantFormat::q4_1 ? 4 : 2;
+  if (has_min) w.m_.assign(static_cast<size_t>(rows) * stride, 0);
+  if (has_qh) w.qh_.resize(static_cast<size_t>(rows) * nb);
   const uint8_t* src = data.data();
   for (int r = 0; r < rows; ++r) {
     for (int b = 0; b < nb; ++b) {
       const size_t blk = static_cast<size_t>(r) * nb + b;
       const uint8_t* s = src + blk * block_bytes;
       w.d_[static_cast<size_t>(r) * stride + b] = load_u16(s);
-      if (w.format_ == QuantFormat::q4_1) w.m_[static_cast<size_t>(r) * stride + b] = load_u16(s + 2);
+      if (has_min) w.m_[static_cast<size_t>(r) * stride + b] = load_u16(s + 2);
+      if (has_qh) std::memcpy(&w.qh_[blk], s + qh_offset, 4);
       std::memcpy(w.qs_.data() + blk * qb, s + qs_offset, qb);
     }
   }
@@ -107,13 +113,14 @@ WeightMatrix WeightMatrix::from_ggml(GgmlType type, std::span<const uint8_t> dat
 std::string_view WeightMatrix::storage_name() const { return quantized() ? quant_format_name(format_) : "F32"; }
 
 size_t WeightMatrix::bytes() const {
-  return f32_.size() * sizeof(float) + qs_.size() + (d_.size() + m_.size()) * sizeof(uint16_t);
+  return f32_.size() * sizeof(float) + qs_.size() + (d_.size() + m_.size()) * sizeof(uint16_t) +
+         qh_.size() * sizeof(uint32_t);
 }
 
 QuantMatrixView WeightMatrix::quant_view() const {
   CUMULUS_CHECK(quantized(), "quant_view of a float32 weight matrix [{}][{}]", rows_, cols_);
   return QuantMatrixView{format_, rows_, cols_, qs_.data(), d_.empty() ? nullptr : d_.data(),
-                         m_.empty() ? nullptr : m_.data()};
+                         m_.empty() ? nullptr : m_.data(), qh_.empty() ? nullptr : qh_.data()};
 }
 
 void WeightMatrix::rows_to_f32(int row_begin, int row_end, float* out) const {

@@ -15,21 +15,22 @@
 // The contract of both backends is y = W (dx q), with W dequantised exactly.
 //
 // Weight layout, two kinds:
-// Repacked (Q4_0, Q4_1, Q8_0; struct of arrays, built once at load from the GGUF blocks):
-//   qs [rows][cols / 32][16]  Q4_0/Q4_1: byte j holds element j (low nibble) and j + 16
-//                             (high nibble) of the block, as in ggml
+// Repacked (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; struct of arrays, built once at load from the
+// GGUF blocks):
+//   qs [rows][cols / 32][16]  Q4_x/Q5_x: byte j holds (the low 4 bits of) element j (low
+//                             nibble) and j + 16 (high nibble) of the block, as in ggml
 //      [rows][cols / 32][32]  Q8_0: int8 elements
 //   d  [rows][S]              f16 scale per block; S = quant_scale_stride(cols), the block
 //                             count rounded up to a multiple of 8 with zero padding, so a
 //                             row's scales convert to float32 in whole 8-lane vectors
-//   m  [rows][S]              f16 min per block (Q4_1 only; nullptr otherwise), padded
+//   m  [rows][S]              f16 min per block (Q4_1, Q5_1; nullptr otherwise), padded
 //                             with zeros likewise
-//   Element value: Q4_0 (q - 8) d, Q4_1 q d + m, Q8_0 q d.
-// Verbatim (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): the GGUF tensor's bytes unchanged,
-//   qs [rows][cols / B][T]    B = quant_format_block (32 or 256), T = quant_block_bytes
-//                             (22, 24, 144, 176, 210); d and m are nullptr. The scales
-//                             sit inside the blocks (K-quants: one or two per 32 weights),
-//                             so repacking them would save no reads.
+//   qh [rows][cols / 32]      Q5_x: u32 whose bit j is bit 4 of element j (nullptr otherwise)
+//   Element value: Q4_0 (q - 8) d, Q4_1 q d + m, Q5_0 (q - 16) d, Q5_1 q d + m, Q8_0 q d.
+// Verbatim (Q4_K, Q5_K, Q6_K): the GGUF tensor's bytes unchanged,
+//   qs [rows][cols / 256][T]  T = quant_block_bytes (144, 176, 210); d, m and qh are
+//                             nullptr. The scales sit inside the blocks (one or two per
+//                             32 weights), so repacking them would save no reads.
 #pragma once
 
 #include <cstddef>
@@ -47,18 +48,18 @@ enum class QuantFormat : uint8_t { q4_0, q4_1, q8_0, q5_0, q5_1, q4_k, q5_k, q6_
 constexpr int kQuantBlock = 32;
 
 std::string_view quant_format_name(QuantFormat f);  // "Q4_0", ..., "Q6_K"
-// True for the repacked formats (Q4_0, Q4_1, Q8_0), false for the verbatim ones.
+// True for the repacked formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), false for the K-quants.
 bool quant_format_repacked(QuantFormat f);
 // Elements per weight block: 32, or 256 for the K-quants.
 int quant_format_block(QuantFormat f);
-// Bytes of qs per block: 16 for repacked Q4_0/Q4_1, 32 for Q8_0; the GGUF block size for
-// the verbatim formats.
+// Bytes of qs per block: 16 for Q4_x/Q5_x, 32 for Q8_0; the GGUF block size for the
+// verbatim formats.
 int quant_block_bytes(QuantFormat f);
 // Entries per row of d and m (repacked formats): cols / 32 rounded up to a multiple of 8.
 inline int quant_scale_stride(int cols) { return (cols / kQuantBlock + 7) & ~7; }
 
 // A read-only view of a quantised matrix W [rows][cols]; cols is a multiple of the
-// format's block (32 or 256). d and m: repacked formats only (see above).
+// format's block (32 or 256). d, m and qh: repacked formats only (see above).
 struct QuantMatrixView {
   QuantFormat format = QuantFormat::q4_1;
   int rows = 0;
@@ -66,6 +67,7 @@ struct QuantMatrixView {
   const uint8_t* qs = nullptr;
   const uint16_t* d = nullptr;
   const uint16_t* m = nullptr;
+  const uint32_t* qh = nullptr;
 };
 
 // Checks the view (the arrays its format needs non-null, the others null; cols a positive

@@ -2,11 +2,11 @@
 // products the forward pass takes with it.
 //
 // DESIGN (weight storage): GGUF tensors in the block formats Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-// Q4_K, Q5_K and Q6_K stay quantised in memory (kernels/gemv.h): Q4_0/Q4_1/Q8_0 repacked
-// once at load into a struct-of-arrays layout (the same bytes as the file, plus scale
-// padding), the others kept as the file's bytes. Every other type (F32, F16, BF16, Q2_K,
+// Q4_K, Q5_K and Q6_K stay quantised in memory (kernels/gemv.h): the 32-element formats
+// repacked once at load into a struct-of-arrays layout (the same bytes as the file, plus
+// scale padding), the K-quants kept as the file's bytes. Every other type (F32, F16, BF16, Q2_K,
 // Q3_K, ...) and llama2.c checkpoints are dequantised to float32 on load; so a Q4_K_M file
-// (Q4_K, Q6_K, Q5_0, Q8_0 matrices) holds its file size in memory.
+// (Q4_K, Q6_K, Q5_0, Q8_0 matrices) holds about its file size in memory.
 //   decode (one row):   quantised -> cpu::gemv_quant (Highway, reads the blocks);
 //                       float32   -> OpenBLAS sgemv
 //   prefill (C rows):   float32   -> OpenBLAS sgemm
@@ -71,6 +71,7 @@ class WeightMatrix {
   QuantFormat format_ = QuantFormat::q4_1;
   std::vector<uint8_t> qs_;
   std::vector<uint16_t> d_, m_;
+  std::vector<uint32_t> qh_;
 };
 
 // One product of a batched matmul: y [n_rows][w->rows()] = x [n_rows][w->cols()] W^T.

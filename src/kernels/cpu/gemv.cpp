@@ -20,9 +20,12 @@
 // chains to interleave); a row left over is computed alone by the same instruction
 // sequence, so every row's result depends on nothing but that row and x.
 //
-// The verbatim formats (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) read the GGUF blocks in place, one row
-// at a time (one stream, which the hardware prefetcher follows): per scale group of 16 or
-// 32 weights, the codes are widened to int16 and multiplied with the activation codes
+// Q5_0 and Q5_1 are repacked like Q4_0/Q4_1 plus a u32 of bit-4s per block, merged into
+// the codes per 16 lanes (gemv_codes_q5_bit4).
+//
+// The verbatim formats (Q4_K, Q5_K, Q6_K) read the GGUF blocks in place, one row at a time
+// (one stream, which the hardware prefetcher follows): per scale group of 16 or 32
+// weights, the codes are widened to int16 and multiplied with the activation codes
 // exactly as above, then converted once and accumulated by scale * dx into four
 // accumulators in turn; the K-quants' sub-block scales and mins are unpacked per
 // 256-weight block (four 6-bit fields per u32 operation, then 8 lanes to float32), and the
@@ -90,8 +93,17 @@ HWY_INLINE hn::Vec<DI16> gemv_codes_q8(DI16 di16, const uint8_t* qs, size_t j) {
   return hn::PromoteTo(di16, hn::LoadU(di8, reinterpret_cast<const int8_t*>(qs) + j));
 }
 
+template <QuantFormat F>
+constexpr bool kHasMin = F == QuantFormat::q4_1 || F == QuantFormat::q5_1;
+template <QuantFormat F>
+constexpr bool kIsQ5 = F == QuantFormat::q5_0 || F == QuantFormat::q5_1;
+
+// bit i of lane i (as int16), for testing one bit of a u16 per lane.
+alignas(32) constexpr int16_t kLaneBit[16] = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                              static_cast<int16_t>(-32768)};
+
 // Codes [j, j + L) (low nibbles) and [16 + j, 16 + j + L) (high nibbles) of a 4-bit block
-// as int16, offset by -8 for Q4_0.
+// as int16, offset by -8 for Q4_0 (the low 4 bits of a Q5_x block, without offset).
 template <QuantFormat F>
 HWY_INLINE void gemv_codes_q4(DI16 di16, const uint8_t* qs, size_t j, hn::Vec<DI16>& lo, hn::Vec<DI16>& hi) {
   // Widen the bytes first (one vpmovzxbw with a memory operand), then split the nibbles
@@ -103,6 +115,25 @@ HWY_INLINE void gemv_codes_q4(DI16 di16, const uint8_t* qs, size_t j, hn::Vec<DI
   if constexpr (F == QuantFormat::q4_0) {
     lo = hn::Sub(lo, hn::Set(di16, 8));
     hi = hn::Sub(hi, hn::Set(di16, 8));
+  }
+}
+
+// Q5_0/Q5_1: bit 4 of elements [j, j + L) and [16 + j, 16 + j + L) (bits of the block's
+// u32 qh) merged into the low-4-bit codes: a lane's bit is tested against its own bit of
+// a broadcast u16 (3 ops per vector). Q5_0's offset -16 is folded in: q - 16 = low4 - 16
+// where bit 4 is clear, low4 where it is set.
+template <QuantFormat F>
+HWY_INLINE void gemv_codes_q5_bit4(DI16 di16, uint32_t qh, size_t j, hn::Vec<DI16>& lo, hn::Vec<DI16>& hi) {
+  const auto bits = hn::LoadU(di16, kLaneBit);
+  const auto sixteen = hn::Set(di16, 16);
+  const auto m_lo = hn::TestBit(hn::Set(di16, static_cast<int16_t>(static_cast<uint16_t>(qh >> j))), bits);
+  const auto m_hi = hn::TestBit(hn::Set(di16, static_cast<int16_t>(static_cast<uint16_t>(qh >> (16 + j)))), bits);
+  if constexpr (F == QuantFormat::q5_0) {
+    lo = hn::Sub(lo, hn::IfThenZeroElse(m_lo, sixteen));
+    hi = hn::Sub(hi, hn::IfThenZeroElse(m_hi, sixteen));
+  } else {
+    lo = hn::Or(lo, hn::IfThenElseZero(m_lo, sixteen));
+    hi = hn::Or(hi, hn::IfThenElseZero(m_hi, sixteen));
   }
 }
 
@@ -124,7 +155,7 @@ HWY_INLINE void gemv_group(const QuantMatrixView& w, int r0, const QuantActivati
   float* mscr = scr + static_cast<size_t>(R) * ss;  // [R][ss] m_b
   for (int r = 0; r < R; ++r) {
     gemv_scales(w.d + static_cast<size_t>(r0 + r) * stride, x.d.data(), stride, dscr + static_cast<size_t>(r) * ss);
-    if constexpr (F == QuantFormat::q4_1)
+    if constexpr (kHasMin<F>)
       gemv_f16_to_f32(w.m + static_cast<size_t>(r0 + r) * stride, stride, mscr + static_cast<size_t>(r) * ss);
   }
   hn::Vec<DF> acc[R];
@@ -142,6 +173,9 @@ HWY_INLINE void gemv_group(const QuantMatrixView& w, int r0, const QuantActivati
     if (prefetch && (static_cast<size_t>(b) * qb) % 64 == 0)
       for (int r = 0; r < R; ++r)
         hwy::Prefetch(q0 + static_cast<size_t>(kPrefetchGroups * R + r) * row_bytes + static_cast<size_t>(b) * qb);
+    if constexpr (kIsQ5<F>)  // the bit-4 words: one more stream per row, 4 bytes per block
+      if (prefetch && b % 16 == 0)
+        for (int r = 0; r < R; ++r) hwy::Prefetch(w.qh + static_cast<size_t>(r0 + kPrefetchGroups * R + r) * nb + b);
     hn::Vec<DI16> xv[kXv];
     for (int i = 0; i < kXv; ++i) xv[i] = hn::LoadU(di16, xq + static_cast<size_t>(b) * kQuantBlock + static_cast<size_t>(i) * L);
     for (int r = 0; r < R; ++r) {
@@ -154,6 +188,7 @@ HWY_INLINE void gemv_group(const QuantMatrixView& w, int r0, const QuantActivati
         for (size_t j = 0; j < 16; j += L) {
           hn::Vec<DI16> lo, hi;
           gemv_codes_q4<F>(di16, qs, j, lo, hi);
+          if constexpr (kIsQ5<F>) gemv_codes_q5_bit4<F>(di16, w.qh[static_cast<size_t>(r0 + r) * nb + b], j, lo, hi);
           s0 = hn::ReorderWidenMulAccumulate(di32, lo, xv[j / L], s0, s1);
           s0 = hn::ReorderWidenMulAccumulate(di32, hi, xv[(16 + j) / L], s0, s1);
         }
@@ -163,7 +198,7 @@ HWY_INLINE void gemv_group(const QuantMatrixView& w, int r0, const QuantActivati
   }
   constexpr size_t N = hn::MaxLanes(DF());
   for (int r = 0; r < R; ++r) {
-    if constexpr (F == QuantFormat::q4_1) {
+    if constexpr (kHasMin<F>) {
       // Entries past nb are zero in both arrays (zero f16 padding, zero activation padding).
       const float* m = mscr + static_cast<size_t>(r) * ss;
       auto t = hn::Zero(df);
@@ -218,15 +253,31 @@ void dequantize_rows_format(const QuantMatrixView& w, int row_begin, int row_end
   if (dm.size() < 2 * static_cast<size_t>(stride)) dm.resize(2 * static_cast<size_t>(stride));
   for (int r = row_begin; r < row_end; ++r) {
     gemv_f16_to_f32(w.d + static_cast<size_t>(r) * stride, stride, dm.data());
-    if constexpr (F == QuantFormat::q4_1) gemv_f16_to_f32(w.m + static_cast<size_t>(r) * stride, stride, dm.data() + stride);
+    if constexpr (kHasMin<F>) gemv_f16_to_f32(w.m + static_cast<size_t>(r) * stride, stride, dm.data() + stride);
     float* o = out + static_cast<size_t>(r - row_begin) * w.cols;
     for (int b = 0; b < nb; ++b) {
       const uint8_t* qs = w.qs + (static_cast<size_t>(r) * nb + b) * qb;
       const auto d = hn::Set(dd, dm[static_cast<size_t>(b)]);
-      const auto m = hn::Set(dd, F == QuantFormat::q4_1 ? dm[static_cast<size_t>(stride + b)] : 0.0f);
+      const auto m = hn::Set(dd, kHasMin<F> ? dm[static_cast<size_t>(stride + b)] : 0.0f);
       float* ob = o + static_cast<size_t>(b) * kQuantBlock;
       if constexpr (F == QuantFormat::q8_0) {
         for (size_t j = 0; j < kQuantBlock; j += N) hn::StoreU(hn::MulAdd(dequant_codes<F>(dd, qs, j, false), d, m), dd, ob + j);
+      } else if constexpr (kIsQ5<F>) {
+        // The GEMV's int16 codes, stored and widened to float32.
+        const DI16 di16;
+        constexpr size_t L = hn::MaxLanes(DI16());
+        const hn::Rebind<int16_t, DD> d16;
+        const hn::Rebind<int32_t, DD> d32;
+        int16_t codes[kQuantBlock];
+        for (size_t j = 0; j < 16; j += L) {
+          hn::Vec<DI16> lo, hi;
+          gemv_codes_q4<F>(di16, qs, j, lo, hi);
+          gemv_codes_q5_bit4<F>(di16, w.qh[static_cast<size_t>(r) * nb + b], j, lo, hi);
+          hn::StoreU(lo, di16, codes + j);
+          hn::StoreU(hi, di16, codes + 16 + j);
+        }
+        for (size_t j = 0; j < kQuantBlock; j += N)
+          hn::StoreU(hn::MulAdd(hn::ConvertTo(dd, hn::PromoteTo(d32, hn::LoadU(d16, codes + j))), d, m), dd, ob + j);
       } else {
         for (size_t j = 0; j < 16; j += N) {
           hn::StoreU(hn::MulAdd(dequant_codes<F>(dd, qs, j, false), d, m), dd, ob + j);
@@ -237,11 +288,11 @@ void dequantize_rows_format(const QuantMatrixView& w, int row_begin, int row_end
   }
 }
 
-// ---- Verbatim formats (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): the GGUF blocks read in place ----
+// ---- Verbatim formats (Q4_K, Q5_K, Q6_K): the GGUF blocks read in place ----
 //
 // A walker decodes one block: sink.block(scale, min) first, with the block's group scales
-// scale[G] (d sc, float32; G = 1, 8 or 16 groups) and its mins min[B / 32] per 32 weights
-// (dmin m, or -m for Q5_1; nullptr for formats without), then sink.codes(c, e) with the int16
+// scale[G] (d sc, float32; G = 8 or 16 groups) and its mins min[8] per 32 weights
+// (dmin m; nullptr for Q6_K), then sink.codes(c, e) with the int16
 // codes of elements [e, e + L) of the block, and sink.group(g, e0, n) after the last codes of
 // group g = [e0, e0 + n) (n = 32, or 16 for Q6_K): its weights are scale[g] * code - min.
 // The GEMV and the dequantiser are the two sinks, so both read the codes through the same
@@ -262,40 +313,6 @@ HWY_INLINE void scale_bytes(const T* b, float f, int n, float* out) {
   const hn::Rebind<T, DS> d8;
   for (int i = 0; i < n; i += static_cast<int>(hn::Lanes(ds)))
     hn::StoreU(hn::Mul(hn::ConvertTo(ds, hn::PromoteTo(d32, hn::LoadU(d8, b + i))), hn::Set(ds, f)), ds, out + i);
-}
-
-// bit i of lane i (as int16), for testing one bit of a u16 per lane.
-alignas(32) constexpr int16_t kLaneBit[16] = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                                              static_cast<int16_t>(-32768)};
-
-// Q5_0 (f16 d, u32 qh, qs[16]) and Q5_1 (f16 d, f16 m, u32 qh, qs[16]): element j < 16 is
-// the low nibble of qs[j], element 16 + j the high nibble; bit 4 of element e is bit e of qh.
-template <QuantFormat F, class Sink>
-HWY_INLINE void walk_q5(const uint8_t* blk, Sink& sink) {
-  const DI16 di16;
-  const hn::Rebind<uint8_t, DI16> du8;
-  constexpr size_t L = hn::MaxLanes(DI16());
-  constexpr bool kMin = F == QuantFormat::q5_1;
-  const uint8_t* qhp = blk + (kMin ? 4 : 2);
-  const uint8_t* qs = qhp + 4;
-  uint32_t qh;
-  std::memcpy(&qh, qhp, 4);
-  const float scale = f16_at(blk);
-  const float min = kMin ? -f16_at(blk + 2) : 0.0f;
-  sink.block(&scale, kMin ? &min : nullptr);
-  const auto bits = hn::LoadU(di16, kLaneBit);
-  const auto sixteen = hn::Set(di16, 16);
-  for (size_t half = 0; half < 2; ++half) {
-    for (size_t j = 0; j < 16; j += L) {
-      const auto v = hn::PromoteTo(di16, hn::LoadU(du8, qs + j));
-      auto c = half ? hn::ShiftRight<4>(v) : hn::And(v, hn::Set(di16, 0x0F));
-      const auto h = hn::Set(di16, static_cast<int16_t>(static_cast<uint16_t>(qh >> (16 * half + j))));
-      c = hn::Or(c, hn::IfThenElseZero(hn::TestBit(h, bits), sixteen));
-      if constexpr (!kMin) c = hn::Sub(c, sixteen);
-      sink.codes(c, 16 * half + j);
-    }
-  }
-  sink.group(0, 0, 32);
 }
 
 // Q4_K (f16 d, f16 dmin, scales[12], qs[128]) and Q5_K (the same with qh[32] before qs):
@@ -369,15 +386,12 @@ HWY_INLINE void walk_q6k(const uint8_t* blk, Sink& sink) {
 
 template <QuantFormat F, class Sink>
 HWY_INLINE void walk_block(const uint8_t* blk, Sink& sink) {
-  if constexpr (F == QuantFormat::q5_0 || F == QuantFormat::q5_1) walk_q5<F>(blk, sink);
-  else if constexpr (F == QuantFormat::q4_k || F == QuantFormat::q5_k) walk_k45<F>(blk, sink);
+  if constexpr (F == QuantFormat::q4_k || F == QuantFormat::q5_k) walk_k45<F>(blk, sink);
   else walk_q6k(blk, sink);
 }
 
-constexpr bool verbatim_has_min(QuantFormat f) {
-  return f == QuantFormat::q5_1 || f == QuantFormat::q4_k || f == QuantFormat::q5_k;
-}
-constexpr int verbatim_block(QuantFormat f) { return f == QuantFormat::q5_0 || f == QuantFormat::q5_1 ? 32 : 256; }
+constexpr bool verbatim_has_min(QuantFormat f) { return f == QuantFormat::q4_k || f == QuantFormat::q5_k; }
+constexpr int kVerbatimBlock = 256;  // the K-quants' block
 
 // GEMV sink: a group's codes against the activation codes, summed exactly in int32
 // (pmaddwd), then one conversion and one FMA by scale * dx of the group's activation block,
@@ -385,7 +399,7 @@ constexpr int verbatim_block(QuantFormat f) { return f == QuantFormat::q5_0 || f
 // are stored per 32 weights and dotted with dx sum q once per row (as Q4_1's above).
 template <QuantFormat F>
 struct GemvSink {
-  static constexpr int kMins = verbatim_block(F) / kQuantBlock;
+  static constexpr int kMins = kVerbatimBlock / kQuantBlock;
   const int16_t* xq;  // the block's activation codes [block]
   const float* dx;    // its activation scales, one per 32
   float* mins;        // the row's mins at this block, one per 32
@@ -416,7 +430,7 @@ struct GemvSink {
 template <QuantFormat F>
 void gemv_rows_verbatim(const QuantMatrixView& w, int row_begin, int row_end, const QuantActivation& x, float* y) {
   const DF df;
-  constexpr int kBlock = verbatim_block(F);
+  constexpr int kBlock = kVerbatimBlock;
   const int nb = w.cols / kBlock;
   const size_t tb = static_cast<size_t>(quant_block_bytes(F));
   const size_t row_bytes = static_cast<size_t>(nb) * tb;
@@ -472,7 +486,7 @@ struct DequantSink {
 
 template <QuantFormat F>
 void dequantize_rows_verbatim(const QuantMatrixView& w, int row_begin, int row_end, float* out) {
-  constexpr int kBlock = verbatim_block(F);
+  constexpr int kBlock = kVerbatimBlock;
   const int nb = w.cols / kBlock;
   const size_t tb = static_cast<size_t>(quant_block_bytes(F));
   for (int r = row_begin; r < row_end; ++r) {
@@ -524,8 +538,8 @@ void gemv_quant_rows_impl(const QuantMatrixView& w, int row_begin, int row_end, 
     case QuantFormat::q4_0: return gemv_rows_format<QuantFormat::q4_0>(w, row_begin, row_end, x, y);
     case QuantFormat::q4_1: return gemv_rows_format<QuantFormat::q4_1>(w, row_begin, row_end, x, y);
     case QuantFormat::q8_0: return gemv_rows_format<QuantFormat::q8_0>(w, row_begin, row_end, x, y);
-    case QuantFormat::q5_0: return gemv_rows_verbatim<QuantFormat::q5_0>(w, row_begin, row_end, x, y);
-    case QuantFormat::q5_1: return gemv_rows_verbatim<QuantFormat::q5_1>(w, row_begin, row_end, x, y);
+    case QuantFormat::q5_0: return gemv_rows_format<QuantFormat::q5_0>(w, row_begin, row_end, x, y);
+    case QuantFormat::q5_1: return gemv_rows_format<QuantFormat::q5_1>(w, row_begin, row_end, x, y);
     case QuantFormat::q4_k: return gemv_rows_verbatim<QuantFormat::q4_k>(w, row_begin, row_end, x, y);
     case QuantFormat::q5_k: return gemv_rows_verbatim<QuantFormat::q5_k>(w, row_begin, row_end, x, y);
     case QuantFormat::q6_k: return gemv_rows_verbatim<QuantFormat::q6_k>(w, row_begin, row_end, x, y);
@@ -537,8 +551,8 @@ void quant_dequantize_rows_impl(const QuantMatrixView& w, int row_begin, int row
     case QuantFormat::q4_0: return dequantize_rows_format<QuantFormat::q4_0>(w, row_begin, row_end, out);
     case QuantFormat::q4_1: return dequantize_rows_format<QuantFormat::q4_1>(w, row_begin, row_end, out);
     case QuantFormat::q8_0: return dequantize_rows_format<QuantFormat::q8_0>(w, row_begin, row_end, out);
-    case QuantFormat::q5_0: return dequantize_rows_verbatim<QuantFormat::q5_0>(w, row_begin, row_end, out);
-    case QuantFormat::q5_1: return dequantize_rows_verbatim<QuantFormat::q5_1>(w, row_begin, row_end, out);
+    case QuantFormat::q5_0: return dequantize_rows_format<QuantFormat::q5_0>(w, row_begin, row_end, out);
+    case QuantFormat::q5_1: return dequantize_rows_format<QuantFormat::q5_1>(w, row_begin, row_end, out);
     case QuantFormat::q4_k: return dequantize_rows_verbatim<QuantFormat::q4_k>(w, row_begin, row_end, out);
     case QuantFormat::q5_k: return dequantize_rows_verbatim<QuantFormat::q5_k>(w, row_begin, row_end, out);
     case QuantFormat::q6_k: return dequantize_rows_verbatim<QuantFormat::q6_k>(w, row_begin, row_end, out);

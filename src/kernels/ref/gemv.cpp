@@ -3,8 +3,8 @@
 // backend shares. Each weight is dequantised in float64 from its f16 scale (and min) and
 // its integer code, each activation is dx_b q_j, and every product is summed in float64.
 //
-// The verbatim formats are decoded element by element: for element e of a block, where
-// its bits and scales lie. Sources for the layouts: ggml's ggml-common.h (block structs)
+// The verbatim formats (K-quants) are decoded element by element: for element e of a
+// block, where its bits and scales lie; Q5_x from the repacked layout. Sources for the layouts: ggml's ggml-common.h (block structs)
 // and ggml-quants.c (dequantize_row_q5_0, _q5_1, _q4_K, _q5_K, _q6_K, get_scale_min_k4),
 // and gguf-py's gguf/quants.py (the numpy dequantisers the tests compare against), read
 // for the layout and written here independently.
@@ -34,7 +34,7 @@ std::string_view quant_format_name(QuantFormat f) {
 }
 
 bool quant_format_repacked(QuantFormat f) {
-  return f == QuantFormat::q4_0 || f == QuantFormat::q4_1 || f == QuantFormat::q8_0;
+  return f != QuantFormat::q4_k && f != QuantFormat::q5_k && f != QuantFormat::q6_k;
 }
 
 int quant_format_block(QuantFormat f) {
@@ -46,8 +46,8 @@ int quant_block_bytes(QuantFormat f) {
     case QuantFormat::q4_0: return 16;
     case QuantFormat::q4_1: return 16;
     case QuantFormat::q8_0: return 32;
-    case QuantFormat::q5_0: return 22;   // f16 d, u32 qh, u8 qs[16]
-    case QuantFormat::q5_1: return 24;   // f16 d, f16 m, u32 qh, u8 qs[16]
+    case QuantFormat::q5_0: return 16;   // repacked; the GGUF block is f16 d, u32 qh, u8 qs[16]
+    case QuantFormat::q5_1: return 16;   // repacked; the GGUF block is f16 d, f16 m, u32 qh, u8 qs[16]
     case QuantFormat::q4_k: return 144;  // f16 d, f16 dmin, u8 scales[12], u8 qs[128]
     case QuantFormat::q5_k: return 176;  // f16 d, f16 dmin, u8 scales[12], u8 qh[32], u8 qs[128]
     case QuantFormat::q6_k: return 210;  // u8 ql[128], u8 qh[64], i8 scales[16], f16 d
@@ -65,12 +65,14 @@ void quant_matrix_validate(const QuantMatrixView& w) {
                 name, w.cols, block);
   CUMULUS_CHECK(w.qs != nullptr, "quant matrix ({}) has a null qs array", name);
   if (quant_format_repacked(w.format)) {
+    const bool has_min = w.format == QuantFormat::q4_1 || w.format == QuantFormat::q5_1;
+    const bool has_qh = w.format == QuantFormat::q5_0 || w.format == QuantFormat::q5_1;
     CUMULUS_CHECK(w.d != nullptr, "quant matrix ({}) has a null d array", name);
-    CUMULUS_CHECK((w.m != nullptr) == (w.format == QuantFormat::q4_1), "quant matrix ({}): m must be {}", name,
-                  w.format == QuantFormat::q4_1 ? "set" : "null");
+    CUMULUS_CHECK((w.m != nullptr) == has_min, "quant matrix ({}): m must be {}", name, has_min ? "set" : "null");
+    CUMULUS_CHECK((w.qh != nullptr) == has_qh, "quant matrix ({}): qh must be {}", name, has_qh ? "set" : "null");
   } else {
-    CUMULUS_CHECK(w.d == nullptr && w.m == nullptr, "quant matrix ({}) keeps its scales in its blocks: d and m must be null",
-                  name);
+    CUMULUS_CHECK(w.d == nullptr && w.m == nullptr && w.qh == nullptr,
+                  "quant matrix ({}) keeps its scales in its blocks: d, m and qh must be null", name);
   }
 }
 
@@ -97,19 +99,6 @@ int k_scale_6bit(const uint8_t* sc, int s, int which) {
 // Element e of one verbatim block, float64.
 double verbatim_element(QuantFormat f, const uint8_t* blk, int e) {
   switch (f) {
-    case QuantFormat::q5_0:
-    case QuantFormat::q5_1: {
-      // Element e < 16: low nibble of qs[e]; e >= 16: high nibble of qs[e - 16]; bit 4 is
-      // bit e of the little-endian u32 qh.
-      const bool has_min = f == QuantFormat::q5_1;
-      const uint8_t* qh = blk + (has_min ? 4 : 2);
-      const uint8_t* qs = qh + 4;
-      const int low4 = e < 16 ? (qs[e] & 15) : (qs[e - 16] >> 4);
-      const int bit4 = (qh[e / 8] >> (e % 8)) & 1;
-      const int q = low4 | (bit4 << 4);
-      const double d = f16_at(blk);
-      return has_min ? q * d + f16_at(blk + 2) : (q - 16) * d;
-    }
     case QuantFormat::q4_k:
     case QuantFormat::q5_k: {
       // Sub-block s = e / 32; 64-element group g = e / 64; element l = e % 32 of its
@@ -176,6 +165,14 @@ void quant_dequantize_rows(const QuantMatrixView& w, int row_begin, int row_end,
           case QuantFormat::q4_1: {
             const int q = j < 16 ? (qs[j] & 0x0F) : (qs[j - 16] >> 4);
             o[j] = q * d + static_cast<double>(f16_to_f32(w.m[sc]));
+            break;
+          }
+          case QuantFormat::q5_0:
+          case QuantFormat::q5_1: {
+            // Bit 4 of element j is bit j of the block's qh word.
+            const int low4 = j < 16 ? (qs[j] & 0x0F) : (qs[j - 16] >> 4);
+            const int q = low4 | static_cast<int>(((w.qh[blk] >> j) & 1u) << 4);
+            o[j] = w.format == QuantFormat::q5_0 ? (q - 16) * d : q * d + static_cast<double>(f16_to_f32(w.m[sc]));
             break;
           }
           case QuantFormat::q8_0:
