@@ -340,6 +340,37 @@ HWY_INLINE void walk_k45(const uint8_t* blk, Sink& sink) {
   sink.block(scale, min);
   const uint8_t* qh = blk + 16;
   const uint8_t* qs = blk + (kFive ? 48 : 16);
+  if constexpr (L == 16) {
+    // Two vectors are one group of 32: the 32 bytes of a sub-block pair are loaded once for
+    // both (low and high nibbles), and Q5_K's qh bytes once per block.
+    const auto m4 = hn::Set(di16, 0x0F), sixteen = hn::Set(di16, 16);
+    hn::Vec<DI16> h0 = hn::Zero(di16), h1 = hn::Zero(di16);
+    if constexpr (kFive) {
+      h0 = hn::PromoteTo(di16, hn::LoadU(du8, qh));
+      h1 = hn::PromoteTo(di16, hn::LoadU(du8, qh + 16));
+    }
+    for (int g = 0; g < 4; ++g) {
+      const uint8_t* q = qs + 32 * g;
+      const auto a0 = hn::PromoteTo(di16, hn::LoadU(du8, q)), a1 = hn::PromoteTo(di16, hn::LoadU(du8, q + 16));
+      auto c00 = hn::And(a0, m4), c01 = hn::And(a1, m4);                   // sub-block 2g
+      auto c10 = hn::ShiftRight<4>(a0), c11 = hn::ShiftRight<4>(a1);       // sub-block 2g + 1
+      if constexpr (kFive) {
+        const auto b0 = hn::Set(di16, static_cast<int16_t>(1 << (2 * g)));
+        const auto b1 = hn::Set(di16, static_cast<int16_t>(1 << (2 * g + 1)));
+        c00 = hn::Or(c00, hn::IfThenElseZero(hn::TestBit(h0, b0), sixteen));
+        c01 = hn::Or(c01, hn::IfThenElseZero(hn::TestBit(h1, b0), sixteen));
+        c10 = hn::Or(c10, hn::IfThenElseZero(hn::TestBit(h0, b1), sixteen));
+        c11 = hn::Or(c11, hn::IfThenElseZero(hn::TestBit(h1, b1), sixteen));
+      }
+      sink.codes(c00, static_cast<size_t>(64 * g));
+      sink.codes(c01, static_cast<size_t>(64 * g + 16));
+      sink.group(2 * g, 64 * g, 32);
+      sink.codes(c10, static_cast<size_t>(64 * g + 32));
+      sink.codes(c11, static_cast<size_t>(64 * g + 48));
+      sink.group(2 * g + 1, 64 * g + 32, 32);
+    }
+    return;
+  }
   for (int s = 0; s < 8; ++s) {
     const uint8_t* q = qs + 32 * (s / 2);
     for (size_t j = 0; j < 32; j += L) {
@@ -366,6 +397,30 @@ HWY_INLINE void walk_q6k(const uint8_t* blk, Sink& sink) {
   alignas(32) float scale[16];
   scale_bytes(reinterpret_cast<const int8_t*>(blk + 192), f16_at(blk + 208), 16, scale);
   sink.block(scale, nullptr);
+  if constexpr (L == 16) {
+    // One vector is one group of 16: the ql and qh bytes of a half are loaded once for its
+    // four quarters k, and each k's top 2 bits are moved to bits 4-5 by a fixed shift.
+    const auto m4 = hn::Set(di16, 0x0F), m30 = hn::Set(di16, 0x30), c32 = hn::Set(di16, 32);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = blk + 64 * h;
+      const uint8_t* qh = blk + 128 + 32 * h;
+      for (size_t l16 = 0; l16 < 32; l16 += 16) {
+        const auto a = hn::PromoteTo(di16, hn::LoadU(du8, ql + l16));       // k = 0 (low), 2 (high nibbles)
+        const auto b = hn::PromoteTo(di16, hn::LoadU(du8, ql + 32 + l16));  // k = 1, 3
+        const auto t = hn::PromoteTo(di16, hn::LoadU(du8, qh + l16));
+        const hn::Vec<DI16> codes[4] = {hn::Or(hn::And(a, m4), hn::And(hn::ShiftLeft<4>(t), m30)),
+                                        hn::Or(hn::And(b, m4), hn::And(hn::ShiftLeft<2>(t), m30)),
+                                        hn::Or(hn::ShiftRight<4>(a), hn::And(t, m30)),
+                                        hn::Or(hn::ShiftRight<4>(b), hn::And(hn::ShiftRight<2>(t), m30))};
+        for (int k = 0; k < 4; ++k) {
+          const int e0 = 128 * h + 32 * k + static_cast<int>(l16);
+          sink.codes(hn::Sub(codes[k], c32), static_cast<size_t>(e0));
+          sink.group(e0 / 16, e0, 16);
+        }
+      }
+    }
+    return;
+  }
   for (int h = 0; h < 2; ++h) {
     const uint8_t* ql = blk + 64 * h;
     const uint8_t* qh = blk + 128 + 32 * h;
