@@ -291,10 +291,10 @@ void dequantize_rows_format(const QuantMatrixView& w, int row_begin, int row_end
 // ---- Verbatim formats (Q4_K, Q5_K, Q6_K): the GGUF blocks read in place ----
 //
 // A walker decodes one block: sink.block(scale, min) first, with the block's group scales
-// scale[G] (d sc, float32; G = 8 or 16 groups) and its mins min[8] per 32 weights
-// (dmin m; nullptr for Q6_K), then sink.codes(c, e) with the int16
-// codes of elements [e, e + L) of the block, and sink.group(g, e0, n) after the last codes of
-// group g = [e0, e0 + n) (n = 32, or 16 for Q6_K): its weights are scale[g] * code - min.
+// scale[G] (d sc, float32; G = 8 or 16 groups) and its mins min[8] per 32 weights (dmin m;
+// nullptr for Q6_K), then sink.codes(c, e) with the int16 codes of elements [e, e + L) of
+// the block, and sink.group(g, e0, n) after the last codes of group g = [e0, e0 + n)
+// (n = 32, or 16 for Q6_K): its weights are scale[g] * code - min.
 // The GEMV and the dequantiser are the two sinks, so both read the codes through the same
 // instructions. Bits are split in 16-bit lanes after widening the bytes, as for Q4_x above.
 
