@@ -501,7 +501,7 @@ void gemv_rows_verbatim(const QuantMatrixView& w, int row_begin, int row_end, co
       const size_t e = static_cast<size_t>(b) * kBlock;
       sink.xq = x.q.data() + e;
       sink.dx = x.d.data() + e / kQuantBlock;
-      sink.mins = mins.data() + e / kQuantBlock;
+      if constexpr (verbatim_has_min(F)) sink.mins = mins.data() + e / kQuantBlock;
       walk_block<F>(row + static_cast<size_t>(b) * tb, sink);
     }
     auto acc = hn::Add(hn::Add(sink.acc0, sink.acc1), hn::Add(sink.acc2, sink.acc3));
