@@ -119,21 +119,28 @@ HWY_INLINE void gemv_codes_q4(DI16 di16, const uint8_t* qs, size_t j, hn::Vec<DI
 }
 
 // Q5_0/Q5_1: bit 4 of elements [j, j + L) and [16 + j, 16 + j + L) (bits of the block's
-// u32 qh) merged into the low-4-bit codes: a lane's bit is tested against its own bit of
-// a broadcast u16 (3 ops per vector). Q5_0's offset -16 is folded in: q - 16 = low4 - 16
-// where bit 4 is clear, low4 where it is set.
+// u32 qh) merged into the low-4-bit codes. On AVX-512 the bits are the lane mask itself (a
+// k-register move); elsewhere a lane's bit is tested against its own bit of a broadcast
+// u16 (3 ops per vector). Then Q5_0 subtracts its offset 16 (exact in int16).
 template <QuantFormat F>
 HWY_INLINE void gemv_codes_q5_bit4(DI16 di16, uint32_t qh, size_t j, hn::Vec<DI16>& lo, hn::Vec<DI16>& hi) {
-  const auto bits = hn::LoadU(di16, kLaneBit);
   const auto sixteen = hn::Set(di16, 16);
+#if HWY_TARGET <= HWY_AVX3
+  static_assert(hn::MaxLanes(DI16()) % 8 == 0, "mask bits start on a byte");
+  uint8_t bytes[16] = {};  // LoadMaskBits may read 8 bytes
+  std::memcpy(bytes, &qh, 4);
+  const auto m_lo = hn::LoadMaskBits(di16, bytes + j / 8);
+  const auto m_hi = hn::LoadMaskBits(di16, bytes + (16 + j) / 8);
+#else
+  const auto bits = hn::LoadU(di16, kLaneBit);
   const auto m_lo = hn::TestBit(hn::Set(di16, static_cast<int16_t>(static_cast<uint16_t>(qh >> j))), bits);
   const auto m_hi = hn::TestBit(hn::Set(di16, static_cast<int16_t>(static_cast<uint16_t>(qh >> (16 + j)))), bits);
+#endif
+  lo = hn::Or(lo, hn::IfThenElseZero(m_lo, sixteen));
+  hi = hn::Or(hi, hn::IfThenElseZero(m_hi, sixteen));
   if constexpr (F == QuantFormat::q5_0) {
-    lo = hn::Sub(lo, hn::IfThenZeroElse(m_lo, sixteen));
-    hi = hn::Sub(hi, hn::IfThenZeroElse(m_hi, sixteen));
-  } else {
-    lo = hn::Or(lo, hn::IfThenElseZero(m_lo, sixteen));
-    hi = hn::Or(hi, hn::IfThenElseZero(m_hi, sixteen));
+    lo = hn::Sub(lo, sixteen);
+    hi = hn::Sub(hi, sixteen);
   }
 }
 
