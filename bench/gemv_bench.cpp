@@ -1,13 +1,15 @@
 // Decode-projection benchmark: the quantised GEMV kernel (kernels/gemv.h) on the shapes of
-// SmolLM2-135M (Q4_1 layer matrices, the Q8_0 output head) against OpenBLAS sgemv on the
-// same matrices dequantised to float32. Each shape is replicated `--copies` times (30 =
+// SmolLM2-135M (Q4_1 layer matrices, the Q8_0 output head), its 576x1536 down projection
+// in every format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; compare the formats'
+// GB/s within one run) and Gemma 3 270M's FFN shapes in the formats of a Q4_K_M file,
+// against OpenBLAS sgemv on the same matrices dequantised to float32. Each shape is replicated `--copies` times (30 =
 // the model's layers) and the copies are visited in turn, so the weights stream from
-// memory as in a decode step. Reported: achieved GB/s of weight bytes against the
-// machine's read bandwidth measured in the same run with the same threads, ns per
-// 32-element block, and CPU time per block of the single-threaded kernel (thread CPU
-// time: insensitive to other processes taking the cores, unlike wall time).
+// memory as in a decode step. Reported: achieved GB/s of weight bytes (codes and scales)
+// against the machine's read bandwidth measured in the same run with the same threads,
+// and CPU time per 32 weights of the single-threaded kernel (thread CPU time: insensitive
+// to other processes taking the cores, unlike wall time).
 //
-// usage: gemv_bench [--threads 2] [--copies 30] [--reps 15] [--json FILE]
+// usage: gemv_bench [--threads 2] [--copies 30] [--reps 15] [--only TEXT] [--json FILE]
 #include <cblas.h>
 #include <hwy/targets.h>
 
@@ -46,34 +48,64 @@ struct MatShape {
 struct Matrix {
   std::vector<uint8_t> qs;
   std::vector<uint16_t> d, m;
+  std::vector<uint32_t> qh;
   QuantMatrixView view;
   std::vector<float> f32;  // dequantised, for sgemv
 };
 
 Matrix make_matrix(const MatShape& s, std::mt19937& rng) {
   Matrix a;
-  const int nb = s.cols / kQuantBlock, stride = quant_scale_stride(s.cols);
   std::uniform_int_distribution<int> byte(0, 255);
   std::uniform_real_distribution<float> sc(0.001f, 0.05f);
-  a.qs.resize(static_cast<size_t>(s.rows) * nb * quant_block_bytes(s.format));
-  for (auto& b : a.qs) b = static_cast<uint8_t>(byte(rng));
-  a.d.assign(static_cast<size_t>(s.rows) * stride, 0);
-  if (s.format == QuantFormat::q4_1) a.m.assign(a.d.size(), 0);
-  for (int r = 0; r < s.rows; ++r)
-    for (int b = 0; b < nb; ++b) {
-      a.d[static_cast<size_t>(r) * stride + b] = f32_to_f16(sc(rng));
-      if (!a.m.empty()) a.m[static_cast<size_t>(r) * stride + b] = f32_to_f16(-sc(rng));
+  if (!quant_format_repacked(s.format)) {
+    // The GGUF blocks as they are: random bytes, with finite f16 scales (d, and dmin after
+    // it; Q6_K's d at byte 208).
+    const size_t tb = static_cast<size_t>(quant_block_bytes(s.format));
+    a.qs.resize(static_cast<size_t>(s.rows) * static_cast<size_t>(s.cols / quant_format_block(s.format)) * tb);
+    for (auto& b : a.qs) b = static_cast<uint8_t>(byte(rng));
+    const size_t d_at = s.format == QuantFormat::q6_k ? 208 : 0;
+    const bool second = s.format != QuantFormat::q6_k;
+    for (size_t blk = 0; blk < a.qs.size(); blk += tb) {
+      const uint16_t d = f32_to_f16(sc(rng) * 0.1f), m = f32_to_f16(sc(rng) * 0.1f);
+      std::memcpy(&a.qs[blk + d_at], &d, 2);
+      if (second) std::memcpy(&a.qs[blk + 2], &m, 2);
     }
-  a.view = {s.format, s.rows, s.cols, a.qs.data(), a.d.data(), a.m.empty() ? nullptr : a.m.data()};
+    a.view = {s.format, s.rows, s.cols, a.qs.data(), nullptr, nullptr};
+  } else {
+    const int nb = s.cols / kQuantBlock, stride = quant_scale_stride(s.cols);
+    a.qs.resize(static_cast<size_t>(s.rows) * nb * quant_block_bytes(s.format));
+    for (auto& b : a.qs) b = static_cast<uint8_t>(byte(rng));
+    a.d.assign(static_cast<size_t>(s.rows) * stride, 0);
+    if (s.format == QuantFormat::q4_1 || s.format == QuantFormat::q5_1) a.m.assign(a.d.size(), 0);
+    if (s.format == QuantFormat::q5_0 || s.format == QuantFormat::q5_1) {
+      a.qh.resize(static_cast<size_t>(s.rows) * nb);
+      std::uniform_int_distribution<uint32_t> word;
+      for (auto& h : a.qh) h = word(rng);
+    }
+    for (int r = 0; r < s.rows; ++r)
+      for (int b = 0; b < nb; ++b) {
+        a.d[static_cast<size_t>(r) * stride + b] = f32_to_f16(sc(rng));
+        if (!a.m.empty()) a.m[static_cast<size_t>(r) * stride + b] = f32_to_f16(-sc(rng));
+      }
+    a.view = {s.format, s.rows, s.cols, a.qs.data(), a.d.data(), a.m.empty() ? nullptr : a.m.data(),
+              a.qh.empty() ? nullptr : a.qh.data()};
+  }
   a.f32.resize(static_cast<size_t>(s.rows) * s.cols);
   cpu::quant_dequantize_rows(a.view, 0, s.rows, a.f32.data());
   return a;
 }
 
+// Bytes a pass reads from one matrix: codes and scales (repacked: the padded scale rows,
+// and Q5_x's bit-4 words).
 size_t quant_bytes(const MatShape& s) {
+  if (!quant_format_repacked(s.format))
+    return static_cast<size_t>(s.rows) * static_cast<size_t>(s.cols / quant_format_block(s.format)) *
+           static_cast<size_t>(quant_block_bytes(s.format));
   const size_t nb = static_cast<size_t>(s.cols / kQuantBlock);
-  const size_t scales = static_cast<size_t>(quant_scale_stride(s.cols)) * (s.format == QuantFormat::q4_1 ? 2 : 1) * 2;
-  return static_cast<size_t>(s.rows) * (nb * quant_block_bytes(s.format) + scales);
+  const bool has_min = s.format == QuantFormat::q4_1 || s.format == QuantFormat::q5_1;
+  const bool has_qh = s.format == QuantFormat::q5_0 || s.format == QuantFormat::q5_1;
+  const size_t scales = static_cast<size_t>(quant_scale_stride(s.cols)) * (has_min ? 2 : 1) * 2;
+  return static_cast<size_t>(s.rows) * (nb * (quant_block_bytes(s.format) + (has_qh ? 4 : 0)) + scales);
 }
 
 double median(std::vector<double> v) {
@@ -106,7 +138,7 @@ std::pair<double, double> time_pass(Fn&& pass, int reps) {
 
 int main(int argc, char** argv) {
   int threads = 2, copies = 30, reps = 15;
-  std::string json_path;
+  std::string json_path, only;  // only: run the shapes whose name contains it
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
@@ -114,8 +146,9 @@ int main(int argc, char** argv) {
     else if (a == "--copies") copies = std::stoi(next());
     else if (a == "--reps") reps = std::stoi(next());
     else if (a == "--json") json_path = next();
+    else if (a == "--only") only = next();
     else {
-      std::fprintf(stderr, "usage: gemv_bench [--threads 2] [--copies 30] [--reps 15] [--json FILE]\n");
+      std::fprintf(stderr, "usage: gemv_bench [--threads 2] [--copies 30] [--reps 15] [--only TEXT] [--json FILE]\n");
       return 2;
     }
   }
@@ -125,17 +158,31 @@ int main(int argc, char** argv) {
   std::printf("gemv_bench: target %s, %d threads, machine read bandwidth %.1f GB/s; load average %.2f\n",
               hwy::TargetName(hwy::SupportedAndGeneratedTargets().front()), threads, bw.gbps_median, load_average());
   const MatShape shapes[] = {{"wq/wo 576x576", QuantFormat::q4_1, 576, 576},
-                          {"wk/wv 192x576", QuantFormat::q4_1, 192, 576},
-                          {"gate/up 1536x576", QuantFormat::q4_1, 1536, 576},
-                          {"down 576x1536", QuantFormat::q4_1, 576, 1536},
-                          {"head 49152x576 Q8_0", QuantFormat::q8_0, 49152, 576}};
+                             {"wk/wv 192x576", QuantFormat::q4_1, 192, 576},
+                             {"gate/up 1536x576", QuantFormat::q4_1, 1536, 576},
+                             {"down 576x1536", QuantFormat::q4_1, 576, 1536},
+                             {"head 49152x576 Q8_0", QuantFormat::q8_0, 49152, 576},
+                             // The down projection in every other format.
+                             {"down 576x1536 Q4_0", QuantFormat::q4_0, 576, 1536},
+                             {"down 576x1536 Q5_0", QuantFormat::q5_0, 576, 1536},
+                             {"down 576x1536 Q5_1", QuantFormat::q5_1, 576, 1536},
+                             {"down 576x1536 Q8_0", QuantFormat::q8_0, 576, 1536},
+                             {"down 576x1536 Q4_K", QuantFormat::q4_k, 576, 1536},
+                             {"down 576x1536 Q5_K", QuantFormat::q5_k, 576, 1536},
+                             {"down 576x1536 Q6_K", QuantFormat::q6_k, 576, 1536},
+                             // Gemma 3 270M (dim 640, FFN 2048): rows of 640 are not whole
+                             // 256-blocks, so a Q4_K_M file stores them in Q5_0 or Q8_0.
+                             {"g3 gate/up 2048x640 Q5_0", QuantFormat::q5_0, 2048, 640},
+                             {"g3 down 640x2048 Q4_K", QuantFormat::q4_k, 640, 2048},
+                             {"g3 down 640x2048 Q6_K", QuantFormat::q6_k, 640, 2048}};
   std::mt19937 rng(1);
   nlohmann::json out;
   out["threads"] = threads;
   out["membw_gbps"] = bw.gbps_median;
-  std::printf("\n%-22s %7s %10s %9s %7s %10s %12s %10s %9s %7s\n", "shape", "copies", "quant MB", "ms", "GB/s", "of bw",
-              "cpu ns/blk", "sgemv ms", "GB/s", "speedup");
+  std::printf("\n%-26s %7s %10s %9s %7s %10s %12s %10s %9s %7s\n", "shape", "copies", "quant MB", "ms", "GB/s", "of bw",
+              "cpu ns/32w", "sgemv ms", "GB/s", "speedup");
   for (const MatShape& s : shapes) {
+    if (!only.empty() && std::string(s.name).find(only) == std::string::npos) continue;
     // The head is ~30 MB on its own: one copy streams from memory already.
     const int n = s.rows > 10000 ? 1 : copies;
     std::vector<Matrix> ms;
@@ -172,7 +219,7 @@ int main(int argc, char** argv) {
     (void)f_cpu_unused;
     (void)s1_wall;
     const double q_gbps = qbytes / q_wall / 1e9, f_gbps = fbytes / f_wall / 1e9;
-    std::printf("%-22s %7d %10.1f %9.3f %7.1f %9.0f%% %12.2f %10.3f %9.1f %6.2fx\n", s.name, n, qbytes / 1e6, 1e3 * q_wall,
+    std::printf("%-26s %7d %10.1f %9.3f %7.1f %9.0f%% %12.2f %10.3f %9.1f %6.2fx\n", s.name, n, qbytes / 1e6, 1e3 * q_wall,
                 q_gbps, 100 * q_gbps / bw.gbps_median, 1e9 * s1_cpu / blocks, 1e3 * f_wall, f_gbps, f_wall / q_wall);
     out["shapes"].push_back({{"shape", s.name},
                              {"format", quant_format_name(s.format)},
@@ -182,13 +229,13 @@ int main(int argc, char** argv) {
                              {"quant_bytes", qbytes},
                              {"quant_ms", 1e3 * q_wall},
                              {"quant_gbps", q_gbps},
-                             {"single_thread_cpu_ns_per_block", 1e9 * s1_cpu / blocks},
+                             {"single_thread_cpu_ns_per_32_weights", 1e9 * s1_cpu / blocks},
                              {"sgemv_ms", 1e3 * f_wall},
                              {"sgemv_gbps", f_gbps},
                              {"speedup_vs_sgemv", f_wall / q_wall}});
   }
-  std::printf("ms: one pass over all copies with %d threads; cpu ns/blk: single-threaded kernel, thread CPU time per "
-              "32-element block; speedup: sgemv time / quantised time\n",
+  std::printf("ms: one pass over all copies with %d threads; cpu ns/32w: single-threaded kernel, thread CPU time per "
+              "32 weights; speedup: sgemv time / quantised time\n",
               threads);
   if (!json_path.empty()) {
     cumulus::file_write_atomic(json_path, out.dump(2) + "\n", "--json");

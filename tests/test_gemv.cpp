@@ -1,17 +1,24 @@
 // GEMV against block-quantised weights: the SIMD backend (on every SIMD target this binary
 // carries) against the float64 reference on fresh random matrices (random codes, random
 // f16 scales and mins of both signs, random x; never zeros) of awkward sizes: rows 1, 3,
-// 15, 16, 17, 255, 4097 and 1 to 129 blocks per row, in Q4_0, Q4_1 and Q8_0. Also: the
-// activation rounding is bit-identical to the reference's and within its documented bound
-// of the exact product; bit-identical results for 1, 2 and 3 threads and for a row
-// computed alone or in a group; dequantisation equals the reference; WeightMatrix repacks
-// GGUF blocks into values equal to the GGUF dequantiser's (itself checked against gguf-py
-// in test_model_quant.cpp); bad views are errors that name the value.
+// 15, 16, 17, 255, 4097 and 1 to 129 blocks of 32 per row (K-quants: 1 to 17 blocks of 256),
+// in every format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). Also: the product against
+// gguf-py's dequantised matrices (tests/data/quant_reference.json); the activation
+// rounding is bit-identical to the reference's and within its documented bound of the
+// exact product; bit-identical results for 1, 2 and 3 threads and for a row computed
+// alone or in a group; dequantisation equals the reference; WeightMatrix keeps GGUF
+// blocks as values equal to the GGUF dequantiser's (itself checked against gguf-py in
+// test_model_quant.cpp); bad views and bad tensors are errors that name the value.
 #include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -38,33 +45,65 @@ constexpr double kTol = 1e-5;
 
 using check::for_each_target;
 
-// A random repacked matrix: codes are uniform bytes, scales f16 of magnitude [1e-3, 0.1]
-// and either sign, mins in [-0.5, 0.5]. Padding scales beyond cols / 32 stay zero, as the
-// layout requires.
+// Byte offsets of the f16 scale fields in a verbatim block (set to finite values: random
+// bytes could make Inf/NaN).
+std::vector<size_t> f16_fields(QuantFormat f) {
+  switch (f) {
+    case QuantFormat::q5_0: return {0};
+    case QuantFormat::q6_k: return {208};
+    default: return {0, 2};  // Q5_1 d, m; Q4_K/Q5_K d, dmin
+  }
+}
+
+// A random quantised matrix: codes (and Q5_x bit-4 words) are uniform bytes, scales f16 of
+// magnitude [1e-3, 0.1] and either sign, mins in [-0.5, 0.5]. Repacked formats: padding
+// scales beyond cols / 32 stay zero, as the layout requires. Verbatim formats: random
+// blocks whose f16 fields are set likewise (K-quant sub-block scales and codes are the
+// random bytes).
 struct RandomMatrix {
   QuantFormat format;
   int rows, cols;
   std::vector<uint8_t> qs;
   std::vector<uint16_t> d, m;
+  std::vector<uint32_t> qh;
 
   RandomMatrix(QuantFormat f, int r, int c, std::mt19937& rng) : format(f), rows(r), cols(c) {
-    const int nb = c / kQuantBlock, stride = quant_scale_stride(c);
     std::uniform_int_distribution<int> byte(0, 255);
     std::uniform_real_distribution<float> mag(1e-3f, 0.1f), mn(-0.5f, 0.5f);
+    if (!quant_format_repacked(f)) {
+      const size_t tb = static_cast<size_t>(quant_block_bytes(f));
+      qs.resize(static_cast<size_t>(r) * (c / quant_format_block(f)) * tb);
+      for (auto& b : qs) b = static_cast<uint8_t>(byte(rng));
+      for (size_t blk = 0; blk < qs.size(); blk += tb) {
+        for (size_t off : f16_fields(f)) {
+          const uint16_t h = f32_to_f16(off == 2 && f == QuantFormat::q5_1 ? mn(rng) : byte(rng) % 2 ? mag(rng) : -mag(rng));
+          std::memcpy(&qs[blk + off], &h, 2);
+        }
+      }
+      return;
+    }
+    const int nb = c / kQuantBlock, stride = quant_scale_stride(c);
     qs.resize(static_cast<size_t>(r) * nb * quant_block_bytes(f));
     for (auto& b : qs) b = static_cast<uint8_t>(byte(rng));
+    const bool has_min = f == QuantFormat::q4_1 || f == QuantFormat::q5_1;
     d.assign(static_cast<size_t>(r) * stride, 0);
-    if (f == QuantFormat::q4_1) m.assign(d.size(), 0);
+    if (has_min) m.assign(d.size(), 0);
+    if (f == QuantFormat::q5_0 || f == QuantFormat::q5_1) {
+      std::uniform_int_distribution<uint32_t> word;
+      qh.resize(static_cast<size_t>(r) * nb);
+      for (auto& h : qh) h = word(rng);
+    }
     for (int i = 0; i < r; ++i) {
       for (int b = 0; b < nb; ++b) {
         const size_t k = static_cast<size_t>(i) * stride + b;
         d[k] = f32_to_f16(byte(rng) % 2 ? mag(rng) : -mag(rng));
-        if (f == QuantFormat::q4_1) m[k] = f32_to_f16(mn(rng));
+        if (has_min) m[k] = f32_to_f16(mn(rng));
       }
     }
   }
   QuantMatrixView view() const {
-    return {format, rows, cols, qs.data(), d.data(), m.empty() ? nullptr : m.data()};
+    return {format, rows, cols, qs.data(), d.empty() ? nullptr : d.data(), m.empty() ? nullptr : m.data(),
+            qh.empty() ? nullptr : qh.data()};
   }
 };
 
@@ -87,9 +126,19 @@ std::vector<double> abs_dot(const QuantMatrixView& w, const std::vector<float>& 
   return out;
 }
 
-const QuantFormat kFormats[] = {QuantFormat::q4_0, QuantFormat::q4_1, QuantFormat::q8_0};
+const QuantFormat kFormats[] = {QuantFormat::q4_0, QuantFormat::q4_1, QuantFormat::q5_0, QuantFormat::q5_1,
+                                QuantFormat::q8_0, QuantFormat::q4_k, QuantFormat::q5_k, QuantFormat::q6_k};
 const int kRows[] = {1, 3, 15, 16, 17, 255};
-const int kBlocks[] = {1, 3, 17, 48, 129};  // cols 32, 96, 544, 1536, 4128
+// Blocks per row: cols 32, 96, 544, 1536, 4128 for the 32-element formats; 256, 768, 2304,
+// 4352 for the K-quants (blocks of 256).
+std::vector<int> test_cols(QuantFormat f) {
+  if (quant_format_block(f) == 256) return {256, 768, 2304, 4352};
+  return {32, 96, 544, 1536, 4128};
+}
+// A small column count valid for every format.
+int small_cols(QuantFormat f) { return quant_format_block(f) == 256 ? 256 : 96; }
+
+std::filesystem::path repo_root() { return std::filesystem::path(__FILE__).parent_path().parent_path(); }
 
 }  // namespace
 
@@ -98,8 +147,8 @@ TEST(GemvQuant, MatchesReferenceAllSizesAndFormats) {
   ThreadPool pool(2);
   for (QuantFormat f : kFormats) {
     for (int rows : kRows) {
-      for (int blocks : kBlocks) {
-        const RandomMatrix m(f, rows, blocks * kQuantBlock, rng);
+      for (int cols : test_cols(f)) {
+        const RandomMatrix m(f, rows, cols, rng);
         const std::vector<float> x = random_x(m.cols, rng);
         QuantActivation xq;
         ref::quant_activation(x.data(), m.cols, xq);
@@ -125,7 +174,7 @@ TEST(GemvQuant, TallMatrix) {
   std::mt19937 rng(7);
   ThreadPool pool(2);
   for (QuantFormat f : kFormats) {
-    const RandomMatrix m(f, 4097, 96, rng);
+    const RandomMatrix m(f, 4097, small_cols(f), rng);
     const std::vector<float> x = random_x(m.cols, rng);
     QuantActivation xq;
     ref::quant_activation(x.data(), m.cols, xq);
@@ -143,7 +192,7 @@ TEST(GemvQuant, BitIdenticalForAnyThreadCountAndRowGrouping) {
   std::mt19937 rng(99);
   ThreadPool p1(1), p2(2), p3(3);
   for (QuantFormat f : kFormats) {
-    const RandomMatrix m(f, 1037, 576, rng);
+    const RandomMatrix m(f, 1037, 1536, rng);
     const std::vector<float> x = random_x(m.cols, rng);
     std::vector<float> y1(1037), y2(1037), y3(1037);
     cpu::gemv_quant(m.view(), x.data(), y1.data(), p1);
@@ -213,24 +262,86 @@ TEST(GemvQuant, ActivationRoundingMatchesReferenceAndItsBound) {
 }
 
 TEST(GemvQuant, DequantizeMatchesReference) {
+  // Repacked formats: q d (+ m) is one float32 rounding of the exact value (or two without
+  // FMA): 1 ulp. Verbatim formats: scale * code - min with scale = d sc and min = dmin m each
+  // rounded to float32 first, so the error is a few ulp of |d sc q| + |dmin m|, which can
+  // exceed |value| when they cancel: bounded by 1e-6 of the row's largest |value| (a wrong
+  // code, scale or min is off by >= 1e-3 of it).
   std::mt19937 rng(5);
   for (QuantFormat f : kFormats) {
-    for (int blocks : {1, 17, 129}) {
-      const RandomMatrix m(f, 17, blocks * kQuantBlock, rng);
+    for (int cols : {quant_format_block(f), 17 * quant_format_block(f), test_cols(f).back()}) {
+      const RandomMatrix m(f, 17, cols, rng);
       std::vector<double> want(static_cast<size_t>(m.rows) * m.cols);
       ref::quant_dequantize_rows(m.view(), 0, m.rows, want.data());
       for_each_target([&] {
         std::vector<float> got(want.size(), std::numeric_limits<float>::quiet_NaN());
         cpu::quant_dequantize_rows(m.view(), 3, 17, got.data());
-        // q d (+ m) is one float32 rounding of the exact value (or two without FMA): 1 ulp.
-        for (size_t i = 0; i < static_cast<size_t>(14) * m.cols; ++i) {
-          const double ref = want[static_cast<size_t>(3) * m.cols + i];
-          ASSERT_LE(std::fabs(got[i] - ref), 2.4e-7 * std::fabs(ref) + 1e-30)
-              << quant_format_name(f) << " element " << i;
+        for (int r = 3; r < 17; ++r) {
+          const double* wr = want.data() + static_cast<size_t>(r) * m.cols;
+          const float* gr = got.data() + static_cast<size_t>(r - 3) * m.cols;
+          double row_max = 0;
+          for (int c = 0; c < m.cols; ++c) row_max = std::max(row_max, std::fabs(wr[c]));
+          ASSERT_GT(row_max, 0.0);
+          for (int c = 0; c < m.cols; ++c) {
+            const double tol = quant_format_repacked(f) ? 2.4e-7 * std::fabs(wr[c]) + 1e-30 : 1e-6 * row_max;
+            ASSERT_LE(std::fabs(gr[c] - wr[c]), tol) << quant_format_name(f) << " row " << r << " col " << c;
+          }
         }
       });
     }
   }
+}
+
+TEST(GemvQuant, MatchesGgufPyProduct) {
+  // 3-row matrices of random GGUF blocks of each format, x float32, y = W x in float64 over
+  // the matrix gguf-py dequantises (tools/reference/make_quant_fixture.py). cumulus rounds
+  // x to 16-bit codes, which moves y by at most sum_j |w_j| 0.506 dx_b (see
+  // ActivationRoundingMatchesReferenceAndItsBound); on top, kTol of sum |w x| for float32.
+  const auto path = repo_root() / "tests/data/quant_reference.json";
+  std::ifstream in(path);
+  ASSERT_TRUE(in.good()) << path;
+  const nlohmann::json j = nlohmann::json::parse(in);
+  ThreadPool pool(2);
+  int n_cases = 0;
+  for (const auto& c : j.at("gemv_cases")) {
+    const std::string name = c.at("type");
+    std::optional<QuantFormat> f;
+    for (QuantFormat q : kFormats)
+      if (quant_format_name(q) == name) f = q;
+    ASSERT_TRUE(f.has_value()) << name;
+    const int rows = c.at("rows"), cols = c.at("cols");
+    const std::string hex = c.at("raw_hex");
+    std::vector<uint8_t> raw(hex.size() / 2);
+    for (size_t i = 0; i < raw.size(); ++i) raw[i] = static_cast<uint8_t>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
+    const std::vector<double> xd = c.at("x"), y = c.at("y"), abs_y = c.at("abs_y");
+    const std::vector<float> x(xd.begin(), xd.end());
+    ASSERT_EQ(static_cast<int>(x.size()), cols);
+    // Through the loader's path: the GGUF bytes become a WeightMatrix (repacked or kept).
+    const GgmlType t = *[&]() -> std::optional<GgmlType> {
+      for (GgmlType g : {GgmlType::q4_0, GgmlType::q4_1, GgmlType::q5_0, GgmlType::q5_1, GgmlType::q8_0, GgmlType::q4_k,
+                         GgmlType::q5_k, GgmlType::q6_k})
+        if (ggml_type_name(g) == name) return g;
+      return std::nullopt;
+    }();
+    const WeightMatrix w = WeightMatrix::from_ggml(t, raw, rows, cols, WeightStorage::compact, "fixture");
+    ASSERT_EQ(w.quant_view().format, *f);
+    QuantActivation xq;
+    ref::quant_activation(x.data(), cols, xq);
+    std::vector<double> deq(static_cast<size_t>(rows) * cols);
+    ref::quant_dequantize_rows(w.quant_view(), 0, rows, deq.data());
+    for_each_target([&] {
+      std::vector<float> got(static_cast<size_t>(rows), std::numeric_limits<float>::quiet_NaN());
+      cpu::gemv_quant(w.quant_view(), x.data(), got.data(), pool);
+      for (int r = 0; r < rows; ++r) {
+        double bound = kTol * abs_y[static_cast<size_t>(r)];
+        for (int k = 0; k < cols; ++k)
+          bound += std::fabs(deq[static_cast<size_t>(r) * cols + k]) * 0.506 * xq.d[static_cast<size_t>(k / kQuantBlock)];
+        EXPECT_LE(std::fabs(got[static_cast<size_t>(r)] - y[static_cast<size_t>(r)]), bound) << name << " row " << r;
+      }
+    });
+    ++n_cases;
+  }
+  EXPECT_EQ(n_cases, 8);
 }
 
 TEST(GemvQuant, WeightMatrixRepacksGgufBlocks) {
@@ -240,29 +351,49 @@ TEST(GemvQuant, WeightMatrixRepacksGgufBlocks) {
   std::mt19937 rng(31);
   std::uniform_int_distribution<int> byte(0, 255);
   std::uniform_real_distribution<float> scale(-0.05f, 0.05f);
-  for (GgmlType t : {GgmlType::q4_0, GgmlType::q4_1, GgmlType::q8_0}) {
-    const int rows = 19, cols = 17 * 32;
+  for (GgmlType t : {GgmlType::q4_0, GgmlType::q4_1, GgmlType::q5_0, GgmlType::q5_1, GgmlType::q8_0, GgmlType::q4_k,
+                     GgmlType::q5_k, GgmlType::q6_k}) {
     const GgmlTypeInfo& info = ggml_type_info(t);
-    std::vector<uint8_t> raw(static_cast<size_t>(rows) * (cols / 32) * info.type_size);
+    const int rows = 19, cols = static_cast<int>(info.block_size) * (info.block_size == 32 ? 17 : 3);
+    std::vector<uint8_t> raw(static_cast<size_t>(rows) * (cols / info.block_size) * info.type_size);
+    // Finite f16 fields (random bytes could make Inf/NaN f16 values): d (and m / dmin) at
+    // the block's start, Q6_K's d at byte 208.
+    const std::vector<size_t> fields = t == GgmlType::q6_k                            ? std::vector<size_t>{208}
+                                       : t == GgmlType::q4_1 || t == GgmlType::q5_1 ||
+                                               t == GgmlType::q4_k || t == GgmlType::q5_k ? std::vector<size_t>{0, 2}
+                                                                                       : std::vector<size_t>{0};
     for (size_t b = 0; b < raw.size(); b += info.type_size) {
       for (size_t i = 0; i < info.type_size; ++i) raw[b + i] = static_cast<uint8_t>(byte(rng));
-      // Finite scales (random bytes could make Inf/NaN f16 values).
-      const uint16_t d = f32_to_f16(scale(rng)), m = f32_to_f16(scale(rng));
-      std::memcpy(&raw[b], &d, 2);
-      if (t == GgmlType::q4_1) std::memcpy(&raw[b + 2], &m, 2);
+      for (size_t off : fields) {
+        const uint16_t h = f32_to_f16(scale(rng));
+        std::memcpy(&raw[b + off], &h, 2);
+      }
     }
     std::vector<float> want(static_cast<size_t>(rows) * cols);
     dequantize_row(t, raw.data(), want.data(), want.size());
-    const WeightMatrix w = WeightMatrix::from_ggml(t, raw.data(), rows, cols, WeightStorage::compact);
+    const WeightMatrix w = WeightMatrix::from_ggml(t, raw, rows, cols, WeightStorage::compact, "w");
     ASSERT_TRUE(w.quantized());
     EXPECT_EQ(w.storage_name(), info.name);
     const std::vector<float> got = w.to_f32();
-    for (size_t i = 0; i < want.size(); ++i)
-      ASSERT_LE(std::fabs(got[i] - want[i]), 2.4e-7 * std::fabs(want[i]) + 1e-30) << info.name << " element " << i;
-    const WeightMatrix f = WeightMatrix::from_ggml(t, raw.data(), rows, cols, WeightStorage::f32);
+    // Repacked formats: the same float32 operations as the GGUF dequantiser, 1 ulp. K-quants: d sc q - dmin m in another order of float32 roundings: 1e-6 of the row's
+    // largest value (see DequantizeMatchesReference).
+    for (int r = 0; r < rows; ++r) {
+      float row_max = 0;
+      for (int c = 0; c < cols; ++c) row_max = std::max(row_max, std::fabs(want[static_cast<size_t>(r) * cols + c]));
+      for (int c = 0; c < cols; ++c) {
+        const size_t i = static_cast<size_t>(r) * cols + c;
+        const double tol = info.block_size == 32 ? 2.4e-7 * std::fabs(want[i]) + 1e-30 : 1e-6 * row_max;
+        ASSERT_LE(std::fabs(got[i] - want[i]), tol) << info.name << " element " << i;
+      }
+    }
+    const WeightMatrix f = WeightMatrix::from_ggml(t, raw, rows, cols, WeightStorage::f32, "w");
     EXPECT_FALSE(f.quantized());
     EXPECT_EQ(f.to_f32(), want);
     EXPECT_LT(w.bytes() * 5, f.bytes() * 2) << "compact storage is not compact";
+    // The verbatim formats hold exactly the tensor's bytes.
+    if (!quant_format_repacked(w.quant_view().format)) {
+      EXPECT_EQ(w.bytes(), raw.size()) << info.name;
+    }
 
     // weight_matmul, the path the model runs: the compact matrix and the float32 one in one
     // call, 1 and 3 rows of x, on 1-3 threads. Compact = ref::gemv_quant over its view (the
@@ -331,5 +462,35 @@ TEST(GemvQuant, BadViewsAreErrors) {
   v = m.view();
   v.qs = nullptr;
   expect_error(v, "null qs");
-  EXPECT_THROW(WeightMatrix::from_ggml(GgmlType::q4_1, m.qs.data(), 1, 40, WeightStorage::compact), Error);
+  // Verbatim formats: cols a multiple of 256 for the K-quants, no d or m arrays.
+  const RandomMatrix k(QuantFormat::q4_k, 4, 512, rng);
+  v = k.view();
+  v.cols = 288;
+  expect_error(v, "cols=288 must be a positive multiple of 256");
+  v = k.view();
+  v.d = m.d.data();
+  expect_error(v, "d, m and qh must be null");
+  // Q5_x: the bit-4 words.
+  const RandomMatrix q5(QuantFormat::q5_1, 4, 64, rng);
+  v = q5.view();
+  v.qh = nullptr;
+  expect_error(v, "(Q5_1): qh must be set");
+  v = m.view();
+  v.qh = q5.qh.data();
+  expect_error(v, "(Q4_1): qh must be null");
+
+  // GGUF tensors that do not fit their type: the error names the tensor, type and value.
+  check::expect_error([&] { WeightMatrix::from_ggml(GgmlType::q4_1, m.qs, 1, 40, WeightStorage::compact, "t.a"); },
+                      "weight matrix 't.a' (Q4_1) [1][40]: cols=40 is not a multiple of the Q4_1 block size 32");
+  check::expect_error([&] { WeightMatrix::from_ggml(GgmlType::q4_k, k.qs, 2, 640, WeightStorage::compact, "blk.0.x"); },
+                      "weight matrix 'blk.0.x' (Q4_K) [2][640]: cols=640 is not a multiple of the Q4_K block size 256");
+  check::expect_error([&] { WeightMatrix::from_ggml(GgmlType::q5_0, m.qs, 2, 100, WeightStorage::f32, "t.b"); },
+                      "cols=100 is not a multiple of the Q5_0 block size 32");
+  // Truncated: 4 rows of 512 Q4_K need 4 * 2 * 144 = 1152 bytes.
+  const std::span<const uint8_t> short_data(k.qs.data(), k.qs.size() - 1);
+  for (WeightStorage st : {WeightStorage::compact, WeightStorage::f32})
+    check::expect_error([&] { WeightMatrix::from_ggml(GgmlType::q4_k, short_data, 4, 512, st, "blk.3.ffn_down.weight"); },
+                        "weight matrix 'blk.3.ffn_down.weight' (Q4_K) [4][512] needs 1152 bytes, the tensor has 1151");
+  check::expect_error([&] { WeightMatrix::from_ggml(GgmlType::q3_k, k.qs, 1, 256, WeightStorage::compact, "t.c"); },
+                      "'t.c' has type Q3_K, which cannot be dequantised");
 }

@@ -4,6 +4,8 @@
 //      indexes by element e, the decoder loops by sub-block, so they share no structure);
 //   2. random blocks decoded by gguf-py (tests/data/quant_reference.json, written by
 //      tools/reference/make_quant_fixture.py).
+// The float64 reference dequantiser of the compact weights (ref::quant_dequantize_rows,
+// src/kernels/ref/gemv.cpp) is checked against the same gguf-py values.
 // Plus: the SmolLM2 token embeddings (Q8_0) dequantise to finite values of plausible size.
 #include <gtest/gtest.h>
 
@@ -19,7 +21,9 @@
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/error.h"
 #include "cumulus/model/gguf.h"
+#include "cumulus/kernels/gemv.h"
 #include "cumulus/model/quant.h"
+#include "cumulus/model/weight_matrix.h"
 #include "fixtures.h"
 
 using namespace cumulus;
@@ -264,6 +268,44 @@ TEST(Quant, MatchesGgufPyReference) {
     seen.insert(name);
   }
   for (const char* t : {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"})
+    EXPECT_TRUE(seen.count(t)) << t << " missing from the fixture";
+}
+
+TEST(Quant, ReferenceDequantizerMatchesGgufPy) {
+  // Each quantised case as a one-row matrix, through WeightMatrix (as the loader makes it:
+  // repacked or verbatim), dequantised by the float64 reference. gguf-py computes in float32
+  // (d * sc rounded, times q, minus dmin * m rounded): within a few float32 ulp of the
+  // largest |value|, which 1e-6 of it covers; a wrong code or scale misses by >= 1e-3.
+  const auto path = repo_root() / "tests/data/quant_reference.json";
+  std::ifstream in(path);
+  ASSERT_TRUE(in.good()) << path;
+  const nlohmann::json j = nlohmann::json::parse(in);
+  std::set<std::string> seen;
+  for (const auto& c : j.at("cases")) {
+    const std::string name = c.at("type");
+    if (name == "F16" || name == "BF16") continue;
+    const GgmlTypeInfo* info = nullptr;
+    for (uint32_t id = 0; id < 64 && info == nullptr; ++id) {
+      const GgmlTypeInfo* ti = ggml_type_info(id);
+      if (ti != nullptr && ti->name == name) info = ti;
+    }
+    ASSERT_NE(info, nullptr) << name;
+    const std::string hex = c.at("raw_hex");
+    std::vector<uint8_t> raw(hex.size() / 2);
+    for (size_t i = 0; i < raw.size(); ++i) raw[i] = static_cast<uint8_t>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
+    const std::vector<double> want = c.at("values");
+    const WeightMatrix w =
+        WeightMatrix::from_ggml(info->type, raw, 1, static_cast<int>(want.size()), WeightStorage::compact, name);
+    ASSERT_TRUE(w.quantized()) << name;
+    std::vector<double> got(want.size());
+    ref::quant_dequantize_rows(w.quant_view(), 0, 1, got.data());
+    double scale = 0;
+    for (double v : want) scale = std::max(scale, std::fabs(v));
+    ASSERT_GT(scale, 0.0) << name;
+    for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-6 * scale) << name << " element " << i;
+    seen.insert(name);
+  }
+  for (const char* t : {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
     EXPECT_TRUE(seen.count(t)) << t << " missing from the fixture";
 }
 

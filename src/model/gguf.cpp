@@ -326,8 +326,10 @@ void GgufFile::parse() {
   for (auto& t : tensors_) {
     const uint64_t avail = size_ - data_offset_;
     if (t.offset > avail || t.n_bytes > avail - t.offset)
-      c.fail(end_of_infos, fmt::format("tensor '{}': data [{}, {}) past the end of the data section ({} bytes)",
-                                       t.name, t.offset, t.offset + t.n_bytes, avail));
+      c.fail(end_of_infos, fmt::format("tensor '{}' ({}, {} elements, {} bytes): data [{}, {}) past the end of the data "
+                                       "section ({} bytes)",
+                                       t.name, ggml_type_name(t.type), t.n_elements, t.n_bytes, t.offset,
+                                       t.offset + t.n_bytes, avail));
     t.data = base_ + data_offset_ + t.offset;
   }
 }

@@ -1,7 +1,8 @@
 // GGUF `llama` loader: hyperparameters from `llama.*` metadata, tensors by llama.cpp's
 // names (token_embd, blk.N.attn_{norm,q,k,v,output}, blk.N.ffn_{norm,gate,down,up},
-// output_norm, output), each checked for shape; matrices become WeightMatrix (Q4_0/Q4_1/
-// Q8_0 kept quantised unless WeightStorage::f32), norms are dequantised to float32.
+// output_norm, output), each checked for shape; matrices become WeightMatrix (the block
+// formats Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K kept quantised unless
+// WeightStorage::f32), norms are dequantised to float32.
 #include <fmt/ranges.h>
 
 #include "cumulus/core/error.h"
@@ -54,7 +55,8 @@ std::vector<float> load_vector(const GgufFile& f, const std::string& name, uint6
 // A matrix [ne1 rows][ne0 cols].
 WeightMatrix load_matrix(const GgufFile& f, const std::string& name, uint64_t ne0, uint64_t ne1, WeightStorage storage) {
   const GgufTensorInfo& t = find_checked(f, name, {ne0, ne1});
-  return WeightMatrix::from_ggml(t.type, t.data, static_cast<int>(ne1), static_cast<int>(ne0), storage);
+  return WeightMatrix::from_ggml(t.type, {t.data, static_cast<size_t>(t.n_bytes)}, static_cast<int>(ne1),
+                                 static_cast<int>(ne0), storage, name);
 }
 
 }  // namespace

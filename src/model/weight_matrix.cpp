@@ -1,4 +1,4 @@
-// Weight matrices of the model runtime: float32 or repacked GGUF blocks (design note in
+// Weight matrices of the model runtime: float32 or compact GGUF blocks (design note in
 // weight_matrix.h), and the batched matmul the forward pass runs on them (OpenBLAS for
 // float32 and for prefill, cpu::gemv_quant for quantised decode).
 #include "cumulus/model/weight_matrix.h"
@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "cumulus/core/error.h"
 
@@ -19,13 +20,18 @@ namespace {
 // the thread count (OpenBLAS's own threading splits by thread count and changes rounding).
 constexpr int kSliceRows = 64;
 
-bool keeps_blocks(GgmlType t) { return t == GgmlType::q4_0 || t == GgmlType::q4_1 || t == GgmlType::q8_0; }
-
-QuantFormat format_of(GgmlType t) {
+// The compact format a GGUF type is kept in, if any.
+std::optional<QuantFormat> compact_format_of(GgmlType t) {
   switch (t) {
     case GgmlType::q4_0: return QuantFormat::q4_0;
+    case GgmlType::q4_1: return QuantFormat::q4_1;
     case GgmlType::q8_0: return QuantFormat::q8_0;
-    default: return QuantFormat::q4_1;
+    case GgmlType::q5_0: return QuantFormat::q5_0;
+    case GgmlType::q5_1: return QuantFormat::q5_1;
+    case GgmlType::q4_k: return QuantFormat::q4_k;
+    case GgmlType::q5_k: return QuantFormat::q5_k;
+    case GgmlType::q6_k: return QuantFormat::q6_k;
+    default: return std::nullopt;
   }
 }
 
@@ -48,36 +54,56 @@ WeightMatrix WeightMatrix::from_f32(std::vector<float> data, int rows, int cols)
   return w;
 }
 
-WeightMatrix WeightMatrix::from_ggml(GgmlType type, const void* data, int rows, int cols, WeightStorage storage) {
-  CUMULUS_CHECK(rows >= 1 && cols >= 1, "weight matrix [{}][{}] must have positive dimensions", rows, cols);
+WeightMatrix WeightMatrix::from_ggml(GgmlType type, std::span<const uint8_t> data, int rows, int cols,
+                                     WeightStorage storage, std::string_view name) {
+  const GgmlTypeInfo& info = ggml_type_info(type);
+  CUMULUS_CHECK(rows >= 1 && cols >= 1, "weight matrix '{}' ({}) [{}][{}] must have positive dimensions", name,
+                info.name, rows, cols);
+  CUMULUS_CHECK(cols % static_cast<int>(info.block_size) == 0,
+                "weight matrix '{}' ({}) [{}][{}]: cols={} is not a multiple of the {} block size {}", name, info.name,
+                rows, cols, cols, info.name, info.block_size);
   const size_t n = static_cast<size_t>(rows) * static_cast<size_t>(cols);
-  if (storage == WeightStorage::f32 || !keeps_blocks(type)) {
+  const size_t need = static_cast<size_t>(rows) * ggml_row_bytes(type, static_cast<uint64_t>(cols));
+  CUMULUS_CHECK(data.size() >= need, "weight matrix '{}' ({}) [{}][{}] needs {} bytes, the tensor has {}", name,
+                info.name, rows, cols, need, data.size());
+  CUMULUS_CHECK(info.can_dequantize, "weight matrix '{}' has type {}, which cannot be dequantised", name, info.name);
+  const std::optional<QuantFormat> format = compact_format_of(type);
+  if (storage == WeightStorage::f32 || !format) {
     std::vector<float> f(n);
-    dequantize_row(type, data, f.data(), n);
+    dequantize_row(type, data.data(), f.data(), n);
     return from_f32(std::move(f), rows, cols);
   }
-  CUMULUS_CHECK(cols % kQuantBlock == 0, "weight matrix [{}][{}] of type {}: cols is not a multiple of {}", rows, cols,
-                ggml_type_name(type), kQuantBlock);
   WeightMatrix w;
   w.rows_ = rows;
   w.cols_ = cols;
-  w.format_ = format_of(type);
+  w.format_ = *format;
+  if (!quant_format_repacked(w.format_)) {
+    // The K-quants: the tensor's bytes as they are (kernels/gemv.h).
+    w.qs_.assign(data.begin(), data.begin() + static_cast<std::ptrdiff_t>(need));
+    return w;
+  }
   const int nb = cols / kQuantBlock;
   const size_t stride = static_cast<size_t>(quant_scale_stride(cols));
   const size_t qb = static_cast<size_t>(quant_block_bytes(w.format_));
-  const size_t block_bytes = ggml_type_info(type).type_size;  // bytes of one GGUF block
+  const size_t block_bytes = info.type_size;  // bytes of one GGUF block
   w.qs_.resize(static_cast<size_t>(rows) * nb * qb);
+  // GGUF blocks: Q4_0 {f16 d, qs[16]}, Q4_1 {f16 d, f16 m, qs[16]}, Q5_0 {f16 d, u32 qh,
+  // qs[16]}, Q5_1 {f16 d, f16 m, u32 qh, qs[16]}, Q8_0 {f16 d, i8 qs[32]}.
+  const bool has_min = w.format_ == QuantFormat::q4_1 || w.format_ == QuantFormat::q5_1;
+  const bool has_qh = w.format_ == QuantFormat::q5_0 || w.format_ == QuantFormat::q5_1;
+  const size_t qh_offset = has_min ? 4 : 2;
+  const size_t qs_offset = qh_offset + (has_qh ? 4 : 0);
   w.d_.assign(static_cast<size_t>(rows) * stride, 0);
-  if (w.format_ == QuantFormat::q4_1) w.m_.assign(static_cast<size_t>(rows) * stride, 0);
-  // GGUF blocks: Q4_0 {f16 d, qs[16]}, Q4_1 {f16 d, f16 m, qs[16]}, Q8_0 {f16 d, i8 qs[32]}.
-  const size_t qs_offset = w.format_ == QuantFormat::q4_1 ? 4 : 2;
-  const auto* src = static_cast<const uint8_t*>(data);
+  if (has_min) w.m_.assign(static_cast<size_t>(rows) * stride, 0);
+  if (has_qh) w.qh_.resize(static_cast<size_t>(rows) * nb);
+  const uint8_t* src = data.data();
   for (int r = 0; r < rows; ++r) {
     for (int b = 0; b < nb; ++b) {
       const size_t blk = static_cast<size_t>(r) * nb + b;
       const uint8_t* s = src + blk * block_bytes;
       w.d_[static_cast<size_t>(r) * stride + b] = load_u16(s);
-      if (w.format_ == QuantFormat::q4_1) w.m_[static_cast<size_t>(r) * stride + b] = load_u16(s + 2);
+      if (has_min) w.m_[static_cast<size_t>(r) * stride + b] = load_u16(s + 2);
+      if (has_qh) std::memcpy(&w.qh_[blk], s + qh_offset, 4);
       std::memcpy(w.qs_.data() + blk * qb, s + qs_offset, qb);
     }
   }
@@ -87,12 +113,14 @@ WeightMatrix WeightMatrix::from_ggml(GgmlType type, const void* data, int rows, 
 std::string_view WeightMatrix::storage_name() const { return quantized() ? quant_format_name(format_) : "F32"; }
 
 size_t WeightMatrix::bytes() const {
-  return f32_.size() * sizeof(float) + qs_.size() + (d_.size() + m_.size()) * sizeof(uint16_t);
+  return f32_.size() * sizeof(float) + qs_.size() + (d_.size() + m_.size()) * sizeof(uint16_t) +
+         qh_.size() * sizeof(uint32_t);
 }
 
 QuantMatrixView WeightMatrix::quant_view() const {
   CUMULUS_CHECK(quantized(), "quant_view of a float32 weight matrix [{}][{}]", rows_, cols_);
-  return QuantMatrixView{format_, rows_, cols_, qs_.data(), d_.data(), m_.empty() ? nullptr : m_.data()};
+  return QuantMatrixView{format_, rows_, cols_, qs_.data(), d_.empty() ? nullptr : d_.data(),
+                         m_.empty() ? nullptr : m_.data(), qh_.empty() ? nullptr : qh_.data()};
 }
 
 void WeightMatrix::rows_to_f32(int row_begin, int row_end, float* out) const {

@@ -18,7 +18,7 @@ void add_eval_command(CLI::App& app);
 void add_info_command(CLI::App& app);
 void add_trace_command(CLI::App& app);
 
-// --weights NAME of generate and eval: compact (keep Q4_0/Q4_1/Q8_0 quantised) or f32.
+// --weights NAME of generate and eval: compact (keep the block formats of kernels/gemv.h quantised) or f32.
 WeightStorage weight_storage_from_name(const std::string& name);
 // --prefill-param key=value (repeatable) of generate and eval; a key given twice is an
 // Error; the registry checks the keys.

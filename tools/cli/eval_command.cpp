@@ -77,7 +77,7 @@ void add_eval_command(CLI::App& app) {
       ->check(CLI::IsMember({"kl", "ppl", "mass", "matched", "niah"}));
   cmd->add_option("--model", a->model, "GGUF or llama2.c .bin model")->required();
   cmd->add_option("--tokenizer", a->tokenizer, "llama2.c tok*.bin (default: found beside the model)");
-  cmd->add_option("--weights", a->weights, "compact (keep Q4_0/Q4_1/Q8_0 quantised) or f32 (dequantise all)")
+  cmd->add_option("--weights", a->weights, "compact (keep Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K quantised) or f32 (dequantise all)")
       ->capture_default_str();
   cmd->add_option("--text", o.text, "text file: the long document (kl, ppl, mass, matched) or the haystack (niah); "
                                     "Gutenberg header/footer stripped")

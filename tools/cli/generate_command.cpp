@@ -384,7 +384,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--seed", o->seed, "sampling seed")->check(seed_check())->capture_default_str();
   cmd->add_flag("--eval", o->eval, "also measure the true mass of every attended set (slower)");
   cmd->add_flag("--quiet", o->quiet, "do not print the generated text");
-  cmd->add_option("--weights", o->weights, "compact (keep Q4_0/Q4_1/Q8_0 quantised) or f32 (dequantise all)")
+  cmd->add_option("--weights", o->weights, "compact (keep Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K quantised) or f32 (dequantise all)")
       ->capture_default_str();
   cmd->add_flag("--bench", o->bench,
                 "benchmark: prefill each --bench-context tokens, then decode --bench-decode tokens; table, profile, JSON");

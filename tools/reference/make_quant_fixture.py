@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
 """Writes tests/data/quant_reference.json: random ggml blocks of every type cumulus
 dequantises, with the float32 values that gguf-py (the ggml project's own Python package,
-`pip install gguf`) decodes them to. The C++ test decodes the same bytes and compares.
+`pip install gguf`) decodes them to. The C++ tests decode the same bytes and compare.
 
 Block bytes are random except the f16 scale fields, which are set to sane values so the
-reference holds no Inf/NaN.
+reference holds no Inf/NaN. Each quantised type also gets two edge blocks (every other
+byte 0xFF: largest codes, 6-bit scales and mins 63, Q6_K scales -1; every other byte 0x80:
+Q6_K scales -128, lone top bits), and a GEMV case: a matrix of 3 rows of random blocks, a
+random x and y = W x summed in float64 over gguf-py's dequantised W (the golden for the
+quantised GEMV; x is float32).
 
 Usage: python3 tools/reference/make_quant_fixture.py > tests/data/quant_reference.json
 """
@@ -23,23 +27,50 @@ SCALE_FIELDS = {
     T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
 }
 N_BLOCKS = 3
+GEMV_ROWS = 3
+
+
+def f32_list(a):
+    """float32 values as the shortest decimals that read back to the same float32."""
+    return [float(str(np.float32(v))) for v in a]
+
+
+def random_blocks(rng, t, fields, n_blocks, fill=None):
+    block_size, type_size = gguf.GGML_QUANT_SIZES[t]
+    if fill is None:
+        raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    else:
+        raw = np.full((n_blocks, type_size), fill, dtype=np.uint8)
+    for b in range(n_blocks):
+        for off in fields:
+            mag = np.float16(rng.uniform(2.0 ** -10, 2.0 ** -4))
+            sign = -1 if (off == 0 and rng.random() < 0.3) else 1
+            raw[b, off:off + 2] = np.frombuffer(np.float16(sign * mag).tobytes(), dtype=np.uint8)
+    return raw
 
 
 def main():
     rng = np.random.default_rng(20240601)
     cases = []
+    gemv_cases = []
     for t, fields in SCALE_FIELDS.items():
         block_size, type_size = gguf.GGML_QUANT_SIZES[t]
-        raw = rng.integers(0, 256, size=(N_BLOCKS, type_size), dtype=np.uint8)
-        for b in range(N_BLOCKS):
-            for off in fields:
-                mag = np.float16(rng.uniform(2.0 ** -10, 2.0 ** -4))
-                sign = -1 if (off == 0 and rng.random() < 0.3) else 1
-                raw[b, off:off + 2] = np.frombuffer(np.float16(sign * mag).tobytes(), dtype=np.uint8)
+        raw = np.concatenate([random_blocks(rng, t, fields, N_BLOCKS),
+                              random_blocks(rng, t, fields, 1, fill=0xFF),
+                              random_blocks(rng, t, fields, 1, fill=0x80)])
         values = quants.dequantize(raw.reshape(-1), t)
         assert np.all(np.isfinite(values))
         cases.append({"type": t.name, "block_size": block_size, "type_size": type_size,
-                      "raw_hex": raw.tobytes().hex(), "values": [float(v) for v in values]})
+                      "raw_hex": raw.tobytes().hex(), "values": f32_list(values)})
+        # GEMV: 3 rows of 2 blocks (32-element types: 4 blocks).
+        per_row = 2 if block_size == 256 else 4
+        raw = random_blocks(rng, t, fields, GEMV_ROWS * per_row)
+        w = quants.dequantize(raw.reshape(-1), t).astype(np.float64).reshape(GEMV_ROWS, -1)
+        x = rng.standard_normal(w.shape[1]).astype(np.float32)
+        y = w @ x.astype(np.float64)
+        gemv_cases.append({"type": t.name, "rows": GEMV_ROWS, "cols": int(w.shape[1]),
+                           "raw_hex": raw.tobytes().hex(), "x": f32_list(x),
+                           "y": [float(v) for v in y], "abs_y": [float(v) for v in np.abs(w) @ np.abs(x)]})
     for t, np_type in ((T.F16, np.float16), (T.BF16, None)):
         x = rng.standard_normal(64).astype(np.float32) * 3
         if np_type is not None:
@@ -50,10 +81,10 @@ def main():
             raw = bits.view(np.uint8)
         values = quants.dequantize(raw, t)
         cases.append({"type": t.name, "block_size": 1, "type_size": 2,
-                      "raw_hex": raw.tobytes().hex(), "values": [float(v) for v in values]})
+                      "raw_hex": raw.tobytes().hex(), "values": f32_list(values)})
     json.dump({"generator": "tools/reference/make_quant_fixture.py",
                "reference": f"gguf-py {importlib.metadata.version('gguf')} gguf.quants.dequantize",
-               "cases": cases}, sys.stdout, indent=None, separators=(",", ":"))
+               "cases": cases, "gemv_cases": gemv_cases}, sys.stdout, indent=None, separators=(",", ":"))
     sys.stdout.write("\n")
 
 

@@ -1,27 +1,36 @@
-// Matrix-vector products against weights kept in 32-element block quantisation (the ggml
-// block formats Q4_0, Q4_1, Q8_0 of GGUF files), so decode reads 4.5 to 8.5 bits per weight
-// instead of 32. Backends share signatures: ref:: (scalar, float64, never optimised) and
-// cpu:: (Highway SIMD with runtime dispatch).
+// Matrix-vector products against weights kept in the block quantisation of their GGUF file
+// (the ggml block formats Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 of 32 elements and the K-quants
+// Q4_K, Q5_K, Q6_K of 256), so decode reads 4.5 to 8.5 bits per weight instead of 32.
+// Backends share signatures: ref:: (scalar, float64, never optimised) and cpu:: (Highway
+// SIMD with runtime dispatch). Block layouts are in model/quant.h.
 //
 // Activations: x [cols] is rounded once per product to 16-bit integers per block of 32
 // (QuantActivation): q_j = round(x_j * 32767 / amax_b) (nearest even), dx_b = amax_b / 32767,
-// amax_b = max_j |x_j| over the block. Products of 4- or 8-bit weight codes with 16-bit
+// amax_b = max_j |x_j| over the block. Products of 4- to 8-bit weight codes with 16-bit
 // activation codes are then exact integer multiply-adds (pmaddwd), twice the throughput of
 // widening both to float32. The rounding changes each x_j by about dx_b / 2 = amax_b *
 // 2^-16 at most (llama.cpp rounds activations to 8 bits: 256x coarser); everything after it is
-// exact integer arithmetic per block and float32 across blocks. The contract of both
-// backends is y = W (dx q), with W dequantised exactly (x = d q + m fits float32).
+// exact integer arithmetic per scale group (16 or 32 weights sharing one scale) and float32
+// across groups. Every weight format's scale groups lie inside one activation block of 32.
+// The contract of both backends is y = W (dx q), with W dequantised exactly.
 //
-// Repacked weight layout (struct of arrays, built once at load from the GGUF blocks):
-//   qs [rows][cols / 32][16]  Q4_0/Q4_1: byte j holds element j (low nibble) and j + 16
-//                             (high nibble) of the block, as in ggml
+// Weight layout, two kinds:
+// Repacked (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; struct of arrays, built once at load from the
+// GGUF blocks):
+//   qs [rows][cols / 32][16]  Q4_x/Q5_x: byte j holds (the low 4 bits of) element j (low
+//                             nibble) and j + 16 (high nibble) of the block, as in ggml
 //      [rows][cols / 32][32]  Q8_0: int8 elements
 //   d  [rows][S]              f16 scale per block; S = quant_scale_stride(cols), the block
 //                             count rounded up to a multiple of 8 with zero padding, so a
 //                             row's scales convert to float32 in whole 8-lane vectors
-//   m  [rows][S]              f16 min per block (Q4_1 only; nullptr otherwise), padded
+//   m  [rows][S]              f16 min per block (Q4_1, Q5_1; nullptr otherwise), padded
 //                             with zeros likewise
-// Element value: Q4_0 (q - 8) d, Q4_1 q d + m, Q8_0 q d.
+//   qh [rows][cols / 32]      Q5_x: u32 whose bit j is bit 4 of element j (nullptr otherwise)
+//   Element value: Q4_0 (q - 8) d, Q4_1 q d + m, Q5_0 (q - 16) d, Q5_1 q d + m, Q8_0 q d.
+// Verbatim (Q4_K, Q5_K, Q6_K): the GGUF tensor's bytes unchanged,
+//   qs [rows][cols / 256][T]  T = quant_block_bytes (144, 176, 210); d, m and qh are
+//                             nullptr. The scales sit inside the blocks (one or two per
+//                             32 weights), so repacking them would save no reads.
 #pragma once
 
 #include <cstddef>
@@ -33,17 +42,24 @@
 
 namespace cumulus {
 
-enum class QuantFormat : uint8_t { q4_0, q4_1, q8_0 };
+enum class QuantFormat : uint8_t { q4_0, q4_1, q8_0, q5_0, q5_1, q4_k, q5_k, q6_k };
 
-constexpr int kQuantBlock = 32;  // elements per block
+// Elements per activation block, and per weight block of the 32-element formats.
+constexpr int kQuantBlock = 32;
 
-std::string_view quant_format_name(QuantFormat f);
-// Bytes of qs per block: 16 for the 4-bit formats, 32 for Q8_0.
+std::string_view quant_format_name(QuantFormat f);  // "Q4_0", ..., "Q6_K"
+// True for the repacked formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), false for the K-quants.
+bool quant_format_repacked(QuantFormat f);
+// Elements per weight block: 32, or 256 for the K-quants.
+int quant_format_block(QuantFormat f);
+// Bytes of qs per block: 16 for Q4_x/Q5_x, 32 for Q8_0; the GGUF block size for the
+// verbatim formats.
 int quant_block_bytes(QuantFormat f);
-// Entries per row of d and m: cols / 32 rounded up to a multiple of 8.
+// Entries per row of d and m (repacked formats): cols / 32 rounded up to a multiple of 8.
 inline int quant_scale_stride(int cols) { return (cols / kQuantBlock + 7) & ~7; }
 
-// A read-only view of a repacked matrix W [rows][cols]; cols is a multiple of 32.
+// A read-only view of a quantised matrix W [rows][cols]; cols is a multiple of the
+// format's block (32 or 256). d, m and qh: repacked formats only (see above).
 struct QuantMatrixView {
   QuantFormat format = QuantFormat::q4_1;
   int rows = 0;
@@ -51,10 +67,11 @@ struct QuantMatrixView {
   const uint8_t* qs = nullptr;
   const uint16_t* d = nullptr;
   const uint16_t* m = nullptr;
+  const uint32_t* qh = nullptr;
 };
 
-// Checks the view (non-null arrays, cols a positive multiple of 32, rows >= 1); throws
-// Error naming the bad value.
+// Checks the view (the arrays its format needs non-null, the others null; cols a positive
+// multiple of the format's block; rows >= 1); throws Error naming the bad value.
 void quant_matrix_validate(const QuantMatrixView& w);
 
 // x [cols] rounded to 16-bit codes per block of 32 (see the top of this file). Arrays
@@ -71,7 +88,9 @@ namespace ref {
 void quant_activation(const float* x, int cols, QuantActivation& a);
 // y [rows] = W (dx q): every weight dequantised and every product summed in float64.
 void gemv_quant(const QuantMatrixView& w, const QuantActivation& x, double* y);
-// out [row_end - row_begin][cols] = W rows [row_begin, row_end), float64.
+// out [row_end - row_begin][cols] = W rows [row_begin, row_end), float64: every weight from
+// its f16 scale(s), integer sub-block scale and code (the float64 reference dequantiser,
+// checked against gguf-py's in tests/test_model_quant.cpp).
 void quant_dequantize_rows(const QuantMatrixView& w, int row_begin, int row_end, double* out);
 }  // namespace ref
 

@@ -1,10 +1,12 @@
 // A weight matrix W [rows][cols] of the model (y = W x reads row o for output o) and the
 // products the forward pass takes with it.
 //
-// DESIGN (weight storage): GGUF tensors in the 32-element block formats Q4_0, Q4_1 and
-// Q8_0 stay quantised in memory, repacked once at load into the struct-of-arrays layout of
-// kernels/gemv.h (the same bytes as the file, plus scale padding). Every other type (F32,
-// F16, BF16, Q5_x, K-quants) and llama2.c checkpoints are dequantised to float32 on load.
+// DESIGN (weight storage): GGUF tensors in the block formats Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+// Q4_K, Q5_K and Q6_K stay quantised in memory (kernels/gemv.h): the 32-element formats
+// repacked once at load into a struct-of-arrays layout (the same bytes as the file, plus
+// scale padding), the K-quants kept as the file's bytes. Every other type (F32, F16, BF16, Q2_K,
+// Q3_K, ...) and llama2.c checkpoints are dequantised to float32 on load; so a Q4_K_M file
+// (Q4_K, Q6_K, Q5_0, Q8_0 matrices) holds about its file size in memory.
 //   decode (one row):   quantised -> cpu::gemv_quant (Highway, reads the blocks);
 //                       float32   -> OpenBLAS sgemv
 //   prefill (C rows):   float32   -> OpenBLAS sgemm
@@ -28,7 +30,7 @@
 namespace cumulus {
 
 enum class WeightStorage : uint8_t {
-  compact,  // Q4_0 / Q4_1 / Q8_0 kept quantised (default)
+  compact,  // Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K kept quantised (default)
   f32,      // everything dequantised to float32 on load
 };
 
@@ -38,16 +40,19 @@ class WeightMatrix {
   // Float32 data [rows][cols] (data.size() == rows * cols, checked).
   static WeightMatrix from_f32(std::vector<float> data, int rows, int cols);
   // Raw GGUF tensor data of `type` holding rows * cols elements (cols innermost). With
-  // WeightStorage::compact, Q4_0/Q4_1/Q8_0 are repacked and kept quantised; otherwise the
-  // data is dequantised to float32. Throws Error for a type that cannot be dequantised.
-  static WeightMatrix from_ggml(GgmlType type, const void* data, int rows, int cols, WeightStorage storage);
+  // WeightStorage::compact, the block formats above stay quantised; otherwise the data is
+  // dequantised to float32. Throws Error naming `name` (the tensor), the type and the value
+  // for: cols not a multiple of the type's block size, data shorter than the rows need, a
+  // type that cannot be dequantised.
+  static WeightMatrix from_ggml(GgmlType type, std::span<const uint8_t> data, int rows, int cols,
+                                WeightStorage storage, std::string_view name = "");
 
   int rows() const { return rows_; }
   int cols() const { return cols_; }
   size_t size() const { return static_cast<size_t>(rows_) * static_cast<size_t>(cols_); }
   bool empty() const { return rows_ == 0; }
   bool quantized() const { return f32_.empty() && rows_ > 0; }
-  // "F32", "Q4_0", "Q4_1" or "Q8_0".
+  // "F32" or the block format ("Q4_0", ..., "Q6_K").
   std::string_view storage_name() const;
   // Bytes held in memory.
   size_t bytes() const;
@@ -66,6 +71,7 @@ class WeightMatrix {
   QuantFormat format_ = QuantFormat::q4_1;
   std::vector<uint8_t> qs_;
   std::vector<uint16_t> d_, m_;
+  std::vector<uint32_t> qh_;
 };
 
 // One product of a batched matmul: y [n_rows][w->rows()] = x [n_rows][w->cols()] W^T.

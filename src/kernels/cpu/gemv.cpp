@@ -19,6 +19,17 @@
 // Rows go in groups of kGroupRows sharing the activation loads (and giving four rows' FMA
 // chains to interleave); a row left over is computed alone by the same instruction
 // sequence, so every row's result depends on nothing but that row and x.
+//
+// Q5_0 and Q5_1 are repacked like Q4_0/Q4_1 plus a u32 of bit-4s per block, merged into
+// the codes per 16 lanes (gemv_codes_q5_bit4).
+//
+// The verbatim formats (Q4_K, Q5_K, Q6_K) read the GGUF blocks in place, one row at a time
+// (one stream, which the hardware prefetcher follows): per scale group of 16 or 32
+// weights, the codes are widened to int16 and multiplied with the activation codes
+// exactly as above, then converted once and accumulated by scale * dx into four
+// accumulators in turn; the K-quants' sub-block scales and mins are unpacked per
+// 256-weight block (four 6-bit fields per u32 operation, then 8 lanes to float32), and the
+// mins' term is one dot product per row, as Q4_1's.
 
 // This file is compiled once per SIMD target by foreach_target.h.
 #undef HWY_TARGET_INCLUDE
@@ -28,6 +39,7 @@
 #include <hwy/highway.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "cumulus/core/error.h"
@@ -81,8 +93,17 @@ HWY_INLINE hn::Vec<DI16> gemv_codes_q8(DI16 di16, const uint8_t* qs, size_t j) {
   return hn::PromoteTo(di16, hn::LoadU(di8, reinterpret_cast<const int8_t*>(qs) + j));
 }
 
+template <QuantFormat F>
+constexpr bool kHasMin = F == QuantFormat::q4_1 || F == QuantFormat::q5_1;
+template <QuantFormat F>
+constexpr bool kIsQ5 = F == QuantFormat::q5_0 || F == QuantFormat::q5_1;
+
+// bit i of lane i (as int16), for testing one bit of a u16 per lane.
+alignas(32) constexpr int16_t kLaneBit[16] = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                              static_cast<int16_t>(-32768)};
+
 // Codes [j, j + L) (low nibbles) and [16 + j, 16 + j + L) (high nibbles) of a 4-bit block
-// as int16, offset by -8 for Q4_0.
+// as int16, offset by -8 for Q4_0 (the low 4 bits of a Q5_x block, without offset).
 template <QuantFormat F>
 HWY_INLINE void gemv_codes_q4(DI16 di16, const uint8_t* qs, size_t j, hn::Vec<DI16>& lo, hn::Vec<DI16>& hi) {
   // Widen the bytes first (one vpmovzxbw with a memory operand), then split the nibbles
@@ -94,6 +115,32 @@ HWY_INLINE void gemv_codes_q4(DI16 di16, const uint8_t* qs, size_t j, hn::Vec<DI
   if constexpr (F == QuantFormat::q4_0) {
     lo = hn::Sub(lo, hn::Set(di16, 8));
     hi = hn::Sub(hi, hn::Set(di16, 8));
+  }
+}
+
+// Q5_0/Q5_1: bit 4 of elements [j, j + L) and [16 + j, 16 + j + L) (bits of the block's
+// u32 qh) merged into the low-4-bit codes. On AVX-512 the bits are the lane mask itself (a
+// k-register move); elsewhere a lane's bit is tested against its own bit of a broadcast
+// u16 (3 ops per vector). Then Q5_0 subtracts its offset 16 (exact in int16).
+template <QuantFormat F>
+HWY_INLINE void gemv_codes_q5_bit4(DI16 di16, uint32_t qh, size_t j, hn::Vec<DI16>& lo, hn::Vec<DI16>& hi) {
+  const auto sixteen = hn::Set(di16, 16);
+#if HWY_TARGET <= HWY_AVX3
+  static_assert(hn::MaxLanes(DI16()) % 8 == 0, "mask bits start on a byte");
+  uint8_t bytes[16] = {};  // LoadMaskBits may read 8 bytes
+  std::memcpy(bytes, &qh, 4);
+  const auto m_lo = hn::LoadMaskBits(di16, bytes + j / 8);
+  const auto m_hi = hn::LoadMaskBits(di16, bytes + (16 + j) / 8);
+#else
+  const auto bits = hn::LoadU(di16, kLaneBit);
+  const auto m_lo = hn::TestBit(hn::Set(di16, static_cast<int16_t>(static_cast<uint16_t>(qh >> j))), bits);
+  const auto m_hi = hn::TestBit(hn::Set(di16, static_cast<int16_t>(static_cast<uint16_t>(qh >> (16 + j)))), bits);
+#endif
+  lo = hn::Or(lo, hn::IfThenElseZero(m_lo, sixteen));
+  hi = hn::Or(hi, hn::IfThenElseZero(m_hi, sixteen));
+  if constexpr (F == QuantFormat::q5_0) {
+    lo = hn::Sub(lo, sixteen);
+    hi = hn::Sub(hi, sixteen);
   }
 }
 
@@ -115,7 +162,7 @@ HWY_INLINE void gemv_group(const QuantMatrixView& w, int r0, const QuantActivati
   float* mscr = scr + static_cast<size_t>(R) * ss;  // [R][ss] m_b
   for (int r = 0; r < R; ++r) {
     gemv_scales(w.d + static_cast<size_t>(r0 + r) * stride, x.d.data(), stride, dscr + static_cast<size_t>(r) * ss);
-    if constexpr (F == QuantFormat::q4_1)
+    if constexpr (kHasMin<F>)
       gemv_f16_to_f32(w.m + static_cast<size_t>(r0 + r) * stride, stride, mscr + static_cast<size_t>(r) * ss);
   }
   hn::Vec<DF> acc[R];
@@ -133,6 +180,9 @@ HWY_INLINE void gemv_group(const QuantMatrixView& w, int r0, const QuantActivati
     if (prefetch && (static_cast<size_t>(b) * qb) % 64 == 0)
       for (int r = 0; r < R; ++r)
         hwy::Prefetch(q0 + static_cast<size_t>(kPrefetchGroups * R + r) * row_bytes + static_cast<size_t>(b) * qb);
+    if constexpr (kIsQ5<F>)  // the bit-4 words: one more stream per row, 4 bytes per block
+      if (prefetch && b % 16 == 0)
+        for (int r = 0; r < R; ++r) hwy::Prefetch(w.qh + static_cast<size_t>(r0 + kPrefetchGroups * R + r) * nb + b);
     hn::Vec<DI16> xv[kXv];
     for (int i = 0; i < kXv; ++i) xv[i] = hn::LoadU(di16, xq + static_cast<size_t>(b) * kQuantBlock + static_cast<size_t>(i) * L);
     for (int r = 0; r < R; ++r) {
@@ -145,6 +195,7 @@ HWY_INLINE void gemv_group(const QuantMatrixView& w, int r0, const QuantActivati
         for (size_t j = 0; j < 16; j += L) {
           hn::Vec<DI16> lo, hi;
           gemv_codes_q4<F>(di16, qs, j, lo, hi);
+          if constexpr (kIsQ5<F>) gemv_codes_q5_bit4<F>(di16, w.qh[static_cast<size_t>(r0 + r) * nb + b], j, lo, hi);
           s0 = hn::ReorderWidenMulAccumulate(di32, lo, xv[j / L], s0, s1);
           s0 = hn::ReorderWidenMulAccumulate(di32, hi, xv[(16 + j) / L], s0, s1);
         }
@@ -154,7 +205,7 @@ HWY_INLINE void gemv_group(const QuantMatrixView& w, int r0, const QuantActivati
   }
   constexpr size_t N = hn::MaxLanes(DF());
   for (int r = 0; r < R; ++r) {
-    if constexpr (F == QuantFormat::q4_1) {
+    if constexpr (kHasMin<F>) {
       // Entries past nb are zero in both arrays (zero f16 padding, zero activation padding).
       const float* m = mscr + static_cast<size_t>(r) * ss;
       auto t = hn::Zero(df);
@@ -209,21 +260,302 @@ void dequantize_rows_format(const QuantMatrixView& w, int row_begin, int row_end
   if (dm.size() < 2 * static_cast<size_t>(stride)) dm.resize(2 * static_cast<size_t>(stride));
   for (int r = row_begin; r < row_end; ++r) {
     gemv_f16_to_f32(w.d + static_cast<size_t>(r) * stride, stride, dm.data());
-    if constexpr (F == QuantFormat::q4_1) gemv_f16_to_f32(w.m + static_cast<size_t>(r) * stride, stride, dm.data() + stride);
+    if constexpr (kHasMin<F>) gemv_f16_to_f32(w.m + static_cast<size_t>(r) * stride, stride, dm.data() + stride);
     float* o = out + static_cast<size_t>(r - row_begin) * w.cols;
     for (int b = 0; b < nb; ++b) {
       const uint8_t* qs = w.qs + (static_cast<size_t>(r) * nb + b) * qb;
       const auto d = hn::Set(dd, dm[static_cast<size_t>(b)]);
-      const auto m = hn::Set(dd, F == QuantFormat::q4_1 ? dm[static_cast<size_t>(stride + b)] : 0.0f);
+      const auto m = hn::Set(dd, kHasMin<F> ? dm[static_cast<size_t>(stride + b)] : 0.0f);
       float* ob = o + static_cast<size_t>(b) * kQuantBlock;
       if constexpr (F == QuantFormat::q8_0) {
         for (size_t j = 0; j < kQuantBlock; j += N) hn::StoreU(hn::MulAdd(dequant_codes<F>(dd, qs, j, false), d, m), dd, ob + j);
+      } else if constexpr (kIsQ5<F>) {
+        // The GEMV's int16 codes, stored and widened to float32.
+        const DI16 di16;
+        constexpr size_t L = hn::MaxLanes(DI16());
+        const hn::Rebind<int16_t, DD> d16;
+        const hn::Rebind<int32_t, DD> d32;
+        int16_t codes[kQuantBlock];
+        for (size_t j = 0; j < 16; j += L) {
+          hn::Vec<DI16> lo, hi;
+          gemv_codes_q4<F>(di16, qs, j, lo, hi);
+          gemv_codes_q5_bit4<F>(di16, w.qh[static_cast<size_t>(r) * nb + b], j, lo, hi);
+          hn::StoreU(lo, di16, codes + j);
+          hn::StoreU(hi, di16, codes + 16 + j);
+        }
+        for (size_t j = 0; j < kQuantBlock; j += N)
+          hn::StoreU(hn::MulAdd(hn::ConvertTo(dd, hn::PromoteTo(d32, hn::LoadU(d16, codes + j))), d, m), dd, ob + j);
       } else {
         for (size_t j = 0; j < 16; j += N) {
           hn::StoreU(hn::MulAdd(dequant_codes<F>(dd, qs, j, false), d, m), dd, ob + j);
           hn::StoreU(hn::MulAdd(dequant_codes<F>(dd, qs, j, true), d, m), dd, ob + 16 + j);
         }
       }
+    }
+  }
+}
+
+// ---- Verbatim formats (Q4_K, Q5_K, Q6_K): the GGUF blocks read in place ----
+//
+// A walker decodes one block: sink.block(scale, min) first, with the block's group scales
+// scale[G] (d sc, float32; G = 8 or 16 groups) and its mins min[8] per 32 weights (dmin m;
+// nullptr for Q6_K), then sink.codes(c, e) with the int16 codes of elements [e, e + L) of
+// the block, and sink.group(g, e0, n) after the last codes of group g = [e0, e0 + n)
+// (n = 32, or 16 for Q6_K): its weights are scale[g] * code - min.
+// The GEMV and the dequantiser are the two sinks, so both read the codes through the same
+// instructions. Bits are split in 16-bit lanes after widening the bytes, as for Q4_x above.
+
+// One f16 at p (unaligned) as float32, by the vector conversion (vcvtph2ps on x86).
+HWY_INLINE float f16_at(const uint8_t* p) {
+  const hn::CappedTag<float, 1> d1;
+  const hn::Rebind<hwy::float16_t, decltype(d1)> dh1;
+  return hn::GetLane(hn::PromoteTo(d1, hn::LoadU(dh1, reinterpret_cast<const hwy::float16_t*>(p))));
+}
+
+// out[i] = f * b[i] for n (a multiple of 8) integers b of type T (uint8_t or int8_t).
+template <typename T>
+HWY_INLINE void scale_bytes(const T* b, float f, int n, float* out) {
+  const DS ds;
+  const hn::Rebind<int32_t, DS> d32;
+  const hn::Rebind<T, DS> d8;
+  for (int i = 0; i < n; i += static_cast<int>(hn::Lanes(ds)))
+    hn::StoreU(hn::Mul(hn::ConvertTo(ds, hn::PromoteTo(d32, hn::LoadU(d8, b + i))), hn::Set(ds, f)), ds, out + i);
+}
+
+// Q4_K (f16 d, f16 dmin, scales[12], qs[128]) and Q5_K (the same with qh[32] before qs):
+// sub-block s (32 weights) of 64-element group s / 2 has its low 4 bits in the low (even s)
+// or high (odd s) nibbles of qs[32 (s / 2) .. + 31]; Q5_K's bit 4 of its element l is bit s
+// of qh[l]. The 6-bit scale sc_s and min m_s of sub-block s: s < 4 in the low 6 bits of
+// bytes s and s + 4 of the 12; s >= 4 in the low and high nibbles of byte s + 4, with the top
+// 2 bits in bits 6-7 of bytes s - 4 and s. Unpacked here 4 at a time in u32 words (x86 is
+// little-endian, as the file is): bits 6-7 of each byte move to bits 4-5 by a shift of 2.
+template <QuantFormat F, class Sink>
+HWY_INLINE void walk_k45(const uint8_t* blk, Sink& sink) {
+  const DI16 di16;
+  const hn::Rebind<uint8_t, DI16> du8;
+  constexpr size_t L = hn::MaxLanes(DI16());
+  constexpr bool kFive = F == QuantFormat::q5_k;
+  uint32_t w[3];
+  std::memcpy(w, blk + 4, 12);
+  const uint32_t packed[4] = {w[0] & 0x3F3F3F3Fu, (w[2] & 0x0F0F0F0Fu) | ((w[0] >> 2) & 0x30303030u),
+                              w[1] & 0x3F3F3F3Fu, ((w[2] >> 4) & 0x0F0F0F0Fu) | ((w[1] >> 2) & 0x30303030u)};
+  uint8_t sc_m[16];  // sc_0..7, m_0..7
+  std::memcpy(sc_m, packed, 16);
+  alignas(32) float scale[8], min[8];
+  scale_bytes(sc_m, f16_at(blk), 8, scale);
+  scale_bytes(sc_m + 8, f16_at(blk + 2), 8, min);
+  sink.block(scale, min);
+  const uint8_t* qh = blk + 16;
+  const uint8_t* qs = blk + (kFive ? 48 : 16);
+  if constexpr (L == 16) {
+    // Two vectors are one group of 32: the 32 bytes of a sub-block pair are loaded once for
+    // both (low and high nibbles), and Q5_K's qh bytes once per block.
+    const auto m4 = hn::Set(di16, 0x0F), sixteen = hn::Set(di16, 16);
+    hn::Vec<DI16> h0 = hn::Zero(di16), h1 = hn::Zero(di16);
+    if constexpr (kFive) {
+      h0 = hn::PromoteTo(di16, hn::LoadU(du8, qh));
+      h1 = hn::PromoteTo(di16, hn::LoadU(du8, qh + 16));
+    }
+    for (int g = 0; g < 4; ++g) {
+      const uint8_t* q = qs + 32 * g;
+      const auto a0 = hn::PromoteTo(di16, hn::LoadU(du8, q)), a1 = hn::PromoteTo(di16, hn::LoadU(du8, q + 16));
+      auto c00 = hn::And(a0, m4), c01 = hn::And(a1, m4);                   // sub-block 2g
+      auto c10 = hn::ShiftRight<4>(a0), c11 = hn::ShiftRight<4>(a1);       // sub-block 2g + 1
+      if constexpr (kFive) {
+        const auto b0 = hn::Set(di16, static_cast<int16_t>(1 << (2 * g)));
+        const auto b1 = hn::Set(di16, static_cast<int16_t>(1 << (2 * g + 1)));
+        c00 = hn::Or(c00, hn::IfThenElseZero(hn::TestBit(h0, b0), sixteen));
+        c01 = hn::Or(c01, hn::IfThenElseZero(hn::TestBit(h1, b0), sixteen));
+        c10 = hn::Or(c10, hn::IfThenElseZero(hn::TestBit(h0, b1), sixteen));
+        c11 = hn::Or(c11, hn::IfThenElseZero(hn::TestBit(h1, b1), sixteen));
+      }
+      sink.codes(c00, static_cast<size_t>(64 * g));
+      sink.codes(c01, static_cast<size_t>(64 * g + 16));
+      sink.group(2 * g, 64 * g, 32);
+      sink.codes(c10, static_cast<size_t>(64 * g + 32));
+      sink.codes(c11, static_cast<size_t>(64 * g + 48));
+      sink.group(2 * g + 1, 64 * g + 32, 32);
+    }
+    return;
+  }
+  for (int s = 0; s < 8; ++s) {
+    const uint8_t* q = qs + 32 * (s / 2);
+    for (size_t j = 0; j < 32; j += L) {
+      const auto v = hn::PromoteTo(di16, hn::LoadU(du8, q + j));
+      auto c = s % 2 ? hn::ShiftRight<4>(v) : hn::And(v, hn::Set(di16, 0x0F));
+      if constexpr (kFive) {
+        const auto h = hn::PromoteTo(di16, hn::LoadU(du8, qh + j));
+        c = hn::Or(c, hn::ShiftLeft<4>(hn::And(hn::ShiftRightSame(h, s), hn::Set(di16, 1))));
+      }
+      sink.codes(c, static_cast<size_t>(32 * s) + j);
+    }
+    sink.group(s, 32 * s, 32);
+  }
+}
+
+// Q6_K (ql[128], qh[64], int8 scales[16], f16 d): half h (128 weights), quarter k (32),
+// element l: low 4 bits in ql[64 h + 32 (k % 2) + l] (low nibble for k < 2, high for
+// k >= 2), top 2 bits at bits 2k of qh[32 h + l]; code q - 32; scale scales[8 h + 2 k + l / 16].
+template <class Sink>
+HWY_INLINE void walk_q6k(const uint8_t* blk, Sink& sink) {
+  const DI16 di16;
+  const hn::Rebind<uint8_t, DI16> du8;
+  constexpr size_t L = hn::MaxLanes(DI16());
+  alignas(32) float scale[16];
+  scale_bytes(reinterpret_cast<const int8_t*>(blk + 192), f16_at(blk + 208), 16, scale);
+  sink.block(scale, nullptr);
+  if constexpr (L == 16) {
+    // One vector is one group of 16: the ql and qh bytes of a half are loaded once for its
+    // four quarters k, and each k's top 2 bits are moved to bits 4-5 by a fixed shift.
+    const auto m4 = hn::Set(di16, 0x0F), m30 = hn::Set(di16, 0x30), c32 = hn::Set(di16, 32);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = blk + 64 * h;
+      const uint8_t* qh = blk + 128 + 32 * h;
+      for (size_t l16 = 0; l16 < 32; l16 += 16) {
+        const auto a = hn::PromoteTo(di16, hn::LoadU(du8, ql + l16));       // k = 0 (low), 2 (high nibbles)
+        const auto b = hn::PromoteTo(di16, hn::LoadU(du8, ql + 32 + l16));  // k = 1, 3
+        const auto t = hn::PromoteTo(di16, hn::LoadU(du8, qh + l16));
+        const hn::Vec<DI16> codes[4] = {hn::Or(hn::And(a, m4), hn::And(hn::ShiftLeft<4>(t), m30)),
+                                        hn::Or(hn::And(b, m4), hn::And(hn::ShiftLeft<2>(t), m30)),
+                                        hn::Or(hn::ShiftRight<4>(a), hn::And(t, m30)),
+                                        hn::Or(hn::ShiftRight<4>(b), hn::And(hn::ShiftRight<2>(t), m30))};
+        for (int k = 0; k < 4; ++k) {
+          const int e0 = 128 * h + 32 * k + static_cast<int>(l16);
+          sink.codes(hn::Sub(codes[k], c32), static_cast<size_t>(e0));
+          sink.group(e0 / 16, e0, 16);
+        }
+      }
+    }
+    return;
+  }
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = blk + 64 * h;
+    const uint8_t* qh = blk + 128 + 32 * h;
+    for (int k = 0; k < 4; ++k) {
+      for (size_t l16 = 0; l16 < 32; l16 += 16) {
+        for (size_t j = l16; j < l16 + 16; j += L) {
+          const auto v = hn::PromoteTo(di16, hn::LoadU(du8, ql + 32 * (k % 2) + j));
+          const auto lo = k < 2 ? hn::And(v, hn::Set(di16, 0x0F)) : hn::ShiftRight<4>(v);
+          const auto top = hn::And(hn::ShiftRightSame(hn::PromoteTo(di16, hn::LoadU(du8, qh + j)), 2 * k), hn::Set(di16, 3));
+          sink.codes(hn::Sub(hn::Or(lo, hn::ShiftLeft<4>(top)), hn::Set(di16, 32)), static_cast<size_t>(128 * h + 32 * k) + j);
+        }
+        const int e0 = 128 * h + 32 * k + static_cast<int>(l16);
+        sink.group(e0 / 16, e0, 16);
+      }
+    }
+  }
+}
+
+template <QuantFormat F, class Sink>
+HWY_INLINE void walk_block(const uint8_t* blk, Sink& sink) {
+  if constexpr (F == QuantFormat::q4_k || F == QuantFormat::q5_k) walk_k45<F>(blk, sink);
+  else walk_q6k(blk, sink);
+}
+
+constexpr bool verbatim_has_min(QuantFormat f) { return f == QuantFormat::q4_k || f == QuantFormat::q5_k; }
+constexpr int kVerbatimBlock = 256;  // the K-quants' block
+
+// GEMV sink: a group's codes against the activation codes, summed exactly in int32
+// (pmaddwd), then one conversion and one FMA by scale * dx of the group's activation block,
+// into four accumulators in turn (one chain would wait an FMA latency per group). The mins
+// are stored per 32 weights and dotted with dx sum q once per row (as Q4_1's above).
+template <QuantFormat F>
+struct GemvSink {
+  static constexpr int kMins = kVerbatimBlock / kQuantBlock;
+  const int16_t* xq;  // the block's activation codes [block]
+  const float* dx;    // its activation scales, one per 32
+  float* mins;        // the row's mins at this block, one per 32
+  const float* scale = nullptr;
+  hn::Vec<DI32> s0, s1;
+  hn::Vec<DF> acc0, acc1, acc2, acc3;
+  HWY_INLINE void block(const float* sc, const float* mn) {
+    scale = sc;
+    if constexpr (verbatim_has_min(F))
+      for (int i = 0; i < kMins; ++i) mins[i] = mn[i];
+  }
+  HWY_INLINE void codes(hn::Vec<DI16> c, size_t e) {
+    s0 = hn::ReorderWidenMulAccumulate(DI32(), c, hn::LoadU(DI16(), xq + e), s0, s1);
+  }
+  HWY_INLINE void group(int g, int e0, int n) {
+    const DF df;
+    const auto next = hn::MulAdd(hn::ConvertTo(df, hn::Add(s0, s1)), hn::Set(df, scale[g] * dx[e0 / kQuantBlock]), acc0);
+    acc0 = acc1;
+    acc1 = acc2;
+    acc2 = acc3;
+    acc3 = next;
+    s0 = hn::Zero(DI32());
+    s1 = hn::Zero(DI32());
+    (void)n;
+  }
+};
+
+template <QuantFormat F>
+void gemv_rows_verbatim(const QuantMatrixView& w, int row_begin, int row_end, const QuantActivation& x, float* y) {
+  const DF df;
+  constexpr int kBlock = kVerbatimBlock;
+  const int nb = w.cols / kBlock;
+  const size_t tb = static_cast<size_t>(quant_block_bytes(F));
+  const size_t row_bytes = static_cast<size_t>(nb) * tb;
+  // The row's mins [cols / 32], zero-padded like x.sum to a multiple of 16.
+  const int n32 = gemv_pad16(w.cols / kQuantBlock);
+  thread_local std::vector<float> mins;
+  if (verbatim_has_min(F)) mins.assign(static_cast<size_t>(n32), 0.0f);
+  for (int r = row_begin; r < row_end; ++r) {
+    const uint8_t* row = w.qs + static_cast<size_t>(r) * row_bytes;
+    GemvSink<F> sink{nullptr, nullptr, nullptr, nullptr, hn::Zero(DI32()), hn::Zero(DI32()),
+                     hn::Zero(df),    hn::Zero(df), hn::Zero(df), hn::Zero(df)};
+    for (int b = 0; b < nb; ++b) {
+      const size_t e = static_cast<size_t>(b) * kBlock;
+      sink.xq = x.q.data() + e;
+      sink.dx = x.d.data() + e / kQuantBlock;
+      if constexpr (verbatim_has_min(F)) sink.mins = mins.data() + e / kQuantBlock;
+      walk_block<F>(row + static_cast<size_t>(b) * tb, sink);
+    }
+    auto acc = hn::Add(hn::Add(sink.acc0, sink.acc1), hn::Add(sink.acc2, sink.acc3));
+    if constexpr (verbatim_has_min(F)) {
+      constexpr size_t N = hn::MaxLanes(DF());
+      auto t = hn::Zero(df);
+      for (int i = 0; i < n32; i += static_cast<int>(N))
+        t = hn::MulAdd(hn::LoadU(df, mins.data() + i), hn::LoadU(df, x.sum.data() + i), t);
+      acc = hn::Sub(acc, t);
+    }
+    y[r - row_begin] = hn::GetLane(hn::SumOfLanes(df, acc));
+  }
+}
+
+// Dequantisation sink: codes to float32 in out, then scale * code - min per group.
+struct DequantSink {
+  float* out;  // the block's [block] outputs
+  const float* scale = nullptr;
+  const float* min = nullptr;
+  HWY_INLINE void block(const float* sc, const float* mn) {
+    scale = sc;
+    min = mn;
+  }
+  HWY_INLINE void codes(hn::Vec<DI16> c, size_t e) {
+    const DI16 di16;
+    alignas(32) int16_t buf[hn::MaxLanes(DI16())];
+    hn::Store(c, di16, buf);
+    for (size_t i = 0; i < hn::Lanes(di16); ++i) out[e + i] = static_cast<float>(buf[i]);
+  }
+  HWY_INLINE void group(int g, int e0, int n) {
+    const DD dd;
+    const auto vs = hn::Set(dd, scale[g]), vm = hn::Set(dd, min ? min[e0 / kQuantBlock] : 0.0f);
+    for (int i = e0; i < e0 + n; i += static_cast<int>(hn::Lanes(dd)))
+      hn::StoreU(hn::MulSub(hn::LoadU(dd, out + i), vs, vm), dd, out + i);
+  }
+};
+
+template <QuantFormat F>
+void dequantize_rows_verbatim(const QuantMatrixView& w, int row_begin, int row_end, float* out) {
+  constexpr int kBlock = kVerbatimBlock;
+  const int nb = w.cols / kBlock;
+  const size_t tb = static_cast<size_t>(quant_block_bytes(F));
+  for (int r = row_begin; r < row_end; ++r) {
+    const uint8_t* row = w.qs + static_cast<size_t>(r) * nb * tb;
+    for (int b = 0; b < nb; ++b) {
+      DequantSink sink{out + static_cast<size_t>(r - row_begin) * w.cols + static_cast<size_t>(b) * kBlock};
+      walk_block<F>(row + static_cast<size_t>(b) * tb, sink);
     }
   }
 }
@@ -268,6 +600,11 @@ void gemv_quant_rows_impl(const QuantMatrixView& w, int row_begin, int row_end, 
     case QuantFormat::q4_0: return gemv_rows_format<QuantFormat::q4_0>(w, row_begin, row_end, x, y);
     case QuantFormat::q4_1: return gemv_rows_format<QuantFormat::q4_1>(w, row_begin, row_end, x, y);
     case QuantFormat::q8_0: return gemv_rows_format<QuantFormat::q8_0>(w, row_begin, row_end, x, y);
+    case QuantFormat::q5_0: return gemv_rows_format<QuantFormat::q5_0>(w, row_begin, row_end, x, y);
+    case QuantFormat::q5_1: return gemv_rows_format<QuantFormat::q5_1>(w, row_begin, row_end, x, y);
+    case QuantFormat::q4_k: return gemv_rows_verbatim<QuantFormat::q4_k>(w, row_begin, row_end, x, y);
+    case QuantFormat::q5_k: return gemv_rows_verbatim<QuantFormat::q5_k>(w, row_begin, row_end, x, y);
+    case QuantFormat::q6_k: return gemv_rows_verbatim<QuantFormat::q6_k>(w, row_begin, row_end, x, y);
   }
 }
 
@@ -276,6 +613,11 @@ void quant_dequantize_rows_impl(const QuantMatrixView& w, int row_begin, int row
     case QuantFormat::q4_0: return dequantize_rows_format<QuantFormat::q4_0>(w, row_begin, row_end, out);
     case QuantFormat::q4_1: return dequantize_rows_format<QuantFormat::q4_1>(w, row_begin, row_end, out);
     case QuantFormat::q8_0: return dequantize_rows_format<QuantFormat::q8_0>(w, row_begin, row_end, out);
+    case QuantFormat::q5_0: return dequantize_rows_format<QuantFormat::q5_0>(w, row_begin, row_end, out);
+    case QuantFormat::q5_1: return dequantize_rows_format<QuantFormat::q5_1>(w, row_begin, row_end, out);
+    case QuantFormat::q4_k: return dequantize_rows_verbatim<QuantFormat::q4_k>(w, row_begin, row_end, out);
+    case QuantFormat::q5_k: return dequantize_rows_verbatim<QuantFormat::q5_k>(w, row_begin, row_end, out);
+    case QuantFormat::q6_k: return dequantize_rows_verbatim<QuantFormat::q6_k>(w, row_begin, row_end, out);
   }
 }
 
