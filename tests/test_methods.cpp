@@ -113,6 +113,19 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
   return std::sqrt(num / den);
 }
 
+// A group-of-one head's set must have the size of the minimal top-p set, counted here in
+// float64 from the stored keys; float32 probabilities may move the boundary by one token
+// when a prefix sum lands within rounding of P.
+void expect_minimal_set(const Fixture& f, int qh, double p, size_t got) {
+  std::vector<double> pr = true_probs(f, qh);
+  std::sort(pr.begin(), pr.end(), std::greater<>());
+  double acc = 0;
+  size_t m = 0;
+  while (m < pr.size() && acc < p) acc += pr[m++];
+  EXPECT_NEAR(static_cast<double>(got), static_cast<double>(m), 1.0) << "p=" << p << " head " << qh;
+  EXPECT_LT(got, pr.size() / 2) << "fixture not peaked enough to test anything";
+}
+
 const std::vector<Shape> kShapes = {{1, 4, 4, 32}, {1, 8, 2, 64}, {1, 9, 3, 64}, {1, 8, 1, 16}};
 
 }  // namespace
@@ -130,16 +143,7 @@ TEST(Methods, OracleTopPReachesPWithFewestTokens) {
     Fixture f = make_fixture({1, 4, 4, 32}, 1000, 11);
     AttnOutput out = run("oracle_topp", f, {{"p", std::to_string(p)}});
     for (int qh = 0; qh < f.shape.n_q_heads; ++qh) {
-      std::vector<double> pr = true_probs(f, qh);
-      std::sort(pr.begin(), pr.end(), std::greater<>());
-      double acc = 0;
-      size_t m = 0;
-      while (m < pr.size() && acc < p) acc += pr[m++];
-      const size_t got = out.selection.tokens[qh].size();
-      // float32 probabilities may move the boundary by one token when a prefix sum lands
-      // within rounding of P.
-      EXPECT_NEAR(static_cast<double>(got), static_cast<double>(m), 1.0) << "p=" << p << " head " << qh;
-      EXPECT_LT(got, pr.size() / 2) << "fixture not peaked enough to test anything";
+      expect_minimal_set(f, qh, p, out.selection.tokens[qh].size());
       EXPECT_GE(out.stats[qh].mass_claimed, p - 1e-5);
       EXPECT_GE(out.stats[qh].mass_true, p - 1e-4);
     }
@@ -354,14 +358,7 @@ TEST(HierTopp, EveryPageScoredGivesTheMinimalSet) {
                           {"recent", "0"},
                           {"min_context", "0"}});
     for (int qh = 0; qh < f.shape.n_q_heads; ++qh) {
-      std::vector<double> pr = true_probs(f, qh);
-      std::sort(pr.begin(), pr.end(), std::greater<>());
-      double acc = 0;
-      size_t m = 0;
-      while (m < pr.size() && acc < p) acc += pr[m++];
-      const size_t got = out.selection.tokens[qh].size();
-      EXPECT_NEAR(static_cast<double>(got), static_cast<double>(m), 1.0) << "p=" << p << " head " << qh;
-      EXPECT_LT(got, pr.size() / 2) << "fixture not peaked enough to test anything";
+      expect_minimal_set(f, qh, p, out.selection.tokens[qh].size());
       EXPECT_GE(out.stats[qh].mass_claimed, p - 1e-5);
       EXPECT_NEAR(out.stats[qh].mass_true, out.stats[qh].mass_claimed, 1e-4);
     }
