@@ -63,12 +63,19 @@ Layout layout_of(const KvSnapshotInfo& i) {
   return l;
 }
 
+// Named functions, not lambdas: an Error's prefix is the function's name.
+void check_range(const std::string& path, const char* field, int64_t v, int64_t lo, int64_t hi) {
+  CUMULUS_CHECK(v >= lo && v <= hi, "KV snapshot '{}': {}={} must be in [{}, {}]", path, field, v, lo, hi);
+}
+
+void check_equal(const std::string& path, const char* field, int got, int want) {
+  CUMULUS_CHECK(got == want, "KV snapshot '{}': {}={} but this session has {}={}", path, field, got, field, want);
+}
+
 // The ranges every field must be in (the reader's and the writer's, so nothing is written
 // that cannot be read). With these bounds no size in layout_of exceeds 2^62.
 void check_fields(const std::string& path, const KvSnapshotInfo& i, uint32_t setup_bytes) {
-  auto range = [&](const char* field, int64_t v, int64_t lo, int64_t hi) {
-    CUMULUS_CHECK(v >= lo && v <= hi, "KV snapshot '{}': {}={} must be in [{}, {}]", path, field, v, lo, hi);
-  };
+  auto range = [&](const char* field, int64_t v, int64_t lo, int64_t hi) { check_range(path, field, v, lo, hi); };
   range("n_layers", i.n_layers, 1, 4096);
   range("n_heads", i.n_heads, 1, 4096);
   range("n_kv_heads", i.n_kv_heads, 1, i.n_heads);
@@ -393,9 +400,7 @@ void KvSnapshot::check(const KvSnapshotInfo& e) const {
   CUMULUS_CHECK(i.model_id == e.model_id,
                 "KV snapshot '{}': model_id=0x{:016x} is another model's (this model is 0x{:016x}); setup '{}'", path_,
                 i.model_id, e.model_id, i.setup);
-  auto same = [&](const char* field, int got, int want) {
-    CUMULUS_CHECK(got == want, "KV snapshot '{}': {}={} but this session has {}={}", path_, field, got, field, want);
-  };
+  auto same = [&](const char* field, int got, int want) { check_equal(path_, field, got, want); };
   same("n_layers", i.n_layers, e.n_layers);
   same("n_heads", i.n_heads, e.n_heads);
   same("n_kv_heads", i.n_kv_heads, e.n_kv_heads);
