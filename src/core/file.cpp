@@ -110,6 +110,11 @@ void dir_check_output(const std::string& path, std::string_view what) {
 }
 
 void file_write_atomic(const std::string& path, std::string_view bytes, std::string_view what) {
+  file_write_atomic_stream(path, what, [&](const FileAppend& append) { append(bytes); });
+}
+
+void file_write_atomic_stream(const std::string& path, std::string_view what,
+                              const std::function<void(const FileAppend&)>& fill) {
   file_check_output(path, what);
   const fs::path target(path);
   // A hidden name beside the target (same file system, so rename is atomic). Built by
@@ -123,12 +128,20 @@ void file_write_atomic(const std::string& path, std::string_view bytes, std::str
     ::unlink(tmp.c_str());
     CUMULUS_FAIL("{} '{}': {} failed ({}); the previous file, if any, is unchanged", what, path, step, errno_text(err));
   };
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(f.fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) fail("writing", errno);
-    done += static_cast<size_t>(n);
+  const FileAppend append = [&](std::string_view bytes) {
+    size_t done = 0;
+    while (done < bytes.size()) {
+      const ssize_t n = ::write(f.fd, bytes.data() + done, bytes.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) fail("writing", errno);
+      done += static_cast<size_t>(n);
+    }
+  };
+  try {
+    fill(append);
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
   }
   // mkstemp creates 0600; results are ordinary files (0644 less the umask).
   const mode_t mask = ::umask(0);

@@ -313,7 +313,9 @@ std::string eval_json(const EvalReport& r) {
                   {"targets", o.targets},
                   {"baselines", o.baselines},
                   {"match_iters", o.match_iters},
-                  {"matched_niah", o.matched_niah}};
+                  {"matched_niah", o.matched_niah},
+                  {"kv_save", o.kv_save},
+                  {"kv_load", o.kv_load}};
   j["machine"] = {{"cpu", r.machine.cpu},
                   {"logical_cpus", r.machine.logical_cpus},
                   {"date", r.machine.date},

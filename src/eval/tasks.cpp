@@ -15,6 +15,7 @@
 #include "cumulus/eval/progress.h"
 #include "cumulus/methods/registry.h"
 #include "cumulus/model/gguf.h"
+#include "cumulus/model/model_identity.h"
 #include "cumulus/model/sampler.h"
 #include "cumulus/model/session.h"
 #include "cumulus/model/text.h"
@@ -234,7 +235,9 @@ std::unique_ptr<Session> Evaluator::session_for(int capacity, const std::vector<
   so.n_threads = o_.threads;
   so.eval = true;
   so.max_tokens = capacity;
-  // restart_decode needs the prompt queries of every method that learns from them (lfps).
+  // restart_decode needs the prompt queries of every method that learns from them (lfps);
+  // a snapshot keeps enough for later runs' methods too.
+  if (!o_.kv_save.empty()) so.keep_prompt_queries = kKvSnapshotPromptQueries;
   for (const auto& s : specs)
     so.keep_prompt_queries =
         std::max(so.keep_prompt_queries, Registry::builtin().make(s.method, shape_, s.params)->prompt_queries());
@@ -383,8 +386,26 @@ void Evaluator::continuation_setup(EvalReport& rep, const std::vector<MethodSpec
   rep.continuation.context = ctx;
   rep.continuation.prompt_tokens = prompt;
   rep.continuation.steps = o_.steps;
+  if (!o_.kv_load.empty()) {
+    // The snapshot replaces the prefill: it must hold exactly this prompt.
+    const auto t0 = Clock::now();
+    const KvSnapshot snap = KvSnapshot::open(o_.kv_load);
+    const std::span<const int32_t> have = snap.tokens();
+    CUMULUS_CHECK(static_cast<int>(have.size()) == prompt,
+                  "--kv-load '{}': the snapshot holds a prompt of {} tokens; context {} - steps {} needs {}", o_.kv_load,
+                  have.size(), ctx, o_.steps, prompt);
+    const auto diff = std::mismatch(have.begin(), have.end(), x.begin()).first;
+    CUMULUS_CHECK(diff == have.end(),
+                  "--kv-load '{}': prompt token {} is {} in the snapshot but {} in the text '{}': another text",
+                  o_.kv_load, diff - have.begin(), *diff, x[diff - have.begin()], o_.text);
+    session_->kv_load(snap, model_identity(m_.path));
+    progress_.prefilled(prompt);
+    rep.continuation.prefill_s = seconds_since(t0);
+    return;
+  }
   progress_.label(fmt::format("{}: prefill of {} tokens", o_.task, prompt));
   rep.continuation.prefill_s = prefill(*session_, std::span<const int32_t>(x).first(prompt));
+  if (!o_.kv_save.empty()) session_->kv_save(o_.kv_save, model_identity(m_.path));
 }
 
 void Evaluator::task_continuation(EvalReport& rep) {
@@ -623,6 +644,26 @@ EvalModel eval_model_load(const std::string& model, const std::string& tokenizer
   return m;
 }
 
+KvSnapshot eval_snapshot_open(const std::string& path, const std::string& model, int page_size, DType kv_dtype) {
+  KvSnapshot snap = KvSnapshot::open(path);
+  const ModelConfig c = model_config_load(model);
+  KvSnapshotInfo want = snap.info();  // the setup is the session's to check
+  want.model_id = model_identity(model);
+  want.n_layers = c.n_layers;
+  want.n_heads = c.n_heads;
+  want.n_kv_heads = c.n_kv_heads;
+  want.head_dim = c.head_dim;
+  want.vocab_size = c.vocab_size;
+  want.page_size = page_size;
+  want.dtype = kv_dtype;
+  try {
+    snap.check(want);
+  } catch (const Error& e) {
+    CUMULUS_FAIL("--kv-load with model '{}': {}", model, e.what());
+  }
+  return snap;
+}
+
 void EvalOptions::validate() const {
   static const std::set<std::string> kTasks{"kl", "ppl", "mass", "matched", "niah"};
   CUMULUS_CHECK(kTasks.count(task), "task '{}' must be one of kl, ppl, mass, matched, niah", task);
@@ -645,6 +686,16 @@ void EvalOptions::validate() const {
   CUMULUS_CHECK(page_size >= 1 && page_size <= 256 && (page_size & (page_size - 1)) == 0,
                 "page_size={} must be a power of two in [1, 256]", page_size);
   prefill_spec_check(prefill_method, prefill_params);
+  if (!kv_save.empty() || !kv_load.empty()) {
+    const char* opt = kv_save.empty() ? "--kv-load" : "--kv-save";
+    CUMULUS_CHECK(kv_save.empty() || kv_load.empty(), "give --kv-save or --kv-load, not both");
+    CUMULUS_CHECK(task != "niah" && !(task == "matched" && matched_niah),
+                  "{}: niah prefills one prompt per cell; a snapshot holds one prompt (kl, ppl, mass, matched)", opt);
+    CUMULUS_CHECK(prefill_method == "dense",
+                  "{} with --prefill {}: a sparse prefill's evaluation prefills twice (all-dense reference, then "
+                  "{}); a snapshot holds one prefill: use the dense prefill",
+                  opt, prefill_method, prefill_method);
+  }
   // The methods, parameters and sweeps each task will run, parsed now so that a typo fails
   // before the model is loaded.
   if (task == "mass") {

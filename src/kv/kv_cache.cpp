@@ -78,35 +78,53 @@ int KvCache::n_tokens(int layer) const {
   return n_tokens_[layer];
 }
 
-void KvCache::append(int layer, const float* k, const float* v, int n) {
+void KvCache::append(int layer, const float* k, const float* v, int n) { append_rows(layer, k, v, n, false); }
+
+void KvCache::append_stored(int layer, const void* k, const void* v, int n) { append_rows(layer, k, v, n, true); }
+
+namespace {
+
+// Whether element i of a row in `dt` (stored bits) is finite: the exponent is not all ones.
+bool stored_finite(const void* src, DType dt, size_t i) {
+  switch (dt) {
+    case DType::f32: return std::isfinite(static_cast<const float*>(src)[i]);
+    case DType::f16: return (static_cast<const uint16_t*>(src)[i] & 0x7c00u) != 0x7c00u;
+    case DType::bf16: return (static_cast<const uint16_t*>(src)[i] & 0x7f80u) != 0x7f80u;
+  }
+  return false;
+}
+
+}  // namespace
+
+void KvCache::append_rows(int layer, const void* k, const void* v, int n, bool raw) {
   CUMULUS_CHECK(layer >= 0 && layer < shape_.n_layers, "layer={} out of range [0, {})", layer, shape_.n_layers);
   CUMULUS_CHECK(n >= 1, "n={} must be >= 1", n);
-  CUMULUS_CHECK(k != nullptr && v != nullptr, "k={} and v={} must be non-null", static_cast<const void*>(k),
-                static_cast<const void*>(v));
+  CUMULUS_CHECK(k != nullptr && v != nullptr, "k={} and v={} must be non-null", k, v);
   const int t0 = n_tokens_[layer];
   CUMULUS_CHECK(static_cast<int64_t>(t0) + n <= options_.max_tokens,
                 "n={} would overflow max_tokens={} (layer {} holds {} tokens)", n, options_.max_tokens, layer, t0);
 
   const int H = shape_.n_kv_heads;
   const int d = shape_.head_dim;
+  const DType dt = options_.dtype;
   // Check everything before writing anything, so a rejected append leaves the cache as it
   // was. k, v: [n][n_kv_heads][head_dim].
   const size_t total = static_cast<size_t>(n) * H * d;
-  for (const float* src : {k, v}) {
+  for (const void* src : {k, v}) {
     for (size_t i = 0; i < total; ++i) {
-      if (!std::isfinite(src[i])) [[unlikely]] {
+      const bool finite = raw ? stored_finite(src, dt, i) : std::isfinite(static_cast<const float*>(src)[i]);
+      if (!finite) [[unlikely]] {
         const size_t t = i / (static_cast<size_t>(H) * d);
         const size_t h = (i / d) % H;
         const size_t j = i % d;
         CUMULUS_FAIL("{}[token={}][head={}][dim={}]={} is not finite (layer {}, position {})", src == k ? "k" : "v", t,
-                     h, j, src[i], layer, t0 + t);
+                     h, j, raw ? dtype_load(src, dt, i) : static_cast<const float*>(src)[i], layer, t0 + t);
       }
     }
   }
 
   const int ps = options_.page_size;
   const int shift = std::countr_zero(static_cast<unsigned>(ps));
-  const DType dt = options_.dtype;
   const size_t row_bytes = static_cast<size_t>(d) * dtype_size(dt);
   const size_t stride = page_stride_bytes(ps, d, dt);
   const int pages_needed = (t0 + n + ps - 1) >> shift;
@@ -144,8 +162,13 @@ void KvCache::append(int layer, const float* k, const float* v, int n) {
       const size_t src_off = (static_cast<size_t>(i) * H + h) * d;
       auto* kdst = static_cast<std::byte*>(const_cast<void*>(s.k_pages[p])) + row * row_bytes;
       auto* vdst = static_cast<std::byte*>(const_cast<void*>(s.v_pages[p])) + row * row_bytes;
-      convert_from_f32(k + src_off, kdst, dt, d);
-      convert_from_f32(v + src_off, vdst, dt, d);
+      if (raw) {
+        std::memcpy(kdst, static_cast<const std::byte*>(k) + src_off * dtype_size(dt), row_bytes);
+        std::memcpy(vdst, static_cast<const std::byte*>(v) + src_off * dtype_size(dt), row_bytes);
+      } else {
+        convert_from_f32(static_cast<const float*>(k) + src_off, kdst, dt, d);
+        convert_from_f32(static_cast<const float*>(v) + src_off, vdst, dt, d);
+      }
       convert_to_f32(kdst, dt, stored.data(), d);
 
       float* mn = s.kmin.data() + static_cast<size_t>(p) * d;

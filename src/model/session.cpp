@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <set>
 
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/attention.h"
@@ -39,6 +40,22 @@ void rope(float* x, int n_heads, int head_dim, int rope_dim, int pos, float thet
       p[1] = a * s + b * c;
     }
   }
+}
+
+// KvSnapshotInfo::setup: what shapes the cached K/V besides the model file, as text. The
+// weights' storage (compact vs f32 changes the projections' rounding), the prefill method
+// and its resolved parameters.
+std::string snapshot_setup(const ModelWeights& w, const SessionOptions& o) {
+  std::set<std::string_view> storage{w.token_embd.storage_name(), w.output_weight().storage_name()};
+  for (const LayerWeights& L : w.layers)
+    for (const WeightMatrix* m : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_down, &L.w_up})
+      storage.insert(m->storage_name());
+  std::string s = "weights=";
+  for (std::string_view name : storage) s.append(s.back() == '=' ? "" : ",").append(name);
+  s += " prefill=" + o.prefill_method;
+  const Params params = Registry::builtin().parse(o.prefill_method, o.prefill_params);
+  for (const auto& [k, v] : params.values()) s += " " + k + "=" + v;
+  return s;
 }
 
 }  // namespace
@@ -84,6 +101,62 @@ const std::vector<float>& Session::prefill(std::span<const int32_t> tokens) {
     const size_t n = std::min<size_t>(chunk, tokens.size() - i);
     forward(tokens.subspan(i, n), false);
   }
+  prompt_tokens_.insert(prompt_tokens_.end(), tokens.begin(), tokens.end());
+  prompt_logits_ = logits_;
+  return logits_;
+}
+
+void Session::kv_save(const std::string& path, uint64_t model_id) const {
+  CUMULUS_CHECK(prompt_end_ > 0, "kv_save('{}') before a prefill: there is no prompt to save", path);
+  const ModelConfig& c = w_.config;
+  const KvSnapshotInfo info{.model_id = model_id,
+                            .setup = snapshot_setup(w_, opt_),
+                            .n_layers = c.n_layers,
+                            .n_heads = c.n_heads,
+                            .n_kv_heads = c.n_kv_heads,
+                            .head_dim = c.head_dim,
+                            .vocab_size = c.vocab_size,
+                            .page_size = kv_.page_size(),
+                            .dtype = kv_.dtype(),
+                            .n_tokens = prompt_end_,
+                            .prompt_q_rows = prompt_q_rows_};
+  kv_snapshot_write(path, info, prompt_tokens_, prompt_logits_, prompt_q_, kv_);
+}
+
+const std::vector<float>& Session::kv_load(const KvSnapshot& snap, uint64_t model_id) {
+  CUMULUS_CHECK(pos_ == 0, "kv_load('{}') into a session at position {}: load into a fresh session", snap.path(),
+                pos_);
+  const ModelConfig& c = w_.config;
+  const KvSnapshotInfo& got = snap.info();
+  snap.check({.model_id = model_id,
+              .setup = snapshot_setup(w_, opt_),
+              .n_layers = c.n_layers,
+              .n_heads = c.n_heads,
+              .n_kv_heads = c.n_kv_heads,
+              .head_dim = c.head_dim,
+              .vocab_size = c.vocab_size,
+              .page_size = kv_.page_size(),
+              .dtype = kv_.dtype()});
+  CUMULUS_CHECK(got.n_tokens <= capacity_, "KV snapshot '{}': n_tokens={} exceeds this session's context of {} tokens",
+                snap.path(), got.n_tokens, capacity_);
+  // The prompt queries prefill would have kept for this session's method.
+  const int rows = std::min(std::max(method_->prompt_queries(), opt_.keep_prompt_queries), got.n_tokens);
+  CUMULUS_CHECK(got.prompt_q_rows >= rows,
+                "KV snapshot '{}': prompt_q_rows={} but method {} needs the prompt's last {} queries (save with "
+                "SessionOptions::keep_prompt_queries >= {})",
+                snap.path(), got.prompt_q_rows, method_->name(), rows, rows);
+  snap.restore(kv_);
+  pos_ = prompt_end_ = got.n_tokens;
+  prompt_q_rows_ = rows;
+  prompt_q_.assign(c.n_layers, {});
+  const size_t row = static_cast<size_t>(c.n_heads) * c.head_dim;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::span<const float> q = snap.prompt_q(l);  // the snapshot's last prompt_q_rows rows
+    prompt_q_[l].assign(q.end() - static_cast<ptrdiff_t>(rows * row), q.end());
+  }
+  prompt_tokens_.assign(snap.tokens().begin(), snap.tokens().end());
+  prompt_logits_.assign(snap.logits().begin(), snap.logits().end());
+  logits_ = prompt_logits_;
   return logits_;
 }
 

@@ -40,7 +40,16 @@ void eval_command_run(EvalArgs& a) {
   if (!a.markdown.empty()) file_check_output(a.markdown, "--markdown");
   if (!a.json.empty()) file_check_output(a.json, "--json");
   if (!a.svg_dir.empty()) dir_check_output(a.svg_dir, "--svg-dir");
-  o.validate(eval_model_check(a.model, a.tokenizer));
+  if (!o.kv_save.empty()) file_check_output(o.kv_save, "--kv-save");
+  const ModelConfig config = eval_model_check(a.model, a.tokenizer);
+  o.validate(config);
+  if (!o.kv_load.empty()) {
+    const KvSnapshot snap = eval_snapshot_open(o.kv_load, a.model, o.page_size, o.kv_dtype);
+    const int ctx = o.context > 0 ? o.context : config.context_length;
+    CUMULUS_CHECK(snap.info().n_tokens == ctx - o.steps,
+                  "--kv-load '{}': the snapshot holds a prompt of {} tokens; --context {} - --steps {} needs {}",
+                  o.kv_load, snap.info().n_tokens, ctx, o.steps, ctx - o.steps);
+  }
 
   const EvalModel model = eval_model_load(a.model, a.tokenizer, storage);
   const EvalReport rep = eval_run(model, o, stderr);
@@ -113,6 +122,10 @@ void add_eval_command(CLI::App& app) {
   cmd->add_option("--threads", o.threads, "threads")->check(threads_range())->capture_default_str();
   cmd->add_option("--page-size", o.page_size, "KV cache page size")->capture_default_str();
   cmd->add_option("--kv-dtype", a->kv_dtype, "KV storage: f16, bf16, f32")->capture_default_str();
+  cmd->add_option("--kv-save", o.kv_save,
+                  "kl/ppl/mass/matched: write the prompt's KV cache here after the prefill (docs/kv_snapshot.md)");
+  cmd->add_option("--kv-load", o.kv_load,
+                  "kl/ppl/mass/matched: load the prompt's KV cache from a --kv-save file instead of prefilling");
   cmd->add_option("--json", a->json, "write the full report (per-step values) as JSON");
   cmd->add_option("--markdown", a->markdown, "write the Markdown summary here instead of stdout");
   cmd->add_option("--svg-dir", a->svg_dir, "write the SVG plots into this folder");

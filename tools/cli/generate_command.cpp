@@ -29,6 +29,7 @@
 #include "cumulus/eval/tasks.h"
 #include "cumulus/methods/registry.h"
 #include "cumulus/model/gguf.h"
+#include "cumulus/model/model_identity.h"
 #include "cumulus/model/model_weights.h"
 #include "cumulus/model/sampler.h"
 #include "cumulus/model/session.h"
@@ -54,12 +55,21 @@ struct GenerateOptions {
   bool eval = false;
   bool quiet = false;
   std::string weights = "compact";
+  std::string kv_save, kv_load;  // KV snapshot written after the prefill / loaded instead of it
   // --bench
   bool bench = false;
   std::vector<int> bench_contexts{512, 2048, 8192};
   int bench_decode = 32;
   int repetitions = 1;
   std::string json;
+};
+
+// --kv-save / --kv-load: the snapshot to load (opened and checked before the model loads),
+// the model file's identity, and whether the snapshot is still to be written.
+struct KvSnapshotUse {
+  std::unique_ptr<KvSnapshot> load;
+  uint64_t model_id = 0;
+  bool save_pending = false;
 };
 
 struct RunResult {
@@ -85,9 +95,10 @@ SessionOptions session_options(const GenerateOptions& o, const std::string& meth
 }
 
 RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector<int32_t>& prompt,
-                  const MethodSpec& spec, const GenerateOptions& o) {
+                  const MethodSpec& spec, const GenerateOptions& o, KvSnapshotUse& kvs) {
   SessionOptions so = session_options(o, spec.method, spec.params);
   so.eval = o.eval;
+  if (kvs.save_pending) so.keep_prompt_queries = kKvSnapshotPromptQueries;  // for later runs' methods
   Session s(w, so);
   CUMULUS_CHECK(static_cast<int64_t>(prompt.size()) + o.max_tokens <= s.capacity(),
                 "prompt of {} tokens + --max-tokens {} exceeds the model's context of {} tokens", prompt.size(),
@@ -97,8 +108,18 @@ RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector
 
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
-  const std::vector<float>* logits = &s.prefill(prompt);
+  const std::vector<float>* logits = kvs.load ? &s.kv_load(*kvs.load, kvs.model_id) : &s.prefill(prompt);
   r.prefill_s = std::chrono::duration<double>(clock::now() - t0).count();
+  if (kvs.load)
+    fmt::print(stderr, "kv-load: {} tokens from {} ({:.1f} MB) in {:.3f} s\n", prompt.size(), o.kv_load,
+               kvs.load->file_bytes() / 1e6, r.prefill_s);
+  if (kvs.save_pending) {
+    const auto ts = clock::now();
+    s.kv_save(o.kv_save, kvs.model_id);
+    kvs.save_pending = false;
+    fmt::print(stderr, "kv-save: {} tokens to {} in {:.3f} s (prefill {:.3f} s)\n", prompt.size(), o.kv_save,
+               std::chrono::duration<double>(clock::now() - ts).count(), r.prefill_s);
+  }
 
   if (!o.quiet) fmt::print("\n--- {} ---\n", spec.label);
   auto t1 = clock::now();
@@ -272,9 +293,9 @@ void run_bench(const ModelWeights& w, const std::vector<int32_t>& source, const 
 }
 
 // Every option, method, parameter and path, checked before the model is loaded; returns
-// the methods to run. The model's header gives its context, which bounds --bench-context
-// and --max-tokens.
-std::vector<MethodSpec> generate_validate(const GenerateOptions& o) {
+// the methods to run, and opens and checks a --kv-load snapshot into kvs. The model's header
+// gives its context, which bounds --bench-context and --max-tokens.
+std::vector<MethodSpec> generate_validate(const GenerateOptions& o, KvSnapshotUse& kvs) {
   CUMULUS_CHECK(o.prompt.empty() || o.prompt_file.empty(), "give --prompt or --prompt-file, not both");
   CUMULUS_CHECK(o.max_tokens >= 1, "--max-tokens={} must be >= 1", o.max_tokens);
   CUMULUS_CHECK(o.prompt_tokens >= 0, "--prompt-tokens={} must be >= 0", o.prompt_tokens);
@@ -297,6 +318,16 @@ std::vector<MethodSpec> generate_validate(const GenerateOptions& o) {
   std::vector<MethodSpec> specs = method_specs_parse(o.methods, o.params);
   if (!o.prompt_file.empty()) file_check_input(o.prompt_file, "--prompt-file");
   if (!o.json.empty()) file_check_output(o.json, "--json");
+  if (!o.kv_save.empty() || !o.kv_load.empty()) {
+    CUMULUS_CHECK(o.kv_save.empty() || o.kv_load.empty(), "give --kv-save or --kv-load, not both");
+    CUMULUS_CHECK(!o.bench, "--kv-save/--kv-load are not for --bench, which prefills its own contexts");
+  }
+  if (!o.kv_load.empty())
+    CUMULUS_CHECK(o.prompt.empty() && o.prompt_file.empty() && o.prompt_tokens == 0,
+                  "--kv-load '{}' gives the prompt (the snapshot's tokens): drop --prompt, --prompt-file and "
+                  "--prompt-tokens",
+                  o.kv_load);
+  if (!o.kv_save.empty()) file_check_output(o.kv_save, "--kv-save");
 
   const ModelConfig c = eval_model_check(o.model, o.tokenizer);
   const int ctx = c.context_length;
@@ -310,11 +341,23 @@ std::vector<MethodSpec> generate_validate(const GenerateOptions& o) {
                   "--max-tokens {} leaves no room for a prompt in the context of model '{}' ({} tokens)", o.max_tokens,
                   o.model, ctx);
   }
+  if (!o.kv_load.empty()) {
+    kvs.load = std::make_unique<KvSnapshot>(eval_snapshot_open(o.kv_load, o.model, o.page_size,
+                                                               dtype_from_name(o.kv_dtype)));
+    const int n = kvs.load->info().n_tokens;
+    CUMULUS_CHECK(static_cast<int64_t>(n) + o.max_tokens <= ctx,
+                  "--kv-load '{}': its prompt of {} tokens + --max-tokens {} exceeds the context of model '{}' ({} "
+                  "tokens)",
+                  o.kv_load, n, o.max_tokens, o.model, ctx);
+  }
+  if (!o.kv_save.empty() || !o.kv_load.empty()) kvs.model_id = model_identity(o.model);
+  kvs.save_pending = !o.kv_save.empty();
   return specs;
 }
 
 void run_generate(const GenerateOptions& o) {
-  const std::vector<MethodSpec> specs = generate_validate(o);
+  KvSnapshotUse kvs;
+  const std::vector<MethodSpec> specs = generate_validate(o, kvs);
   const EvalModel model = eval_model_load(o.model, o.tokenizer, weight_storage_from_name(o.weights));
   const ModelWeights& w = model.weights;
   const Tokenizer* tok = model.tokenizer.get();
@@ -328,6 +371,7 @@ void run_generate(const GenerateOptions& o) {
   }
   std::string text = o.prompt_file.empty() ? o.prompt : text_strip_gutenberg(text_read_file(o.prompt_file));
   std::vector<int32_t> prompt = tok->encode(text, tok->add_bos_default());
+  if (kvs.load) prompt.assign(kvs.load->tokens().begin(), kvs.load->tokens().end());
   if (prompt.empty() && tok->bos_id() >= 0) prompt.push_back(tok->bos_id());
   CUMULUS_CHECK(!prompt.empty(), "the prompt is empty and the tokenizer has no BOS token");
   if (o.prompt_tokens > 0 && static_cast<int>(prompt.size()) > o.prompt_tokens) prompt.resize(o.prompt_tokens);
@@ -337,7 +381,7 @@ void run_generate(const GenerateOptions& o) {
 
   if (o.bench) return run_bench(w, prompt, specs, o);
   std::vector<RunResult> results;
-  for (const auto& spec : specs) results.push_back(run_one(w, *tok, prompt, spec, o));
+  for (const auto& spec : specs) results.push_back(run_one(w, *tok, prompt, spec, o, kvs));
 
   fmt::print("\n{:<14} {:>7} {:>9} {:>10} {:>7} {:>10} {:>10} {:>9} {:>9}\n", "method", "prompt", "prefill", "tok/s",
              "gen", "tok/s", "kv read", "tokens", "claimed");
@@ -386,6 +430,10 @@ void add_generate_command(CLI::App& app) {
   cmd->add_flag("--quiet", o->quiet, "do not print the generated text");
   cmd->add_option("--weights", o->weights, "compact (keep Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K quantised) or f32 (dequantise all)")
       ->capture_default_str();
+  cmd->add_option("--kv-save", o->kv_save,
+                  "write the prompt's KV cache to this file after the prefill (docs/kv_snapshot.md)");
+  cmd->add_option("--kv-load", o->kv_load,
+                  "load the prompt and its KV cache from a --kv-save file instead of prefilling it");
   cmd->add_flag("--bench", o->bench,
                 "benchmark: prefill each --bench-context tokens, then decode --bench-decode tokens; table, profile, JSON");
   cmd->add_option("--bench-context", o->bench_contexts, "--bench: context lengths, comma-separated")

@@ -6,6 +6,8 @@
 //   llama2c            llama2.c .bin models (shared and separate classifier, GQA)
 //   llama2c_tokenizer  [vocab_size - 4][text length] + tok*.bin files + text
 //   trace              `cumulus trace` files (one and two records)
+//   kv_snapshot        [flag] + KV snapshot files (f16, bf16, f32; with and without prompt
+//                      queries), written here from docs/kv_snapshot.md, not by the library
 //
 // Usage: make_seeds [KIND] DIR   (KIND defaults to gguf)
 #include <algorithm>
@@ -174,6 +176,58 @@ std::vector<uint8_t> trace(int n_q, int n_kv, int d, int prompt, int steps, cons
   return b;
 }
 
+// A KV snapshot (docs/kv_snapshot.md) with random finite K/V in `dtype` (0 f32, 1 f16,
+// 2 bf16), written from the format's description; `flag` is the fuzzer's first byte (odd:
+// it rewrites the checksum itself).
+std::vector<uint8_t> kv_snapshot(uint8_t flag, uint32_t dtype, uint32_t layers, uint32_t heads, uint32_t kv_heads,
+                                 uint32_t head_dim, uint32_t vocab, uint32_t page, uint32_t tokens, uint32_t rows) {
+  std::mt19937 rng(dtype * 31 + layers * 7 + tokens);
+  const std::string setup = "weights=F32 prefill=dense";
+  std::vector<uint8_t> b(128, 0);
+  auto u32 = [&](size_t at, uint32_t v) { std::memcpy(b.data() + at, &v, 4); };
+  std::memcpy(b.data(), "CUMKVSNP", 8);
+  u32(8, 1);
+  u32(12, dtype);
+  const uint64_t model_id = 0x0123456789abcdefull;
+  std::memcpy(b.data() + 16, &model_id, 8);
+  const uint32_t fields[] = {layers, heads, kv_heads, head_dim, vocab, page, tokens, rows,
+                             static_cast<uint32_t>(setup.size())};
+  for (size_t i = 0; i < 9; ++i) u32(24 + 4 * i, fields[i]);
+  auto pad = [&] { b.resize((b.size() + 63) / 64 * 64, 0); };
+  auto append = [&](const std::vector<uint8_t>& v) { b.insert(b.end(), v.begin(), v.end()); };
+  b.insert(b.end(), setup.begin(), setup.end());
+  pad();
+  for (uint32_t t = 0; t < tokens; ++t) {
+    const uint32_t id = rng() % vocab;
+    b.insert(b.end(), reinterpret_cast<const uint8_t*>(&id), reinterpret_cast<const uint8_t*>(&id) + 4);
+  }
+  pad();
+  append(random_bytes(rng, 4 * static_cast<size_t>(vocab), true));
+  pad();
+  append(random_bytes(rng, 4 * static_cast<size_t>(layers) * rows * heads * head_dim, true));
+  pad();
+  const size_t half = static_cast<size_t>(tokens) * kv_heads * head_dim;
+  for (uint32_t l = 0; l < layers; ++l)
+    for (int kv = 0; kv < 2; ++kv) {
+      if (dtype == 0) {
+        append(random_bytes(rng, 4 * half, true));
+      } else if (dtype == 1) {
+        append(random_bytes(rng, 2 * half, false));
+      } else {  // bf16: the top halves of small float32 values
+        for (size_t i = 0; i < half; ++i) {
+          const uint16_t h = static_cast<uint16_t>(0x3c00 + rng() % 0x0380);
+          b.push_back(static_cast<uint8_t>(h & 0xFF));
+          b.push_back(static_cast<uint8_t>(h >> 8));
+        }
+      }
+    }
+  uint64_t h = 14695981039346656037ull;  // FNV-1a 64 of every byte so far
+  for (uint8_t c : b) h = (h ^ c) * 1099511628211ull;
+  b.insert(b.end(), reinterpret_cast<const uint8_t*>(&h), reinterpret_cast<const uint8_t*>(&h) + 8);
+  b.insert(b.begin(), flag);
+  return b;
+}
+
 // [length byte] + bytes + text: the fuzzers that also encode a text take it from the end.
 std::vector<uint8_t> with_text(std::vector<uint8_t> prefix, std::vector<uint8_t> body, const std::string& text) {
   prefix.push_back(static_cast<uint8_t>(text.size()));
@@ -186,7 +240,7 @@ std::vector<uint8_t> with_text(std::vector<uint8_t> prefix, std::vector<uint8_t>
 
 int main(int argc, char** argv) {
   if (argc != 2 && argc != 3) {
-    std::fprintf(stderr, "usage: %s [gguf|gguf_tokenizer|llama2c|llama2c_tokenizer|trace] DIR\n", argv[0]);
+    std::fprintf(stderr, "usage: %s [gguf|gguf_tokenizer|llama2c|llama2c_tokenizer|trace|kv_snapshot] DIR\n", argv[0]);
     return 2;
   }
   const std::string kind = argc == 3 ? argv[1] : "gguf";
@@ -226,6 +280,16 @@ int main(int argc, char** argv) {
     // A header claiming far more data than follows (the reader must refuse it before
     // allocating): a realistic shape, cut after 4 KiB.
     std::vector<uint8_t> cut = trace(32, 8, 128, 64, 16, {0});
+    cut.resize(4096);
+    write(cut);
+  } else if (kind == "kv_snapshot") {
+    write(kv_snapshot(1, 1, 2, 4, 2, 8, 16, 4, 5, 2));
+    write(kv_snapshot(0, 1, 2, 4, 2, 8, 16, 4, 5, 2));
+    write(kv_snapshot(1, 2, 1, 2, 1, 16, 8, 1, 3, 0));
+    write(kv_snapshot(1, 0, 3, 3, 3, 8, 4, 16, 17, 17));
+    // A header claiming far more than follows (the reader must refuse it before reading
+    // it): a realistic shape, cut after 4 KiB.
+    std::vector<uint8_t> cut = kv_snapshot(1, 1, 4, 8, 2, 64, 64, 16, 40, 4);
     cut.resize(4096);
     write(cut);
   } else {

@@ -6,6 +6,7 @@
 #   llama2c            llama2.c .bin detection and loader
 #   llama2c_tokenizer  llama2.c tok*.bin reader, encode/decode
 #   trace              `cumulus trace` file reader (sizes against the file) and its cache
+#   kv_snapshot        KV snapshot reader (--kv-load; sizes, checksum, values) and restore
 # A crash, a sanitizer report, a leak, a timeout or memory past -rss_limit_mb makes this
 # script fail and leaves the input in build/fuzz/NAME/ (crash-*, leak-*, timeout-*, oom-*).
 #
@@ -16,7 +17,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 SECONDS_EACH="${1:-40}"
 shift || true
 NAMES=("$@")
-[ "${#NAMES[@]}" -gt 0 ] || NAMES=(gguf gguf_tokenizer llama2c llama2c_tokenizer trace)
+[ "${#NAMES[@]}" -gt 0 ] || NAMES=(gguf gguf_tokenizer llama2c llama2c_tokenizer trace kv_snapshot)
 OUT="${ROOT}/build/fuzz"
 CXX="${FUZZ_CXX:-clang++}"
 JOBS="${FUZZ_JOBS:-2}"
@@ -30,7 +31,7 @@ LIB_SOURCES=(
   "${ROOT}/src/model/tokenizer.cpp" "${ROOT}/src/model/tokenizer_bpe.cpp" "${ROOT}/src/model/tokenizer_spm.cpp"
   "${ROOT}/src/model/unicode.cpp"
   "${ROOT}/src/model/weight_matrix.cpp" "${ROOT}/src/kernels/ref/gemv.cpp" "${ROOT}/src/kernels/cpu/gemv.cpp"
-  "${ROOT}/src/kv/kv_cache.cpp" "${ROOT}/src/eval/trace.cpp"
+  "${ROOT}/src/kv/kv_cache.cpp" "${ROOT}/src/kv/kv_snapshot.cpp" "${ROOT}/src/eval/trace.cpp"
 )
 FLAGS=(-std=c++20 -O1 -g -fno-omit-frame-pointer -I"${ROOT}/include" -I"${ROOT}/src"
        -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined)

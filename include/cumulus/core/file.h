@@ -12,9 +12,13 @@
 //   file_write_atomic     writes to a temporary file beside path, then renames it over
 //                         path: a failed or interrupted write never leaves a partial file
 //                         in place of a good one
+//   file_write_atomic_stream
+//                         the same, with the bytes produced in pieces (outputs too large to
+//                         build in memory first, such as KV snapshots)
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -27,5 +31,10 @@ void file_check_input(const std::string& path, std::string_view what);
 void file_check_output(const std::string& path, std::string_view what);
 void dir_check_output(const std::string& path, std::string_view what);
 void file_write_atomic(const std::string& path, std::string_view bytes, std::string_view what);
+// `fill` is called once with a function that appends bytes to the temporary file; when
+// fill throws, the temporary file is removed and the exception passes on.
+using FileAppend = std::function<void(std::string_view)>;
+void file_write_atomic_stream(const std::string& path, std::string_view what,
+                              const std::function<void(const FileAppend&)>& fill);
 
 }  // namespace cumulus

@@ -42,6 +42,7 @@
 #include "cumulus/eval/bench.h"
 #include "cumulus/eval/method_spec.h"
 #include "cumulus/eval/metrics.h"
+#include "cumulus/kv/kv_snapshot.h"
 #include "cumulus/methods/prefill.h"
 #include "cumulus/model/model_weights.h"
 #include "cumulus/model/tokenizer.h"
@@ -64,6 +65,11 @@ struct EvalModel {
 ModelConfig eval_model_check(const std::string& model, const std::string& tokenizer = "");
 EvalModel eval_model_load(const std::string& model, const std::string& tokenizer = "",
                           WeightStorage storage = WeightStorage::compact);
+// --kv-load of generate and eval: opens the KV snapshot at `path` (KvSnapshot::open checks
+// the file) and checks it against the model file (model_identity, shapes) and the cache
+// options, before the model is loaded; Session::kv_load checks the rest (the weights'
+// storage, the prefill method) when it loads it.
+KvSnapshot eval_snapshot_open(const std::string& path, const std::string& model, int page_size, DType kv_dtype);
 
 struct EvalOptions {
   std::string task = "kl";  // kl | ppl | mass | matched | niah
@@ -94,6 +100,10 @@ struct EvalOptions {
   std::vector<std::string> baselines{"quest", "streaming", "oracle_topk", "lfps"};
   int match_iters = 3;       // budget runs per baseline at most (1: budget = target, no calibration)
   bool matched_niah = false;  // matched: also the NIAH grid, matched per cell
+  // kl, ppl, mass, matched with the dense prefill: write the prompt's KV snapshot after the
+  // prefill (kv_save), or load it instead of prefilling (kv_load; its tokens must be the
+  // text's first context - steps tokens). kv/kv_snapshot.h.
+  std::string kv_save, kv_load;
 
   // Error naming the first bad value, before any model is loaded: ranges, the prefill
   // method, and the methods, parameters and sweeps the task will run (dense is the

@@ -41,6 +41,11 @@ class KvCache {
   //   k, v: [n][n_kv_heads][head_dim] float32 (token-major, the layout a projection
   //         produces). Values are rounded to the storage dtype. Non-finite values throw.
   void append(int layer, const float* k, const float* v, int n);
+  // Appends n tokens already in the storage dtype (a KV snapshot's rows, kv_snapshot.h):
+  //   k, v: [n][n_kv_heads][head_dim] as dtype() values.
+  // Pages and key statistics end up bit for bit as append() of the same values as float32
+  // leaves them. Non-finite values throw, before anything is written.
+  void append_stored(int layer, const void* k, const void* v, int n);
 
   // Drops every token of every layer (keeps allocated pages for reuse).
   void clear();
@@ -64,6 +69,8 @@ class KvCache {
 
  private:
   struct HeadStore;
+  // append (raw = false: k, v are float32) and append_stored (raw = true: storage dtype).
+  void append_rows(int layer, const void* k, const void* v, int n, bool raw);
   HeadStore& head(int layer, int kv_head);
   const HeadStore& head(int layer, int kv_head) const;
 

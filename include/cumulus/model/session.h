@@ -28,6 +28,7 @@
 
 #include "cumulus/core/thread_pool.h"
 #include "cumulus/kv/kv_cache.h"
+#include "cumulus/kv/kv_snapshot.h"
 #include "cumulus/methods/method.h"
 #include "cumulus/methods/prefill.h"
 #include "cumulus/model/model_weights.h"
@@ -102,6 +103,18 @@ class Session {
   // prefill, or for an unknown method or parameter.
   void restart_decode(const std::string& method, const std::map<std::string, std::string>& params = {});
 
+  // KV snapshots (kv/kv_snapshot.h, docs/kv_snapshot.md); model_id is model_identity() of
+  // the model's file. kv_save writes the prompt's cache, tokens, last logits and last
+  // queries (any time after the prefill: decoded tokens are not saved). kv_load takes the
+  // place of prefill in a fresh session: it checks `snap` against this session (model,
+  // weights' storage and prefill method, shapes, page size, dtype, capacity, the prompt
+  // queries its methods need) before changing anything, then restores them, so decoding
+  // gives bit for bit the logits it gives after the prefill. Returns the prompt's logits.
+  void kv_save(const std::string& path, uint64_t model_id) const;
+  const std::vector<float>& kv_load(const KvSnapshot& snap, uint64_t model_id);
+  // The prompt's tokens, prefilled or loaded.
+  const std::vector<int32_t>& prompt_tokens() const { return prompt_tokens_; }
+
   int position() const { return pos_; }
   int prompt_length() const { return prompt_end_; }
   int capacity() const { return capacity_; }
@@ -140,6 +153,8 @@ class Session {
   int prompt_end_ = 0;
   int prompt_q_rows_ = 0;
   std::vector<std::vector<float>> prompt_q_;
+  std::vector<int32_t> prompt_tokens_;  // [prompt_end_]
+  std::vector<float> prompt_logits_;    // [vocab] after the prompt's last token
 };
 
 }  // namespace cumulus
