@@ -9,8 +9,8 @@
 //      estimated mass becomes the candidate set (Twilight's "select, then prune");
 //   3. the candidates' keys are scored exactly (whole pages: contiguous reads). The mass
 //      of the pages left out is estimated as their e times the Jensen gap (exact / e,
-//      >= 1) measured in the same step on the scored pages of the lower half of the
-//      ranking, the ones most like the pages left out; so each head's total is exact over
+//      >= 1) measured in the same step on the last quarter of the scored ranking, the
+//      pages most like the pages left out; so each head's total is exact over
 //      what was read and estimated only for what was not;
 //   4. the group's union is pruned at token granularity to the smallest prefix of the
 //      candidates, ranked by max_j of their exact share, at which EVERY head's share of
@@ -231,12 +231,12 @@ class HierTopp final : public DecodeMethod {
           for (int i = 0; i < ps; ++i) sum += ek[i];
           px[w.new_pages[k]] = sum;
         }
-        // The pages not scored: their estimate times the Jensen gap measured on the scored
-        // pages of the lower half of the ranking (the ones most like the pages left out),
+        // The pages not scored: their estimate times the Jensen gap measured on the last
+        // quarter of the scored ranking (the scored pages most like the pages left out),
         // never below 1; rescaled from page_shift to shift.
         const float* pe = w.page_weights.data() + static_cast<size_t>(j) * n_mid;
         double gap_x = 0, gap_e = 0, rest = 0;
-        for (int r = n_cand / 2; r < n_cand; ++r) {
+        for (int r = n_cand - (n_cand + 3) / 4; r < n_cand; ++r) {
           gap_x += px[w.page_order[r]];
           gap_e += pe[w.page_order[r]];
         }
