@@ -153,12 +153,19 @@ TEST(Gemma3, LogitsAndGreedyMatchLlamaCpp) {
         n_compared += static_cast<int>(it->second->top.size());
       }
     }
+    // Greedy equality is the strictest check and a fragile one: llama.cpp's own attention
+    // paths disagree here (flash attention off picks another 4th token, docs/model.md), so
+    // the test prints cumulus's smallest top-1 margin along the way.
     std::vector<int32_t> greedy;
+    double min_margin = 1e9;
+    size_t min_at = 0;
     for (size_t i = 0; i < want_greedy.size(); ++i) {
-      const auto next = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-      greedy.push_back(next);
-      logits = s.decode(next);
+      const std::vector<int> top2 = top_ids(logits, 2);
+      if (logits[top2[0]] - logits[top2[1]] < min_margin) min_margin = logits[top2[0]] - logits[top2[1]], min_at = i;
+      greedy.push_back(top2[0]);
+      logits = s.decode(top2[0]);
     }
+    std::printf("  greedy: smallest top-1 margin %.3f at token %zu\n", min_margin, min_at);
     std::printf("  greedy (cumulus):   '%s'\n  greedy (llama.cpp): '%s'\n", tok->decode(greedy).c_str(),
                 tok->decode(want_greedy).c_str());
     EXPECT_EQ(greedy, want_greedy);

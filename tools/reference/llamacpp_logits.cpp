@@ -97,6 +97,10 @@ int main(int argc, char** argv) {
   cp.n_ctx = static_cast<uint32_t>(n + greedy);
   cp.n_batch = static_cast<uint32_t>(n);
   cp.n_ubatch = static_cast<uint32_t>(n);
+  // LLAMACPP_FLASH_ATTN=0 / 1 forces llama.cpp's attention path off / on (default: its
+  // auto choice), to measure how far its two paths differ from each other.
+  if (const char* fa = std::getenv("LLAMACPP_FLASH_ATTN"); fa != nullptr)
+    cp.flash_attn_type = std::string(fa) == "0" ? LLAMA_FLASH_ATTN_TYPE_DISABLED : LLAMA_FLASH_ATTN_TYPE_ENABLED;
   cp.n_threads = threads;
   cp.n_threads_batch = threads;
   llama_context* ctx = llama_init_from_model(model, cp);
