@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -389,5 +390,36 @@ TEST(AttentionWeightedValues, MatchesReference) {
     expect_error([&] { fn(c.views[0], bad, 2, w.data(), 1, out.data()); }, "idx[1]=20 out of range [0, 20)");
     expect_error([&] { fn(c.views[0], bad, 1, w.data(), 0, out.data()); }, "n_q=0");
     expect_error([&] { fn(c.views[0], bad, 1, nullptr, 1, out.data()); }, "idx and w must be non-null");
+  }
+}
+
+TEST(AttentionDecode, GemmaHeadDim256) {
+  // Gemma 3's shape (issue 18): head_dim 256, 4 query heads over 1 kv head; dense over the
+  // whole cache (global layers) and sparse over a 512-token window (local layers).
+  std::mt19937 rng(256);
+  ThreadPool pool(2);
+  for (DType dt : kDTypes) {
+    for (int n : {1, 17, 513, 4097}) {
+      AttnTestCache c = attn_cache_random({n}, 256, dt, 16, rng);
+      const std::vector<float> q = attn_random_q(4, 256, rng);
+      const std::string what = fmt::format("dtype={} n={} head_dim=256 group=4", dtype_name(dt), n);
+      AttnResult want(4, 256);
+      ref::attention_decode_dense(make_args(c, 4, q, want));
+      for_each_target([&] {
+        AttnResult got(4, 256);
+        cpu::attention_decode_dense(make_args(c, 4, q, got), pool);
+        expect_close(got, want, what + " dense");
+      });
+      Selection window;
+      window.tokens.emplace_back();
+      for (int t = std::max(0, n - 512); t < n; ++t) window.tokens[0].push_back(t);
+      AttnResult want_w(4, 256);
+      ref::attention_decode_sparse(make_args(c, 4, q, want_w), window);
+      for_each_target([&] {
+        AttnResult got(4, 256);
+        cpu::attention_decode_sparse(make_args(c, 4, q, got), window, pool);
+        expect_close(got, want_w, what + " window");
+      });
+    }
   }
 }

@@ -160,5 +160,23 @@ TEST_F(Cli, TokenizerWithGgufIsRejected) {
   expect_rejected("generate --model " + gguf.string() + " --tokenizer " + tok.string(), "drop --tokenizer");
 }
 
+// Gemma 3 270M through the command line (issue 18): info shows its layer pattern, generate
+// continues a prompt with llama.cpp's greedy tokens (llamacpp_logits on the same GGUF, ids
+// 2 818 5279 529 7001 563: " the capital of the country of France. It is the largest").
+TEST(CliGemma3, InfoAndGreedyGenerate) {
+  const fs::path model = test::source_dir() / "models/gemma-3-270m-q4_k_m.gguf";
+  if (!fs::exists(model)) CUMULUS_FIXTURE_MISSING(model << " missing: run scripts/fetch-model.sh gemma3-270m");
+  const CliResult info = cli_run("info --model " + model.string());
+  ASSERT_EQ(info.code, 0) << info.output;
+  EXPECT_NE(info.output.find("architecture   gemma3"), std::string::npos) << info.output;
+  EXPECT_NE(info.output.find("15 local (sliding window 512, rope theta 10000), global: 5, 11, 17"), std::string::npos)
+      << info.output;
+  const CliResult gen =
+      cli_run("generate --model " + model.string() + " --prompt 'The capital of France is' --max-tokens 12", 60);
+  ASSERT_EQ(gen.code, 0) << gen.output;
+  EXPECT_NE(gen.output.find(" the capital of the country of France. It is the largest"), std::string::npos)
+      << gen.output;
+}
+
 }  // namespace
 }  // namespace cumulus

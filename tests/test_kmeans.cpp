@@ -45,7 +45,7 @@ TEST(Kmeans, AssignMatchesReference) {
   for_each_target([&] {
     for (int n : {1, 3, 15, 16, 17, 255, 4097})
       for (int k : {1, 3, 4, 17})
-        for (int dim : {8, 20, 64, 128}) {
+        for (int dim : {8, 20, 64, 128, 256}) {  // 256: Gemma 3
           std::vector<float> x = random_rows(n, dim, rng), c = random_rows(k, dim, rng);
           std::vector<int32_t> a_ref(n, -1), a_cpu(n, -1);
           const int64_t ch_ref = ref::kmeans_assign(x.data(), n, dim, c.data(), k, a_ref.data());

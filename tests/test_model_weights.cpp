@@ -34,7 +34,7 @@ namespace {
 fs::path repo_root() { return cumulus::test::source_dir(); }
 fs::path stories260k() { return fs::path(CUMULUS_SHARED_DIR) / "data/models/stories260K/stories260K.bin"; }
 fs::path smollm2_gguf() { return repo_root() / "models/SmolLM2-135M-Instruct.Q4_1.gguf"; }
-// Issue 18's Gemma 3 270M Q4_K_M (not fetched by scripts/fetch-model.sh yet).
+// Issue 18's Gemma 3 270M Q4_K_M (scripts/fetch-model.sh gemma3-270m).
 fs::path gemma3_gguf() { return repo_root() / "models/gemma-3-270m-q4_k_m.gguf"; }
 
 fs::path temp_file(const std::string& name) {
@@ -432,11 +432,11 @@ TEST(Model, GgufKQuantTensorsThatDoNotFit) {
 }
 
 TEST(Model, Gemma3Q4KMMatricesStayCompact) {
-  // Every matrix of the real Q4_K_M file (Q8_0, Q5_0, Q4_K, Q6_K; the loader for its
-  // architecture is issue 18 part 1) kept compact: the same bytes as the file up to the
-  // scale padding of the repacked rows, rows reading back as the GGUF dequantiser's values
-  // (itself checked against gguf-py), and the GEMV equal to the float64 reference on the
-  // first 64 rows.
+  // Every matrix of the real Q4_K_M file (Q8_0, Q5_0, Q4_K, Q6_K), each loaded on its own
+  // (tests/test_model_gemma3.cpp loads the whole model), kept compact: the same bytes as
+  // the file up to the scale padding of the repacked rows, rows reading back as the GGUF
+  // dequantiser's values (itself checked against gguf-py), and the GEMV equal to the
+  // float64 reference on the first 64 rows.
   if (!fs::exists(gemma3_gguf()))
     CUMULUS_FIXTURE_MISSING(gemma3_gguf() << " missing: run scripts/fetch-model.sh gemma3-270m");
   const GgufFile f = GgufFile::open(gemma3_gguf().string());

@@ -420,3 +420,24 @@ TEST(PrefillValidate, BadInputIsAnErrorNamingTheValue) {
   a.n_rows = 41;
   expect_error([&] { cpu::attention_prefill_projection(a); }, "n_rows=41");
 }
+
+TEST(PrefillDense, GemmaHeadDim256) {
+  // Gemma 3's shape (issue 18): head_dim 256, 4 query heads over 1 kv head, chunks that
+  // start at 0 and past a 512-token window.
+  std::mt19937 rng(256);
+  ThreadPool pool(2);
+  for (DType dt : kDTypes) {
+    for (auto [pos, n_q] : {std::pair{0, 17}, {500, 37}, {1023, 1}}) {
+      AttnTestCache c = chunk_cache(1, pos + n_q, 3, 256, dt, 16, rng);
+      const std::vector<float> q = attn_random_q(n_q * 4, 256, rng);
+      PrefillResult want(n_q, 4, 256);
+      ref::attention_prefill_dense(make_args(c, 4, pos, n_q, q, want));
+      const std::string what = fmt::format("dtype={} pos={} n_q={} head_dim=256 group=4", dtype_name(dt), pos, n_q);
+      for_each_target([&] {
+        PrefillResult got(n_q, 4, 256);
+        cpu::attention_prefill_dense(make_args(c, 4, pos, n_q, q, got), pool);
+        expect_close(got, want, what);
+      });
+    }
+  }
+}

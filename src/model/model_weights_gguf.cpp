@@ -1,9 +1,12 @@
-// GGUF `llama` loader: hyperparameters from `llama.*` metadata, tensors by llama.cpp's
-// names (token_embd, blk.N.attn_{norm,q,k,v,output}, blk.N.ffn_{norm,gate,down,up},
-// output_norm, output), each checked for shape; matrices become WeightMatrix (the block
+// GGUF `llama` and `gemma3` loader: hyperparameters from `<arch>.*` metadata, tensors by
+// llama.cpp's names (token_embd, blk.N.attn_{norm,q,k,v,output}, blk.N.ffn_{norm,gate,down,up},
+// output_norm, output; gemma3 adds blk.N.attn_{q,k}_norm, blk.N.post_attention_norm and
+// blk.N.post_ffw_norm), each checked for shape; matrices become WeightMatrix (the block
 // formats Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K kept quantised unless
 // WeightStorage::f32), norms are dequantised to float32.
 #include <fmt/ranges.h>
+
+#include <cmath>
 
 #include "cumulus/core/error.h"
 #include "cumulus/core/file.h"
@@ -59,6 +62,38 @@ WeightMatrix load_matrix(const GgufFile& f, const std::string& name, uint64_t ne
                                  static_cast<int>(ne0), storage, name);
 }
 
+// gemma3's layer pattern, as llama.cpp reads it: `<arch>.attention.sliding_window_pattern`
+// either an array of one bool per layer (true = sliding window) or a period n (every n-th
+// layer global: layer l is local when l % n < n - 1; n = 0 makes every layer local);
+// absent, the period is 6 (Gemma 3: layers 5, 11, 17 of 18 are global).
+std::vector<uint8_t> gemma3_layer_pattern(const GgufFile& f, const std::string& p, int n_layers) {
+  const std::string key = p + "attention.sliding_window_pattern";
+  const GgufValue* v = f.find(key);
+  std::vector<uint8_t> local(static_cast<size_t>(n_layers));
+  if (v != nullptr && v->type == GgufType::array) {
+    CUMULUS_CHECK(v->elem_type == GgufType::boolean && v->count == static_cast<uint64_t>(n_layers),
+                  "gguf: {}: {} is an array of {} {}, want {} booleans (one per layer): unknown layer pattern", f.path(),
+                  key, v->count, gguf_type_name(v->elem_type), n_layers);
+    for (int l = 0; l < n_layers; ++l) {
+      const uint8_t b = v->raw[l];
+      CUMULUS_CHECK(b <= 1, "gguf: {}: {}[{}]={} is not a boolean: unknown layer pattern", f.path(), key, l, b);
+      local[static_cast<size_t>(l)] = b;
+    }
+    return local;
+  }
+  uint64_t period = 6;
+  if (v != nullptr) {
+    CUMULUS_CHECK(v->is_integer(), "gguf: {}: {} has type {}, want an integer period or a bool array: unknown layer pattern",
+                  f.path(), key, gguf_type_name(v->type));
+    period = f.get_u64(key);
+    CUMULUS_CHECK(period <= static_cast<uint64_t>(n_layers),
+                  "gguf: {}: {}={} is more than block_count={}: unknown layer pattern", f.path(), key, period, n_layers);
+  }
+  for (int l = 0; l < n_layers; ++l)
+    local[static_cast<size_t>(l)] = period == 0 || static_cast<uint64_t>(l) % period < period - 1 ? 1 : 0;
+  return local;
+}
+
 }  // namespace
 
 ModelFormat model_format_of(const std::string& path) {
@@ -82,8 +117,9 @@ ModelConfig model_config_from_gguf(const GgufFile& f) {
   ModelConfig c;
   c.format = ModelFormat::gguf;
   c.architecture = std::string(f.get_string("general.architecture"));
-  CUMULUS_CHECK(c.architecture == "llama", "gguf: {}: general.architecture='{}' is not supported (supported: llama)",
-                f.path(), c.architecture);
+  CUMULUS_CHECK(c.architecture == "llama" || c.architecture == "gemma3",
+                "gguf: {}: general.architecture='{}' is not supported (supported: llama, gemma3)", f.path(), c.architecture);
+  const bool gemma3 = c.architecture == "gemma3";
   const std::string p = c.architecture + ".";
   c.n_layers = get_dim(f, p + "block_count", 1);
   c.dim = get_dim(f, p + "embedding_length", 1);
@@ -93,7 +129,11 @@ ModelConfig model_config_from_gguf(const GgufFile& f) {
   c.context_length = get_dim(f, p + "context_length", 1);
   CUMULUS_CHECK(c.n_heads % c.n_kv_heads == 0, "gguf: {}: head_count={} is not a multiple of head_count_kv={}",
                 f.path(), c.n_heads, c.n_kv_heads);
-  if (f.find(p + "attention.key_length") == nullptr) {
+  if (gemma3) {
+    // Gemma's head dim is its own (256 for 270M against 640 / 4 = 160): both lengths are required.
+    CUMULUS_CHECK(f.find(p + "attention.key_length") != nullptr && f.find(p + "attention.value_length") != nullptr,
+                  "gguf: {}: gemma3 needs {}attention.key_length and {}attention.value_length", f.path(), p, p);
+  } else if (f.find(p + "attention.key_length") == nullptr) {
     CUMULUS_CHECK(c.dim % c.n_heads == 0, "gguf: {}: embedding_length={} is not a multiple of head_count={}", f.path(),
                   c.dim, c.n_heads);
   }
@@ -106,6 +146,32 @@ ModelConfig model_config_from_gguf(const GgufFile& f) {
                 f.path(), c.rope_dim, c.head_dim);
   c.rope_theta = static_cast<float>(f.get_f64_or(p + "rope.freq_base", 10000.0));
   c.rms_eps = static_cast<float>(f.get_f64_or(p + "attention.layer_norm_rms_epsilon", 1e-5));
+  if (gemma3) {
+    c.rope_neox = true;
+    c.embedding_scale = std::sqrt(static_cast<float>(c.dim));
+    c.ffn_activation = FfnActivation::gelu_tanh;
+    c.qk_norm = true;
+    c.post_norms = true;
+    // llama.cpp: 1/sqrt(head_dim), except Gemma 3 27B (62 blocks): 1/sqrt(dim / n_heads).
+    c.attention_scale = c.n_layers == 62 ? 1.0f / std::sqrt(static_cast<float>(c.dim / c.n_heads))
+                                         : 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    c.logit_softcap = static_cast<float>(f.get_f64_or(p + "final_logit_softcapping", 0.0));
+    CUMULUS_CHECK(c.logit_softcap >= 0, "gguf: {}: {}final_logit_softcapping={} must be >= 0", f.path(), p,
+                  c.logit_softcap);
+    CUMULUS_CHECK(f.find(p + "rope.scaling.type") == nullptr || f.get_string(p + "rope.scaling.type") == "none",
+                  "gguf: {}: {}rope.scaling.type='{}' is not supported (Gemma 3 270M has none)", f.path(), p,
+                  f.get_string(p + "rope.scaling.type"));
+    const uint64_t window = f.get_u64_or(p + "attention.sliding_window", 0);
+    CUMULUS_CHECK(window <= kMaxDim, "gguf: {}: {}attention.sliding_window={} must be <= {}", f.path(), p, window,
+                  kMaxDim);
+    c.sliding_window = static_cast<int>(window);
+    if (c.sliding_window > 0) {
+      c.layer_local = gemma3_layer_pattern(f, p, c.n_layers);
+      c.rope_theta_local = static_cast<float>(f.get_f64_or(p + "rope.freq_base_swa", 10000.0));
+      CUMULUS_CHECK(c.rope_theta_local > 0, "gguf: {}: {}rope.freq_base_swa={} must be > 0", f.path(), p,
+                    c.rope_theta_local);
+    }
+  }
   CUMULUS_CHECK(c.rope_theta > 0 && c.rms_eps > 0 && c.rms_eps < 1, "gguf: {}: rope.freq_base={} / rms eps={} out of range",
                 f.path(), c.rope_theta, c.rms_eps);
 
@@ -146,6 +212,14 @@ ModelWeights model_weights_from_gguf(const GgufFile& f, WeightStorage storage) {
     L.w_gate = load_matrix(f, b + "ffn_gate.weight", dim, hidden, storage);
     L.w_down = load_matrix(f, b + "ffn_down.weight", hidden, dim, storage);
     L.w_up = load_matrix(f, b + "ffn_up.weight", dim, hidden, storage);
+    if (c.qk_norm) {
+      L.attn_q_norm = load_vector(f, b + "attn_q_norm.weight", static_cast<uint64_t>(c.head_dim));
+      L.attn_k_norm = load_vector(f, b + "attn_k_norm.weight", static_cast<uint64_t>(c.head_dim));
+    }
+    if (c.post_norms) {
+      L.post_attention_norm = load_vector(f, b + "post_attention_norm.weight", dim);
+      L.post_ffw_norm = load_vector(f, b + "post_ffw_norm.weight", dim);
+    }
   }
   w.output_norm = load_vector(f, "output_norm.weight", dim);
   if (!c.tied_output) w.output = load_matrix(f, "output.weight", dim, vocab, storage);
@@ -161,7 +235,10 @@ size_t ModelWeights::bytes() const {
   size_t n = token_embd.bytes() + output.bytes() + output_norm.size() * sizeof(float);
   for (const LayerWeights& L : layers) {
     n += L.wq.bytes() + L.wk.bytes() + L.wv.bytes() + L.wo.bytes() + L.w_gate.bytes() + L.w_down.bytes() +
-         L.w_up.bytes() + (L.attn_norm.size() + L.ffn_norm.size()) * sizeof(float);
+         L.w_up.bytes() +
+         (L.attn_norm.size() + L.ffn_norm.size() + L.attn_q_norm.size() + L.attn_k_norm.size() +
+          L.post_attention_norm.size() + L.post_ffw_norm.size()) *
+             sizeof(float);
   }
   return n;
 }

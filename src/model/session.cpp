@@ -1,4 +1,4 @@
-// The Llama forward pass over a Session's cache (see session.h for the data flow).
+// The Llama and Gemma 3 forward pass over a Session's cache (see session.h for the data flow).
 // Projections: weight_matmul (weight_matrix.h): OpenBLAS sgemm for prefill chunks, the
 // quantised GEMV kernel (or sgemv for float32 weights) for decode.
 #include "cumulus/model/session.h"
@@ -26,18 +26,21 @@ void rmsnorm(const float* x, const float* g, int dim, float eps, float* out) {
   for (int i = 0; i < dim; ++i) out[i] = x[i] * inv * g[i];
 }
 
-// Adjacent-pair RoPE on n_heads heads of head_dim at position pos: (x[2i], x[2i+1])
-// rotated by pos * theta^(-2i / head_dim) for the first rope_dim dimensions.
-void rope(float* x, int n_heads, int head_dim, int rope_dim, int pos, float theta) {
-  for (int i = 0; i < rope_dim; i += 2) {
-    const double freq = std::pow(static_cast<double>(theta), -static_cast<double>(i) / head_dim);
+// RoPE on n_heads heads of head_dim at position pos, the first rope_dim dimensions: pair
+// i (i < rope_dim / 2) rotated by pos * theta^(-2i / head_dim). Adjacent pairs
+// (x[2i], x[2i+1]) ("normal", GGUF llama) or halves (x[i], x[i + rope_dim/2]) ("NEOX",
+// GGUF gemma3).
+void rope(float* x, int n_heads, int head_dim, int rope_dim, int pos, float theta, bool neox) {
+  for (int i = 0; i < rope_dim / 2; ++i) {
+    const double freq = std::pow(static_cast<double>(theta), -static_cast<double>(2 * i) / head_dim);
     const double angle = pos * freq;
     const float c = static_cast<float>(std::cos(angle)), s = static_cast<float>(std::sin(angle));
+    const int i0 = neox ? i : 2 * i, i1 = neox ? i + rope_dim / 2 : 2 * i + 1;
     for (int h = 0; h < n_heads; ++h) {
-      float* p = x + h * head_dim + i;
-      const float a = p[0], b = p[1];
-      p[0] = a * c - b * s;
-      p[1] = a * s + b * c;
+      float* p = x + h * head_dim;
+      const float a = p[i0], b = p[i1];
+      p[i0] = a * c - b * s;
+      p[i1] = a * s + b * c;
     }
   }
 }
@@ -58,6 +61,12 @@ std::string snapshot_setup(const ModelWeights& w, const SessionOptions& o) {
   return s;
 }
 
+// gelu, tanh approximation (as ggml_gelu and PyTorch's gelu(approximate="tanh")).
+float gelu_tanh(float x) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f, kCoef = 0.044715f;
+  return 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * x * (1.0f + kCoef * x * x)));
+}
+
 }  // namespace
 
 Session::Session(const ModelWeights& weights, const SessionOptions& options)
@@ -76,6 +85,11 @@ Session::Session(const ModelWeights& weights, const SessionOptions& options)
   capacity_ = kv_.options().max_tokens;
   method_ = Registry::builtin().make(opt_.method, c.shape(), opt_.params);
   prefill_ = Registry::builtin().make_prefill(opt_.prefill_method, c.shape(), opt_.prefill_params);
+  CUMULUS_CHECK(c.layer_local.empty() || c.layer_local.size() == static_cast<size_t>(c.n_layers),
+                "model config: layer_local has {} entries for {} layers", c.layer_local.size(), c.n_layers);
+  CUMULUS_CHECK(c.layer_local.empty() || c.sliding_window >= 1, "model config: sliding_window={} with local layers",
+                c.sliding_window);
+  for (int w = 0; w < pool_.n_threads(); ++w) inline_pools_.push_back(std::make_unique<ThreadPool>(1));
   openblas_set_num_threads(1);  // threads come from pool_ (see weight_matmul)
   reserve_rows(opt_.prefill_chunk);
   logits_.resize(c.vocab_size);
@@ -181,6 +195,7 @@ const std::vector<float>& Session::decode(int32_t token) {
   if (!prefilled_) {
     DecodeContext ctx{&pool_, opt_.eval};
     for (int l = 0; l < w_.config.n_layers; ++l) {
+      if (w_.config.is_local(l)) continue;  // methods run on global layers only
       ctx.prompt_q = prompt_q_rows_ > 0 ? prompt_q_[l].data() : nullptr;
       ctx.prompt_q_rows = prompt_q_rows_;
       method_->on_prefill(l, kv_, ctx);
@@ -216,6 +231,45 @@ void Session::attention_prefill(int layer, int c, const float* q, float* out) {
   prefill_->prefill(layer, pos_, c, q, kv_, PrefillContext{&pool_}, out);
 }
 
+void Session::attention_local(int layer, int c, const float* q, float* out) {
+  // Row i (position p = pos_ + i) attends keys (p - window, p]: the decode kernel over an
+  // index list, one row per task on a one-thread pool (rows are independent, so results do
+  // not depend on the thread count).
+  const ModelConfig& mc = w_.config;
+  const Shape shape = mc.shape();
+  const std::vector<PagedHeadView> views = layer_views(layer);
+  const int qd = mc.n_heads * mc.head_dim;
+  auto row = [&](int64_t i, ThreadPool& pool) {
+    const int p = pos_ + static_cast<int>(i);
+    const int first = std::max(0, p - mc.sliding_window + 1);
+    Selection sel;
+    sel.tokens.assign(shape.n_kv_heads, std::vector<int32_t>(static_cast<size_t>(p - first + 1)));
+    for (auto& t : sel.tokens)
+      for (int j = first; j <= p; ++j) t[static_cast<size_t>(j - first)] = j;
+    std::vector<float> lse(shape.n_q_heads);
+    DecodeAttnArgs a;
+    a.kv = views.data();
+    a.n_kv_heads = shape.n_kv_heads;
+    a.group = shape.group();
+    a.scale = attention_scale(shape.head_dim);
+    a.q = q + i * qd;
+    a.out = out + i * qd;
+    a.lse = lse.data();
+    cpu::attention_decode_sparse(a, sel, pool);
+  };
+  if (c == 1) {
+    row(0, pool_);
+    return;
+  }
+  pool_.parallel_for(c, [&](int64_t i, int worker) { row(i, *inline_pools_[static_cast<size_t>(worker)]); });
+}
+
+std::vector<PagedHeadView> Session::layer_views(int layer) const {
+  std::vector<PagedHeadView> views(static_cast<size_t>(w_.config.n_kv_heads));
+  for (int h = 0; h < w_.config.n_kv_heads; ++h) views[static_cast<size_t>(h)] = kv_.view(layer, h);
+  return views;
+}
+
 void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
   const ModelConfig& c = w_.config;
   const int n = static_cast<int>(tokens.size());
@@ -234,7 +288,11 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
     CUMULUS_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab_size, "token id {} at position {} is outside the vocabulary [0, {})",
                   tokens[i], pos_ + i, c.vocab_size);
     w_.token_embd.rows_to_f32(tokens[i], tokens[i] + 1, x_.data() + i * c.dim);
+    if (c.embedding_scale != 1.0f)
+      for (int d = 0; d < c.dim; ++d) x_[static_cast<size_t>(i) * c.dim + d] *= c.embedding_scale;
   }
+  // The kernels scale q.k by 1/sqrt(head_dim); a model with another scale has q rescaled.
+  const float q_scale = c.attention_scale > 0 ? c.attention_scale / attention_scale(c.head_dim) : 1.0f;
   DecodeContext ctx{&pool_, opt_.eval};
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = w_.layers[l];
@@ -243,19 +301,40 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
     const MatmulOut qkv[] = {{&L.wq, q_.data()}, {&L.wk, k_.data()}, {&L.wv, v_.data()}};
     weight_matmul(pool_, xn_.data(), n, qkv);
     lap(&DecodeProfile::qkv);
-    for (int i = 0; i < n; ++i) {
-      rope(q_.data() + i * qd, c.n_heads, c.head_dim, c.rope_dim, pos_ + i, c.rope_theta);
-      rope(k_.data() + i * kvd, c.n_kv_heads, c.head_dim, c.rope_dim, pos_ + i, c.rope_theta);
+    const bool local = c.is_local(l);
+    if (c.qk_norm) {
+      // Per-head RMSNorm of q [n][n_heads][head_dim] and k [n][n_kv_heads][head_dim], in place.
+      for (int r = 0; r < n * c.n_heads; ++r) {
+        float* h = q_.data() + static_cast<size_t>(r) * c.head_dim;
+        rmsnorm(h, L.attn_q_norm.data(), c.head_dim, c.rms_eps, h);
+      }
+      for (int r = 0; r < n * c.n_kv_heads; ++r) {
+        float* h = k_.data() + static_cast<size_t>(r) * c.head_dim;
+        rmsnorm(h, L.attn_k_norm.data(), c.head_dim, c.rms_eps, h);
+      }
     }
+    const float theta = local ? c.rope_theta_local : c.rope_theta;
+    for (int i = 0; i < n; ++i) {
+      rope(q_.data() + i * qd, c.n_heads, c.head_dim, c.rope_dim, pos_ + i, theta, c.rope_neox);
+      rope(k_.data() + i * kvd, c.n_kv_heads, c.head_dim, c.rope_dim, pos_ + i, theta, c.rope_neox);
+    }
+    if (q_scale != 1.0f)
+      for (int i = 0; i < n * qd; ++i) q_[static_cast<size_t>(i)] *= q_scale;
     kv_.append(l, k_.data(), v_.data(), n);
-    if (!decode_mode && prompt_q_rows_ > 0) {
+    if (local) {
+      if (decode_mode) {
+        if (opt_.on_decode_query) opt_.on_decode_query(l, pos_, q_.data());
+        last_[l] = {};
+      }
+      attention_local(l, n, q_.data(), att_.data());
+    } else if (!decode_mode && prompt_q_rows_ > 0) {
       // Keep the queries of positions [prompt_end_ - prompt_q_rows_, prompt_end_).
       const int first = prompt_end_ - prompt_q_rows_;
       for (int i = std::max(0, first - pos_); i < n; ++i)
         std::copy_n(q_.data() + static_cast<size_t>(i) * qd, qd,
                     prompt_q_[l].data() + static_cast<size_t>(pos_ + i - first) * qd);
     }
-    if (decode_mode) {
+    if (decode_mode && !local) {
       method_->on_append(l, pos_, kv_);
       if (opt_.on_decode_query) opt_.on_decode_query(l, pos_, q_.data());
       AttnOutput& out = last_[l];
@@ -272,7 +351,7 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
       }
       summary_.kv_fraction_sum += bytes / dense_bytes;
       ++summary_.layer_steps;
-    } else {
+    } else if (!local) {
       attention_prefill(l, n, q_.data(), att_.data());
     }
     lap(&DecodeProfile::attention);
@@ -280,17 +359,31 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
     const MatmulOut wo[] = {{&L.wo, xn_.data()}};
     weight_matmul(pool_, att_.data(), n, wo);
     lap(&DecodeProfile::wo);
+    if (c.post_norms)
+      for (int i = 0; i < n; ++i) {
+        float* a = xn_.data() + static_cast<size_t>(i) * c.dim;
+        rmsnorm(a, L.post_attention_norm.data(), c.dim, c.rms_eps, a);
+      }
     for (int i = 0; i < n * c.dim; ++i) x_[i] += xn_[i];
     for (int i = 0; i < n; ++i) rmsnorm(x_.data() + i * c.dim, L.ffn_norm.data(), c.dim, c.rms_eps, xn_.data() + i * c.dim);
     lap(&DecodeProfile::other);
     const MatmulOut gate_up[] = {{&L.w_gate, gate_.data()}, {&L.w_up, up_.data()}};
     weight_matmul(pool_, xn_.data(), n, gate_up);
-    for (int i = 0; i < n * c.hidden_dim; ++i) {
-      const float g = gate_[i];
-      gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
+    if (c.ffn_activation == FfnActivation::gelu_tanh) {
+      for (int i = 0; i < n * c.hidden_dim; ++i) gate_[i] = gelu_tanh(gate_[i]) * up_[i];
+    } else {
+      for (int i = 0; i < n * c.hidden_dim; ++i) {
+        const float g = gate_[i];
+        gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
+      }
     }
     const MatmulOut down[] = {{&L.w_down, xn_.data()}};
     weight_matmul(pool_, gate_.data(), n, down);
+    if (c.post_norms)
+      for (int i = 0; i < n; ++i) {
+        float* f = xn_.data() + static_cast<size_t>(i) * c.dim;
+        rmsnorm(f, L.post_ffw_norm.data(), c.dim, c.rms_eps, f);
+      }
     lap(&DecodeProfile::mlp);
     for (int i = 0; i < n * c.dim; ++i) x_[i] += xn_[i];
   }
@@ -301,6 +394,8 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
   rmsnorm(x_.data() + static_cast<size_t>(n - 1) * c.dim, w_.output_norm.data(), c.dim, c.rms_eps, last.data());
   const MatmulOut head[] = {{&w_.output_weight(), logits_.data()}};
   weight_matmul(pool_, last.data(), 1, head);
+  if (c.logit_softcap > 0)
+    for (float& z : logits_) z = c.logit_softcap * std::tanh(z / c.logit_softcap);
   lap(&DecodeProfile::head);
   if (prof) ++profile_.steps;
 }

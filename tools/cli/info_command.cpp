@@ -1,10 +1,12 @@
 // `cumulus info --model PATH [--tokenizer PATH]`: what a model file holds -- format,
 // architecture, hyperparameters, tensor types, tokenizer -- without loading the weights.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "cli.h"
 #include "cumulus/core/error.h"
@@ -28,8 +30,20 @@ void print_config(const ModelConfig& c) {
              c.n_heads / c.n_kv_heads, c.head_dim);
   fmt::print("context        {}\n", c.context_length);
   fmt::print("vocab          {}\n", c.vocab_size);
-  fmt::print("rope           theta {}, {} dims per head, adjacent pairs\n", c.rope_theta, c.rope_dim);
+  fmt::print("rope           theta {}, {} dims per head, {}\n", c.rope_theta, c.rope_dim,
+             c.rope_neox ? "halves (NEOX)" : "adjacent pairs");
   fmt::print("rms eps        {}\n", c.rms_eps);
+  if (!c.layer_local.empty()) {
+    std::vector<int> global;
+    for (int l = 0; l < c.n_layers; ++l)
+      if (!c.is_local(l)) global.push_back(l);
+    fmt::print("layers         {} local (sliding window {}, rope theta {}), global: {}\n", c.n_layers - c.n_global_layers(),
+               c.sliding_window, c.rope_theta_local, fmt::join(global, ", "));
+  }
+  if (c.architecture == "gemma3")
+    fmt::print("gemma3         embedding x {:.4g}, q/k norms, post norms, gelu (tanh) FFN, attention scale {:.4g}{}\n",
+               c.embedding_scale, c.attention_scale,
+               c.logit_softcap > 0 ? fmt::format(", logit soft-cap {}", c.logit_softcap) : std::string());
   fmt::print("output head    {}\n", c.tied_output ? "tied to token embeddings" : "separate");
 }
 

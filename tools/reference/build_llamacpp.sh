@@ -23,7 +23,9 @@ JOBS="${JOBS:-2}"
 mkdir -p "${DIR}"
 if [[ ! -f "${LLAMA}/CMakeLists.txt" ]]; then
   echo "build_llamacpp: downloading the llama-cpp-python==${VERSION} source distribution"
-  python3 -m pip download --quiet --no-binary :all: --no-deps --dest "${DIR}" "llama-cpp-python==${VERSION}"
+  # --no-binary for this package only: with ":all:" pip also builds the sdist's build
+  # dependencies (scikit-build-core, hatchling, ...) from source and stalls for minutes.
+  python3 -m pip download --quiet --no-binary llama-cpp-python --no-deps --dest "${DIR}" "llama-cpp-python==${VERSION}"
   tar -xzf "${DIR}/llama_cpp_python-${VERSION}.tar.gz" -C "${DIR}"
 fi
 [[ -f "${LLAMA}/CMakeLists.txt" ]] || { echo "build_llamacpp: error: no vendor/llama.cpp in ${SRC}" >&2; exit 1; }

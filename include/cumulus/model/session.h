@@ -3,13 +3,21 @@
 // attention method for every layer and knows nothing else about it.
 //
 // Forward of a chunk of C tokens at positions [pos, pos + C):
-//   x [C][dim] = token_embd rows
+//   x [C][dim] = token_embd rows (* embedding_scale: gemma3 sqrt(dim))
 //   per layer: xn = RMSNorm(x) * attn_norm
 //              q [C][n_heads*head_dim], k, v [C][n_kv_heads*head_dim] = xn W^T
-//              RoPE on q and k, adjacent pairs (x[2i], x[2i+1]) per head
-//              k, v appended to the cache; attention; x += attn Wo^T
-//              x += W_down (silu(xn W_gate^T) * (xn W_up^T)), xn = RMSNorm(x) * ffn_norm
-//   logits [vocab] = RMSNorm(x_last) * output_norm, times the classifier
+//              gemma3: per-head RMSNorm of q and k (attn_q_norm, attn_k_norm)
+//              RoPE on q and k, adjacent pairs (x[2i], x[2i+1]) per head (gemma3: pairs
+//              (x[i], x[i + head_dim/2]), base rope_theta_local on local layers)
+//              k, v appended to the cache; attention; a = attn Wo^T
+//              (gemma3: a = RMSNorm(a) * post_attention_norm); x += a
+//              xn = RMSNorm(x) * ffn_norm; f = W_down (act(xn W_gate^T) * (xn W_up^T)),
+//              act silu (gemma3: gelu tanh; f = RMSNorm(f) * post_ffw_norm); x += f
+//   logits [vocab] = RMSNorm(x_last) * output_norm, times the classifier (soft-capped
+//   when the model has a final_logit_softcapping)
+// Local (sliding-window) layers of gemma3 attend their window densely, in prefill and
+// decode alike; the session's decode and prefill methods run on the global layers only,
+// and AttentionSummary / last_step() hold only those layers' statistics.
 // Prefill attention goes through the session's prefill method (dense causal flash attention
 // by default, or flexprefill), in chunks of the size the method asks for
 // (PrefillMethod::chunk_tokens: prefill_chunk for dense, the whole prompt for flexprefill);
@@ -123,17 +131,22 @@ class Session {
   const PrefillMethod& prefill_method() const { return *prefill_; }
   const AttentionSummary& summary() const { return summary_; }
   const DecodeProfile& profile() const { return profile_; }
-  // The stats of the last decode step, per layer: [n_layers] AttnOutput.
+  // The stats of the last decode step, per layer: [n_layers] AttnOutput (empty for the
+  // local layers of a sliding-window model, where no method runs).
   const std::vector<AttnOutput>& last_step() const { return last_; }
 
  private:
   void forward(std::span<const int32_t> tokens, bool decode_mode);
   void attention_prefill(int layer, int c, const float* q, float* out);
+  // Rows [pos_, pos_ + c) of a local layer, each over its window of the cache.
+  void attention_local(int layer, int c, const float* q, float* out);
+  std::vector<PagedHeadView> layer_views(int layer) const;  // [n_kv_heads] views of a layer
   void reserve_rows(int rows);  // grows the scratch below to `rows` tokens
 
   const ModelWeights& w_;
   SessionOptions opt_;
   ThreadPool pool_;
+  std::vector<std::unique_ptr<ThreadPool>> inline_pools_;  // [pool_ workers] 1-thread pools
   KvCache kv_;
   std::unique_ptr<DecodeMethod> method_;
   std::unique_ptr<PrefillMethod> prefill_;

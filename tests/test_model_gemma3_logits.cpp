@@ -1,0 +1,176 @@
+// Gemma 3 270M (Q4_K_M GGUF) against llama.cpp, software nobody here wrote (issue 18 part
+// 3): the top-20 logits llama.cpp computes at 12 positions of a >= 4096-token excerpt of
+// Pride and Prejudice, on both sides of the 512-token sliding window, and its 32-token
+// greedy continuation of the excerpt (tests/data/gemma3_llamacpp_logits.json, from
+// tools/reference/make_gemma3_llamacpp_fixture.py with the llama.cpp that llama-cpp-python
+// 0.3.36 vendors). cumulus must first tokenise the excerpt to exactly llama.cpp's ids (BOS
+// included), then reproduce the logits through the prefill path at every position and the
+// decode path at the last two, then the greedy continuation.
+//
+// Tolerance: as for SmolLM2 (tests/test_model_logits.cpp), llama.cpp rounds activations to
+// 8 bits before its integer dot products and rounds attention to f16, cumulus does not;
+// the bounds below are checked over llama.cpp's top-20 ids and sit ~1.5x above what this
+// test measures (printed; 2026-11-25: max 0.60, centered max 0.37, mean 0.16, top-1
+// agrees at all 12 positions, overlap >= 18/20, greedy identical), far below what a wrong
+// RoPE layout, norm, window or scale gives (whole units).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <span>
+#include <vector>
+
+#include "cumulus/model/gguf.h"
+#include "cumulus/model/model_weights.h"
+#include "cumulus/model/session.h"
+#include "cumulus/model/tokenizer.h"
+#include "fixtures.h"
+
+using namespace cumulus;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr double kMaxAbsDiff = 0.9;
+constexpr double kMaxCenteredDiff = 0.5;
+constexpr double kMeanAbsDiff = 0.25;
+constexpr int kMinOverlap = 17;
+
+fs::path gemma3_gguf() { return cumulus::test::source_dir() / "models/gemma-3-270m-q4_k_m.gguf"; }
+fs::path fixture_path() { return cumulus::test::source_dir() / "tests/data/gemma3_llamacpp_logits.json"; }
+
+struct Golden {
+  int position = 0;
+  std::vector<std::pair<int, float>> top;  // [20] (id, logit), best first
+};
+
+std::vector<int> top_ids(const std::vector<float>& logits, int k) {
+  std::vector<int> idx(logits.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                    [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+  idx.resize(static_cast<size_t>(k));
+  return idx;
+}
+
+// Returns the sum of |diff| over the top-20 ids (for the mean over all positions).
+double expect_matches(const std::vector<float>& logits, const Golden& g, const char* path) {
+  double mean = 0, max_abs = 0, sum_abs = 0, max_centered = 0;
+  for (const auto& [id, v] : g.top) mean += (static_cast<double>(logits[id]) - v) / static_cast<double>(g.top.size());
+  for (const auto& [id, v] : g.top) {
+    const double d = static_cast<double>(logits[id]) - v;
+    max_abs = std::max(max_abs, std::fabs(d));
+    sum_abs += std::fabs(d);
+    max_centered = std::max(max_centered, std::fabs(d - mean));
+  }
+  const std::vector<int> ours = top_ids(logits, static_cast<int>(g.top.size()));
+  int overlap = 0;
+  for (const auto& [id, v] : g.top) overlap += std::count(ours.begin(), ours.end(), id) > 0 ? 1 : 0;
+  const double margin = g.top[0].second - g.top[1].second;
+  const bool top1_agrees = ours[0] == g.top[0].first;
+  std::printf("  %-7s position %4d: |diff| over top-20 max %.3f mean %.3f centered max %.3f, top-1 %s (llama.cpp "
+              "margin %.3f), top-20 overlap %d/20\n",
+              path, g.position, max_abs, sum_abs / static_cast<double>(g.top.size()), max_centered,
+              top1_agrees ? "agrees" : "differs", margin, overlap);
+  EXPECT_LE(max_abs, kMaxAbsDiff) << path << " position " << g.position;
+  EXPECT_LE(max_centered, kMaxCenteredDiff) << path << " position " << g.position;
+  if (margin > 2 * kMaxAbsDiff) {
+    EXPECT_TRUE(top1_agrees) << path << " position " << g.position;
+  }
+  EXPECT_GE(overlap, kMinOverlap) << path << " position " << g.position;
+  return sum_abs;
+}
+
+}  // namespace
+
+TEST(Gemma3, LogitsAndGreedyMatchLlamaCpp) {
+  if (!fs::exists(gemma3_gguf()))
+    CUMULUS_FIXTURE_MISSING(gemma3_gguf() << " missing: run scripts/fetch-model.sh gemma3-270m");
+  std::ifstream in(fixture_path());
+  ASSERT_TRUE(in.good()) << fixture_path();
+  const nlohmann::json fx = nlohmann::json::parse(in);
+  const std::vector<int32_t> ids = fx.at("token_ids").get<std::vector<int32_t>>();
+  const std::vector<int32_t> want_greedy = fx.at("greedy").get<std::vector<int32_t>>();
+  std::vector<Golden> golden;
+  for (const auto& p : fx.at("logits")) {
+    Golden g;
+    g.position = p.at("position").get<int>();
+    for (const auto& e : p.at("top")) g.top.emplace_back(e.at(0).get<int>(), e.at(1).get<float>());
+    ASSERT_EQ(g.top.size(), 20u);
+    golden.push_back(g);
+  }
+  ASSERT_GE(golden.size(), 10u);
+  ASSERT_GE(ids.size(), 4096u);
+  ASSERT_EQ(want_greedy.size(), 32u);
+#ifdef CUMULUS_SANITIZED
+  // Under the sanitizers only the positions up to 63 (prefill and the window's first rows;
+  // the two kept past them are dropped with the decode path below).
+  std::erase_if(golden, [](const Golden& g) { return g.position > 63; });
+  golden.resize(golden.size() + 2);
+#endif
+
+  // Same input: cumulus's tokenizer gives exactly llama.cpp's ids (BOS as add_bos_token says).
+  const GgufFile f = GgufFile::open(gemma3_gguf().string());
+  const auto tok = tokenizer_from_gguf(f);
+  EXPECT_EQ(tok->encode(fx.at("excerpt").get<std::string>(), tok->add_bos_default()), ids);
+
+  const ModelWeights w = model_weights_from_gguf(f);
+  double sum_abs = 0;
+  int n_compared = 0;
+  const int capacity = static_cast<int>(ids.size()) + static_cast<int>(want_greedy.size());
+  // One session (a 4K prefill takes ~30 s on two cores): the prefill path up to each golden
+  // position but the last two in turn, then the decode path (one token at a time) through
+  // the last two, then the greedy continuation.
+  {
+    SessionOptions o;
+    o.max_tokens = capacity;
+    Session s(w, o);
+    const size_t split = golden.size() - 2;
+    int fed = 0;
+    for (size_t i = 0; i < split; ++i) {
+      const Golden& g = golden[i];
+      ASSERT_GT(g.position + 1, fed);
+      const std::vector<float>& logits = s.prefill(
+          std::span<const int32_t>(ids).subspan(static_cast<size_t>(fed), static_cast<size_t>(g.position + 1 - fed)));
+      fed = g.position + 1;
+      sum_abs += expect_matches(logits, g, "prefill");
+      n_compared += static_cast<int>(g.top.size());
+    }
+#ifndef CUMULUS_SANITIZED
+    std::map<int, const Golden*> want;
+    for (size_t i = split; i < golden.size(); ++i) want[golden[i].position] = &golden[i];
+    std::vector<float> logits;
+    for (int p = fed; p < static_cast<int>(ids.size()); ++p) {
+      logits = s.decode(ids[static_cast<size_t>(p)]);
+      if (auto it = want.find(p); it != want.end()) {
+        sum_abs += expect_matches(logits, *it->second, "decode");
+        n_compared += static_cast<int>(it->second->top.size());
+      }
+    }
+    // Greedy equality is the strictest check and a fragile one: llama.cpp's own attention
+    // paths disagree here (flash attention off picks another 4th token, docs/model.md), so
+    // the test prints cumulus's smallest top-1 margin along the way.
+    std::vector<int32_t> greedy;
+    double min_margin = 1e9;
+    size_t min_at = 0;
+    for (size_t i = 0; i < want_greedy.size(); ++i) {
+      const std::vector<int> top2 = top_ids(logits, 2);
+      if (logits[top2[0]] - logits[top2[1]] < min_margin) min_margin = logits[top2[0]] - logits[top2[1]], min_at = i;
+      greedy.push_back(top2[0]);
+      logits = s.decode(top2[0]);
+    }
+    std::printf("  greedy: smallest top-1 margin %.3f at token %zu\n", min_margin, min_at);
+    std::printf("  greedy (cumulus):   '%s'\n  greedy (llama.cpp): '%s'\n", tok->decode(greedy).c_str(),
+                tok->decode(want_greedy).c_str());
+    EXPECT_EQ(greedy, want_greedy);
+#endif
+  }
+  std::printf("  mean |diff| over all %d compared logits: %.4f\n", n_compared, sum_abs / n_compared);
+  EXPECT_LE(sum_abs / n_compared, kMeanAbsDiff);
+}
