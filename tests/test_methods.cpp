@@ -411,6 +411,21 @@ TEST(HierTopp, EveryPageScoredClaimsTheTrueMass) {
   }
 }
 
+// rest=bound: the pages not scored count with Quest's upper bound, so every claim is a
+// lower bound of the union's true mass (float32 scores: within 1e-4) and reaches P.
+TEST(HierTopp, BoundedRestMakesEveryClaimALowerBound) {
+  for (const Shape& s : kShapes) {
+    Fixture f = make_fixture(s, 3000, 31, DType::f16, 3.0f, 32);
+    AttnOutput out = run("hier_topp", f, {{"rest", "bound"}, {"dense_above", "1"}, {"min_context", "0"}});
+    for (int qh = 0; qh < s.n_q_heads; ++qh) {
+      EXPECT_GE(out.stats[qh].mass_claimed, 0.9 - 1e-6) << "head " << qh;
+      EXPECT_LE(out.stats[qh].mass_claimed, out.stats[qh].mass_true + 1e-4) << "head " << qh;
+    }
+  }
+  Fixture f = make_fixture({1, 4, 4, 32}, 100, 1);
+  EXPECT_THROW(run("hier_topp", f, {{"rest", "upper"}}), Error);
+}
+
 // The cost rule: contexts of at most min_context tokens attend every token and claim 1.
 TEST(HierTopp, ShortContextsAttendDensely) {
   Fixture f = make_fixture({1, 8, 2, 64}, 900, 5);

@@ -21,6 +21,8 @@
 //      `dense_above` of the pages, and every kv head of a context of at most `min_context`
 //      tokens, attends densely instead (the cost rule: there the selection would not pay);
 //   6. the union is attended from the weights of step 3: only its V rows are read.
+// With rest=bound (ours too, off by default) the pages not scored count with Quest's upper
+// bound instead of the estimate, so every claim is a lower bound of the true mass.
 // Claims: each head's share of the estimated total over the attended union (1 for dense).
 // Bytes read: the page means (float32) once per kv head, the candidates' K rows once, and
 // the union's V rows. docs/methods.md has the measurements behind these choices.
@@ -44,6 +46,7 @@ struct HierToppOptions {
   int recent = 64;
   int min_context = 1024;
   double dense_above = 0.5;
+  bool rest_bound = false;  // the pages not scored bounded by Quest's bound, not estimated
 };
 
 class HierTopp final : public DecodeMethod {
@@ -120,6 +123,7 @@ class HierTopp final : public DecodeMethod {
     std::vector<uint64_t> mark;       // [ceil(n / 64)] the union as a bitmap over tokens
     std::vector<int32_t> pos_of;      // [n] position in idx of a marked token
     std::vector<float> union_w;       // [group][u] exact weights of the union's tokens
+    std::vector<float> page_bound;    // [group][n_pages] Quest's bound of q_j . k over the page
   };
 
   // Selects kv head h's union into out.selection.tokens[h], attends it (out rows, stats,
@@ -159,6 +163,12 @@ class HierTopp final : public DecodeMethod {
       for (int p = 0; p < n_mid; ++p) w.page_key[p] = std::max(w.page_key[p], e[p] * inv);
     }
     cpu::select_topk(w.page_key.data(), n_mid, n_mid, w.page_order);
+    const bool use_bound = o_.rest_bound;
+    if (use_bound) {  // Quest's bound per page and head: the rest's mass from above
+      w.page_bound.resize(static_cast<size_t>(g) * n_pages);
+      cpu::page_score_bound(v, q, g, w.page_bound.data());
+      methods::add_kv_head_bytes(shape_, h, 2.0 * n_pages * d * sizeof(float), out);
+    }
     // The shortest prefix of the ranking that holds candidate_p of every head's estimate.
     int n_cand = 0;
     {
@@ -244,6 +254,12 @@ class HierTopp final : public DecodeMethod {
         const double rescale = std::exp(page_shift[j] - shift[j]) * ps;
         const double gap = gap_e > 0 ? std::max(1.0, gap_x / (gap_e * rescale)) : 1.0;
         total[j] = exact[j] + gap * rest * rescale;
+        if (use_bound) {  // each page holds at most ps exp(scale bound - shift)
+          const float* b = w.page_bound.data() + static_cast<size_t>(j) * n_pages + lo_page;
+          double ub = 0;
+          for (int r = n_cand; r < n_mid; ++r) ub += std::exp(scale * b[w.page_order[r]] - shift[j]);
+          total[j] = exact[j] + ub * ps;
+        }
         all_can = all_can && exact[j] >= o_.p * total[j];
       }
       n_scored = n_cand;
@@ -372,6 +388,11 @@ void register_hier_topp(Registry& r) {
                      .help = "contexts of at most this many tokens attend densely (the selection would not pay)",
                      .min = 0,
                      .max = 1 << 30},
+                    {.name = "rest",
+                     .type = ParamType::kString,
+                     .default_value = "estimate",
+                     .help = "mass of the pages not scored: estimate (page means x measured Jensen gap) or bound "
+                             "(Quest's upper bound: every claim a lower bound of the true mass)"},
                     {.name = "dense_above",
                      .type = ParamType::kDouble,
                      .default_value = "0.5",
@@ -386,6 +407,10 @@ void register_hier_topp(Registry& r) {
            o.recent = p.get_int("recent");
            o.min_context = p.get_int("min_context");
            o.dense_above = p.get_double("dense_above");
+           const std::string& rest = p.get_string("rest");
+           CUMULUS_CHECK(rest == "estimate" || rest == "bound",
+                         "method 'hier_topp': parameter rest='{}' must be estimate or bound", rest);
+           o.rest_bound = rest == "bound";
            return std::make_unique<HierTopp>(s, o);
          }});
 }
