@@ -61,6 +61,22 @@ std::string snapshot_setup(const ModelWeights& w, const SessionOptions& o) {
   return s;
 }
 
+// What a snapshot of this session's cache holds besides its tokens: the model, the setup
+// and the cache's shape (n_tokens and prompt_q_rows are the caller's).
+KvSnapshotInfo snapshot_expected(const ModelWeights& w, const SessionOptions& o, const KvCache& kv,
+                                 uint64_t model_id) {
+  const ModelConfig& c = w.config;
+  return {.model_id = model_id,
+          .setup = snapshot_setup(w, o),
+          .n_layers = c.n_layers,
+          .n_heads = c.n_heads,
+          .n_kv_heads = c.n_kv_heads,
+          .head_dim = c.head_dim,
+          .vocab_size = c.vocab_size,
+          .page_size = kv.page_size(),
+          .dtype = kv.dtype()};
+}
+
 // gelu, tanh approximation (as ggml_gelu and PyTorch's gelu(approximate="tanh")).
 float gelu_tanh(float x) {
   constexpr float kSqrt2OverPi = 0.7978845608028654f, kCoef = 0.044715f;
@@ -122,35 +138,17 @@ const std::vector<float>& Session::prefill(std::span<const int32_t> tokens) {
 
 void Session::kv_save(const std::string& path, uint64_t model_id) const {
   CUMULUS_CHECK(prompt_end_ > 0, "kv_save('{}') before a prefill: there is no prompt to save", path);
-  const ModelConfig& c = w_.config;
-  const KvSnapshotInfo info{.model_id = model_id,
-                            .setup = snapshot_setup(w_, opt_),
-                            .n_layers = c.n_layers,
-                            .n_heads = c.n_heads,
-                            .n_kv_heads = c.n_kv_heads,
-                            .head_dim = c.head_dim,
-                            .vocab_size = c.vocab_size,
-                            .page_size = kv_.page_size(),
-                            .dtype = kv_.dtype(),
-                            .n_tokens = prompt_end_,
-                            .prompt_q_rows = prompt_q_rows_};
+  KvSnapshotInfo info = snapshot_expected(w_, opt_, kv_, model_id);
+  info.n_tokens = prompt_end_;
+  info.prompt_q_rows = prompt_q_rows_;
   kv_snapshot_write(path, info, prompt_tokens_, prompt_logits_, prompt_q_, kv_);
 }
 
 const std::vector<float>& Session::kv_load(const KvSnapshot& snap, uint64_t model_id) {
   CUMULUS_CHECK(pos_ == 0, "kv_load('{}') into a session at position {}: load into a fresh session", snap.path(),
                 pos_);
-  const ModelConfig& c = w_.config;
   const KvSnapshotInfo& got = snap.info();
-  snap.check({.model_id = model_id,
-              .setup = snapshot_setup(w_, opt_),
-              .n_layers = c.n_layers,
-              .n_heads = c.n_heads,
-              .n_kv_heads = c.n_kv_heads,
-              .head_dim = c.head_dim,
-              .vocab_size = c.vocab_size,
-              .page_size = kv_.page_size(),
-              .dtype = kv_.dtype()});
+  snap.check(snapshot_expected(w_, opt_, kv_, model_id));
   CUMULUS_CHECK(got.n_tokens <= capacity_, "KV snapshot '{}': n_tokens={} exceeds this session's context of {} tokens",
                 snap.path(), got.n_tokens, capacity_);
   // The prompt queries prefill would have kept for this session's method.
@@ -162,6 +160,7 @@ const std::vector<float>& Session::kv_load(const KvSnapshot& snap, uint64_t mode
   snap.restore(kv_);
   pos_ = prompt_end_ = got.n_tokens;
   prompt_q_rows_ = rows;
+  const ModelConfig& c = w_.config;
   prompt_q_.assign(c.n_layers, {});
   const size_t row = static_cast<size_t>(c.n_heads) * c.head_dim;
   for (int l = 0; l < c.n_layers; ++l) {
