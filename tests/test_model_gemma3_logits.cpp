@@ -31,8 +31,10 @@
 #include "cumulus/model/session.h"
 #include "cumulus/model/tokenizer.h"
 #include "fixtures.h"
+#include "golden_logits.h"
 
 using namespace cumulus;
+using cumulus::test::GoldenTop;
 namespace fs = std::filesystem;
 
 namespace {
@@ -45,47 +47,7 @@ constexpr int kMinOverlap = 17;
 fs::path gemma3_gguf() { return cumulus::test::source_dir() / "models/gemma-3-270m-q4_k_m.gguf"; }
 fs::path fixture_path() { return cumulus::test::source_dir() / "tests/data/gemma3_llamacpp_logits.json"; }
 
-struct Golden {
-  int position = 0;
-  std::vector<std::pair<int, float>> top;  // [20] (id, logit), best first
-};
-
-std::vector<int> top_ids(const std::vector<float>& logits, int k) {
-  std::vector<int> idx(logits.size());
-  std::iota(idx.begin(), idx.end(), 0);
-  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
-                    [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
-  idx.resize(static_cast<size_t>(k));
-  return idx;
-}
-
-// Returns the sum of |diff| over the top-20 ids (for the mean over all positions).
-double expect_matches(const std::vector<float>& logits, const Golden& g, const char* path) {
-  double mean = 0, max_abs = 0, sum_abs = 0, max_centered = 0;
-  for (const auto& [id, v] : g.top) mean += (static_cast<double>(logits[id]) - v) / static_cast<double>(g.top.size());
-  for (const auto& [id, v] : g.top) {
-    const double d = static_cast<double>(logits[id]) - v;
-    max_abs = std::max(max_abs, std::fabs(d));
-    sum_abs += std::fabs(d);
-    max_centered = std::max(max_centered, std::fabs(d - mean));
-  }
-  const std::vector<int> ours = top_ids(logits, static_cast<int>(g.top.size()));
-  int overlap = 0;
-  for (const auto& [id, v] : g.top) overlap += std::count(ours.begin(), ours.end(), id) > 0 ? 1 : 0;
-  const double margin = g.top[0].second - g.top[1].second;
-  const bool top1_agrees = ours[0] == g.top[0].first;
-  std::printf("  %-7s position %4d: |diff| over top-20 max %.3f mean %.3f centered max %.3f, top-1 %s (llama.cpp "
-              "margin %.3f), top-20 overlap %d/20\n",
-              path, g.position, max_abs, sum_abs / static_cast<double>(g.top.size()), max_centered,
-              top1_agrees ? "agrees" : "differs", margin, overlap);
-  EXPECT_LE(max_abs, kMaxAbsDiff) << path << " position " << g.position;
-  EXPECT_LE(max_centered, kMaxCenteredDiff) << path << " position " << g.position;
-  if (margin > 2 * kMaxAbsDiff) {
-    EXPECT_TRUE(top1_agrees) << path << " position " << g.position;
-  }
-  EXPECT_GE(overlap, kMinOverlap) << path << " position " << g.position;
-  return sum_abs;
-}
+constexpr cumulus::test::GoldenTolerance kTolerance{kMaxAbsDiff, kMaxCenteredDiff, kMinOverlap};
 
 }  // namespace
 
@@ -97,21 +59,15 @@ TEST(Gemma3, LogitsAndGreedyMatchLlamaCpp) {
   const nlohmann::json fx = nlohmann::json::parse(in);
   const std::vector<int32_t> ids = fx.at("token_ids").get<std::vector<int32_t>>();
   const std::vector<int32_t> want_greedy = fx.at("greedy").get<std::vector<int32_t>>();
-  std::vector<Golden> golden;
-  for (const auto& p : fx.at("logits")) {
-    Golden g;
-    g.position = p.at("position").get<int>();
-    for (const auto& e : p.at("top")) g.top.emplace_back(e.at(0).get<int>(), e.at(1).get<float>());
-    ASSERT_EQ(g.top.size(), 20u);
-    golden.push_back(g);
-  }
+  std::vector<GoldenTop> golden = cumulus::test::golden_top_load(fx);
+  ASSERT_FALSE(::testing::Test::HasFailure()) << "every golden position needs 20 entries";
   ASSERT_GE(golden.size(), 10u);
   ASSERT_GE(ids.size(), 4096u);
   ASSERT_EQ(want_greedy.size(), 32u);
 #ifdef CUMULUS_SANITIZED
   // Under the sanitizers only the positions up to 63 (prefill and the window's first rows;
   // the two kept past them are dropped with the decode path below).
-  std::erase_if(golden, [](const Golden& g) { return g.position > 63; });
+  std::erase_if(golden, [](const GoldenTop& g) { return g.position > 63; });
   golden.resize(golden.size() + 2);
 #endif
 
@@ -134,22 +90,22 @@ TEST(Gemma3, LogitsAndGreedyMatchLlamaCpp) {
     const size_t split = golden.size() - 2;
     int fed = 0;
     for (size_t i = 0; i < split; ++i) {
-      const Golden& g = golden[i];
+      const GoldenTop& g = golden[i];
       ASSERT_GT(g.position + 1, fed);
       const std::vector<float>& logits = s.prefill(
           std::span<const int32_t>(ids).subspan(static_cast<size_t>(fed), static_cast<size_t>(g.position + 1 - fed)));
       fed = g.position + 1;
-      sum_abs += expect_matches(logits, g, "prefill");
+      sum_abs += cumulus::test::golden_top_expect(logits, g, kTolerance, "prefill");
       n_compared += static_cast<int>(g.top.size());
     }
 #ifndef CUMULUS_SANITIZED
-    std::map<int, const Golden*> want;
+    std::map<int, const GoldenTop*> want;
     for (size_t i = split; i < golden.size(); ++i) want[golden[i].position] = &golden[i];
     std::vector<float> logits;
     for (int p = fed; p < static_cast<int>(ids.size()); ++p) {
       logits = s.decode(ids[static_cast<size_t>(p)]);
       if (auto it = want.find(p); it != want.end()) {
-        sum_abs += expect_matches(logits, *it->second, "decode");
+        sum_abs += cumulus::test::golden_top_expect(logits, *it->second, kTolerance, "decode");
         n_compared += static_cast<int>(it->second->top.size());
       }
     }
@@ -160,7 +116,7 @@ TEST(Gemma3, LogitsAndGreedyMatchLlamaCpp) {
     double min_margin = 1e9;
     size_t min_at = 0;
     for (size_t i = 0; i < want_greedy.size(); ++i) {
-      const std::vector<int> top2 = top_ids(logits, 2);
+      const std::vector<int> top2 = cumulus::test::golden_top_ids(logits, 2);
       if (logits[top2[0]] - logits[top2[1]] < min_margin) min_margin = logits[top2[0]] - logits[top2[1]], min_at = i;
       greedy.push_back(top2[0]);
       logits = s.decode(top2[0]);

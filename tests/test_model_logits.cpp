@@ -43,8 +43,10 @@
 #include "cumulus/model/session.h"
 #include "cumulus/model/tokenizer.h"
 #include "fixtures.h"
+#include "golden_logits.h"
 
 using namespace cumulus;
+using cumulus::test::GoldenTop;
 namespace fs = std::filesystem;
 
 namespace {
@@ -58,61 +60,7 @@ fs::path repo_root() { return cumulus::test::source_dir(); }
 fs::path smollm2_gguf() { return repo_root() / "models/SmolLM2-135M-Instruct.Q4_1.gguf"; }
 fs::path fixture_path() { return repo_root() / "tests/data/smollm2_llamacpp_logits.json"; }
 
-struct Golden {
-  int position = 0;
-  std::vector<std::pair<int, float>> top;  // [20] (id, logit), best first
-};
-
-std::vector<int> top_ids(const std::vector<float>& logits, int k) {
-  std::vector<int> idx(logits.size());
-  std::iota(idx.begin(), idx.end(), 0);
-  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
-                    [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
-  idx.resize(static_cast<size_t>(k));
-  return idx;
-}
-
-struct Compared {
-  double max_abs = 0;
-  double sum_abs = 0;       // over the top-20 ids
-  double max_centered = 0;  // max |diff - mean diff|: what changes the softmax
-  bool top1_agrees = false;
-  bool top1_required = false;
-  int overlap = 0;
-};
-
-Compared compare(const std::vector<float>& logits, const Golden& g) {
-  Compared c;
-  double mean = 0;
-  for (const auto& [id, v] : g.top) mean += (static_cast<double>(logits[id]) - v) / static_cast<double>(g.top.size());
-  for (const auto& [id, v] : g.top) {
-    const double d = static_cast<double>(logits[id]) - v;
-    c.max_abs = std::max(c.max_abs, std::fabs(d));
-    c.sum_abs += std::fabs(d);
-    c.max_centered = std::max(c.max_centered, std::fabs(d - mean));
-  }
-  const std::vector<int> ours = top_ids(logits, static_cast<int>(g.top.size()));
-  c.top1_agrees = ours[0] == g.top[0].first;
-  c.top1_required = g.top[0].second - g.top[1].second > 2 * kMaxAbsDiff;
-  for (const auto& [id, v] : g.top) c.overlap += std::count(ours.begin(), ours.end(), id) > 0 ? 1 : 0;
-  return c;
-}
-
-// Returns the sum of |diff| over the top-20 ids (for the mean over all positions).
-double expect_matches(const std::vector<float>& logits, const Golden& g, const char* path) {
-  const Compared c = compare(logits, g);
-  std::printf("  %-7s position %4d: |diff| over top-20 max %.3f mean %.3f centered max %.3f, top-1 %s (llama.cpp "
-              "margin %.3f), top-20 overlap %d/20\n",
-              path, g.position, c.max_abs, c.sum_abs / static_cast<double>(g.top.size()), c.max_centered,
-              c.top1_agrees ? "agrees" : "differs", g.top[0].second - g.top[1].second, c.overlap);
-  EXPECT_LE(c.max_abs, kMaxAbsDiff) << path << " position " << g.position;
-  EXPECT_LE(c.max_centered, kMaxCenteredDiff) << path << " position " << g.position;
-  if (c.top1_required) {
-    EXPECT_TRUE(c.top1_agrees) << path << " position " << g.position;
-  }
-  EXPECT_GE(c.overlap, kMinOverlap) << path << " position " << g.position;
-  return c.sum_abs;
-}
+constexpr cumulus::test::GoldenTolerance kTolerance{kMaxAbsDiff, kMaxCenteredDiff, kMinOverlap};
 
 }  // namespace
 
@@ -122,20 +70,14 @@ TEST(SmolLM2, LogitsMatchLlamaCpp) {
   ASSERT_TRUE(in.good()) << fixture_path();
   const nlohmann::json fx = nlohmann::json::parse(in);
   const std::vector<int32_t> ids = fx.at("token_ids").get<std::vector<int32_t>>();
-  std::vector<Golden> golden;
-  for (const auto& p : fx.at("logits")) {
-    Golden g;
-    g.position = p.at("position").get<int>();
-    for (const auto& e : p.at("top")) g.top.emplace_back(e.at(0).get<int>(), e.at(1).get<float>());
-    ASSERT_EQ(g.top.size(), 20u);
-    golden.push_back(g);
-  }
+  std::vector<GoldenTop> golden = cumulus::test::golden_top_load(fx);
+  ASSERT_FALSE(::testing::Test::HasFailure()) << "every golden position needs 20 entries";
   ASSERT_GE(golden.size(), 8u);
   ASSERT_GE(ids.size(), 1000u);
 #ifdef CUMULUS_SANITIZED
   // Under the sanitizers (10-50x slower) only the positions up to 63: the same code
   // paths (prefill chunks, then decode steps), a fifth of the work.
-  std::erase_if(golden, [](const Golden& g) { return g.position > 63; });
+  std::erase_if(golden, [](const GoldenTop& g) { return g.position > 63; });
 #endif
 
   // Same input: cumulus's tokenizer gives exactly the ids both engines are fed.
@@ -152,12 +94,12 @@ TEST(SmolLM2, LogitsMatchLlamaCpp) {
     o.max_tokens = static_cast<int>(ids.size());
     Session s(w, o);
     int fed = 0;
-    for (const Golden& g : golden) {
+    for (const GoldenTop& g : golden) {
       ASSERT_GT(g.position + 1, fed);
       const std::vector<float>& logits =
           s.prefill(std::span<const int32_t>(ids).subspan(static_cast<size_t>(fed), static_cast<size_t>(g.position + 1 - fed)));
       fed = g.position + 1;
-      sum_abs += expect_matches(logits, g, "prefill");
+      sum_abs += cumulus::test::golden_top_expect(logits, g, kTolerance, "prefill");
       n_compared += static_cast<int>(g.top.size());
     }
   }
@@ -170,12 +112,12 @@ TEST(SmolLM2, LogitsMatchLlamaCpp) {
     const size_t split = golden.size() - 2;
     const int first = golden[split - 1].position + 1;
     s.prefill(std::span<const int32_t>(ids).first(static_cast<size_t>(first)));
-    std::map<int, const Golden*> want;
+    std::map<int, const GoldenTop*> want;
     for (size_t i = split; i < golden.size(); ++i) want[golden[i].position] = &golden[i];
     for (int p = first; p <= want.rbegin()->first; ++p) {
       const std::vector<float>& logits = s.decode(ids[static_cast<size_t>(p)]);
       if (auto it = want.find(p); it != want.end()) {
-        sum_abs += expect_matches(logits, *it->second, "decode");
+        sum_abs += cumulus::test::golden_top_expect(logits, *it->second, kTolerance, "decode");
         n_compared += static_cast<int>(it->second->top.size());
       }
     }
@@ -210,7 +152,7 @@ TEST(SmolLM2, CompactWeightsMatchFloat32Weights) {
     const std::vector<float>& la = a.decode(ids[static_cast<size_t>(p)]);
     const std::vector<float>& lb = b.decode(ids[static_cast<size_t>(p)]);
     for (size_t i = 0; i < la.size(); ++i) worst = std::max(worst, std::fabs(static_cast<double>(la[i]) - lb[i]));
-    EXPECT_EQ(top_ids(la, 1), top_ids(lb, 1)) << "position " << p;
+    EXPECT_EQ(cumulus::test::golden_top_ids(la, 1), cumulus::test::golden_top_ids(lb, 1)) << "position " << p;
   }
   std::printf("  compact vs float32 weights, 32 decode steps: max |logit diff| %.5f\n", worst);
   EXPECT_LE(worst, 0.05);

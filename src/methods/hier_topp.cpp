@@ -75,33 +75,25 @@ class HierTopp final : public DecodeMethod {
       }
     });
     if (std::find(dense_head_.begin(), dense_head_.end(), 1) == dense_head_.end()) return;
-    // The dense heads through the sparse kernel with every token listed; the sparse heads'
-    // lists are emptied for the call (their rows are already written) and restored.
-    Selection& sel = out.selection;
-    dense_sel_.tokens.resize(static_cast<size_t>(shape_.n_kv_heads));
+    // The dense heads through the shared attend (sparse kernel, tokens and bytes counted)
+    // with every token listed, into a second output: the sparse heads' lists are left
+    // empty there (their rows are already written), and the dense heads' rows, lists and
+    // stats move back.
+    methods::attn_output_reset(shape_, dense_);
     for (int h = 0; h < shape_.n_kv_heads; ++h) {
-      dense_sel_.tokens[h].clear();
-      if (dense_head_[h]) std::swap(dense_sel_.tokens[h], sel.tokens[h]);
+      dense_.selection.tokens[h].clear();
+      if (dense_head_[h]) std::swap(dense_.selection.tokens[h], out.selection.tokens[h]);
     }
-    std::vector<PagedHeadView> views = methods::layer_views(kv, layer);
-    dense_out_.resize(out.out.size());
-    std::vector<float> lse(static_cast<size_t>(shape_.n_q_heads));
-    DecodeAttnArgs a;
-    a.kv = views.data();
-    a.n_kv_heads = shape_.n_kv_heads;
-    a.group = g;
-    a.scale = attention_scale(shape_.head_dim);
-    a.q = q;
-    a.out = dense_out_.data();
-    a.lse = lse.data();
-    cpu::attention_decode_sparse(a, dense_sel_, *ctx.pool);
+    methods::attend_selection(kv, layer, q, *ctx.pool, dense_);
     const size_t rows = static_cast<size_t>(g) * shape_.head_dim;
     for (int h = 0; h < shape_.n_kv_heads; ++h) {
       if (!dense_head_[h]) continue;
-      std::swap(dense_sel_.tokens[h], sel.tokens[h]);
-      std::copy_n(dense_out_.data() + h * rows, rows, out.out.data() + h * rows);
-      for (int j = 0; j < g; ++j) out.stats[h * g + j].tokens_attended = n;
-      methods::add_kv_head_bytes(shape_, h, static_cast<double>(n) * kv.bytes_per_token_head(), out);
+      std::swap(dense_.selection.tokens[h], out.selection.tokens[h]);
+      std::copy_n(dense_.out.data() + h * rows, rows, out.out.data() + h * rows);
+      for (int j = 0; j < g; ++j) {
+        out.stats[h * g + j].tokens_attended = dense_.stats[h * g + j].tokens_attended;
+        out.stats[h * g + j].bytes_read += dense_.stats[h * g + j].bytes_read;
+      }
     }
   }
 
@@ -344,8 +336,7 @@ class HierTopp final : public DecodeMethod {
   HierToppOptions o_;
   std::vector<HeadScratch> heads_;  // [n_kv_heads]
   std::vector<char> dense_head_;    // [n_kv_heads] sent to dense attention this step
-  Selection dense_sel_;
-  std::vector<float> dense_out_;    // [n_q_heads][head_dim]
+  AttnOutput dense_;                // the heads sent to dense attention this step
 };
 
 }  // namespace
