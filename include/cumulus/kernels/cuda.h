@@ -178,7 +178,8 @@ struct DeviceKvView {
   void validate(const char* fn) const;
 };
 
-// Head dims the CUDA kernels are built for: 64 and 128.
+// Head dims the CUDA decode kernels are built for: 64, 128 and 256 (the prefill kernels:
+// 64 and 128, checked by cuda_prefill.h).
 bool head_dim_supported_cuda(int head_dim);
 
 // Owns the device copy of DeviceKvView's arrays.
@@ -226,7 +227,9 @@ struct DeviceDecodeArgs {
 };
 
 struct AttentionPlanOptions {
-  int warps = 8;         // warps per CTA, in {2, 4, 8}
+  // Warps per CTA, in {2, 4, 8}. At head_dim 256 the plan may take fewer: the most whose
+  // shared-memory rings fit the device (AttentionPlan::warps()).
+  int warps = 8;
   int ctas_per_sm = 0;   // CTAs per multiprocessor in the balanced wave; 0 = occupancy limit
   int min_chunk = 0;     // fewest list entries per CTA; 0 = 2 warp blocks per warp
   // Both kernels stream K/V through a per-warp shared-memory ring (cp.async, 3 blocks in
@@ -266,6 +269,10 @@ class AttentionPlan {
   // options.timeline: the last launch's CTA start and end times, [CTA][2] nanoseconds after
   // the earliest start (-1: that CTA slot did not run). Synchronises `stream`.
   std::vector<int64_t> timeline(void* stream = nullptr) const;
+  // Warps per CTA the plan runs: options.warps, or fewer where their rings would not fit
+  // the device's shared memory (head_dim 256: tensor cores at most 4 warps, SIMT 8 on an
+  // H100 and 4 on an A100).
+  int warps() const;
 
   struct Impl;
   Impl* impl() const { return impl_; }

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/error.h"
@@ -126,5 +127,24 @@ inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) 
 
 // Multiprocessor count of the current device (cached per process).
 int sm_count();
+
+// The kernel instantiation for a runtime head_dim: f(std::integral_constant<int, D>()) for
+// D = 64, 128 or 256 (DeviceKvView::validate admits no other), and with the cache's 16-bit
+// type: f(D, T()) for T = __half or __nv_bfloat16.
+template <class F>
+void with_head_dim(int head_dim, F&& f) {
+  switch (head_dim) {
+    case 64: f(std::integral_constant<int, 64>()); break;
+    case 128: f(std::integral_constant<int, 128>()); break;
+    default: f(std::integral_constant<int, 256>()); break;
+  }
+}
+template <class F>
+void with_head_dim_type(int head_dim, DType dtype, F&& f) {
+  with_head_dim(head_dim, [&](auto d) {
+    if (dtype == DType::f16) f(d, __half());
+    else f(d, __nv_bfloat16());
+  });
+}
 
 }  // namespace cumulus::cuda

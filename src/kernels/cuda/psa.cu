@@ -328,11 +328,8 @@ class PsaGpu final : public SparseDecoder {
       const int r0 = bounds_[i], r1 = bounds_[i + 1];
       const dim3 grid(ceil_div(r1 - r0, kPagesPerCta), rows);
       auto launch = [&](auto kernel) { kernel<<<grid, kRoundWarps * 32, 0, s>>>(p, r0, r1); };
-      if (b.kv.dtype == DType::f16)
-        b.kv.head_dim == 64 ? launch(psa_round_kernel<64, __half>) : launch(psa_round_kernel<128, __half>);
-      else
-        b.kv.head_dim == 64 ? launch(psa_round_kernel<64, __nv_bfloat16>)
-                            : launch(psa_round_kernel<128, __nv_bfloat16>);
+      with_head_dim_type(b.kv.head_dim, b.kv.dtype,
+                         [&](auto d, auto t) { launch(psa_round_kernel<decltype(d)::value, decltype(t)>); });
       CUMULUS_CUDA_LAUNCH("psa_round_kernel");
     }
     psa_mark_kernel<<<rows, 128, 0, s>>>(p);

@@ -178,13 +178,13 @@ Stream::~Stream() {
 }
 void Stream::synchronize() const { CUMULUS_CUDA_CHECK(cudaStreamSynchronize(as_stream(s_))); }
 
-bool head_dim_supported_cuda(int head_dim) { return head_dim == 64 || head_dim == 128; }
+bool head_dim_supported_cuda(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
 void DeviceKvView::validate(const char* fn) const {
   if (n_seqs < 1 || n_kv_heads < 1)
     throw Error(fmt::format("{}: kv.n_seqs={} and kv.n_kv_heads={} must be >= 1", fn, n_seqs, n_kv_heads));
   if (!head_dim_supported_cuda(head_dim))
-    throw Error(fmt::format("{}: kv.head_dim={} is not built for the CUDA backend (64, 128)", fn, head_dim));
+    throw Error(fmt::format("{}: kv.head_dim={} is not built for the CUDA backend (64, 128, 256)", fn, head_dim));
   if (dtype != DType::f16 && dtype != DType::bf16)
     throw Error(fmt::format("{}: kv.dtype={} is not supported on the GPU (f16, bf16)", fn, dtype_name(dtype)));
   if (page_size < 1 || page_size > 256 || (1 << page_shift) != page_size)
@@ -202,7 +202,7 @@ namespace {
 void check_views(const std::vector<std::vector<PagedHeadView>>& seqs) {
   CUMULUS_CHECK(!seqs.empty() && !seqs[0].empty(), "need at least one sequence with one kv head");
   const PagedHeadView& v0 = seqs[0][0];
-  CUMULUS_CHECK(head_dim_supported_cuda(v0.head_dim), "head_dim={} is not built for the CUDA backend (64, 128)",
+  CUMULUS_CHECK(head_dim_supported_cuda(v0.head_dim), "head_dim={} is not built for the CUDA backend (64, 128, 256)",
                 v0.head_dim);
   CUMULUS_CHECK(v0.dtype == DType::f16 || v0.dtype == DType::bf16, "dtype={} is not supported on the GPU (f16, bf16)",
                 dtype_name(v0.dtype));

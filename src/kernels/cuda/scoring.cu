@@ -15,9 +15,12 @@ namespace {
 
 constexpr int kTileHeads = 8;
 constexpr int kScoreWarps = 4;
-constexpr int kPagesPerWarp = 8;
+// Pages a warp loads before reducing any: 8, or 4 at head_dim 256 (each page is then 8 floats
+// of min and 8 of max per lane; 8 pages would hold 128 registers of them).
+template <int D>
+constexpr int kPagesPerWarp = D >= 256 ? 4 : 8;
 
-// grid: (ceil(max_pages / (warps * kPagesPerWarp)), n_kv, n_seqs); lanes cover head_dim.
+// grid: (ceil(max_pages / (warps * kPagesPerWarp<D>)), n_kv, n_seqs); lanes cover head_dim.
 template <int D>
 __global__ void page_score_kernel(DeviceKvView kv, int group, int bound, const float* __restrict__ q,
                                   float* __restrict__ scores) {
@@ -28,7 +31,8 @@ __global__ void page_score_kernel(DeviceKvView kv, int group, int bound, const f
   const int n_pages = (n_tok + kv.page_size - 1) >> kv.page_shift;
   const int n_q = kv.n_kv_heads * group;
   const int32_t* pt = kv.page_table + (static_cast<size_t>(seq) * kv.n_kv_heads + h) * kv.max_pages;
-  const int p0 = (blockIdx.x * kScoreWarps + warp) * kPagesPerWarp;
+  constexpr int kPages = kPagesPerWarp<D>;
+  const int p0 = (blockIdx.x * kScoreWarps + warp) * kPages;
   for (int g0 = 0; g0 < group; g0 += kTileHeads) {
     const int gn = min(kTileHeads, group - g0);
     float qr[kTileHeads][J];
@@ -37,11 +41,11 @@ __global__ void page_score_kernel(DeviceKvView kv, int group, int bound, const f
 #pragma unroll
       for (int j = 0; j < J; ++j)
         qr[g][j] = g < gn ? q[(static_cast<size_t>(seq) * n_q + h * group + g0 + g) * D + lane + 32 * j] : 0.0f;
-    // All of the warp's pages are loaded before any is reduced: kPagesPerWarp independent
+    // All of the warp's pages are loaded before any is reduced: kPages independent
     // loads per lane in flight.
-    float mn[kPagesPerWarp][J], mx[kPagesPerWarp][J];
+    float mn[kPages][J], mx[kPages][J];
 #pragma unroll
-    for (int pp = 0; pp < kPagesPerWarp; ++pp) {
+    for (int pp = 0; pp < kPages; ++pp) {
       const int p = p0 + pp;
       const bool ok = p < n_pages;
       const size_t row = ok ? static_cast<size_t>(__ldg(pt + p)) * D : 0;
@@ -57,7 +61,7 @@ __global__ void page_score_kernel(DeviceKvView kv, int group, int bound, const f
       }
     }
 #pragma unroll
-    for (int pp = 0; pp < kPagesPerWarp; ++pp) {
+    for (int pp = 0; pp < kPages; ++pp) {
       const int p = p0 + pp;
       float acc[kTileHeads];
 #pragma unroll
@@ -142,12 +146,15 @@ void page_score(const DeviceKvView& kv, int group, PageScoreKind kind, const flo
     CUMULUS_CHECK(kv.kmin != nullptr && kv.kmax != nullptr, "kv.kmin and kv.kmax must be non-null");
   else
     CUMULUS_CHECK(kv.kmean != nullptr, "kv.kmean must be non-null");
-  const dim3 grid(ceil_div(kv.max_pages, kScoreWarps * kPagesPerWarp), kv.n_kv_heads, kv.n_seqs);
   const int bound = kind == PageScoreKind::kBound;
-  if (kv.head_dim == 64)
-    page_score_kernel<64><<<grid, kScoreWarps * 32, 0, as_stream(stream)>>>(kv, group, bound, q, scores);
-  else
-    page_score_kernel<128><<<grid, kScoreWarps * 32, 0, as_stream(stream)>>>(kv, group, bound, q, scores);
+  auto launch = [&](auto kernel, int pages_per_warp) {
+    const dim3 grid(ceil_div(kv.max_pages, kScoreWarps * pages_per_warp), kv.n_kv_heads, kv.n_seqs);
+    kernel<<<grid, kScoreWarps * 32, 0, as_stream(stream)>>>(kv, group, bound, q, scores);
+  };
+  with_head_dim(kv.head_dim, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    launch(page_score_kernel<D>, kPagesPerWarp<D>);
+  });
   CUMULUS_CUDA_LAUNCH("page_score_kernel");
 }
 
@@ -164,10 +171,8 @@ void token_score(const DeviceKvView& kv, int group, const float* q, const int32_
   auto launch = [&](auto kernel) {
     kernel<<<grid, kScoreWarps * 32, 0, as_stream(stream)>>>(kv, group, q, idx, idx_len, idx_stride, scores, stride);
   };
-  if (kv.dtype == DType::f16)
-    kv.head_dim == 64 ? launch(token_score_kernel<64, __half>) : launch(token_score_kernel<128, __half>);
-  else
-    kv.head_dim == 64 ? launch(token_score_kernel<64, __nv_bfloat16>) : launch(token_score_kernel<128, __nv_bfloat16>);
+  with_head_dim_type(kv.head_dim, kv.dtype,
+                     [&](auto d, auto t) { launch(token_score_kernel<decltype(d)::value, decltype(t)>); });
   CUMULUS_CUDA_LAUNCH("token_score_kernel");
 }
 

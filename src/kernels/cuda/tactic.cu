@@ -1142,10 +1142,8 @@ class TacticGpu final : public SparseDecoder {
     const int rows = b.kv.n_seqs * b.n_q;
     const int bt = (32 / (b.kv.head_dim / 8)) * kCentRows;
     const dim3 grid(ceil_div(kc_max_, kCentWarps * bt), b.kv.n_kv_heads, b.kv.n_seqs);
-    if (b.kv.head_dim == 64)
-      centroid_score_step_kernel<64><<<grid, kCentWarps * 32, 0, s>>>(p);
-    else
-      centroid_score_step_kernel<128><<<grid, kCentWarps * 32, 0, s>>>(p);
+    with_head_dim(b.kv.head_dim,
+                  [&](auto d) { centroid_score_step_kernel<decltype(d)::value><<<grid, kCentWarps * 32, 0, s>>>(p); });
     CUMULUS_CUDA_LAUNCH("centroid_score_step_kernel");
     if (bucket_) {
       tactic_rank_kernel<<<rows, kRankThreads, rank_smem_, s>>>(p);
@@ -1158,11 +1156,8 @@ class TacticGpu final : public SparseDecoder {
     }
     const dim3 egrid(max_exact_ctas_, rows);
     auto launch = [&](auto kernel) { kernel<<<egrid, kExactThreads, 0, s>>>(p); };
-    if (b.kv.dtype == DType::f16)
-      b.kv.head_dim == 64 ? launch(tactic_exact_kernel<64, __half>) : launch(tactic_exact_kernel<128, __half>);
-    else
-      b.kv.head_dim == 64 ? launch(tactic_exact_kernel<64, __nv_bfloat16>)
-                          : launch(tactic_exact_kernel<128, __nv_bfloat16>);
+    with_head_dim_type(b.kv.head_dim, b.kv.dtype,
+                       [&](auto d, auto t) { launch(tactic_exact_kernel<decltype(d)::value, decltype(t)>); });
     CUMULUS_CUDA_LAUNCH("tactic_exact_kernel");
     tactic_budget_kernel<<<rows, kBudgetThreads, 0, s>>>(p);
     CUMULUS_CUDA_LAUNCH("tactic_budget_kernel");
