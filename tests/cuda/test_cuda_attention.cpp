@@ -1,6 +1,6 @@
 // GPU decode attention against the float64 reference (src/kernels/ref/attention.cpp): dense
 // and sparse, batches of sequences of awkward lengths (1, 3, 15, 16, 17, 255, 4097), GQA
-// groups 1, 3, 4, 8, 9 (two head tiles), f16 and bf16, head_dim 64 and 128, page sizes 1,
+// groups 1, 3, 4, 8, 9 (two head tiles), f16 and bf16, head_dim 64, 128 and 256, page sizes 1,
 // 16, 64, pages scattered through the pool; split plans from one chunk per list to many,
 // with and without work stealing, and one plan launched repeatedly (its merge tickets and
 // stealing cursors reset by each launch); mass = exp(lse - lse_ref); bad lists and
@@ -8,7 +8,9 @@
 // Every test skips when no CUDA device is present.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <limits>
+#include <tuple>
 
 #include "cuda_test_util.h"
 #include "cumulus/core/error.h"
@@ -150,6 +152,12 @@ std::vector<Case> cases() {
       {DType::f16, 128, 1, 1, 1, {255, 16}},
       {DType::bf16, 64, 2, 8, 64, {4097, 15}},
       {DType::f16, 128, 1, 9, 16, {3, 255}},
+      // head_dim 256 (Gemma 3): tiles of 4 heads only, so group 1 runs masked in one and
+      // group 8 in two; tensor cores with 8 warps fall back to 4 (AttentionPlan::warps).
+      {DType::f16, 256, 1, 4, 16, {1, 3, 15, 16, 17, 4097}},
+      {DType::bf16, 256, 2, 1, 64, {255, 16}},
+      {DType::bf16, 256, 1, 4, 1, {4097, 17}},
+      {DType::f16, 256, 2, 8, 16, {255, 3}},
   };
 }
 
@@ -239,18 +247,50 @@ TEST(CudaAttention, SparseEqualsDenseOverAllTokens) {
 TEST(CudaAttention, LongChunksMatchReference) {
   CUMULUS_REQUIRE_GPU();
   std::mt19937 rng(606);
-  std::vector<KvCache> seqs;
-  for (int n : {140000, 70001}) seqs.push_back(random_cache(2, 128, n, DType::f16, 16, rng));
-  const auto q = random_vec(2 * 2 * 4 * 128, rng);
-  const GpuResult r = run_ref(seqs, q, 4, {});
-  // One chunk of 140000 entries per list (SIMT and tensor cores), two chunks of ~70000, and
-  // the default plan (chunks capped at 32768).
-  for (const cuda::AttentionPlanOptions& po :
-       {cuda::AttentionPlanOptions{4, 1, 200000, false, 200000}, cuda::AttentionPlanOptions{8, 1, 200000, true, 200000},
-        cuda::AttentionPlanOptions{4, 1, 70016, true, 70016}, cuda::AttentionPlanOptions{}}) {
-    const GpuResult g = run_gpu(seqs, q, 4, {}, po);
-    expect_close(g, r, fmt::format("long chunks: warps {} min_chunk {} max_chunk {} tensor cores {}", po.warps,
-                                   po.min_chunk, po.max_chunk, po.tensor_cores));
+  // head_dim 128 with 2 kv heads, and Gemma 3's 32K global layer (1 kv head, group 4,
+  // head_dim 256).
+  for (const auto& [d, n_kv, lens] : {std::tuple{128, 2, std::vector<int>{140000, 70001}},
+                                      std::tuple{256, 1, std::vector<int>{32016, 40001}}}) {
+    std::vector<KvCache> seqs;
+    for (int n : lens) seqs.push_back(random_cache(n_kv, d, n, DType::f16, 16, rng));
+    const auto q = random_vec(lens.size() * n_kv * 4 * d, rng);
+    const GpuResult r = run_ref(seqs, q, 4, {});
+    // One chunk of the whole list (SIMT and tensor cores), two chunks of about half, and
+    // the default plan (chunks capped at 32768).
+    for (const cuda::AttentionPlanOptions& po :
+         {cuda::AttentionPlanOptions{4, 1, 200000, false, 200000}, cuda::AttentionPlanOptions{8, 1, 200000, true, 200000},
+          cuda::AttentionPlanOptions{4, 1, 70016, true, 70016}, cuda::AttentionPlanOptions{}}) {
+      const GpuResult g = run_gpu(seqs, q, 4, {}, po);
+      expect_close(g, r, fmt::format("long chunks: d {} warps {} min_chunk {} max_chunk {} tensor cores {}", d, po.warps,
+                                     po.min_chunk, po.max_chunk, po.tensor_cores));
+    }
+  }
+}
+
+// The plan keeps options.warps where the rings fit the device's shared memory and takes
+// fewer where they do not (head_dim 256: a tensor-core warp's ring is 50.7 KB, so 8 warps
+// never fit and 4 do on an sm_80 or sm_90 GPU).
+TEST(CudaAttention, PlanFitsItsWarpsToSharedMemory) {
+  CUMULUS_REQUIRE_GPU();
+  std::mt19937 rng(808);
+  for (int d : {128, 256}) {
+    std::vector<KvCache> seqs;
+    seqs.push_back(random_cache(1, d, 100, DType::f16, 16, rng));
+    cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload(views_of(seqs));
+    for (int warps : {2, 4, 8}) {
+      cuda::AttentionPlanOptions po;
+      po.warps = warps;
+      po.tensor_cores = true;
+      cuda::AttentionPlan tc(dev.view(), 4, po);
+      EXPECT_EQ(tc.warps(), d == 256 ? std::min(warps, 4) : warps) << "d " << d << " tensor cores, warps " << warps;
+      po.tensor_cores = false;
+      cuda::AttentionPlan simt(dev.view(), 4, po);
+      EXPECT_GE(simt.warps(), std::min(warps, 4)) << "d " << d << " SIMT, warps " << warps;
+      EXPECT_LE(simt.warps(), warps);
+      if (d == 128) {
+        EXPECT_EQ(simt.warps(), warps);
+      }
+    }
   }
 }
 

@@ -4,7 +4,8 @@
 // exactly sparse attention over its own lists (checked with the float64 reference), its
 // lists hold what the CPU method selects (Jaccard per kv head), and its claims agree with
 // the CPU's; tactic keeps the tail appended after prefill; quest and oracle_topp select
-// what the CPU versions select.
+// what the CPU versions select. Each also at head_dim 256 in Gemma 3 270M's attention shape
+// (4 query heads, 1 kv head).
 #include <gtest/gtest.h>
 
 #include <numeric>
@@ -26,10 +27,17 @@ struct Workload {
   SyntheticWorkload w;
 };
 
+// The presets of eval/synthetic.h, and Gemma 3 270M's attention (4 query heads, 1 kv head,
+// head_dim 256), which has no preset there.
+Shape test_shape(std::string_view name) {
+  if (name == "gemma3-270m") return Shape{.n_layers = 1, .n_q_heads = 4, .n_kv_heads = 1, .head_dim = 256};
+  return shape_preset(name);
+}
+
 Workload make_workload(int n_tokens, const char* shape, uint64_t seed, ThreadPool& pool, double sink_mass = 0.2,
                        double concentration = 1.0) {
   SyntheticOptions o;
-  o.shape = shape_preset(shape);
+  o.shape = test_shape(shape);
   o.n_tokens = n_tokens;
   o.n_steps = 4;
   o.seed = seed;
@@ -163,28 +171,31 @@ double mean_jaccard(const GpuRun& g, const CpuRun& c) {
 TEST(CudaMethods, TacticAndPsaAtFullMassEqualDense) {
   CUMULUS_REQUIRE_GPU();
   ThreadPool pool(2);
-  const Workload wl = make_workload(3000, "smollm2-135m", 7, pool);
-  const int n_seqs = 2;
-  cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
-  const auto q = batch_queries(wl, n_seqs);
-  cuda::DeviceBuffer qd = cuda::to_device(q);
-  std::vector<float> dout, dlse;
-  dense_ref(wl, q, n_seqs, dout, dlse);
-  const Shape& sh = wl.w.options.shape;
-  std::vector<std::unique_ptr<cuda::SparseDecoder>> ms;
-  cuda::TacticGpuOptions to;
-  to.p = 1.0;
-  ms.push_back(cuda::make_tactic_gpu(dev.view(), sh.group(), to));
-  cuda::PsaGpuOptions po;
-  po.threshold = 1.0;
-  ms.push_back(cuda::make_psa_gpu(dev.view(), sh.group(), po));
-  for (auto& m : ms) {
-    m->prefill();
-    const GpuRun g = run_method(*m, dev.view(), wl, n_seqs, qd, dlse);
-    for (const auto& l : g.lists) EXPECT_EQ(static_cast<int>(l.size()), 3000) << m->name();
-    EXPECT_LT(norm_err(g.out.data(), dout.data(), dout.size()), 5e-5) << m->name();
-    for (float c : g.stats.claimed) EXPECT_NEAR(c, 1.0f, 1e-6) << m->name();
-    for (float x : g.mass) EXPECT_NEAR(x, 1.0f, 1e-4) << m->name();
+  for (const char* shape : {"smollm2-135m", "gemma3-270m"}) {
+    SCOPED_TRACE(shape);
+    const Workload wl = make_workload(3000, shape, 7, pool);
+    const int n_seqs = 2;
+    cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
+    const auto q = batch_queries(wl, n_seqs);
+    cuda::DeviceBuffer qd = cuda::to_device(q);
+    std::vector<float> dout, dlse;
+    dense_ref(wl, q, n_seqs, dout, dlse);
+    const Shape& sh = wl.w.options.shape;
+    std::vector<std::unique_ptr<cuda::SparseDecoder>> ms;
+    cuda::TacticGpuOptions to;
+    to.p = 1.0;
+    ms.push_back(cuda::make_tactic_gpu(dev.view(), sh.group(), to));
+    cuda::PsaGpuOptions po;
+    po.threshold = 1.0;
+    ms.push_back(cuda::make_psa_gpu(dev.view(), sh.group(), po));
+    for (auto& m : ms) {
+      m->prefill();
+      const GpuRun g = run_method(*m, dev.view(), wl, n_seqs, qd, dlse);
+      for (const auto& l : g.lists) EXPECT_EQ(static_cast<int>(l.size()), 3000) << m->name();
+      EXPECT_LT(norm_err(g.out.data(), dout.data(), dout.size()), 5e-5) << m->name();
+      for (float c : g.stats.claimed) EXPECT_NEAR(c, 1.0f, 1e-6) << m->name();
+      for (float x : g.mass) EXPECT_NEAR(x, 1.0f, 1e-4) << m->name();
+    }
   }
 }
 
@@ -198,7 +209,7 @@ TEST(CudaMethods, TacticMatchesCpuMethod) {
     int sinks, recent;
   };
   for (const Cfg& cfg : {Cfg{"smollm2-135m", 0, 0}, Cfg{"llama3-8b", 0, 0}, Cfg{"smollm2-135m", 4, 0},
-                         Cfg{"llama3-8b", 4, 64}}) {
+                         Cfg{"llama3-8b", 4, 64}, Cfg{"gemma3-270m", 0, 0}, Cfg{"gemma3-270m", 4, 0}}) {
     const char* shape = cfg.shape;
     const std::string what = fmt::format("{} sinks {} recent {}", shape, cfg.sinks, cfg.recent);
     const Workload wl = make_workload(4096, shape, 11, pool);
@@ -254,7 +265,8 @@ TEST(CudaMethods, TacticBucketRankingMatchesRadixSort) {
     double sink_mass, concentration;
   };
   for (const Cfg& cfg : {Cfg{"llama3-8b", 4096, 4096, 0.2, 1.0}, Cfg{"smollm2-135m", 3000, 2500, 0.2, 1.0},
-                         Cfg{"smollm2-135m", 4097, 4097, 0.9, 0.25}, Cfg{"llama3-8b", 255, 255, 0.2, 1.0}}) {
+                         Cfg{"smollm2-135m", 4097, 4097, 0.9, 0.25}, Cfg{"llama3-8b", 255, 255, 0.2, 1.0},
+                         Cfg{"gemma3-270m", 4096, 4000, 0.2, 1.0}}) {
     const Workload wl = make_workload(cfg.n, cfg.shape, 23, pool, cfg.sink_mass, cfg.concentration);
     const int n_seqs = 2;
     cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
@@ -337,65 +349,70 @@ TEST(CudaMethods, TacticAttendsTheTailAfterPrefill) {
 TEST(CudaMethods, PsaMatchesCpuMethod) {
   CUMULUS_REQUIRE_GPU();
   ThreadPool pool(2);
-  const Workload wl = make_workload(4096, "llama3-8b", 17, pool);
-  const int n_seqs = 2;
-  cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
-  const auto q = batch_queries(wl, n_seqs);
-  cuda::DeviceBuffer qd = cuda::to_device(q);
-  std::vector<float> dout, dlse;
-  dense_ref(wl, q, n_seqs, dout, dlse);
-  const Shape& sh = wl.w.options.shape;
-  for (int mb : {1, 4})
-    for (const char* crit : {"mean", "bound"}) {
-      cuda::PsaGpuOptions po;
-      po.threshold = 0.9;
-      po.microbatch = mb;
-      po.criticality = std::string(crit) == "mean" ? cuda::PageScoreKind::kMean : cuda::PageScoreKind::kBound;
-      auto m = cuda::make_psa_gpu(dev.view(), sh.group(), po);
-      const GpuRun g = run_method(*m, dev.view(), wl, n_seqs, qd, dlse);
-      const std::string what = fmt::format("psa microbatch {} {}", mb, crit);
-      expect_consistent(g, wl, q, n_seqs, what);
-      const CpuRun c = run_cpu("psa", {{"threshold", "0.9"}, {"microbatch", std::to_string(mb)}, {"criticality", crit}},
-                               wl, q, n_seqs, pool);
-      const double jac = mean_jaccard(g, c);
-      int close = 0;
-      for (size_t i = 0; i < c.claimed.size(); ++i) close += std::fabs(g.stats.claimed[i] - c.claimed[i]) < 1e-3;
-      EXPECT_GT(jac, 0.97) << what;
-      EXPECT_GE(close, static_cast<int>(0.95 * c.claimed.size())) << what;
-      std::printf("%s: mean Jaccard GPU vs CPU %.4f, claims within 1e-3: %d of %zu\n", what.c_str(), jac, close,
-                  c.claimed.size());
-    }
+  for (const char* shape : {"llama3-8b", "gemma3-270m"}) {
+    const Workload wl = make_workload(4096, shape, 17, pool);
+    const int n_seqs = 2;
+    cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
+    const auto q = batch_queries(wl, n_seqs);
+    cuda::DeviceBuffer qd = cuda::to_device(q);
+    std::vector<float> dout, dlse;
+    dense_ref(wl, q, n_seqs, dout, dlse);
+    const Shape& sh = wl.w.options.shape;
+    for (int mb : {1, 4})
+      for (const char* crit : {"mean", "bound"}) {
+        cuda::PsaGpuOptions po;
+        po.threshold = 0.9;
+        po.microbatch = mb;
+        po.criticality = std::string(crit) == "mean" ? cuda::PageScoreKind::kMean : cuda::PageScoreKind::kBound;
+        auto m = cuda::make_psa_gpu(dev.view(), sh.group(), po);
+        const GpuRun g = run_method(*m, dev.view(), wl, n_seqs, qd, dlse);
+        const std::string what = fmt::format("psa {} microbatch {} {}", shape, mb, crit);
+        expect_consistent(g, wl, q, n_seqs, what);
+        const CpuRun c = run_cpu("psa", {{"threshold", "0.9"}, {"microbatch", std::to_string(mb)}, {"criticality", crit}},
+                                 wl, q, n_seqs, pool);
+        const double jac = mean_jaccard(g, c);
+        int close = 0;
+        for (size_t i = 0; i < c.claimed.size(); ++i) close += std::fabs(g.stats.claimed[i] - c.claimed[i]) < 1e-3;
+        EXPECT_GT(jac, 0.97) << what;
+        EXPECT_GE(close, static_cast<int>(0.95 * c.claimed.size())) << what;
+        std::printf("%s: mean Jaccard GPU vs CPU %.4f, claims within 1e-3: %d of %zu\n", what.c_str(), jac, close,
+                    c.claimed.size());
+      }
+  }
 }
 
 TEST(CudaMethods, QuestAndOracleMatchCpuMethods) {
   CUMULUS_REQUIRE_GPU();
   ThreadPool pool(2);
-  const Workload wl = make_workload(4096, "llama3-8b", 19, pool);
-  const int n_seqs = 2;
-  cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
-  const auto q = batch_queries(wl, n_seqs);
-  cuda::DeviceBuffer qd = cuda::to_device(q);
-  std::vector<float> dout, dlse;
-  dense_ref(wl, q, n_seqs, dout, dlse);
-  const Shape& sh = wl.w.options.shape;
-  {
-    auto m = cuda::make_quest_gpu(dev.view(), sh.group(), 256);
-    const GpuRun g = run_method(*m, dev.view(), wl, n_seqs, qd, dlse);
-    expect_consistent(g, wl, q, n_seqs, "quest");
-    const CpuRun c = run_cpu("quest", {{"budget", "256"}}, wl, q, n_seqs, pool);
-    EXPECT_GT(mean_jaccard(g, c), 0.99);
-  }
-  {
-    auto m = cuda::make_oracle_topp_gpu(dev.view(), sh.group(), 0.9);
-    const GpuRun g = run_method(*m, dev.view(), wl, n_seqs, qd, dlse);
-    expect_consistent(g, wl, q, n_seqs, "oracle_topp");
-    const CpuRun c = run_cpu("oracle_topp", {{"p", "0.9"}}, wl, q, n_seqs, pool);
-    EXPECT_GT(mean_jaccard(g, c), 0.99);
-    for (size_t i = 0; i < c.claimed.size(); ++i) {
-      EXPECT_NEAR(g.stats.claimed[i], c.claimed[i], 1e-4);
-      EXPECT_GE(g.stats.claimed[i], 0.9f - 1e-5f);
-      // The union's true mass is at least each head's own claim.
-      EXPECT_GE(g.mass[i], g.stats.claimed[i] - 1e-4f);
+  for (const char* shape : {"llama3-8b", "gemma3-270m"}) {
+    SCOPED_TRACE(shape);
+    const Workload wl = make_workload(4096, shape, 19, pool);
+    const int n_seqs = 2;
+    cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
+    const auto q = batch_queries(wl, n_seqs);
+    cuda::DeviceBuffer qd = cuda::to_device(q);
+    std::vector<float> dout, dlse;
+    dense_ref(wl, q, n_seqs, dout, dlse);
+    const Shape& sh = wl.w.options.shape;
+    {
+      auto m = cuda::make_quest_gpu(dev.view(), sh.group(), 256);
+      const GpuRun g = run_method(*m, dev.view(), wl, n_seqs, qd, dlse);
+      expect_consistent(g, wl, q, n_seqs, "quest");
+      const CpuRun c = run_cpu("quest", {{"budget", "256"}}, wl, q, n_seqs, pool);
+      EXPECT_GT(mean_jaccard(g, c), 0.99);
     }
+    {
+      auto m = cuda::make_oracle_topp_gpu(dev.view(), sh.group(), 0.9);
+      const GpuRun g = run_method(*m, dev.view(), wl, n_seqs, qd, dlse);
+      expect_consistent(g, wl, q, n_seqs, "oracle_topp");
+      const CpuRun c = run_cpu("oracle_topp", {{"p", "0.9"}}, wl, q, n_seqs, pool);
+      EXPECT_GT(mean_jaccard(g, c), 0.99);
+      for (size_t i = 0; i < c.claimed.size(); ++i) {
+        EXPECT_NEAR(g.stats.claimed[i], c.claimed[i], 1e-4);
+        EXPECT_GE(g.stats.claimed[i], 0.9f - 1e-5f);
+        // The union's true mass is at least each head's own claim.
+        EXPECT_GE(g.mass[i], g.stats.claimed[i] - 1e-4f);
+      }
   }
+}
 }

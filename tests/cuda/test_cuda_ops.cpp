@@ -21,7 +21,7 @@ TEST(CudaScoring, PageAndTokenScoresMatchReference) {
   CUMULUS_REQUIRE_GPU();
   std::mt19937 rng(11);
   for (DType dt : {DType::f16, DType::bf16})
-    for (int d : {64, 128})
+    for (int d : {64, 128, 256})
       for (int ps : {1, 16, 64}) {
         const int n_kv = 2, group = 3, n_q = n_kv * group;
         std::vector<KvCache> seqs;
@@ -184,7 +184,7 @@ TEST(CudaSelection, TopKAndTopMassMatchReferenceSets) {
 TEST(CudaKmeans, AssignUpdateAndScoreMatchReference) {
   CUMULUS_REQUIRE_GPU();
   std::mt19937 rng(41);
-  for (int dim : {8, 64, 128})
+  for (int dim : {8, 64, 128, 256})
     for (int n : {1, 17, 255, 4097})
       for (int k : {1, 3, 16, 200}) {
         // Points around k' cluster centres so assignments are meaningful; never zero.
