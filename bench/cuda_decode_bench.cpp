@@ -255,6 +255,7 @@ json run_dense(const Problem& pb, const std::vector<std::string>& specs, cuda::S
               {"max_chunk", po.max_chunk}, {"min_chunk", po.min_chunk}};
     try {
       cuda::AttentionPlan plan(kv, pb.group, po);
+      v["warps_run"] = plan.warps();  // fewer than asked where the rings do not fit (head_dim 256)
       cuda::DeviceDecodeArgs a;
       a.kv = kv;
       a.group = pb.group;
@@ -461,6 +462,36 @@ json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Time
       if (last) {
         cuda::Graph g = cuda::Graph::capture(st.handle(), [&] { cuda::attention_decode(a, plan, st.handle()); });
         dense_us = median(timer.run(g));
+        lj["dense_default_us"] = dense_us;
+        lj["dense_default_warps"] = plan.warps();
+        // The dense plans of --dense-plans on the last step too, each checked against the
+        // float64 reference over the same n_j tokens; the fastest valid one is "dense".
+        std::vector<PagedHeadView> vj = views;
+        for (auto& v : vj) v.n_tokens = n_j;
+        std::vector<float> ref_out(nq * d), ref_lse(nq);
+        DecodeAttnArgs ra;
+        ra.kv = vj.data();
+        ra.n_kv_heads = t.n_kv_heads;
+        ra.group = group;
+        ra.scale = attention_scale(d);
+        ra.q = t.q[li].data() + static_cast<size_t>(j) * nq * d;
+        ra.out = ref_out.data();
+        ra.lse = ref_lse.data();
+        ref::attention_decode_dense(ra);
+        cuda::DeviceBuffer pout(nq * d * sizeof(float)), plse(nq * sizeof(float));
+        double best_us = 0;
+        cuda::AttentionPlanOptions best_opts;
+        lj["dense_plans"] = run_dense(pb, o.dense_plans, st, timer, pout, plse, copy_gbps, ref_out, best_us, best_opts);
+        for (const auto& v : lj["dense_plans"]["variants"])
+          if (v.contains("error"))
+            fmt::print("  layer {:>2}: dense {:<10} error: {}\n", t.layers[li], v["plan"].get<std::string>(),
+                       v["error"].get<std::string>());
+          else
+            fmt::print("  layer {:>2}: dense {:<10} {:8.1f} us  {:5.1f}% of copy  {} warps  err vs float64 {:.1e}{}\n",
+                       t.layers[li], v["plan"].get<std::string>(), v["us_median"].get<double>(),
+                       v["pct_copy"].get<double>(), v["warps_run"].get<int>(), v["err_vs_ref_seq0"].get<double>(),
+                       v["valid"].get<bool>() ? "" : "  INVALID");
+        if (best_us < 1e300) dense_us = std::min(dense_us, best_us);
       }
       for (const auto& name : o.methods) {
         Accuracy acc;

@@ -11,8 +11,11 @@ reads 4x the bytes), labelled as such. The device-to-device copy bandwidth is me
 this process too. Each backend's output is checked against float32 math on the same inputs.
 
 Usage: torch_sdpa_bench.py [--contexts 8192,32768,131072] [--batches 1,16] [--iters 30]
-                           [--warmup 5] [--backends flash,cudnn,efficient] [--json PATH]
-(--backends narrows the run, e.g. to profile one backend's kernels under Nsight Compute.)
+                           [--warmup 5] [--backends flash,cudnn,efficient] [--shape 32,8,128]
+                           [--json PATH]
+(--backends narrows the run, e.g. to profile one backend's kernels under Nsight Compute;
+--shape QUERY_HEADS,KV_HEADS,HEAD_DIM another model's decode shape, e.g. 4,1,256 for Gemma 3
+270M's global layers.)
 """
 import argparse
 import json
@@ -89,6 +92,7 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--backends", default="flash,cudnn,efficient")
+    ap.add_argument("--shape", default="32,8,128", help="query heads, kv heads, head_dim")
     ap.add_argument("--json", default="torch_sdpa.json")
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -100,7 +104,9 @@ def main():
                       "counted": "read + write"}
     print(f"torch {torch.__version__} on {props.name}: device-to-device copy {copy_gbps:.0f} GB/s")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    hq, hkv, d = 32, 8, 128
+    hq, hkv, d = (int(x) for x in a.shape.split(","))
+    assert hq % hkv == 0, f"--shape {a.shape}: query heads must be a multiple of kv heads"
+    report["shape"] = {"n_q_heads": hq, "n_kv_heads": hkv, "head_dim": d}
     backends = [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
                 ("efficient", SDPBackend.EFFICIENT_ATTENTION)]
     wanted = a.backends.split(",")
