@@ -256,6 +256,7 @@ json run_dense(const Problem& pb, const std::vector<std::string>& specs, cuda::S
     try {
       cuda::AttentionPlan plan(kv, pb.group, po);
       v["warps_run"] = plan.warps();  // fewer than asked where the rings do not fit (head_dim 256)
+      v["tensor_cores_run"] = plan.tensor_cores();  // false at head_dim 256
       cuda::DeviceDecodeArgs a;
       a.kv = kv;
       a.group = pb.group;
@@ -487,9 +488,10 @@ json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Time
             fmt::print("  layer {:>2}: dense {:<10} error: {}\n", t.layers[li], v["plan"].get<std::string>(),
                        v["error"].get<std::string>());
           else
-            fmt::print("  layer {:>2}: dense {:<10} {:8.1f} us  {:5.1f}% of copy  {} warps  err vs float64 {:.1e}{}\n",
+            fmt::print("  layer {:>2}: dense {:<10} {:8.1f} us  {:5.1f}% of copy  ran {} {} warps  err vs float64 {:.1e}{}\n",
                        t.layers[li], v["plan"].get<std::string>(), v["us_median"].get<double>(),
-                       v["pct_copy"].get<double>(), v["warps_run"].get<int>(), v["err_vs_ref_seq0"].get<double>(),
+                       v["pct_copy"].get<double>(), v["tensor_cores_run"].get<bool>() ? "tensor cores" : "SIMT",
+                       v["warps_run"].get<int>(), v["err_vs_ref_seq0"].get<double>(),
                        v["valid"].get<bool>() ? "" : "  INVALID");
         if (best_us < 1e300) dense_us = std::min(dense_us, best_us);
       }

@@ -153,7 +153,7 @@ std::vector<Case> cases() {
       {DType::bf16, 64, 2, 8, 64, {4097, 15}},
       {DType::f16, 128, 1, 9, 16, {3, 255}},
       // head_dim 256 (Gemma 3): tiles of 4 heads only, so group 1 runs masked in one and
-      // group 8 in two; tensor cores with 8 warps fall back to 4 (AttentionPlan::warps).
+      // group 8 in two; the CUDA-core kernel whatever options.tensor_cores says.
       {DType::f16, 256, 1, 4, 16, {1, 3, 15, 16, 17, 4097}},
       {DType::bf16, 256, 2, 1, 64, {255, 16}},
       {DType::bf16, 256, 1, 4, 1, {4097, 17}},
@@ -268,29 +268,30 @@ TEST(CudaAttention, LongChunksMatchReference) {
 }
 
 // The plan keeps options.warps where the rings fit the device's shared memory and takes
-// fewer where they do not (head_dim 256: a tensor-core warp's ring is 50.7 KB, so 8 warps
-// never fit and 4 do on an sm_80 or sm_90 GPU).
-TEST(CudaAttention, PlanFitsItsWarpsToSharedMemory) {
+// fewer where they do not (head_dim 256: a warp's ring is 25.3 KB, so 8 warps fit an H100
+// but not an A100; 4 fit both); head_dim 256 runs the CUDA-core kernel even when tensor
+// cores are asked for.
+TEST(CudaAttention, PlanFitsItsKernelAndWarpsToTheDevice) {
   CUMULUS_REQUIRE_GPU();
   std::mt19937 rng(808);
   for (int d : {128, 256}) {
     std::vector<KvCache> seqs;
     seqs.push_back(random_cache(1, d, 100, DType::f16, 16, rng));
     cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload(views_of(seqs));
-    for (int warps : {2, 4, 8}) {
-      cuda::AttentionPlanOptions po;
-      po.warps = warps;
-      po.tensor_cores = true;
-      cuda::AttentionPlan tc(dev.view(), 4, po);
-      EXPECT_EQ(tc.warps(), d == 256 ? std::min(warps, 4) : warps) << "d " << d << " tensor cores, warps " << warps;
-      po.tensor_cores = false;
-      cuda::AttentionPlan simt(dev.view(), 4, po);
-      EXPECT_GE(simt.warps(), std::min(warps, 4)) << "d " << d << " SIMT, warps " << warps;
-      EXPECT_LE(simt.warps(), warps);
-      if (d == 128) {
-        EXPECT_EQ(simt.warps(), warps);
+    for (bool tc : {true, false})
+      for (int warps : {2, 4, 8}) {
+        cuda::AttentionPlanOptions po;
+        po.warps = warps;
+        po.tensor_cores = tc;
+        cuda::AttentionPlan plan(dev.view(), 4, po);
+        const std::string what = fmt::format("d {} tensor cores {} warps {}", d, tc, warps);
+        EXPECT_EQ(plan.tensor_cores(), tc && d == 128) << what;
+        EXPECT_LE(plan.warps(), warps) << what;
+        EXPECT_GE(plan.warps(), std::min(warps, 4)) << what;
+        if (d == 128) {
+          EXPECT_EQ(plan.warps(), warps) << what;
+        }
       }
-    }
   }
 }
 

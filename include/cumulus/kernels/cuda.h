@@ -234,7 +234,8 @@ struct AttentionPlanOptions {
   int min_chunk = 0;     // fewest list entries per CTA; 0 = 2 warp blocks per warp
   // Both kernels stream K/V through a per-warp shared-memory ring (cp.async, 3 blocks in
   // flight). true: scores and outputs on tensor cores (mma.sync, split 16-bit operands,
-  // float32 accuracy); false: CUDA-core FMAs.
+  // float32 accuracy); false: CUDA-core FMAs. Head_dim 256 always runs the CUDA-core
+  // kernel (the tensor-core one spills there; AttentionPlan::tensor_cores() says which ran).
   bool tensor_cores = true;
   int max_chunk = 0;     // most list entries per CTA; 0 = 32768
   // Work stealing: a chunk is a CTA's starting point; its warps claim units of 4 blocks
@@ -270,9 +271,11 @@ class AttentionPlan {
   // the earliest start (-1: that CTA slot did not run). Synchronises `stream`.
   std::vector<int64_t> timeline(void* stream = nullptr) const;
   // Warps per CTA the plan runs: options.warps, or fewer where their rings would not fit
-  // the device's shared memory (head_dim 256: tensor cores at most 4 warps, SIMT 8 on an
-  // H100 and 4 on an A100).
+  // the device's shared memory (head_dim 256: 8 on an H100, 4 on an A100).
   int warps() const;
+  // Whether the plan runs the tensor-core kernel: options.tensor_cores, except at head_dim
+  // 256, which runs the CUDA-core kernel.
+  bool tensor_cores() const;
 
   struct Impl;
   Impl* impl() const { return impl_; }

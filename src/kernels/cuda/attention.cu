@@ -328,7 +328,11 @@ __device__ void attn_merge(const AttnParams& p, const AttnWork& w, int first, in
       }
       __syncthreads();
       if (active) {
-        constexpr int kU = 8;
+        // Partials loaded before any is added: 8, or 16 at head_dim 256, where one thread
+        // owns each column of the [4][256] output and walks every partial (Gemma 3's one kv
+        // head at 32K: ~130 partials, whose rounds of dependent loads took ~14 us of a 43 us
+        // step with 8).
+        constexpr int kU = D >= 256 ? 16 : 8;
         for (int c = grp; c < n_tile; c += kU * groups) {
           float4 v[kU];
           float wt[kU];
@@ -746,16 +750,6 @@ struct MmaOps<__half> {
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-  // The same with rows 8..15 of A zero and only rows 0..7 of the result kept: c holds the
-  // accumulator of row r (c0, c1); the other two inputs are zero and the outputs dropped.
-  static __device__ __forceinline__ void mma_top(float (&c)[2], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "{\n.reg .f32 z2, z3;\n"
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,z2,z3}, {%2,%3,%4,%5}, {%6,%7}, "
-        "{%0,%1,%8,%8};\n}\n"
-        : "+f"(c[0]), "+f"(c[1])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
-  }
 };
 template <>
 struct MmaOps<__nv_bfloat16> {
@@ -774,25 +768,7 @@ struct MmaOps<__nv_bfloat16> {
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-  // The same with rows 8..15 of A zero and only rows 0..7 of the result kept: c holds the
-  // accumulator of row r (c0, c1); the other two inputs are zero and the outputs dropped.
-  static __device__ __forceinline__ void mma_top(float (&c)[2], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "{\n.reg .f32 z2, z3;\n"
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,z2,z3}, {%2,%3,%4,%5}, {%6,%7}, "
-        "{%0,%1,%8,%8};\n}\n"
-        : "+f"(c[0]), "+f"(c[1])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
-  }
 };
-
-// O += P V into an accumulator of 4 registers (rows r and r + 8 of the mma) or of 2 (row r
-// alone: mma_top).
-template <class Ops, int N>
-__device__ __forceinline__ void mma_acc(float (&c)[N], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (N == 4) Ops::mma(c, a, b0, b1);
-  else Ops::mma_top(c, a, b0, b1);
-}
 
 // x ~= sum of NS packed pairs: part k = round(x - parts 0..k-1).
 template <class T>
@@ -823,7 +799,7 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem, 
 // head, columns 2 (lane % 4) + {0, 1} the tokens), then O += P V with P taken straight from
 // those fragments as the A operand (D/8 n8 tiles). G <= 8 heads use rows 0..7 of the 16.
 template <int D, class T, int G>
-__global__ void __launch_bounds__(kMaxWarps * 32, 1) attention_mma_kernel(AttnParams p) {
+__global__ void __launch_bounds__(kMaxWarps * 32) attention_mma_kernel(AttnParams p) {
   using S = MmaShape<D>;
   using Ops = MmaOps<T>;
   constexpr int TPL = S::kTokPerLoad, U = S::kUnroll, BT = S::kBlock, NS = Ops::kSplits;
@@ -842,13 +818,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) attention_mma_kernel(AttnPa
   const bool head_ok = r < G && qi < p.group;
   // A fragments of Q: a0 = (row r, dims 16 ks + 2c, +1), a2 = (row r, dims + 8); rows 8..15
   // (a1, a3) are zero.
-  // They live in registers, or at head_dim 256 in shared memory after the rings (q_smem
-  // [NS][KS][32 lanes] uint2 = (a0, a2), each lane reading its own; 8 KB f16, 12 KB bf16,
-  // written by warp 0): in registers their 64 (f16) or 96 (bf16) would spill.
-  constexpr bool kQSmem = D >= 256;
-  uint32_t qa[kQSmem ? 1 : NS][kQSmem ? 1 : KS][2];
-  uint2* q_smem = reinterpret_cast<uint2*>(dyn_smem + static_cast<size_t>(warps) * kStages * stage_bytes<D, BT>());
-  if (!kQSmem || warp == 0) {
+  uint32_t qa[NS][KS][2];
+  {
     const size_t qh = static_cast<size_t>(w.seq) * p.n_kv * p.group + static_cast<size_t>(w.h) * p.group + qi;
     const float* qrow = p.q + qh * D;
 #pragma unroll
@@ -860,25 +831,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) attention_mma_kernel(AttnPa
         uint32_t parts[NS];
         split_pack<T>(x0, x1, parts);
 #pragma unroll
-        for (int k = 0; k < NS; ++k) {
-          if constexpr (kQSmem)
-            reinterpret_cast<uint32_t*>(q_smem + (k * KS + ks) * 32 + lane)[half] = parts[k];
-          else
-            qa[k][ks][half] = parts[k];
-        }
+        for (int k = 0; k < NS; ++k) qa[k][ks][half] = parts[k];
       }
   }
-  if constexpr (kQSmem) __syncthreads();
-  // Output accumulators, an n8 tile of dimensions each: the mma's 4 registers (rows r and
-  // r + 8; rows 8..15 stay zero) or, at head_dim 256, only the 2 of row r (mma_top): 64
-  // registers less, so Q's fragments, the accumulators and the pipeline's 16 rows per lane
-  // fit the 255 registers a thread may have.
-  constexpr int kAcc = D >= 256 ? 2 : 4;
-  float o[D / 8][kAcc];
+  float o[D / 8][4];
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
-    for (int e = 0; e < kAcc; ++e) o[nt][e] = 0.0f;
+    for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
   float m = -INFINITY, l = 0.0f;
   const int32_t* pt = p.page_table + (static_cast<size_t>(w.seq) * p.n_kv + w.h) * p.max_pages;
   const int32_t* idx = p.idx != nullptr ? p.idx + (static_cast<size_t>(w.seq) * p.n_kv + w.h) * p.idx_stride : nullptr;
@@ -899,13 +859,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) attention_mma_kernel(AttnPa
           ldmatrix_x4(kb, ks_base + ks * 32, false);
 #pragma unroll
           for (int k = 0; k < NS; ++k) {
-            uint32_t a[4];
-            if constexpr (kQSmem) {
-              const uint2 x = q_smem[(k * KS + ks) * 32 + lane];
-              a[0] = x.x, a[1] = 0u, a[2] = x.y, a[3] = 0u;
-            } else {
-              a[0] = qa[k][ks][0], a[1] = 0u, a[2] = qa[k][ks][1], a[3] = 0u;
-            }
+            const uint32_t a[4] = {qa[k][ks][0], 0u, qa[k][ks][1], 0u};
             Ops::mma(sc[0], a, kb[0], kb[1]);
             Ops::mma(sc[1], a, kb[2], kb[3]);
           }
@@ -950,8 +904,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) attention_mma_kernel(AttnPa
 #pragma unroll
           for (int k = 0; k < NS; ++k) {
             const uint32_t a[4] = {pa0[k], 0u, pa2[k], 0u};
-            mma_acc<Ops>(o[2 * vs], a, vb[0], vb[1]);
-            mma_acc<Ops>(o[2 * vs + 1], a, vb[2], vb[3]);
+            Ops::mma(o[2 * vs], a, vb[0], vb[1]);
+            Ops::mma(o[2 * vs + 1], a, vb[2], vb[3]);
           }
         }
       });
@@ -982,8 +936,12 @@ using AttnKernel = void (*)(AttnParams);
 
 // Instantiated for head tiles of 1, 4 and 8 query heads (a group of 2 or 3 runs in a tile
 // of 4 with the rest masked), head_dim 64 and 128, f16 and bf16, SIMT and tensor cores:
-// 24 kernels per architecture; and head_dim 256 (Gemma) in tiles of 4 heads only, any group
-// (1 masked to a tile of 4, 8 as two tiles): 4 more, compile time kept down.
+// 24 kernels per architecture. Head_dim 256 (Gemma 3): SIMT only, in tiles of 4 heads (a
+// group of 1 masked in one, 8 as two tiles): 2 more. The tensor-core kernel does not hold
+// 256 dimensions in registers: Q's split fragments (64 or 96 registers), 32 n8 output
+// tiles and the pipeline's 16 rows per lane spilled 330-870 bytes per thread even with Q in
+// shared memory and half the accumulators, and ran 2.6x slower than SIMT on an H100
+// (Gemma 3 32K: 114 vs 44 us); AttentionPlan runs SIMT there instead.
 template <int D, class T, int G>
 AttnKernel attn_kernel_ptr(bool mma) {
   return mma ? attention_mma_kernel<D, T, G> : attention_simt_kernel<D, T, G>;
@@ -1003,7 +961,7 @@ AttnKernel pick_d(int d, int g, bool mma) {
   switch (d) {
     case 64: return pick_g<64, T>(g, mma);
     case 128: return pick_g<128, T>(g, mma);
-    default: return attn_kernel_ptr<256, T, 4>(mma);  // tile_heads: 4 at head_dim 256
+    default: return attention_simt_kernel<256, T, 4>;  // tile_heads: 4; no tensor cores (above)
   }
 }
 
@@ -1051,7 +1009,7 @@ AttentionPlan::AttentionPlan(const DeviceKvView& kv, int group, const AttentionP
   CUMULUS_CHECK(im->n_lists <= kMaxLists,
                 "n_seqs={} x n_kv_heads={} x head tiles={} = {} lists exceed the kernel's limit of {}", kv.n_seqs,
                 kv.n_kv_heads, im->n_tiles, im->n_lists, kMaxLists);
-  im->mma = o.tensor_cores;
+  im->mma = o.tensor_cores && kv.head_dim <= 128;  // head_dim 256: SIMT (see attn_kernel_ptr)
   im->kernel = kv.dtype == DType::f16 ? pick_d<__half>(kv.head_dim, im->g, im->mma)
                                       : pick_d<__nv_bfloat16>(kv.head_dim, im->g, im->mma);
   // Dynamic shared memory: the warps' cp.async rings; the warps' results and the merge
@@ -1061,18 +1019,13 @@ AttentionPlan::AttentionPlan(const DeviceKvView& kv, int group, const AttentionP
                                   static_cast<size_t>(warps) * 32 * 4 * sizeof(float));
     const size_t ring = static_cast<size_t>(warps) * kStages * 2 * block_tokens(kv.head_dim, im->g, im->mma) *
                         (kv.head_dim + 8) * 2;  // padded rows of 16-bit values
-    // Tensor cores at head_dim 256: Q's fragments after the rings, [splits][D / 16][32] uint2.
-    const size_t q_frag = im->mma && kv.head_dim >= 256
-                              ? static_cast<size_t>(kv.dtype == DType::f16 ? 2 : 3) * (kv.head_dim / 16) * 32 * 8
-                              : 0;
-    return std::max(merge, ring + q_frag);
+    return std::max(merge, ring);
   };
-  // The rings must fit one multiprocessor's shared memory. At head_dim 256 a warp's ring
-  // holds 3 blocks of 512-byte K and V rows: 50.7 KB on tensor cores (16 tokens a block),
-  // 25.3 KB SIMT (8), so 8 warps of tensor cores (405 KB) fit no GPU and 8 SIMT warps (203
-  // KB) fit an H100 (227 KB) but not an A100 (163 KB). The plan then takes the most warps
-  // of 8, 4, 2, at most options.warps, whose rings fit (warps() says which); at head_dim 64
-  // and 128 every option fits.
+  // The rings must fit one multiprocessor's shared memory. At head_dim 256 a SIMT warp's
+  // ring holds 3 blocks of 8 tokens' 512-byte K and V rows, 25.3 KB: 8 warps (203 KB) fit
+  // an H100 (227 KB) but not an A100 (163 KB). The plan then takes the most warps of 8, 4,
+  // 2, at most options.warps, whose rings fit (warps() says which); at head_dim 64 and 128
+  // every option fits.
   cudaFuncAttributes fa{};
   CUMULUS_CUDA_CHECK(cudaFuncGetAttributes(&fa, reinterpret_cast<const void*>(im->kernel)));
   int dev = 0, optin = 0;
@@ -1122,6 +1075,7 @@ AttentionPlan::AttentionPlan(const DeviceKvView& kv, int group, const AttentionP
 AttentionPlan::~AttentionPlan() { delete impl_; }
 
 int AttentionPlan::warps() const { return impl_->warps; }
+bool AttentionPlan::tensor_cores() const { return impl_->mma; }
 
 void AttentionPlan::check(void* stream) {
   CUMULUS_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
