@@ -2,7 +2,7 @@
 """PyTorch's dense decode attention on the GPU, the yardstick of bench/cuda_decode_bench.cpp.
 
 torch.nn.functional.scaled_dot_product_attention with each backend that runs (flash,
-cuDNN, memory-efficient) on the llama3-8b decode shape: q [B, 32, 1, 128], K/V
+cuDNN, memory-efficient) on the llama3-8b decode shape by default: q [B, 32, 1, 128], K/V
 [B, 8, n, 128] f16, enable_gqa=True (each K/V head read once for its 4 query heads). Timed
 like our benchmark: a CUDA graph of one call replayed between two events, each replay
 preceded (outside the events) by a 256 MiB fill that evicts the L2; warm-up, then the median.

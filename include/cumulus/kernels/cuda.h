@@ -179,7 +179,7 @@ struct DeviceKvView {
 };
 
 // Head dims the CUDA decode kernels are built for: 64, 128 and 256 (the prefill kernels:
-// 64 and 128, checked by cuda_prefill.h).
+// 64 and 128, checked by the functions of cuda_prefill.h).
 bool head_dim_supported_cuda(int head_dim);
 
 // Owns the device copy of DeviceKvView's arrays.
