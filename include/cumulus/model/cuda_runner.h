@@ -1,0 +1,36 @@
+// The model runtime on the GPU (src/model/cuda, docs/cuda.md "Model runtime"): a Llama
+// forward pass with the weights on the device in f16, cuBLAS for the products, the KV cache
+// of every layer in a DeviceKvCache filled on the device, dense attention. Built only with
+// CUMULUS_CUDA=ON (the library cumulus_model_cuda); plain C++, no CUDA type in sight.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "cumulus/model/model_weights.h"
+#include "cumulus/model/runner.h"
+#include "cumulus/model/session.h"
+
+namespace cumulus {
+
+// Device memory a CUDA runner of this model and these options needs: weights (f16), the KV
+// cache of every layer for the context (SessionOptions::max_tokens, 0 = the model's), and
+// the scratch of a prefill chunk.
+size_t cuda_runner_bytes(const ModelConfig& config, const SessionOptions& options);
+
+// Throws Error naming the reason when a CUDA runner cannot run this model with these options:
+// no CUDA device; an architecture or feature not on the GPU yet (gemma3); a decode or
+// prefill method other than dense, or eval mode ("not yet on cuda"); a KV dtype other than
+// f16/bf16; or a context whose memory (cuda_runner_bytes) exceeds the device's free memory
+// (the error gives both). Reads no weights: commands call it before loading the model.
+void cuda_runner_check(const ModelConfig& config, const SessionOptions& options);
+
+// The runner (cuda_runner_check first); `weights` must outlive it. Matrices of any storage
+// (F32, F16, BF16, the block formats) are dequantised on the host and converted to f16.
+std::unique_ptr<ModelRunner> model_runner_cuda(const ModelWeights& weights, const SessionOptions& options);
+
+// "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs, 79.2 GiB)" or the reason there is none.
+std::string cuda_device_summary();
+
+}  // namespace cumulus
