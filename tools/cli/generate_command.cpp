@@ -31,6 +31,7 @@
 #include "cumulus/model/gguf.h"
 #include "cumulus/model/model_identity.h"
 #include "cumulus/model/model_weights.h"
+#include "cumulus/model/runner.h"
 #include "cumulus/model/sampler.h"
 #include "cumulus/model/session.h"
 #include "cumulus/model/text.h"
@@ -55,6 +56,7 @@ struct GenerateOptions {
   bool eval = false;
   bool quiet = false;
   std::string weights = "compact";
+  std::string device = "cpu";  // --device: cpu or cuda (device.cpp)
   std::string kv_save, kv_load;  // KV snapshot written after the prefill / loaded instead of it
   // --bench
   bool bench = false;
@@ -99,7 +101,8 @@ RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector
   SessionOptions so = session_options(o, spec.method, spec.params);
   so.eval = o.eval;
   if (kvs.save_pending) so.keep_prompt_queries = kKvSnapshotPromptQueries;  // for later runs' methods
-  Session s(w, so);
+  const std::unique_ptr<ModelRunner> runner = runner_make(o.device, w, so);
+  ModelRunner& s = *runner;
   CUMULUS_CHECK(static_cast<int64_t>(prompt.size()) + o.max_tokens <= s.capacity(),
                 "prompt of {} tokens + --max-tokens {} exceeds the model's context of {} tokens", prompt.size(),
                 o.max_tokens, s.capacity());
@@ -108,14 +111,15 @@ RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector
 
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
-  const std::vector<float>* logits = kvs.load ? &s.kv_load(*kvs.load, kvs.model_id) : &s.prefill(prompt);
+  // --kv-load / --kv-save run on the CPU only (generate_validate).
+  const std::vector<float>* logits = kvs.load ? &s.session()->kv_load(*kvs.load, kvs.model_id) : &s.prefill(prompt);
   r.prefill_s = std::chrono::duration<double>(clock::now() - t0).count();
   if (kvs.load)
     fmt::print(stderr, "kv-load: {} tokens from {} ({:.1f} MB) in {:.3f} s\n", prompt.size(), o.kv_load,
                kvs.load->file_bytes() / 1e6, r.prefill_s);
   if (kvs.save_pending) {
     const auto ts = clock::now();
-    s.kv_save(o.kv_save, kvs.model_id);
+    s.session()->kv_save(o.kv_save, kvs.model_id);
     kvs.save_pending = false;
     fmt::print(stderr, "kv-save: {} tokens to {} in {:.3f} s (prefill {:.3f} s)\n", prompt.size(), o.kv_save,
                std::chrono::duration<double>(clock::now() - ts).count(), r.prefill_s);
@@ -136,7 +140,7 @@ RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector
   r.decode_s = std::chrono::duration<double>(clock::now() - t1).count();
   if (!o.quiet) fmt::print("\n");
   r.summary = s.summary();
-  r.prefill_stats = s.prefill_method().stats();
+  r.prefill_stats = s.prefill_stats();
   return r;
 }
 
@@ -331,6 +335,17 @@ std::vector<MethodSpec> generate_validate(const GenerateOptions& o, KvSnapshotUs
 
   const ModelConfig c = eval_model_check(o.model, o.tokenizer);
   const int ctx = c.context_length;
+  if (o.device != "cpu") {
+    CUMULUS_CHECK(o.device == "cuda", "--device={} must be cpu or cuda", o.device);
+    CUMULUS_CHECK(!o.bench, "--device cuda: --bench is not yet on cuda (bench/cuda_model_bench measures the GPU)");
+    CUMULUS_CHECK(o.kv_save.empty() && o.kv_load.empty(), "--device cuda: --kv-save/--kv-load are not yet on cuda");
+    // Every method of the run, and the memory of the model's whole context, before loading.
+    for (const MethodSpec& spec : specs) {
+      SessionOptions so = session_options(o, spec.method, spec.params);
+      so.eval = o.eval;
+      device_check(o.device, c, so);
+    }
+  }
   if (o.bench) {
     for (int n : o.bench_contexts)
       CUMULUS_CHECK(static_cast<int64_t>(n) + o.bench_decode <= ctx,
@@ -426,6 +441,8 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--temperature", o->temperature, "0 = greedy")->capture_default_str();
   cmd->add_option("--top-p", o->top_p, "nucleus sampling")->capture_default_str();
   cmd->add_option("--seed", o->seed, "sampling seed")->check(seed_check())->capture_default_str();
+  cmd->add_option("--device", o->device, "cpu or cuda (a CUDA build with a GPU; dense attention)")
+      ->capture_default_str();
   cmd->add_flag("--eval", o->eval, "also measure the true mass of every attended set (slower)");
   cmd->add_flag("--quiet", o->quiet, "do not print the generated text");
   cmd->add_option("--weights", o->weights, "compact (keep Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K quantised) or f32 (dequantise all)")
