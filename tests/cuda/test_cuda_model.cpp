@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -177,6 +178,13 @@ TEST_F(CudaStories260K, RestartDecodeRepeatsTheContinuation) {
   EXPECT_EQ(gpu->position(), 100);
   for (int i = 0; i < 20; ++i) EXPECT_EQ(gpu->decode(ids[100 + i]), first[i]) << "step " << i;
   EXPECT_THROW(gpu->restart_decode("tactic", {}), Error);
+  // The decode step replayed as a CUDA graph (the default) equals it launched kernel by
+  // kernel (CUMULUS_CUDA_GRAPHS=0), bit for bit.
+  ::setenv("CUMULUS_CUDA_GRAPHS", "0", 1);
+  auto direct = model_runner_cuda(*weights_, {});
+  ::unsetenv("CUMULUS_CUDA_GRAPHS");
+  direct->prefill(prompt);
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(direct->decode(ids[100 + i]), first[i]) << "step " << i << " without a graph";
 }
 
 TEST(CudaModel, Llama3ShapedRandomWeightsMatchTheCpu) {
@@ -241,4 +249,14 @@ TEST(CudaModel, Llama3ShapedRandomWeightsMatchTheCpu) {
   report("llama3-shaped random (2 layers, head_dim 128, GQA 4:1), 1000-token prompt", cm);
   EXPECT_EQ(cm.top1_agree, cm.positions);
   EXPECT_LT(cm.max_abs, 0.05 * cm.max_logit);
+  // A second GPU run launched kernel by kernel instead of as a graph: how far two GPU runs
+  // are apart (printed; the split-KV merge may add in another order).
+  ::setenv("CUMULUS_CUDA_GRAPHS", "0", 1);
+  auto direct = model_runner_cuda(w, o);
+  ::unsetenv("CUMULUS_CUDA_GRAPHS");
+  auto gpu2 = model_runner_cuda(w, o);
+  const Comparison cg = compare_runs(*direct, *gpu2, prompt, forced);
+  report("llama3-shaped random: GPU without a graph vs GPU with one", cg);
+  EXPECT_EQ(cg.top1_agree, cg.positions);
+  EXPECT_LT(cg.max_abs, 1e-3 * cg.max_logit);
 }

@@ -215,6 +215,9 @@ class DeviceKvCache {
   // the host copy of the counts advances too, and must stay within what reserve() gave.
   //   k, v: [n_seqs][n_new][n_kv_heads][head_dim] float32, device pointers
   void append(const float* k, const float* v, int n_new, void* stream = nullptr);
+  // An append() captured in a CUDA graph, replayed: advances the host copy of the counts as
+  // append() does, with its checks, and enqueues nothing (the graph does the device work).
+  void append_replayed(int n_new);
   // Drops the tokens of sequence s from n on (KvCache::truncate): their rows become zero,
   // the statistics of the page cut short are recomputed, pages past it go back to the pool.
   // Synchronous.

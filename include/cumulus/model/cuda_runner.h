@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -26,9 +27,26 @@ size_t cuda_runner_bytes(const ModelConfig& config, const SessionOptions& option
 // (the error gives both). Reads no weights: commands call it before loading the model.
 void cuda_runner_check(const ModelConfig& config, const SessionOptions& options);
 
-// The runner (cuda_runner_check first); `weights` must outlive it. Matrices of any storage
-// (F32, F16, BF16, the block formats) are dequantised on the host and converted to f16.
-std::unique_ptr<ModelRunner> model_runner_cuda(const ModelWeights& weights, const SessionOptions& options);
+// The CUDA runner's extras for benchmarks (bench/cuda_model_bench.cpp).
+class CudaModelRunner : public ModelRunner {
+ public:
+  // Takes the place of a prefill: every layer's cache gets n tokens of random K/V (appended
+  // on the device in chunks, as a prefill appends them); the logits stay unset. Position 0
+  // only.
+  virtual void fill_random_context(int n, uint64_t seed) = 0;
+  // Bytes of the weights a decode step reads (every layer matrix and the classifier) and of
+  // K/V per cached token (all layers).
+  virtual size_t decode_weight_bytes() const = 0;
+  virtual size_t kv_bytes_per_token() const = 0;
+};
+
+// The runner (cuda_runner_check first). Matrices of any storage (F32, F16, BF16, the block
+// formats) are dequantised on the host and converted to f16; nothing of `weights` is kept.
+std::unique_ptr<CudaModelRunner> model_runner_cuda(const ModelWeights& weights, const SessionOptions& options);
+// A runner of `config` with random f16 weights made on the device (uniform, variance
+// 1 / cols per matrix; norms 1): benchmarks of models too large to hold on the host.
+std::unique_ptr<CudaModelRunner> model_runner_cuda_random(const ModelConfig& config, const SessionOptions& options,
+                                                          uint64_t seed);
 
 // "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs, 79.2 GiB)" or the reason there is none.
 std::string cuda_device_summary();

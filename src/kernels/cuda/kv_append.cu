@@ -226,6 +226,18 @@ void DeviceKvCache::append(const float* k, const float* v, int n_new, void* stre
   }
 }
 
+void DeviceKvCache::append_replayed(int n_new) {
+  CUMULUS_CHECK(n_new >= 1, "DeviceKvCache::append_replayed: n_new={} must be >= 1", n_new);
+  for (int s = 0; s < view_.n_seqs; ++s)
+    CUMULUS_CHECK(static_cast<int64_t>(n_tokens_[s]) + n_new <= reserved_[s],
+                  "DeviceKvCache::append_replayed: sequence {} holds {} tokens, {} more exceed the {} its pages hold",
+                  s, n_tokens_[s], n_new, reserved_[s]);
+  for (int s = 0; s < view_.n_seqs; ++s) {
+    n_tokens_[s] += n_new;
+    capacity_[s] = std::max(capacity_[s], n_tokens_[s]);
+  }
+}
+
 void DeviceKvCache::truncate(int seq, int n) {
   const DeviceKvView& w = view_;
   CUMULUS_CHECK(seq >= 0 && seq < w.n_seqs, "DeviceKvCache::truncate: seq={} out of range [0, {})", seq, w.n_seqs);

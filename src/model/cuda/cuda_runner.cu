@@ -19,7 +19,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <initializer_list>
+#include <optional>
 
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/error.h"
@@ -69,9 +72,9 @@ size_t scratch_bytes(const ModelConfig& c, int rows) {
 
 std::string gib(size_t b) { return fmt::format("{:.2f} GiB", b / 1073741824.0); }
 
-// W [rows][cols] as f16 on the device (dequantised on the host in slices of rows).
-DeviceBuffer upload_f16(const WeightMatrix& w) {
-  DeviceBuffer d(w.size() * sizeof(uint16_t));
+// W [rows][cols] as f16 into d from element `offset` on (dequantised on the host in slices
+// of rows).
+void upload_f16_into(DeviceBuffer& d, size_t offset, const WeightMatrix& w) {
   const int slice = std::max(1, static_cast<int>((size_t{1} << 22) / std::max(1, w.cols())));
   std::vector<float> f;
   std::vector<uint16_t> h;
@@ -82,14 +85,33 @@ DeviceBuffer upload_f16(const WeightMatrix& w) {
     h.resize(n);
     w.rows_to_f32(r, e, f.data());
     convert_from_f32(f.data(), h.data(), DType::f16, n);
-    d.upload(h.data(), n * sizeof(uint16_t), static_cast<size_t>(r) * w.cols() * sizeof(uint16_t));
+    d.upload(h.data(), n * sizeof(uint16_t), (offset + static_cast<size_t>(r) * w.cols()) * sizeof(uint16_t));
+  }
+}
+DeviceBuffer upload_f16(const WeightMatrix& w) {
+  DeviceBuffer d(w.size() * sizeof(uint16_t));
+  upload_f16_into(d, 0, w);
+  return d;
+}
+// Matrices of one input stacked by rows: [sum of rows][cols] f16.
+DeviceBuffer upload_f16_stacked(std::initializer_list<const WeightMatrix*> ws) {
+  size_t n = 0;
+  for (const WeightMatrix* w : ws) n += w->size();
+  DeviceBuffer d(n * sizeof(uint16_t));
+  size_t off = 0;
+  for (const WeightMatrix* w : ws) {
+    upload_f16_into(d, off, *w);
+    off += w->size();
   }
   return d;
 }
 
-class CudaRunner final : public ModelRunner {
+class CudaRunner final : public CudaModelRunner {
  public:
-  CudaRunner(const ModelWeights& w, const SessionOptions& o);
+  // Device memory for everything but the weights; then load() or randomize() fills them.
+  CudaRunner(const ModelConfig& c, const SessionOptions& o);
+  void load(const ModelWeights& w);
+  void randomize(uint64_t seed);
   ~CudaRunner() override;
   const std::vector<float>& prefill(std::span<const int32_t> tokens) override;
   const std::vector<float>& decode(int32_t token) override;
@@ -99,16 +121,28 @@ class CudaRunner final : public ModelRunner {
   AttentionSummary summary() const override { return summary_; }
   PrefillStats prefill_stats() const override { return {}; }
   std::string device() const override { return "cuda: " + cuda_device_summary(); }
+  void fill_random_context(int n, uint64_t seed) override;
+  size_t decode_weight_bytes() const override {
+    return (weight_elems(c_) - static_cast<size_t>(c_.tied_output ? 0 : c_.vocab_size) * c_.dim) * sizeof(__half);
+  }
+  size_t kv_bytes_per_token() const override {
+    return 2 * static_cast<size_t>(c_.n_layers) * c_.n_kv_heads * c_.head_dim * dtype_size(opt_.kv.dtype);
+  }
 
  private:
   struct Layer {
-    DeviceBuffer attn_norm, ffn_norm, wq, wk, wv, wo, w_gate, w_up, w_down;
+    // wqkv: Wq, Wk, Wv stacked [qd + 2 kvd][dim]; w_gate_up: Wgate, Wup [2 hidden][dim]. A
+    // decode step takes each stack in one product (its output row holds q, k, v, or gate
+    // and up, back to back); a prefill chunk takes the parts one by one.
+    DeviceBuffer attn_norm, ffn_norm, wqkv, wo, w_gate_up, w_down;
   };
   // y [n][w.rows] f32 = beta * y + x [n][cols] f16 W^T (W f16 [rows][cols] row-major).
-  void gemm(const DeviceBuffer& w, int rows, int cols, const __half* x, int n, float* y, float beta);
+  void gemm(const void* w, int rows, int cols, const __half* x, int n, float* y, float beta);
   void forward(std::span<const int32_t> tokens, bool decode_mode);
+  // Everything a forward of n tokens (already in tok_host_) does on the device, ending with
+  // the logits' copy to logits_host_; no host wait (a decode step is captured from it).
+  void enqueue_forward(int n, bool decode_mode);
 
-  const ModelWeights& w_;
   SessionOptions opt_;
   ModelConfig c_;
   cuda::Stream stream_;
@@ -118,6 +152,11 @@ class CudaRunner final : public ModelRunner {
   std::vector<Layer> layers_;
   std::vector<cuda::DeviceKvCache> kv_;
   std::unique_ptr<cuda::AttentionPlan> plan_;  // attention_decode, head_dim 64/128
+  DeviceBuffer blas_ws_;                       // cuBLAS workspace (no allocation while capturing)
+  // The decode step as one CUDA graph, captured at the first decode (CUMULUS_CUDA_GRAPHS=0:
+  // launched kernel by kernel instead).
+  bool use_graph_ = true;
+  std::optional<cuda::Graph> decode_graph_;
   int rows_ = 0;
   DeviceBuffer tok_, x_, xn_, q_, k_, v_, att_, att16_, gate_, up_, act_, logits_d_, lse_, qh_, kh_, vh_, oh_;
   int32_t* tok_host_ = nullptr;    // page-locked [rows_]
@@ -127,30 +166,74 @@ class CudaRunner final : public ModelRunner {
   AttentionSummary summary_;
 };
 
-CudaRunner::CudaRunner(const ModelWeights& w, const SessionOptions& o) : w_(w), opt_(o), c_(w.config) {
-  cuda_runner_check(c_, o);
-  st_ = cuda::as_stream(stream_.handle());
-  CUMULUS_CUBLAS_CHECK(cublasCreate(&blas_));
-  CUMULUS_CUBLAS_CHECK(cublasSetStream(blas_, st_));
-  capacity_ = context_of(c_, o);
-  rows_ = chunk_of(c_, o);
-  // Weights.
+void CudaRunner::load(const ModelWeights& w) {
   embd_ = upload_f16(w.token_embd);
   if (!c_.tied_output) out_w_ = upload_f16(w.output);
   out_norm_ = cuda::to_device(w.output_norm);
+  layers_.clear();
   for (const LayerWeights& L : w.layers) {
     Layer d;
     d.attn_norm = cuda::to_device(L.attn_norm);
     d.ffn_norm = cuda::to_device(L.ffn_norm);
-    d.wq = upload_f16(L.wq);
-    d.wk = upload_f16(L.wk);
-    d.wv = upload_f16(L.wv);
+    d.wqkv = upload_f16_stacked({&L.wq, &L.wk, &L.wv});
     d.wo = upload_f16(L.wo);
-    d.w_gate = upload_f16(L.w_gate);
-    d.w_up = upload_f16(L.w_up);
+    d.w_gate_up = upload_f16_stacked({&L.w_gate, &L.w_up});
     d.w_down = upload_f16(L.w_down);
     layers_.push_back(std::move(d));
   }
+}
+
+void CudaRunner::randomize(uint64_t seed) {
+  const ModelConfig& c = c_;
+  auto matrix = [&](int rows, int cols) {
+    DeviceBuffer b(static_cast<size_t>(rows) * cols * sizeof(__half));
+    // Uniform in [-a, a) has variance a^2 / 3: a = sqrt(3 / cols) gives 1 / cols.
+    cuda::model::fill_uniform(b.as<__half>(), static_cast<size_t>(rows) * cols, std::sqrt(3.0f / cols), seed++, st_);
+    return b;
+  };
+  const std::vector<float> ones(c.dim, 1.0f);
+  const int qd = c.n_heads * c.head_dim, kvd = c.n_kv_heads * c.head_dim;
+  embd_ = matrix(c.vocab_size, c.dim);
+  if (!c.tied_output) out_w_ = matrix(c.vocab_size, c.dim);
+  out_norm_ = cuda::to_device(ones);
+  layers_.clear();
+  for (int l = 0; l < c.n_layers; ++l) {
+    Layer d;
+    d.attn_norm = cuda::to_device(ones);
+    d.ffn_norm = cuda::to_device(ones);
+    d.wqkv = matrix(qd + 2 * kvd, c.dim);
+    d.wo = matrix(c.dim, qd);
+    d.w_gate_up = matrix(2 * c.hidden_dim, c.dim);
+    d.w_down = matrix(c.dim, c.hidden_dim);
+    layers_.push_back(std::move(d));
+  }
+  stream_.synchronize();
+}
+
+void CudaRunner::fill_random_context(int n, uint64_t seed) {
+  CUMULUS_CHECK(pos_ == 0, "fill_random_context(n={}) at position {}: a fresh runner only", n, pos_);
+  CUMULUS_CHECK(n >= 1 && n <= capacity_, "fill_random_context: n={} must be in [1, {}]", n, capacity_);
+  // Random rows for one chunk of the prefill scratch (k_, v_), appended again and again.
+  const size_t kvd = static_cast<size_t>(c_.n_kv_heads) * c_.head_dim;
+  cuda::model::fill_uniform(k_.as<float>(), static_cast<size_t>(rows_) * kvd, 2.0f, seed, st_);
+  cuda::model::fill_uniform(v_.as<float>(), static_cast<size_t>(rows_) * kvd, 2.0f, seed + 1, st_);
+  for (cuda::DeviceKvCache& kv : kv_)
+    for (int t = 0; t < n; t += rows_) kv.append(k_.as<float>(), v_.as<float>(), std::min(rows_, n - t), st_);
+  stream_.synchronize();
+  pos_ = prompt_end_ = n;
+}
+
+CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o) : opt_(o), c_(c) {
+  cuda_runner_check(c_, o);
+  st_ = cuda::as_stream(stream_.handle());
+  CUMULUS_CUBLAS_CHECK(cublasCreate(&blas_));
+  CUMULUS_CUBLAS_CHECK(cublasSetStream(blas_, st_));
+  blas_ws_ = DeviceBuffer(size_t{32} << 20);
+  CUMULUS_CUBLAS_CHECK(cublasSetWorkspace(blas_, blas_ws_.data(), blas_ws_.size()));
+  const char* graphs = std::getenv("CUMULUS_CUDA_GRAPHS");
+  use_graph_ = graphs == nullptr || std::string(graphs) != "0";
+  capacity_ = context_of(c_, o);
+  rows_ = chunk_of(c_, o);
   // One cache per layer, its pages reserved for the whole context up front (a decode step
   // then never touches the host's page tables).
   for (int l = 0; l < c_.n_layers; ++l) {
@@ -164,12 +247,12 @@ CudaRunner::CudaRunner(const ModelWeights& w, const SessionOptions& o) : w_(w), 
   tok_ = DeviceBuffer(r * sizeof(int32_t));
   x_ = DeviceBuffer(r * c_.dim * sizeof(float));
   xn_ = DeviceBuffer(r * c_.dim * sizeof(__half));
-  q_ = DeviceBuffer(r * qd * sizeof(float));
+  q_ = DeviceBuffer((r * qd + 2 * kvd) * sizeof(float));  // decode: q, k, v back to back
   k_ = DeviceBuffer(r * kvd * sizeof(float));
   v_ = DeviceBuffer(r * kvd * sizeof(float));
   att_ = DeviceBuffer(qd * sizeof(float));
   att16_ = DeviceBuffer(r * qd * sizeof(__half));
-  gate_ = DeviceBuffer(r * c_.hidden_dim * sizeof(float));
+  gate_ = DeviceBuffer((r + 1) * c_.hidden_dim * sizeof(float));  // decode: gate, up back to back
   up_ = DeviceBuffer(r * c_.hidden_dim * sizeof(float));
   act_ = DeviceBuffer(r * c_.hidden_dim * sizeof(__half));
   logits_d_ = DeviceBuffer(static_cast<size_t>(c_.vocab_size) * sizeof(float));
@@ -191,11 +274,11 @@ CudaRunner::~CudaRunner() {
   if (logits_host_ != nullptr) cudaFreeHost(logits_host_);
 }
 
-void CudaRunner::gemm(const DeviceBuffer& w, int rows, int cols, const __half* x, int n, float* y, float beta) {
+void CudaRunner::gemm(const void* w, int rows, int cols, const __half* x, int n, float* y, float beta) {
   // Column-major view: y^T [rows][n] = W [rows][cols] x^T [cols][n]; W row-major is W^T
   // column-major with leading dimension cols, hence op(A) = T.
   const float alpha = 1.0f;
-  CUMULUS_CUBLAS_CHECK(cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, w.data(), CUDA_R_16F,
+  CUMULUS_CUBLAS_CHECK(cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, w, CUDA_R_16F,
                                     cols, x, CUDA_R_16F, cols, &beta, y, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F,
                                     CUBLAS_GEMM_DEFAULT));
 }
@@ -214,8 +297,25 @@ const std::vector<float>& CudaRunner::prefill(std::span<const int32_t> tokens) {
 const std::vector<float>& CudaRunner::decode(int32_t token) {
   CUMULUS_CHECK(pos_ > 0, "decode before prefill (position 0): prefill at least one token first");
   CUMULUS_CHECK(pos_ + 1 <= capacity_, "decode at position {} exceeds the context of {} tokens", pos_, capacity_);
-  const int32_t t[1] = {token};
-  forward(t, true);
+  CUMULUS_CHECK(token >= 0 && token < c_.vocab_size, "token id {} at position {} is outside the vocabulary [0, {})",
+                token, pos_, c_.vocab_size);
+  if (use_graph_) {
+    tok_host_[0] = token;  // the graph's first node copies it from here
+    if (!decode_graph_) {
+      // Capturing enqueues nothing: the caches' host counts advance once, here, for the
+      // launch below; later replays advance them with append_replayed.
+      decode_graph_ = cuda::Graph::capture(stream_.handle(), [&] { enqueue_forward(1, true); });
+    } else {
+      for (cuda::DeviceKvCache& kv : kv_) kv.append_replayed(1);
+    }
+    decode_graph_->launch(stream_.handle());
+    CUMULUS_CUDA_CHECK(cudaStreamSynchronize(st_));
+    std::copy_n(logits_host_, c_.vocab_size, logits_.begin());
+    ++pos_;
+  } else {
+    const int32_t t[1] = {token};
+    forward(t, true);
+  }
   // Dense attention: every head-step reads the whole cache.
   summary_.head_steps += static_cast<int64_t>(c_.n_layers) * c_.n_heads;
   summary_.tokens_sum += static_cast<double>(pos_) * c_.n_layers * c_.n_heads;
@@ -243,13 +343,26 @@ void CudaRunner::forward(std::span<const int32_t> tokens, bool decode_mode) {
   for (int i = 0; i < n; ++i)
     CUMULUS_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab_size,
                   "token id {} at position {} is outside the vocabulary [0, {})", tokens[i], pos_ + i, c.vocab_size);
+  std::memcpy(tok_host_, tokens.data(), n * sizeof(int32_t));
+  enqueue_forward(n, decode_mode);
+  CUMULUS_CUDA_CHECK(cudaStreamSynchronize(st_));
+  std::copy_n(logits_host_, c.vocab_size, logits_.begin());
+  pos_ += n;
+}
+
+void CudaRunner::enqueue_forward(int n, bool decode_mode) {
+  const ModelConfig& c = c_;
   const int qd = c.n_heads * c.head_dim, kvd = c.n_kv_heads * c.head_dim;
   const float scale = attention_scale(c.head_dim);
-  std::memcpy(tok_host_, tokens.data(), n * sizeof(int32_t));
   CUMULUS_CUDA_CHECK(cudaMemcpyAsync(tok_.data(), tok_host_, n * sizeof(int32_t), cudaMemcpyHostToDevice, st_));
   float* x = x_.as<float>();
   __half* xn = xn_.as<__half>();
-  float *q = q_.as<float>(), *k = k_.as<float>(), *v = v_.as<float>();
+  // Decode: q, k, v back to back in q_ (one product); prefill: the three buffers.
+  float* q = q_.as<float>();
+  float* k = decode_mode ? q + qd : k_.as<float>();
+  float* v = decode_mode ? q + qd + kvd : v_.as<float>();
+  float* gate = gate_.as<float>();
+  float* up = decode_mode ? gate + c.hidden_dim : up_.as<float>();
   __half* att16 = att16_.as<__half>();
   cuda::model::embed(tok_.as<int32_t>(), n, embd_.as<__half>(), c.dim, c.embedding_scale, x, st_);
   // The tuned prefill kernel attends a chunk that starts at position 0 (causal within it);
@@ -259,9 +372,14 @@ void CudaRunner::forward(std::span<const int32_t> tokens, bool decode_mode) {
     const Layer& L = layers_[l];
     cuda::DeviceKvCache& kv = kv_[l];
     cuda::model::rmsnorm(x, L.attn_norm.as<float>(), n, c.dim, c.rms_eps, xn, st_);
-    gemm(L.wq, qd, c.dim, xn, n, q, 0.0f);
-    gemm(L.wk, kvd, c.dim, xn, n, k, 0.0f);
-    gemm(L.wv, kvd, c.dim, xn, n, v, 0.0f);
+    const __half* wqkv = L.wqkv.as<__half>();
+    if (decode_mode) {
+      gemm(wqkv, qd + 2 * kvd, c.dim, xn, 1, q, 0.0f);
+    } else {
+      gemm(wqkv, qd, c.dim, xn, n, q, 0.0f);
+      gemm(wqkv + static_cast<size_t>(qd) * c.dim, kvd, c.dim, xn, n, k, 0.0f);
+      gemm(wqkv + static_cast<size_t>(qd + kvd) * c.dim, kvd, c.dim, xn, n, v, 0.0f);
+    }
     const int32_t* pos0 = kv.view().n_tokens;  // before this layer's append
     cuda::model::rope(q, n, c.n_heads, c.head_dim, c.rope_dim, pos0, c.rope_theta, st_);
     cuda::model::rope(k, n, c.n_kv_heads, c.head_dim, c.rope_dim, pos0, c.rope_theta, st_);
@@ -295,22 +413,23 @@ void CudaRunner::forward(std::span<const int32_t> tokens, bool decode_mode) {
     } else {
       cuda::model::attention_rows(kv.view(), n, c.n_heads, scale, q, att16, st_);
     }
-    gemm(L.wo, c.dim, qd, att16, n, x, 1.0f);  // x += att Wo^T
+    gemm(L.wo.data(), c.dim, qd, att16, n, x, 1.0f);  // x += att Wo^T
     cuda::model::rmsnorm(x, L.ffn_norm.as<float>(), n, c.dim, c.rms_eps, xn, st_);
-    gemm(L.w_gate, c.hidden_dim, c.dim, xn, n, gate_.as<float>(), 0.0f);
-    gemm(L.w_up, c.hidden_dim, c.dim, xn, n, up_.as<float>(), 0.0f);
-    cuda::model::swiglu(gate_.as<float>(), up_.as<float>(), static_cast<size_t>(n) * c.hidden_dim,
-                        act_.as<__half>(), st_);
-    gemm(L.w_down, c.dim, c.hidden_dim, act_.as<__half>(), n, x, 1.0f);  // x += act Wd^T
+    const __half* wgu = L.w_gate_up.as<__half>();
+    if (decode_mode) {
+      gemm(wgu, 2 * c.hidden_dim, c.dim, xn, 1, gate, 0.0f);
+    } else {
+      gemm(wgu, c.hidden_dim, c.dim, xn, n, gate, 0.0f);
+      gemm(wgu + static_cast<size_t>(c.hidden_dim) * c.dim, c.hidden_dim, c.dim, xn, n, up, 0.0f);
+    }
+    cuda::model::swiglu(gate, up, static_cast<size_t>(n) * c.hidden_dim, act_.as<__half>(), st_);
+    gemm(L.w_down.data(), c.dim, c.hidden_dim, act_.as<__half>(), n, x, 1.0f);  // x += act Wd^T
   }
-  pos_ += n;
   // Logits of the last row only.
   cuda::model::rmsnorm(x + static_cast<size_t>(n - 1) * c.dim, out_norm_.as<float>(), 1, c.dim, c.rms_eps, xn, st_);
-  gemm(c.tied_output ? embd_ : out_w_, c.vocab_size, c.dim, xn, 1, logits_d_.as<float>(), 0.0f);
+  gemm(c.tied_output ? embd_.data() : out_w_.data(), c.vocab_size, c.dim, xn, 1, logits_d_.as<float>(), 0.0f);
   CUMULUS_CUDA_CHECK(cudaMemcpyAsync(logits_host_, logits_d_.data(), static_cast<size_t>(c.vocab_size) * sizeof(float),
                                      cudaMemcpyDeviceToHost, st_));
-  CUMULUS_CUDA_CHECK(cudaStreamSynchronize(st_));
-  std::copy_n(logits_host_, c.vocab_size, logits_.begin());
 }
 
 }  // namespace
@@ -350,8 +469,17 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o) {
                 gib(free_b), gib(total_b));
 }
 
-std::unique_ptr<ModelRunner> model_runner_cuda(const ModelWeights& weights, const SessionOptions& options) {
-  return std::make_unique<CudaRunner>(weights, options);
+std::unique_ptr<CudaModelRunner> model_runner_cuda(const ModelWeights& weights, const SessionOptions& options) {
+  auto r = std::make_unique<CudaRunner>(weights.config, options);
+  r->load(weights);
+  return r;
+}
+
+std::unique_ptr<CudaModelRunner> model_runner_cuda_random(const ModelConfig& config, const SessionOptions& options,
+                                                          uint64_t seed) {
+  auto r = std::make_unique<CudaRunner>(config, options);
+  r->randomize(seed);
+  return r;
 }
 
 std::string cuda_device_summary() {

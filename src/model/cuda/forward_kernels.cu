@@ -165,6 +165,20 @@ __global__ void argmax_kernel(const float* x, int n, int32_t* out) {
   }
 }
 
+__device__ __forceinline__ float hash_uniform(uint64_t seed, size_t i) {
+  uint64_t z = seed + 0x9e3779b97f4a7c15ull * (i + 1);  // splitmix64
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+}
+template <class T>
+__global__ void fill_uniform_kernel(T* x, size_t n, float a, uint64_t seed) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    x[i] = static_cast<T>(a * (2.0f * hash_uniform(seed, i) - 1.0f));
+}
+
 unsigned grid_for(size_t n) { return static_cast<unsigned>(std::min<size_t>((n + kThreads - 1) / kThreads, 65535)); }
 
 }  // namespace
@@ -217,6 +231,15 @@ void attention_rows(const DeviceKvView& kv, int n, int n_q_heads, float scale, c
   else
     attention_rows_kernel<__nv_bfloat16><<<grid, kRowThreads, 0, st>>>(kv, n, group, scale, q, out);
   CUMULUS_CUDA_LAUNCH("attention_rows_kernel");
+}
+
+void fill_uniform(__half* x, size_t n, float a, uint64_t seed, cudaStream_t st) {
+  fill_uniform_kernel<__half><<<grid_for(n), kThreads, 0, st>>>(x, n, a, seed);
+  CUMULUS_CUDA_LAUNCH("fill_uniform_kernel");
+}
+void fill_uniform(float* x, size_t n, float a, uint64_t seed, cudaStream_t st) {
+  fill_uniform_kernel<float><<<grid_for(n), kThreads, 0, st>>>(x, n, a, seed);
+  CUMULUS_CUDA_LAUNCH("fill_uniform_kernel");
 }
 
 void argmax(const float* x, int n, int32_t* out, cudaStream_t st) {

@@ -44,6 +44,10 @@ void from_head_major(const __half* x, int n, int heads, int d, __half* out, cuda
 void attention_rows(const DeviceKvView& kv, int n, int n_q_heads, float scale, const float* q, __half* out,
                     cudaStream_t st);
 
+// x [n] f16 = uniform in [-a, a) from a counter-based hash of (seed, i) (benchmarks).
+void fill_uniform(__half* x, size_t n, float a, uint64_t seed, cudaStream_t st);
+void fill_uniform(float* x, size_t n, float a, uint64_t seed, cudaStream_t st);
+
 // *out = argmax of x [n] (the lowest index among equal maxima, as Sampler's greedy pick).
 void argmax(const float* x, int n, int32_t* out, cudaStream_t st);
 
