@@ -260,3 +260,38 @@ TEST(CudaModel, Llama3ShapedRandomWeightsMatchTheCpu) {
   EXPECT_EQ(cg.top1_agree, cg.positions);
   EXPECT_LT(cg.max_abs, 1e-3 * cg.max_logit);
 }
+
+TEST(CudaModel, BatchedDecodeMatchesSingleSequence) {
+  CUMULUS_REQUIRE_GPU();
+  // Random weights made on the device; sequence 0 of a batch of 3 holds the same random
+  // context as the only sequence of a batch of 1 (both filled by one append of n <= 2048 / 3
+  // rows from the same buffer), so its greedy tokens must agree step by step.
+  ModelConfig c;
+  c.architecture = "llama";
+  c.n_layers = 2;
+  c.n_heads = 8;
+  c.n_kv_heads = 2;
+  c.head_dim = 128;
+  c.rope_dim = 128;
+  c.dim = 1024;
+  c.hidden_dim = 2816;
+  c.vocab_size = 1000;
+  c.context_length = 2048;  // the fill's chunk: 2048 rows (one append of 300 per sequence)
+  c.tied_output = false;
+  auto one = model_runner_cuda_random(c, {}, 5, 1);
+  auto three = model_runner_cuda_random(c, {}, 5, 3);
+  EXPECT_EQ(three->n_seqs(), 3);
+  one->fill_random_context(300, 11);
+  three->fill_random_context(300, 11);
+  std::vector<int32_t> t1{7}, t3{7, 8, 9};
+  int agree = 0;
+  for (int i = 0; i < 16; ++i) {
+    t1 = one->decode_batch(t1);
+    t3 = three->decode_batch(t3);
+    agree += t1[0] == t3[0];
+    t3[0] = t1[0];  // teacher-force sequence 0 with the single run's token
+  }
+  std::printf("[ model ] batch of 3 vs batch of 1: sequence 0's greedy token agrees at %d/16 steps\n", agree);
+  EXPECT_EQ(agree, 16);
+  EXPECT_THROW(three->decode(1), Error);
+}

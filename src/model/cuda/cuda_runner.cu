@@ -108,8 +108,9 @@ DeviceBuffer upload_f16_stacked(std::initializer_list<const WeightMatrix*> ws) {
 
 class CudaRunner final : public CudaModelRunner {
  public:
-  // Device memory for everything but the weights; then load() or randomize() fills them.
-  CudaRunner(const ModelConfig& c, const SessionOptions& o);
+  // Device memory for everything but the weights, for n_seqs sequences; then load() or
+  // randomize() fills them.
+  CudaRunner(const ModelConfig& c, const SessionOptions& o, int n_seqs);
   void load(const ModelWeights& w);
   void randomize(uint64_t seed);
   ~CudaRunner() override;
@@ -122,6 +123,8 @@ class CudaRunner final : public CudaModelRunner {
   PrefillStats prefill_stats() const override { return {}; }
   std::string device() const override { return "cuda: " + cuda_device_summary(); }
   void fill_random_context(int n, uint64_t seed) override;
+  std::vector<int32_t> decode_batch(std::span<const int32_t> tokens) override;
+  int n_seqs() const override { return n_seqs_; }
   size_t decode_weight_bytes() const override {
     return (weight_elems(c_) - static_cast<size_t>(c_.tied_output ? 0 : c_.vocab_size) * c_.dim) * sizeof(__half);
   }
@@ -140,8 +143,12 @@ class CudaRunner final : public CudaModelRunner {
   void gemm(const void* w, int rows, int cols, const __half* x, int n, float* y, float beta);
   void forward(std::span<const int32_t> tokens, bool decode_mode);
   // Everything a forward of n tokens (already in tok_host_) does on the device, ending with
-  // the logits' copy to logits_host_; no host wait (a decode step is captured from it).
-  void enqueue_forward(int n, bool decode_mode);
+  // the copy of the last row's logits to logits_host_ (or, with `greedy`, of every row's
+  // argmax to ids_host_); no host wait (a decode step is captured from it). decode_mode:
+  // row i is one token of sequence i (n == n_seqs_); else n rows of sequence 0's prompt.
+  void enqueue_forward(int n, bool decode_mode, bool greedy = false);
+  // Replays (captures first) the decode step of one token per sequence.
+  void decode_step(std::optional<cuda::Graph>& graph, bool greedy);
 
   SessionOptions opt_;
   ModelConfig c_;
@@ -156,11 +163,13 @@ class CudaRunner final : public CudaModelRunner {
   // The decode step as one CUDA graph, captured at the first decode (CUMULUS_CUDA_GRAPHS=0:
   // launched kernel by kernel instead).
   bool use_graph_ = true;
-  std::optional<cuda::Graph> decode_graph_;
+  std::optional<cuda::Graph> decode_graph_, batch_graph_;
+  int n_seqs_ = 1;
   int rows_ = 0;
-  DeviceBuffer tok_, x_, xn_, q_, k_, v_, att_, att16_, gate_, up_, act_, logits_d_, lse_, qh_, kh_, vh_, oh_;
+  DeviceBuffer tok_, x_, xn_, q_, k_, v_, att_, att16_, gate_, up_, act_, logits_d_, lse_, ids_, qh_, kh_, vh_, oh_;
   int32_t* tok_host_ = nullptr;    // page-locked [rows_]
   float* logits_host_ = nullptr;   // page-locked [vocab]
+  int32_t* ids_host_ = nullptr;    // page-locked [n_seqs_]
   std::vector<float> logits_;
   int pos_ = 0, capacity_ = 0, prompt_end_ = 0;
   AttentionSummary summary_;
@@ -217,14 +226,16 @@ void CudaRunner::fill_random_context(int n, uint64_t seed) {
   const size_t kvd = static_cast<size_t>(c_.n_kv_heads) * c_.head_dim;
   cuda::model::fill_uniform(k_.as<float>(), static_cast<size_t>(rows_) * kvd, 2.0f, seed, st_);
   cuda::model::fill_uniform(v_.as<float>(), static_cast<size_t>(rows_) * kvd, 2.0f, seed + 1, st_);
+  // Every sequence gets its own rows of the buffer: chunks of rows_ / n_seqs tokens.
+  const int chunk = std::max(1, rows_ / n_seqs_);
   for (cuda::DeviceKvCache& kv : kv_)
-    for (int t = 0; t < n; t += rows_) kv.append(k_.as<float>(), v_.as<float>(), std::min(rows_, n - t), st_);
+    for (int t = 0; t < n; t += chunk) kv.append(k_.as<float>(), v_.as<float>(), std::min(chunk, n - t), st_);
   stream_.synchronize();
   pos_ = prompt_end_ = n;
 }
 
-CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o) : opt_(o), c_(c) {
-  cuda_runner_check(c_, o);
+CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o, int n_seqs) : opt_(o), c_(c), n_seqs_(n_seqs) {
+  cuda_runner_check(c_, o, n_seqs);
   st_ = cuda::as_stream(stream_.handle());
   CUMULUS_CUBLAS_CHECK(cublasCreate(&blas_));
   CUMULUS_CUBLAS_CHECK(cublasSetStream(blas_, st_));
@@ -233,14 +244,18 @@ CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o) : opt_(o),
   const char* graphs = std::getenv("CUMULUS_CUDA_GRAPHS");
   use_graph_ = graphs == nullptr || std::string(graphs) != "0";
   capacity_ = context_of(c_, o);
-  rows_ = chunk_of(c_, o);
+  rows_ = std::max(chunk_of(c_, o), n_seqs_);
   // One cache per layer, its pages reserved for the whole context up front (a decode step
   // then never touches the host's page tables).
   for (int l = 0; l < c_.n_layers; ++l) {
-    kv_.push_back(cuda::DeviceKvCache::create(1, c_.n_kv_heads, c_.head_dim, o.kv.dtype, o.kv.page_size, capacity_));
-    kv_.back().reserve(0, capacity_);
+    kv_.push_back(
+        cuda::DeviceKvCache::create(n_seqs_, c_.n_kv_heads, c_.head_dim, o.kv.dtype, o.kv.page_size, capacity_));
+    for (int s = 0; s < n_seqs_; ++s) kv_.back().reserve(s, capacity_);
   }
-  if (cuda::head_dim_supported_cuda(c_.head_dim)) plan_ = std::make_unique<cuda::AttentionPlan>(kv_[0].view(), c_.shape().group());
+  if (cuda::head_dim_supported_cuda(c_.head_dim))
+    plan_ = std::make_unique<cuda::AttentionPlan>(kv_[0].view(), c_.shape().group());
+  CUMULUS_CHECK(n_seqs_ == 1 || plan_ != nullptr, "a batch of {} sequences needs head_dim 64 or 128, not {}", n_seqs_,
+                c_.head_dim);
   // Scratch for rows_ rows.
   const size_t r = rows_, qd = static_cast<size_t>(c_.n_heads) * c_.head_dim,
                kvd = static_cast<size_t>(c_.n_kv_heads) * c_.head_dim;
@@ -250,13 +265,14 @@ CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o) : opt_(o),
   q_ = DeviceBuffer((r * qd + 2 * kvd) * sizeof(float));  // decode: q, k, v back to back
   k_ = DeviceBuffer(r * kvd * sizeof(float));
   v_ = DeviceBuffer(r * kvd * sizeof(float));
-  att_ = DeviceBuffer(qd * sizeof(float));
+  att_ = DeviceBuffer(n_seqs_ * qd * sizeof(float));
   att16_ = DeviceBuffer(r * qd * sizeof(__half));
   gate_ = DeviceBuffer((r + 1) * c_.hidden_dim * sizeof(float));  // decode: gate, up back to back
   up_ = DeviceBuffer(r * c_.hidden_dim * sizeof(float));
   act_ = DeviceBuffer(r * c_.hidden_dim * sizeof(__half));
-  logits_d_ = DeviceBuffer(static_cast<size_t>(c_.vocab_size) * sizeof(float));
-  lse_ = DeviceBuffer(c_.n_heads * sizeof(float));
+  logits_d_ = DeviceBuffer(static_cast<size_t>(n_seqs_) * c_.vocab_size * sizeof(float));
+  lse_ = DeviceBuffer(static_cast<size_t>(n_seqs_) * c_.n_heads * sizeof(float));
+  ids_ = DeviceBuffer(n_seqs_ * sizeof(int32_t));
   if (plan_) {
     qh_ = DeviceBuffer(r * qd * sizeof(__half));
     kh_ = DeviceBuffer(r * kvd * sizeof(__half));
@@ -265,6 +281,7 @@ CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o) : opt_(o),
   }
   CUMULUS_CUDA_CHECK(cudaMallocHost(&tok_host_, r * sizeof(int32_t)));
   CUMULUS_CUDA_CHECK(cudaMallocHost(&logits_host_, static_cast<size_t>(c_.vocab_size) * sizeof(float)));
+  CUMULUS_CUDA_CHECK(cudaMallocHost(&ids_host_, n_seqs_ * sizeof(int32_t)));
   logits_.resize(c_.vocab_size);
 }
 
@@ -272,6 +289,7 @@ CudaRunner::~CudaRunner() {
   if (blas_ != nullptr) cublasDestroy(blas_);
   if (tok_host_ != nullptr) cudaFreeHost(tok_host_);
   if (logits_host_ != nullptr) cudaFreeHost(logits_host_);
+  if (ids_host_ != nullptr) cudaFreeHost(ids_host_);
 }
 
 void CudaRunner::gemm(const void* w, int rows, int cols, const __half* x, int n, float* y, float beta) {
@@ -288,6 +306,7 @@ const std::vector<float>& CudaRunner::prefill(std::span<const int32_t> tokens) {
   CUMULUS_CHECK(pos_ + static_cast<int64_t>(tokens.size()) <= capacity_,
                 "prompt of {} tokens at position {} exceeds the context of {} tokens", tokens.size(), pos_, capacity_);
   CUMULUS_CHECK(pos_ == prompt_end_, "prefill after decode started (position {}): one prompt per session", pos_);
+  CUMULUS_CHECK(n_seqs_ == 1, "prefill of a runner of {} sequences (fill_random_context fills batches)", n_seqs_);
   for (size_t i = 0; i < tokens.size(); i += rows_)
     forward(tokens.subspan(i, std::min<size_t>(rows_, tokens.size() - i)), false);
   prompt_end_ = pos_;
@@ -299,19 +318,11 @@ const std::vector<float>& CudaRunner::decode(int32_t token) {
   CUMULUS_CHECK(pos_ + 1 <= capacity_, "decode at position {} exceeds the context of {} tokens", pos_, capacity_);
   CUMULUS_CHECK(token >= 0 && token < c_.vocab_size, "token id {} at position {} is outside the vocabulary [0, {})",
                 token, pos_, c_.vocab_size);
+  CUMULUS_CHECK(n_seqs_ == 1, "decode(token) of a runner of {} sequences: use decode_batch", n_seqs_);
   if (use_graph_) {
     tok_host_[0] = token;  // the graph's first node copies it from here
-    if (!decode_graph_) {
-      // Capturing enqueues nothing: the caches' host counts advance once, here, for the
-      // launch below; later replays advance them with append_replayed.
-      decode_graph_ = cuda::Graph::capture(stream_.handle(), [&] { enqueue_forward(1, true); });
-    } else {
-      for (cuda::DeviceKvCache& kv : kv_) kv.append_replayed(1);
-    }
-    decode_graph_->launch(stream_.handle());
-    CUMULUS_CUDA_CHECK(cudaStreamSynchronize(st_));
+    decode_step(decode_graph_, false);
     std::copy_n(logits_host_, c_.vocab_size, logits_.begin());
-    ++pos_;
   } else {
     const int32_t t[1] = {token};
     forward(t, true);
@@ -324,15 +335,43 @@ const std::vector<float>& CudaRunner::decode(int32_t token) {
   return logits_;
 }
 
+void CudaRunner::decode_step(std::optional<cuda::Graph>& graph, bool greedy) {
+  if (!use_graph_) {
+    enqueue_forward(n_seqs_, true, greedy);
+  } else if (!graph) {
+    // Capturing enqueues nothing: the caches' host counts advance once, here, for the
+    // launch below; later replays advance them with append_replayed.
+    graph = cuda::Graph::capture(stream_.handle(), [&] { enqueue_forward(n_seqs_, true, greedy); });
+  } else {
+    for (cuda::DeviceKvCache& kv : kv_) kv.append_replayed(1);
+  }
+  if (use_graph_) graph->launch(stream_.handle());
+  CUMULUS_CUDA_CHECK(cudaStreamSynchronize(st_));
+  ++pos_;
+}
+
+std::vector<int32_t> CudaRunner::decode_batch(std::span<const int32_t> tokens) {
+  CUMULUS_CHECK(static_cast<int>(tokens.size()) == n_seqs_, "decode_batch: {} tokens for {} sequences", tokens.size(),
+                n_seqs_);
+  CUMULUS_CHECK(pos_ > 0, "decode_batch before the context is filled (position 0)");
+  CUMULUS_CHECK(pos_ + 1 <= capacity_, "decode at position {} exceeds the context of {} tokens", pos_, capacity_);
+  for (int32_t t : tokens)
+    CUMULUS_CHECK(t >= 0 && t < c_.vocab_size, "token id {} is outside the vocabulary [0, {})", t, c_.vocab_size);
+  std::copy(tokens.begin(), tokens.end(), tok_host_);
+  decode_step(batch_graph_, true);
+  return std::vector<int32_t>(ids_host_, ids_host_ + n_seqs_);
+}
+
 void CudaRunner::restart_decode(const std::string& method, const std::map<std::string, std::string>& params) {
   CUMULUS_CHECK(prompt_end_ > 0, "restart_decode(method={}) before a prefill: there is no prompt to restart from",
                 method);
   CUMULUS_CHECK(method == "dense" && params.empty(),
                 "restart_decode(method={}): decode method '{}' is not yet on cuda (dense only)", method, method);
-  for (cuda::DeviceKvCache& kv : kv_) {
-    kv.truncate(0, prompt_end_);
-    kv.reserve(0, capacity_);
-  }
+  for (cuda::DeviceKvCache& kv : kv_)
+    for (int s = 0; s < n_seqs_; ++s) {
+      kv.truncate(s, prompt_end_);
+      kv.reserve(s, capacity_);
+    }
   pos_ = prompt_end_;
   summary_ = {};
 }
@@ -350,19 +389,21 @@ void CudaRunner::forward(std::span<const int32_t> tokens, bool decode_mode) {
   pos_ += n;
 }
 
-void CudaRunner::enqueue_forward(int n, bool decode_mode) {
+void CudaRunner::enqueue_forward(int n, bool decode_mode, bool greedy) {
   const ModelConfig& c = c_;
   const int qd = c.n_heads * c.head_dim, kvd = c.n_kv_heads * c.head_dim;
   const float scale = attention_scale(c.head_dim);
   CUMULUS_CUDA_CHECK(cudaMemcpyAsync(tok_.data(), tok_host_, n * sizeof(int32_t), cudaMemcpyHostToDevice, st_));
   float* x = x_.as<float>();
   __half* xn = xn_.as<__half>();
-  // Decode: q, k, v back to back in q_ (one product); prefill: the three buffers.
+  // One row: q, k, v back to back in q_ (one product), gate and up in gate_; more rows: the
+  // separate buffers.
+  const bool stacked = n == 1;
   float* q = q_.as<float>();
-  float* k = decode_mode ? q + qd : k_.as<float>();
-  float* v = decode_mode ? q + qd + kvd : v_.as<float>();
+  float* k = stacked ? q + qd : k_.as<float>();
+  float* v = stacked ? q + qd + kvd : v_.as<float>();
   float* gate = gate_.as<float>();
-  float* up = decode_mode ? gate + c.hidden_dim : up_.as<float>();
+  float* up = stacked ? gate + c.hidden_dim : up_.as<float>();
   __half* att16 = att16_.as<__half>();
   cuda::model::embed(tok_.as<int32_t>(), n, embd_.as<__half>(), c.dim, c.embedding_scale, x, st_);
   // The tuned prefill kernel attends a chunk that starts at position 0 (causal within it);
@@ -373,7 +414,7 @@ void CudaRunner::enqueue_forward(int n, bool decode_mode) {
     cuda::DeviceKvCache& kv = kv_[l];
     cuda::model::rmsnorm(x, L.attn_norm.as<float>(), n, c.dim, c.rms_eps, xn, st_);
     const __half* wqkv = L.wqkv.as<__half>();
-    if (decode_mode) {
+    if (stacked) {
       gemm(wqkv, qd + 2 * kvd, c.dim, xn, 1, q, 0.0f);
     } else {
       gemm(wqkv, qd, c.dim, xn, n, q, 0.0f);
@@ -381,9 +422,10 @@ void CudaRunner::enqueue_forward(int n, bool decode_mode) {
       gemm(wqkv + static_cast<size_t>(qd + kvd) * c.dim, kvd, c.dim, xn, n, v, 0.0f);
     }
     const int32_t* pos0 = kv.view().n_tokens;  // before this layer's append
-    cuda::model::rope(q, n, c.n_heads, c.head_dim, c.rope_dim, pos0, c.rope_theta, st_);
-    cuda::model::rope(k, n, c.n_kv_heads, c.head_dim, c.rope_dim, pos0, c.rope_theta, st_);
-    kv.append(k, v, n, st_);
+    // Decode: row i is sequence i at its own position; prefill: rows from sequence 0's.
+    cuda::model::rope(q, n, c.n_heads, c.head_dim, c.rope_dim, pos0, decode_mode, c.rope_theta, st_);
+    cuda::model::rope(k, n, c.n_kv_heads, c.head_dim, c.rope_dim, pos0, decode_mode, c.rope_theta, st_);
+    kv.append(k, v, decode_mode ? 1 : n, st_);
     if (decode_mode && plan_) {
       cuda::DeviceDecodeArgs a;
       a.kv = kv.view();
@@ -393,7 +435,7 @@ void CudaRunner::enqueue_forward(int n, bool decode_mode) {
       a.out = att_.as<float>();
       a.lse = lse_.as<float>();
       cuda::attention_decode(a, *plan_, st_);
-      cuda::model::to_half(att_.as<float>(), qd, att16, st_);
+      cuda::model::to_half(att_.as<float>(), static_cast<size_t>(n) * qd, att16, st_);
     } else if (prefill_first) {
       cuda::model::to_head_major(q, n, c.n_heads, c.head_dim, qh_.as<__half>(), st_);
       cuda::model::to_head_major(k, n, c.n_kv_heads, c.head_dim, kh_.as<__half>(), st_);
@@ -416,7 +458,7 @@ void CudaRunner::enqueue_forward(int n, bool decode_mode) {
     gemm(L.wo.data(), c.dim, qd, att16, n, x, 1.0f);  // x += att Wo^T
     cuda::model::rmsnorm(x, L.ffn_norm.as<float>(), n, c.dim, c.rms_eps, xn, st_);
     const __half* wgu = L.w_gate_up.as<__half>();
-    if (decode_mode) {
+    if (stacked) {
       gemm(wgu, 2 * c.hidden_dim, c.dim, xn, 1, gate, 0.0f);
     } else {
       gemm(wgu, c.hidden_dim, c.dim, xn, n, gate, 0.0f);
@@ -425,23 +467,33 @@ void CudaRunner::enqueue_forward(int n, bool decode_mode) {
     cuda::model::swiglu(gate, up, static_cast<size_t>(n) * c.hidden_dim, act_.as<__half>(), st_);
     gemm(L.w_down.data(), c.dim, c.hidden_dim, act_.as<__half>(), n, x, 1.0f);  // x += act Wd^T
   }
-  // Logits of the last row only.
-  cuda::model::rmsnorm(x + static_cast<size_t>(n - 1) * c.dim, out_norm_.as<float>(), 1, c.dim, c.rms_eps, xn, st_);
-  gemm(c.tied_output ? embd_.data() : out_w_.data(), c.vocab_size, c.dim, xn, 1, logits_d_.as<float>(), 0.0f);
-  CUMULUS_CUDA_CHECK(cudaMemcpyAsync(logits_host_, logits_d_.data(), static_cast<size_t>(c.vocab_size) * sizeof(float),
-                                     cudaMemcpyDeviceToHost, st_));
+  // Logits of the last row (a prompt), or of every row (a batch decode step).
+  const int out_rows = decode_mode ? n : 1;
+  cuda::model::rmsnorm(x + static_cast<size_t>(n - out_rows) * c.dim, out_norm_.as<float>(), out_rows, c.dim,
+                       c.rms_eps, xn, st_);
+  gemm(c.tied_output ? embd_.data() : out_w_.data(), c.vocab_size, c.dim, xn, out_rows, logits_d_.as<float>(), 0.0f);
+  if (greedy) {
+    cuda::model::argmax_rows(logits_d_.as<float>(), out_rows, c.vocab_size, ids_.as<int32_t>(), st_);
+    CUMULUS_CUDA_CHECK(cudaMemcpyAsync(ids_host_, ids_.data(), out_rows * sizeof(int32_t), cudaMemcpyDeviceToHost, st_));
+  } else {
+    CUMULUS_CUDA_CHECK(cudaMemcpyAsync(logits_host_, logits_d_.data(),
+                                       static_cast<size_t>(c.vocab_size) * sizeof(float), cudaMemcpyDeviceToHost, st_));
+  }
 }
 
 }  // namespace
 
-size_t cuda_runner_bytes(const ModelConfig& c, const SessionOptions& o) {
+size_t cuda_runner_bytes(const ModelConfig& c, const SessionOptions& o, int n_seqs) {
   const int ctx = context_of(c, o);
-  const size_t kv = cuda::DeviceKvCache::create_bytes(1, c.n_kv_heads, c.head_dim, o.kv.dtype, o.kv.page_size, ctx);
+  const size_t kv =
+      cuda::DeviceKvCache::create_bytes(n_seqs, c.n_kv_heads, c.head_dim, o.kv.dtype, o.kv.page_size, ctx);
   const size_t norms = (2 * static_cast<size_t>(c.n_layers) + 1) * c.dim * sizeof(float);
-  return weight_elems(c) * 2 + norms + c.n_layers * kv + scratch_bytes(c, chunk_of(c, o));
+  return weight_elems(c) * 2 + norms + c.n_layers * kv + scratch_bytes(c, std::max(chunk_of(c, o), n_seqs)) +
+         static_cast<size_t>(n_seqs) * c.vocab_size * sizeof(float);
 }
 
-void cuda_runner_check(const ModelConfig& c, const SessionOptions& o) {
+void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs) {
+  CUMULUS_CHECK(n_seqs >= 1, "--device cuda: n_seqs={} must be >= 1", n_seqs);
   CUMULUS_CHECK(cuda::device_available(),
                 "--device cuda: no CUDA device is available (no GPU, or no driver that this build's CUDA runtime can "
                 "use)");
@@ -457,27 +509,27 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o) {
   CUMULUS_CHECK(!o.eval, "--device cuda: eval mode (true mass) is not yet on cuda");
   CUMULUS_CHECK(o.kv.dtype == DType::f16 || o.kv.dtype == DType::bf16,
                 "--device cuda: KV dtype {} is not supported on the GPU (f16, bf16)", dtype_name(o.kv.dtype));
-  const size_t need = cuda_runner_bytes(c, o);
+  const size_t need = cuda_runner_bytes(c, o, n_seqs);
   size_t free_b = 0, total_b = 0;
   CUMULUS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   CUMULUS_CHECK(need <= free_b,
-                "--device cuda: the model with a context of {} tokens needs {} of device memory (weights f16 {}, KV "
-                "cache {}), the device has {} free of {}",
-                context_of(c, o), gib(need), gib(weight_elems(c) * 2),
-                gib(c.n_layers * cuda::DeviceKvCache::create_bytes(1, c.n_kv_heads, c.head_dim, o.kv.dtype,
+                "--device cuda: the model with a context of {} tokens x {} sequence(s) needs {} of device memory "
+                "(weights f16 {}, KV cache {}), the device has {} free of {}",
+                context_of(c, o), n_seqs, gib(need), gib(weight_elems(c) * 2),
+                gib(c.n_layers * cuda::DeviceKvCache::create_bytes(n_seqs, c.n_kv_heads, c.head_dim, o.kv.dtype,
                                                                     o.kv.page_size, context_of(c, o))),
                 gib(free_b), gib(total_b));
 }
 
 std::unique_ptr<CudaModelRunner> model_runner_cuda(const ModelWeights& weights, const SessionOptions& options) {
-  auto r = std::make_unique<CudaRunner>(weights.config, options);
+  auto r = std::make_unique<CudaRunner>(weights.config, options, 1);
   r->load(weights);
   return r;
 }
 
 std::unique_ptr<CudaModelRunner> model_runner_cuda_random(const ModelConfig& config, const SessionOptions& options,
-                                                          uint64_t seed) {
-  auto r = std::make_unique<CudaRunner>(config, options);
+                                                          uint64_t seed, int n_seqs) {
+  auto r = std::make_unique<CudaRunner>(config, options, n_seqs);
   r->randomize(seed);
   return r;
 }

@@ -51,9 +51,9 @@ __global__ void rmsnorm_kernel(const float* x, const float* g, int dim, float ep
 }
 
 // Grid (n, n_heads), rope_dim / 2 threads (pair i).
-__global__ void rope_kernel(float* x, int n_heads, int head_dim, const int32_t* pos0, double theta) {
+__global__ void rope_kernel(float* x, int n_heads, int head_dim, const int32_t* pos0, bool per_row, double theta) {
   const int i = threadIdx.x;
-  const int pos = *pos0 + static_cast<int>(blockIdx.x);
+  const int pos = per_row ? pos0[blockIdx.x] : pos0[0] + static_cast<int>(blockIdx.x);
   const double freq = pow(theta, -static_cast<double>(2 * i) / head_dim);
   const double angle = pos * freq;
   const float c = static_cast<float>(cos(angle)), s = static_cast<float>(sin(angle));
@@ -143,8 +143,10 @@ __global__ void attention_rows_kernel(DeviceKvView kv, int n, int group, float s
   if (t + kRowThreads < d) o[t + kRowThreads] = __float2half_rn(acc1 / l);
 }
 
-// One CTA of 1024 threads: the maximum, lowest index on ties.
+// One CTA of 1024 threads per row: the maximum, lowest index on ties.
 __global__ void argmax_kernel(const float* x, int n, int32_t* out) {
+  x += static_cast<size_t>(blockIdx.x) * n;
+  out += blockIdx.x;
   __shared__ float bv[32];
   __shared__ int bi[32];
   float v = -INFINITY;
@@ -193,9 +195,10 @@ void rmsnorm(const float* x, const float* g, int n, int dim, float eps, __half* 
   CUMULUS_CUDA_LAUNCH("rmsnorm_kernel");
 }
 
-void rope(float* x, int n, int n_heads, int head_dim, int rope_dim, const int32_t* pos0, float theta,
+void rope(float* x, int n, int n_heads, int head_dim, int rope_dim, const int32_t* pos0, bool per_row, float theta,
           cudaStream_t st) {
-  rope_kernel<<<dim3(n, n_heads), rope_dim / 2, 0, st>>>(x, n_heads, head_dim, pos0, static_cast<double>(theta));
+  rope_kernel<<<dim3(n, n_heads), rope_dim / 2, 0, st>>>(x, n_heads, head_dim, pos0, per_row,
+                                                          static_cast<double>(theta));
   CUMULUS_CUDA_LAUNCH("rope_kernel");
 }
 
@@ -242,8 +245,8 @@ void fill_uniform(float* x, size_t n, float a, uint64_t seed, cudaStream_t st) {
   CUMULUS_CUDA_LAUNCH("fill_uniform_kernel");
 }
 
-void argmax(const float* x, int n, int32_t* out, cudaStream_t st) {
-  argmax_kernel<<<1, 1024, 0, st>>>(x, n, out);
+void argmax_rows(const float* x, int rows, int n, int32_t* out, cudaStream_t st) {
+  argmax_kernel<<<rows, 1024, 0, st>>>(x, n, out);
   CUMULUS_CUDA_LAUNCH("argmax_kernel");
 }
 

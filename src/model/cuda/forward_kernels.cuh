@@ -20,10 +20,11 @@ void embed(const int32_t* tokens, int n, const __half* embd, int dim, float scal
 // out [n][dim] f16 = x / rms(x) * g (sum of squares in float64, as the CPU).
 void rmsnorm(const float* x, const float* g, int n, int dim, float eps, __half* out, cudaStream_t st);
 
-// RoPE in place on x [n][n_heads][head_dim] at positions *pos0 + i (pos0 read on the device),
+// RoPE in place on x [n][n_heads][head_dim] at positions pos0[0] + i (pos0 read on the
+// device), or pos0[i] with per_row (row i is sequence i of a batch),
 // adjacent pairs (x[2i], x[2i+1]) of the first rope_dim dimensions, angle (pos * theta^(-2i /
 // head_dim)) in float64 as the CPU computes it.
-void rope(float* x, int n, int n_heads, int head_dim, int rope_dim, const int32_t* pos0, float theta,
+void rope(float* x, int n, int n_heads, int head_dim, int rope_dim, const int32_t* pos0, bool per_row, float theta,
           cudaStream_t st);
 
 // out [n] f16 = silu(gate) * up.
@@ -48,7 +49,8 @@ void attention_rows(const DeviceKvView& kv, int n, int n_q_heads, float scale, c
 void fill_uniform(__half* x, size_t n, float a, uint64_t seed, cudaStream_t st);
 void fill_uniform(float* x, size_t n, float a, uint64_t seed, cudaStream_t st);
 
-// *out = argmax of x [n] (the lowest index among equal maxima, as Sampler's greedy pick).
-void argmax(const float* x, int n, int32_t* out, cudaStream_t st);
+// out[r] = argmax of row r of x [rows][n] (the lowest index among equal maxima, as
+// Sampler's greedy pick).
+void argmax_rows(const float* x, int rows, int n, int32_t* out, cudaStream_t st);
 
 }  // namespace cumulus::cuda::model
