@@ -3,7 +3,8 @@
 # scripts/setup.sh present, no GPU needed) and stages them for a device run: build/device/
 # gets the executables (tests, decode and prefill benchmarks, `cumulus`) and build/device/lib
 # the shared libraries they need that a bare CUDA image lacks (fmt, Highway, and OpenBLAS with
-# its Fortran runtime: the CLI and the model tests run the CPU Session too). Copy
+# its Fortran runtime: the CLI and the model tests run the CPU Session too), packed as
+# build/device/lib.tar.xz. cuBLAS comes from the device image (/usr/local/cuda/lib64). Copy
 # build/device to <device tree>/build-device; tools/device/run.sh then skips its build.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,4 +20,8 @@ for lib in $(ldd $bins | awk '/=>/ {print $3}' | sort -u); do
     libfmt.so*|libhwy.so*|libopenblas*.so*|libgfortran.so*|libquadmath.so*) cp -L "$lib" build/device/lib/ ;;
   esac
 done
-ls -la build/device build/device/lib
+# OpenBLAS alone is ~36 MB: strip the programs and pack lib/ (xz) so build/device stays well
+# under the 64 MiB a device call carries; run.sh and run_prefill.sh unpack it.
+strip build/device/* 2>/dev/null || true
+tar cJf build/device/lib.tar.xz -C build/device lib && rm -rf build/device/lib
+ls -la build/device
