@@ -296,6 +296,67 @@ void run_bench(const ModelWeights& w, const std::vector<int32_t>& source, const 
   }
 }
 
+// --bench --device cuda: prefill and decode tokens/s of the GPU runtime at each context (no
+// per-op profile; the GPU's bandwidth reference is bench/cuda_model_bench's). Each timed call
+// waits for its logits, as generation does.
+void run_bench_device(const ModelWeights& w, const std::vector<int32_t>& source, const std::vector<MethodSpec>& specs,
+                      const GenerateOptions& o) {
+  CUMULUS_CHECK(!source.empty(), "--bench: the prompt is empty");
+  std::string device;
+  struct Row {
+    std::string method;
+    int context;
+    double prefill_s, decode_s;
+  };
+  std::vector<Row> rows;
+  for (const auto& spec : specs)
+    for (int context : o.bench_contexts) {
+      fmt::print(stderr, "bench: {} at context {} on {} ...\n", spec.label, context, o.device);
+      std::vector<int32_t> prompt(static_cast<size_t>(context));
+      for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = source[i % source.size()];
+      std::vector<double> pre, dec;
+      for (int rep = 0; rep < o.repetitions; ++rep) {
+        SessionOptions so = session_options(o, spec.method, spec.params);
+        so.max_tokens = context + o.bench_decode;
+        const std::unique_ptr<ModelRunner> r = runner_make(o.device, w, so);
+        device = r->device();
+        Sampler greedy({});
+        using clock = std::chrono::steady_clock;
+        const auto t0 = clock::now();
+        const std::vector<float>* logits = &r->prefill(prompt);
+        const auto t1 = clock::now();
+        for (int i = 0; i < o.bench_decode; ++i) logits = &r->decode(greedy.sample(*logits));
+        const auto t2 = clock::now();
+        pre.push_back(std::chrono::duration<double>(t1 - t0).count());
+        dec.push_back(std::chrono::duration<double>(t2 - t1).count());
+      }
+      rows.push_back({spec.label, context, median(pre), median(dec)});
+    }
+  fmt::print("model {}: {} layers, dim {}, on {}\n", o.model, w.config.n_layers, w.config.dim, device);
+  fmt::print("\n{:<12} {:>8} {:>12} {:>12} {:>10}\n", "method", "context", "prefill t/s", "decode t/s", "ms/token");
+  for (const Row& r : rows)
+    fmt::print("{:<12} {:>8} {:>12.1f} {:>12.1f} {:>10.3f}\n", r.method, r.context, r.context / r.prefill_s,
+               o.bench_decode / r.decode_s, 1e3 * r.decode_s / o.bench_decode);
+  fmt::print("decode: {} tokens after prefilling `context` tokens (median of {} runs; the first decode captures the "
+             "step as a CUDA graph)\n",
+             o.bench_decode, o.repetitions);
+  if (!o.json.empty()) {
+    nlohmann::json j;
+    j["model"] = o.model;
+    j["device"] = device;
+    j["repetitions"] = o.repetitions;
+    for (const Row& r : rows)
+      j["runs"].push_back({{"method", r.method},
+                           {"context", r.context},
+                           {"prefill_s", r.prefill_s},
+                           {"prefill_tok_s", r.context / r.prefill_s},
+                           {"decode_tokens", o.bench_decode},
+                           {"decode_s", r.decode_s},
+                           {"decode_tok_s", o.bench_decode / r.decode_s}});
+    file_write_atomic(o.json, j.dump(2) + "\n", "--json");
+  }
+}
+
 // Every option, method, parameter and path, checked before the model is loaded; returns
 // the methods to run, and opens and checks a --kv-load snapshot into kvs. The model's header
 // gives its context, which bounds --bench-context and --max-tokens.
@@ -337,13 +398,17 @@ std::vector<MethodSpec> generate_validate(const GenerateOptions& o, KvSnapshotUs
   const int ctx = c.context_length;
   if (o.device != "cpu") {
     CUMULUS_CHECK(o.device == "cuda", "--device={} must be cpu or cuda", o.device);
-    CUMULUS_CHECK(!o.bench, "--device cuda: --bench is not yet on cuda (bench/cuda_model_bench measures the GPU)");
     CUMULUS_CHECK(o.kv_save.empty() && o.kv_load.empty(), "--device cuda: --kv-save/--kv-load are not yet on cuda");
-    // Every method of the run, and the memory of the model's whole context, before loading.
+    // Every method of the run, and the memory of the model's whole context (--bench: of
+    // each context), before loading.
     for (const MethodSpec& spec : specs) {
       SessionOptions so = session_options(o, spec.method, spec.params);
       so.eval = o.eval;
-      device_check(o.device, c, so);
+      if (!o.bench) device_check(o.device, c, so);
+      for (int n : o.bench ? o.bench_contexts : std::vector<int>{}) {
+        so.max_tokens = n + o.bench_decode;
+        device_check(o.device, c, so);
+      }
     }
   }
   if (o.bench) {
@@ -382,7 +447,7 @@ void run_generate(const GenerateOptions& o) {
     std::uniform_int_distribution<int32_t> id(0, w.config.vocab_size - 1);
     std::vector<int32_t> prompt(1024);
     for (auto& t : prompt) t = id(rng);
-    return run_bench(w, prompt, specs, o);
+    return o.device == "cpu" ? run_bench(w, prompt, specs, o) : run_bench_device(w, prompt, specs, o);
   }
   std::string text = o.prompt_file.empty() ? o.prompt : text_strip_gutenberg(text_read_file(o.prompt_file));
   std::vector<int32_t> prompt = tok->encode(text, tok->add_bos_default());
@@ -394,7 +459,7 @@ void run_generate(const GenerateOptions& o) {
                 "prompt of {} tokens does not fit the model's context of {} tokens (use --prompt-tokens)",
                 prompt.size(), w.config.context_length);
 
-  if (o.bench) return run_bench(w, prompt, specs, o);
+  if (o.bench) return o.device == "cpu" ? run_bench(w, prompt, specs, o) : run_bench_device(w, prompt, specs, o);
   std::vector<RunResult> results;
   for (const auto& spec : specs) results.push_back(run_one(w, *tok, prompt, spec, o, kvs));
 
@@ -441,7 +506,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--temperature", o->temperature, "0 = greedy")->capture_default_str();
   cmd->add_option("--top-p", o->top_p, "nucleus sampling")->capture_default_str();
   cmd->add_option("--seed", o->seed, "sampling seed")->check(seed_check())->capture_default_str();
-  cmd->add_option("--device", o->device, "cpu or cuda (a CUDA build with a GPU; dense attention)")
+  cmd->add_option("--device", o->device, "cpu or cuda (a CUDA build with a GPU; dense attention; --bench too)")
       ->capture_default_str();
   cmd->add_flag("--eval", o->eval, "also measure the true mass of every attended set (slower)");
   cmd->add_flag("--quiet", o->quiet, "do not print the generated text");
