@@ -105,6 +105,19 @@ TEST_F(Cli, GenerateRunsLabelledMethods) {
   EXPECT_NE(r.output.find("--- dense ---"), std::string::npos) << r.output;
 }
 
+// --device: cuda in a build without the CUDA backend, or on a machine without a GPU, is an
+// error naming the reason and a non-zero exit before the model is loaded; an unknown
+// device is an error. (On a GPU machine with a CUDA build the run succeeds: skipped.)
+TEST_F(Cli, DeviceCudaWithoutBackendOrGpuIsRejected) {
+  expect_rejected(gen("--device tpu"), "--device=tpu must be cpu or cuda");
+  const CliResult r = cli_run(gen("--device cuda"));
+  if (r.code == 0) GTEST_SKIP() << "this build has CUDA and the machine a GPU: --device cuda runs";
+  EXPECT_NE(r.code, 124) << "timed out (the check came after the work)";
+  const bool named = r.output.find("--device cuda: this build of cumulus has no CUDA backend") != std::string::npos ||
+                     r.output.find("--device cuda: no CUDA device is available") != std::string::npos;
+  EXPECT_TRUE(named) << r.output;
+}
+
 // Defect 3: a directory is not a text, a prompt, a tokenizer or a model.
 TEST_F(Cli, DirectoriesAreRejected) {
   expect_rejected(gen("--prompt-file " + dir_.string()), "is a directory");

@@ -4,10 +4,12 @@
 
 #include <CLI/CLI.hpp>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "cumulus/model/model_weights.h"
+#include "cumulus/model/runner.h"
 
 namespace cumulus::cli {
 
@@ -23,6 +25,15 @@ WeightStorage weight_storage_from_name(const std::string& name);
 // --prefill-param key=value (repeatable) of generate and eval; a key given twice is an
 // Error; the registry checks the keys.
 std::map<std::string, std::string> prefill_param_map(const std::vector<std::string>& params);
+
+// --device cpu|cuda (device.cpp). device_check throws Error naming the reason a device
+// cannot run this model with these options (no CUDA build, no GPU, not enough device
+// memory, a method not on the GPU yet) before anything is loaded; runner_make makes the
+// runtime; device_line says what `info` prints for the GPU.
+void device_check(const std::string& device, const ModelConfig& config, const SessionOptions& options);
+std::unique_ptr<ModelRunner> runner_make(const std::string& device, const ModelWeights& weights,
+                                         const SessionOptions& options);
+std::string device_line();
 
 // --threads takes one range in every subcommand.
 inline constexpr int kThreadsMax = 256;

@@ -31,6 +31,7 @@
 #include "cumulus/model/gguf.h"
 #include "cumulus/model/model_identity.h"
 #include "cumulus/model/model_weights.h"
+#include "cumulus/model/runner.h"
 #include "cumulus/model/sampler.h"
 #include "cumulus/model/session.h"
 #include "cumulus/model/text.h"
@@ -55,6 +56,7 @@ struct GenerateOptions {
   bool eval = false;
   bool quiet = false;
   std::string weights = "compact";
+  std::string device = "cpu";  // --device: cpu or cuda (device.cpp)
   std::string kv_save, kv_load;  // KV snapshot written after the prefill / loaded instead of it
   // --bench
   bool bench = false;
@@ -99,7 +101,8 @@ RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector
   SessionOptions so = session_options(o, spec.method, spec.params);
   so.eval = o.eval;
   if (kvs.save_pending) so.keep_prompt_queries = kKvSnapshotPromptQueries;  // for later runs' methods
-  Session s(w, so);
+  const std::unique_ptr<ModelRunner> runner = runner_make(o.device, w, so);
+  ModelRunner& s = *runner;
   CUMULUS_CHECK(static_cast<int64_t>(prompt.size()) + o.max_tokens <= s.capacity(),
                 "prompt of {} tokens + --max-tokens {} exceeds the model's context of {} tokens", prompt.size(),
                 o.max_tokens, s.capacity());
@@ -108,14 +111,15 @@ RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector
 
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
-  const std::vector<float>* logits = kvs.load ? &s.kv_load(*kvs.load, kvs.model_id) : &s.prefill(prompt);
+  // --kv-load / --kv-save run on the CPU only (generate_validate).
+  const std::vector<float>* logits = kvs.load ? &s.session()->kv_load(*kvs.load, kvs.model_id) : &s.prefill(prompt);
   r.prefill_s = std::chrono::duration<double>(clock::now() - t0).count();
   if (kvs.load)
     fmt::print(stderr, "kv-load: {} tokens from {} ({:.1f} MB) in {:.3f} s\n", prompt.size(), o.kv_load,
                kvs.load->file_bytes() / 1e6, r.prefill_s);
   if (kvs.save_pending) {
     const auto ts = clock::now();
-    s.kv_save(o.kv_save, kvs.model_id);
+    s.session()->kv_save(o.kv_save, kvs.model_id);
     kvs.save_pending = false;
     fmt::print(stderr, "kv-save: {} tokens to {} in {:.3f} s (prefill {:.3f} s)\n", prompt.size(), o.kv_save,
                std::chrono::duration<double>(clock::now() - ts).count(), r.prefill_s);
@@ -136,7 +140,7 @@ RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector
   r.decode_s = std::chrono::duration<double>(clock::now() - t1).count();
   if (!o.quiet) fmt::print("\n");
   r.summary = s.summary();
-  r.prefill_stats = s.prefill_method().stats();
+  r.prefill_stats = s.prefill_stats();
   return r;
 }
 
@@ -292,6 +296,67 @@ void run_bench(const ModelWeights& w, const std::vector<int32_t>& source, const 
   }
 }
 
+// --bench --device cuda: prefill and decode tokens/s of the GPU runtime at each context (no
+// per-op profile; the GPU's bandwidth reference is bench/cuda_model_bench's). Each timed call
+// waits for its logits, as generation does.
+void run_bench_device(const ModelWeights& w, const std::vector<int32_t>& source, const std::vector<MethodSpec>& specs,
+                      const GenerateOptions& o) {
+  CUMULUS_CHECK(!source.empty(), "--bench: the prompt is empty");
+  std::string device;
+  struct Row {
+    std::string method;
+    int context;
+    double prefill_s, decode_s;
+  };
+  std::vector<Row> rows;
+  for (const auto& spec : specs)
+    for (int context : o.bench_contexts) {
+      fmt::print(stderr, "bench: {} at context {} on {} ...\n", spec.label, context, o.device);
+      std::vector<int32_t> prompt(static_cast<size_t>(context));
+      for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = source[i % source.size()];
+      std::vector<double> pre, dec;
+      for (int rep = 0; rep < o.repetitions; ++rep) {
+        SessionOptions so = session_options(o, spec.method, spec.params);
+        so.max_tokens = context + o.bench_decode;
+        const std::unique_ptr<ModelRunner> r = runner_make(o.device, w, so);
+        device = r->device();
+        Sampler greedy({});
+        using clock = std::chrono::steady_clock;
+        const auto t0 = clock::now();
+        const std::vector<float>* logits = &r->prefill(prompt);
+        const auto t1 = clock::now();
+        for (int i = 0; i < o.bench_decode; ++i) logits = &r->decode(greedy.sample(*logits));
+        const auto t2 = clock::now();
+        pre.push_back(std::chrono::duration<double>(t1 - t0).count());
+        dec.push_back(std::chrono::duration<double>(t2 - t1).count());
+      }
+      rows.push_back({spec.label, context, median(pre), median(dec)});
+    }
+  fmt::print("model {}: {} layers, dim {}, on {}\n", o.model, w.config.n_layers, w.config.dim, device);
+  fmt::print("\n{:<12} {:>8} {:>12} {:>12} {:>10}\n", "method", "context", "prefill t/s", "decode t/s", "ms/token");
+  for (const Row& r : rows)
+    fmt::print("{:<12} {:>8} {:>12.1f} {:>12.1f} {:>10.3f}\n", r.method, r.context, r.context / r.prefill_s,
+               o.bench_decode / r.decode_s, 1e3 * r.decode_s / o.bench_decode);
+  fmt::print("decode: {} tokens after prefilling `context` tokens (median of {} runs; the first decode captures the "
+             "step as a CUDA graph)\n",
+             o.bench_decode, o.repetitions);
+  if (!o.json.empty()) {
+    nlohmann::json j;
+    j["model"] = o.model;
+    j["device"] = device;
+    j["repetitions"] = o.repetitions;
+    for (const Row& r : rows)
+      j["runs"].push_back({{"method", r.method},
+                           {"context", r.context},
+                           {"prefill_s", r.prefill_s},
+                           {"prefill_tok_s", r.context / r.prefill_s},
+                           {"decode_tokens", o.bench_decode},
+                           {"decode_s", r.decode_s},
+                           {"decode_tok_s", o.bench_decode / r.decode_s}});
+    file_write_atomic(o.json, j.dump(2) + "\n", "--json");
+  }
+}
+
 // Every option, method, parameter and path, checked before the model is loaded; returns
 // the methods to run, and opens and checks a --kv-load snapshot into kvs. The model's header
 // gives its context, which bounds --bench-context and --max-tokens.
@@ -331,6 +396,21 @@ std::vector<MethodSpec> generate_validate(const GenerateOptions& o, KvSnapshotUs
 
   const ModelConfig c = eval_model_check(o.model, o.tokenizer);
   const int ctx = c.context_length;
+  if (o.device != "cpu") {
+    CUMULUS_CHECK(o.device == "cuda", "--device={} must be cpu or cuda", o.device);
+    CUMULUS_CHECK(o.kv_save.empty() && o.kv_load.empty(), "--device cuda: --kv-save/--kv-load are not yet on cuda");
+    // Every method of the run, and the memory of the model's whole context (--bench: of
+    // each context), before loading.
+    for (const MethodSpec& spec : specs) {
+      SessionOptions so = session_options(o, spec.method, spec.params);
+      so.eval = o.eval;
+      if (!o.bench) device_check(o.device, c, so);
+      for (int n : o.bench ? o.bench_contexts : std::vector<int>{}) {
+        so.max_tokens = n + o.bench_decode;
+        device_check(o.device, c, so);
+      }
+    }
+  }
   if (o.bench) {
     for (int n : o.bench_contexts)
       CUMULUS_CHECK(static_cast<int64_t>(n) + o.bench_decode <= ctx,
@@ -367,7 +447,7 @@ void run_generate(const GenerateOptions& o) {
     std::uniform_int_distribution<int32_t> id(0, w.config.vocab_size - 1);
     std::vector<int32_t> prompt(1024);
     for (auto& t : prompt) t = id(rng);
-    return run_bench(w, prompt, specs, o);
+    return o.device == "cpu" ? run_bench(w, prompt, specs, o) : run_bench_device(w, prompt, specs, o);
   }
   std::string text = o.prompt_file.empty() ? o.prompt : text_strip_gutenberg(text_read_file(o.prompt_file));
   std::vector<int32_t> prompt = tok->encode(text, tok->add_bos_default());
@@ -379,7 +459,7 @@ void run_generate(const GenerateOptions& o) {
                 "prompt of {} tokens does not fit the model's context of {} tokens (use --prompt-tokens)",
                 prompt.size(), w.config.context_length);
 
-  if (o.bench) return run_bench(w, prompt, specs, o);
+  if (o.bench) return o.device == "cpu" ? run_bench(w, prompt, specs, o) : run_bench_device(w, prompt, specs, o);
   std::vector<RunResult> results;
   for (const auto& spec : specs) results.push_back(run_one(w, *tok, prompt, spec, o, kvs));
 
@@ -426,6 +506,8 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--temperature", o->temperature, "0 = greedy")->capture_default_str();
   cmd->add_option("--top-p", o->top_p, "nucleus sampling")->capture_default_str();
   cmd->add_option("--seed", o->seed, "sampling seed")->check(seed_check())->capture_default_str();
+  cmd->add_option("--device", o->device, "cpu or cuda (a CUDA build with a GPU; dense attention; --bench too)")
+      ->capture_default_str();
   cmd->add_flag("--eval", o->eval, "also measure the true mass of every attended set (slower)");
   cmd->add_flag("--quiet", o->quiet, "do not print the generated text");
   cmd->add_option("--weights", o->weights, "compact (keep Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K quantised) or f32 (dequantise all)")

@@ -61,6 +61,7 @@ void print_tokenizer(const Tokenizer& t) {
 }
 
 void run_info(const InfoOptions& o) {
+  fmt::print("device         cpu (default); {}\n", device_line());
   fmt::print("model          {}\n", o.model);
   if (model_format_of(o.model) == ModelFormat::gguf) {
     const GgufFile f = GgufFile::open(o.model);

@@ -43,7 +43,9 @@ cat "$LOG/gpu.txt"
 
 if [ -x build-device/cumulus_cuda_tests ] && [ -x build-device/cuda_decode_bench ]; then
   BIN=$PWD/build-device
-  export LD_LIBRARY_PATH="$PWD/build-device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # prebuild.sh packs the shared libraries; cuBLAS is the image's own.
+  [ -f "$BIN/lib.tar.xz" ] && [ ! -d "$BIN/lib" ] && tar xJf "$BIN/lib.tar.xz" -C "$BIN"
+  export LD_LIBRARY_PATH="$BIN/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   echo "using prebuilt binaries in build-device/"
 else
   BIN=$PWD/build/cuda

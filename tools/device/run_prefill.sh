@@ -17,7 +17,9 @@ ITERS=5
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
   --format=csv 2>&1 | tee "$OUT/prefill_gpu.txt"
 BIN=$PWD/build-device
-export LD_LIBRARY_PATH="$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# prebuild.sh packs the shared libraries; cuBLAS is the image's own.
+[ -f "$BIN/lib.tar.xz" ] && [ ! -d "$BIN/lib" ] && tar xJf "$BIN/lib.tar.xz" -C "$BIN"
+export LD_LIBRARY_PATH="$BIN/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 echo "== CUDA prefill tests"
 timeout 300 "$BIN/cumulus_cuda_tests" --gtest_color=no --gtest_filter='CudaPrefill*' > "$OUT/prefill_tests.log" 2>&1

@@ -288,7 +288,9 @@ DeviceKvCache DeviceKvCache::upload(const std::vector<std::vector<PagedHeadView>
     c.n_tokens_.push_back(seqs[s][0].n_tokens);
   }
   c.capacity_ = c.n_tokens_;
+  c.reserved_.assign(n_seqs, max_pages * v0.page_size);
   c.table_ = to_device(table);
+  c.table_host_ = std::move(table);
   c.n_tok_ = to_device(std::vector<int32_t>(c.n_tokens_.begin(), c.n_tokens_.end()));
   c.kv_bytes_ = 2 * n_pool * page_bytes;
   DeviceKvView& w = c.view_;
@@ -341,6 +343,8 @@ DeviceKvCache DeviceKvCache::upload_replicated(const std::vector<PagedHeadView>&
   c.table_ = to_device(table);
   c.n_tokens_.assign(n_copies, one.n_tokens_[0]);
   c.capacity_ = c.n_tokens_;
+  c.reserved_.assign(n_copies, w1.max_pages * w1.page_size);
+  c.table_host_ = std::move(table);
   c.n_tok_ = to_device(std::vector<int32_t>(c.n_tokens_.begin(), c.n_tokens_.end()));
   c.kv_bytes_ = 2 * kv_seq * n_copies;
   c.view_ = w1;

@@ -1,0 +1,160 @@
+// End-to-end decode speed of the GPU model runtime (issue 16, benchmark): a llama3-8b-shaped
+// model (32 layers, 32 query heads over 8 kv heads, head_dim 128, dim 4096, ffn 14336, vocab
+// 128256, untied head) with random f16 weights made on the device, dense attention, the
+// cache filled with random K/V to each context (no prefill: fill_random_context), then
+// greedy decode steps of every sequence of a batch timed one by one (decode_batch: argmax on
+// the device, each step waits for its ids). Against the floor: (weight bytes + K/V bytes of
+// every sequence read per step) / the device-to-device copy bandwidth (read + write)
+// measured in the same run. Every (context, batch) that fits the device's free memory;
+// the others are listed with the memory they need. Prints a table, writes JSON.
+//   cuda_model_bench [--contexts 8192,32768,131072] [--batches 1,4,16] [--steps 20]
+//                    [--json PATH] [--layers N]
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "cumulus/core/error.h"
+#include "cumulus/kernels/cuda.h"
+#include "cumulus/model/cuda_runner.h"
+
+using namespace cumulus;
+using json = nlohmann::json;
+
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+// Device-to-device copy of 1 GiB, read + write bytes counted, median of 20 after 3 warm-ups.
+double copy_gbps() {
+  const size_t bytes = size_t{1} << 30;
+  cuda::Stream st;
+  cuda::DeviceBuffer a(bytes), b(bytes);
+  cuda::memset_async(a.data(), 1, bytes, st.handle());
+  cuda::EventTimer t;
+  std::vector<double> g;
+  for (int i = 0; i < 23; ++i) {
+    t.start(st.handle());
+    cuda::memcpy_device_async(b.data(), a.data(), bytes, st.handle());
+    t.stop(st.handle());
+    const double ms = t.elapsed_ms();
+    if (i >= 3) g.push_back(2.0 * bytes / (ms * 1e-3) / 1e9);
+  }
+  return median(g);
+}
+
+std::vector<int> parse_list(const std::string& s) {
+  std::vector<int> v;
+  size_t b = 0;
+  while (b < s.size()) {
+    size_t e = s.find(',', b);
+    if (e == std::string::npos) e = s.size();
+    v.push_back(std::stoi(s.substr(b, e - b)));
+    b = e + 1;
+  }
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  std::vector<int> contexts{8192, 32768, 131072}, batches{1, 4, 16};
+  int steps = 20, layers = 32;
+  std::string json_path;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      CUMULUS_CHECK(i + 1 < argc, "{} needs a value", a);
+      return argv[++i];
+    };
+    if (a == "--contexts") contexts = parse_list(next());
+    else if (a == "--batches") batches = parse_list(next());
+    else if (a == "--steps") steps = std::stoi(next());
+    else if (a == "--layers") layers = std::stoi(next());
+    else if (a == "--json") json_path = next();
+    else CUMULUS_FAIL("unknown argument '{}' (--contexts, --steps, --layers, --json)", a);
+  }
+  CUMULUS_CHECK(steps >= 1 && layers >= 1, "--steps={} and --layers={} must be >= 1", steps, layers);
+  if (!cuda::device_available()) {
+    std::fprintf(stderr, "cuda_model_bench: no CUDA device\n");
+    return 1;
+  }
+  ModelConfig c;
+  c.architecture = "llama";
+  c.n_layers = layers;
+  c.n_heads = 32;
+  c.n_kv_heads = 8;
+  c.head_dim = 128;
+  c.rope_dim = 128;
+  c.dim = 4096;
+  c.hidden_dim = 14336;
+  c.vocab_size = 128256;
+  c.rope_theta = 500000.0f;
+  c.tied_output = false;
+  const std::string dev = cuda_device_summary();
+  const double bw = copy_gbps();
+  fmt::print("device: {}\nllama3-8b shape, {} layers, random f16 weights, dense, kv f16\n", dev, layers);
+  fmt::print("device-to-device copy: {:.0f} GB/s (read + write, median of 20 x 1 GiB)\n\n", bw);
+  fmt::print("{:>8} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8}\n", "context", "batch", "ms/step", "tok/s",
+             "GB/step", "floor ms", "floor t/s", "of floor");
+  json report = {{"device", dev}, {"copy_gbps", bw}, {"layers", layers}, {"steps", steps}, {"runs", json::array()}};
+  for (int batch : batches)
+  for (int ctx : contexts) {
+    SessionOptions o;
+    o.max_tokens = ctx + steps + 4;
+    c.context_length = o.max_tokens;
+    try {
+      cuda_runner_check(c, o, batch);
+    } catch (const Error& e) {
+      fmt::print("{:>8} {:>6}  does not fit: {}\n", ctx, batch, e.what());
+      report["runs"].push_back({{"context", ctx}, {"batch", batch}, {"skipped", e.what()}});
+      continue;
+    }
+    auto r = model_runner_cuda_random(c, o, 1234, batch);
+    r->fill_random_context(ctx, 99);
+    std::vector<int32_t> toks(batch, 1);
+    for (int i = 0; i < 3; ++i) toks = r->decode_batch(toks);  // warm-up (the first captures the graph)
+    std::vector<double> ms;
+    for (int i = 0; i < steps; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      toks = r->decode_batch(toks);
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    const double step = median(ms);
+    // Bytes a step reads: every weight matrix and the classifier once, and every sequence's
+    // K/V at the mean depth.
+    const double depth = ctx + 3 + 0.5 * (steps + 1);
+    const double bytes =
+        static_cast<double>(r->decode_weight_bytes()) + static_cast<double>(batch) * depth * r->kv_bytes_per_token();
+    const double floor_ms = bytes / (bw * 1e9) * 1e3;
+    fmt::print("{:>8} {:>6} {:>10.3f} {:>10.1f} {:>10.2f} {:>10.3f} {:>10.1f} {:>7.1f}%\n", ctx, batch, step,
+               1e3 * batch / step, bytes / 1e9, floor_ms, 1e3 * batch / floor_ms, 100 * floor_ms / step);
+    report["runs"].push_back({{"context", ctx},
+                              {"batch", batch},
+                              {"ms_per_step_median", step},
+                              {"ms_samples", ms},
+                              {"tokens_per_s", 1e3 * batch / step},
+                              {"bytes_per_step", bytes},
+                              {"weight_bytes", r->decode_weight_bytes()},
+                              {"kv_bytes_per_token", r->kv_bytes_per_token()},
+                              {"floor_ms", floor_ms},
+                              {"pct_of_floor", 100 * floor_ms / step}});
+  }
+  fmt::print("\nms/step: median of {} greedy decode steps of the whole batch (wall clock, each waits for its ids); "
+             "tok/s: batch / step; floor: (weight bytes + every sequence's K/V bytes at the mean depth) / copy "
+             "bandwidth\n",
+             steps);
+  if (!json_path.empty()) std::ofstream(json_path) << report.dump(2) << "\n";
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "error: %s\n", e.what());
+  return 1;
+}

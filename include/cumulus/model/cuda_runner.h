@@ -1,0 +1,63 @@
+// The model runtime on the GPU (src/model/cuda, docs/cuda.md "Model runtime"): a Llama
+// forward pass with the weights on the device in f16, cuBLAS for the products, the KV cache
+// of every layer in a DeviceKvCache filled on the device, dense attention. Built only with
+// CUMULUS_CUDA=ON (the library cumulus_model_cuda); plain C++, no CUDA type in sight.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+#include <string>
+
+#include "cumulus/model/model_weights.h"
+#include "cumulus/model/runner.h"
+#include "cumulus/model/session.h"
+
+namespace cumulus {
+
+// Device memory a CUDA runner of this model and these options needs: weights (f16), the KV
+// cache of every layer for the context (SessionOptions::max_tokens, 0 = the model's), and
+// the scratch of a prefill chunk.
+// n_seqs sequences (model_runner_cuda_random's batch) hold a cache each.
+size_t cuda_runner_bytes(const ModelConfig& config, const SessionOptions& options, int n_seqs = 1);
+
+// Throws Error naming the reason when a CUDA runner cannot run this model with these options:
+// no CUDA device; an architecture or feature not on the GPU yet (gemma3); a decode or
+// prefill method other than dense, or eval mode ("not yet on cuda"); a KV dtype other than
+// f16/bf16; or a context whose memory (cuda_runner_bytes) exceeds the device's free memory
+// (the error gives both). Reads no weights: commands call it before loading the model.
+void cuda_runner_check(const ModelConfig& config, const SessionOptions& options, int n_seqs = 1);
+
+// The CUDA runner's extras for benchmarks (bench/cuda_model_bench.cpp).
+class CudaModelRunner : public ModelRunner {
+ public:
+  // Takes the place of a prefill: every layer's cache gets n tokens of random K/V for every
+  // sequence (appended on the device in chunks, as a prefill appends them); the logits stay
+  // unset. Position 0 only.
+  virtual void fill_random_context(int n, uint64_t seed) = 0;
+  // One decode step of every sequence of the batch: tokens [n_seqs] in, the greedy next
+  // token of each out (argmax on the device; only n_seqs ids come back). A CUDA graph as
+  // decode(). decode() itself needs a batch of one.
+  virtual std::vector<int32_t> decode_batch(std::span<const int32_t> tokens) = 0;
+  virtual int n_seqs() const = 0;
+  // Bytes of the weights a decode step reads (every layer matrix and the classifier) and of
+  // K/V per cached token (all layers).
+  virtual size_t decode_weight_bytes() const = 0;
+  virtual size_t kv_bytes_per_token() const = 0;
+};
+
+// The runner (cuda_runner_check first). Matrices of any storage (F32, F16, BF16, the block
+// formats) are dequantised on the host and converted to f16; nothing of `weights` is kept.
+std::unique_ptr<CudaModelRunner> model_runner_cuda(const ModelWeights& weights, const SessionOptions& options);
+// A runner of `config` with random f16 weights made on the device (uniform, variance
+// 1 / cols per matrix; norms 1) for a batch of n_seqs sequences: benchmarks of models too
+// large to hold on the host.
+std::unique_ptr<CudaModelRunner> model_runner_cuda_random(const ModelConfig& config, const SessionOptions& options,
+                                                          uint64_t seed, int n_seqs = 1);
+
+// "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs, 79.2 GiB)" or the reason there is none.
+std::string cuda_device_summary();
+
+}  // namespace cumulus

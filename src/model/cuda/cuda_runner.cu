@@ -1,0 +1,543 @@
+// The Llama forward pass on the GPU (issue 16, part 3; cuda_runner.h). The data flow is
+// Session's (session.h), for one sequence:
+//   x [C][dim] f32 = embd[tokens] (f16 table)
+//   per layer: xn f16 = RMSNorm(x) * attn_norm
+//              q, k, v f32 = xn W^T (cuBLAS GemmEx: f16 in, f32 accumulate and out)
+//              RoPE on q and k at the positions the layer's cache holds (read on the device)
+//              k, v appended to the layer's DeviceKvCache (rounded to f16 there)
+//              attention: decode (C = 1) through attention_decode (head_dim 64/128) or the
+//              generic rows kernel; prefill from position 0 through attention_prefill_dense
+//              (head_dim 64/128), else the rows kernel
+//              x += att Wo^T (the residual is the GEMM's beta = 1)
+//              xn = RMSNorm(x) * ffn_norm; act f16 = silu(xn Wg^T) * (xn Wu^T); x += act Wd^T
+//   logits [vocab] f32 = RMSNorm(x_last) * output_norm, times the classifier
+// A decode step enqueues everything on one stream and waits once, for the logits; nothing
+// in it reads back from the device (positions come from the caches' device counts).
+// Activations that feed a product are rounded to f16 (cuBLAS takes f16 for both operands),
+// the residual stream and every accumulation stay f32.
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+#include <optional>
+
+#include "cumulus/core/dtype.h"
+#include "cumulus/core/error.h"
+#include "cumulus/kernels/cuda.h"
+#include "cumulus/kernels/cuda_prefill.h"
+#include "cumulus/methods/method.h"
+#include "cumulus/model/cuda_runner.h"
+#include "forward_kernels.cuh"
+#include "kernels/cuda/cuda_util.cuh"
+
+namespace cumulus {
+namespace {
+
+using cuda::DeviceBuffer;
+
+#define CUMULUS_CUBLAS_CHECK(call)                                                                        \
+  do {                                                                                                    \
+    const cublasStatus_t cumulus_blas_s_ = (call);                                                        \
+    if (cumulus_blas_s_ != CUBLAS_STATUS_SUCCESS)                                                         \
+      throw Error(fmt::format("cuBLAS error {} ({}) in {} at {}:{}", cublasGetStatusName(cumulus_blas_s_), \
+                              cublasGetStatusString(cumulus_blas_s_), #call, __FILE__, __LINE__));        \
+  } while (0)
+
+int context_of(const ModelConfig& c, const SessionOptions& o) {
+  return o.max_tokens > 0 ? o.max_tokens : c.context_length;
+}
+
+// Rows of the prefill chunk the scratch is sized for.
+int chunk_of(const ModelConfig& c, const SessionOptions& o) {
+  return std::max(1, std::min(std::max(o.prefill_chunk, 2048), context_of(c, o)));
+}
+
+size_t weight_elems(const ModelConfig& c) {
+  const size_t dim = c.dim, qd = static_cast<size_t>(c.n_heads) * c.head_dim,
+               kvd = static_cast<size_t>(c.n_kv_heads) * c.head_dim, hid = c.hidden_dim;
+  const size_t layer = qd * dim + 2 * kvd * dim + dim * qd + 3 * hid * dim;
+  return c.n_layers * layer + static_cast<size_t>(c.vocab_size) * dim * (c.tied_output ? 1 : 2);
+}
+
+size_t scratch_bytes(const ModelConfig& c, int rows) {
+  const size_t r = rows, qd = static_cast<size_t>(c.n_heads) * c.head_dim,
+               kvd = static_cast<size_t>(c.n_kv_heads) * c.head_dim;
+  const size_t f32 = r * (c.dim + qd + 2 * kvd + 2 * static_cast<size_t>(c.hidden_dim) + qd) + c.vocab_size + qd;
+  const size_t f16 = r * (c.dim + qd + c.hidden_dim) + 4 * r * qd;  // xn, att, act; head-major q, k, v, o
+  return 4 * f32 + 2 * f16 + 4 * r;
+}
+
+std::string gib(size_t b) { return fmt::format("{:.2f} GiB", b / 1073741824.0); }
+
+// W [rows][cols] as f16 into d from element `offset` on (dequantised on the host in slices
+// of rows).
+void upload_f16_into(DeviceBuffer& d, size_t offset, const WeightMatrix& w) {
+  const int slice = std::max(1, static_cast<int>((size_t{1} << 22) / std::max(1, w.cols())));
+  std::vector<float> f;
+  std::vector<uint16_t> h;
+  for (int r = 0; r < w.rows(); r += slice) {
+    const int e = std::min(w.rows(), r + slice);
+    const size_t n = static_cast<size_t>(e - r) * w.cols();
+    f.resize(n);
+    h.resize(n);
+    w.rows_to_f32(r, e, f.data());
+    convert_from_f32(f.data(), h.data(), DType::f16, n);
+    d.upload(h.data(), n * sizeof(uint16_t), (offset + static_cast<size_t>(r) * w.cols()) * sizeof(uint16_t));
+  }
+}
+DeviceBuffer upload_f16(const WeightMatrix& w) {
+  DeviceBuffer d(w.size() * sizeof(uint16_t));
+  upload_f16_into(d, 0, w);
+  return d;
+}
+// Matrices of one input stacked by rows: [sum of rows][cols] f16.
+DeviceBuffer upload_f16_stacked(std::initializer_list<const WeightMatrix*> ws) {
+  size_t n = 0;
+  for (const WeightMatrix* w : ws) n += w->size();
+  DeviceBuffer d(n * sizeof(uint16_t));
+  size_t off = 0;
+  for (const WeightMatrix* w : ws) {
+    upload_f16_into(d, off, *w);
+    off += w->size();
+  }
+  return d;
+}
+
+class CudaRunner final : public CudaModelRunner {
+ public:
+  // Device memory for everything but the weights, for n_seqs sequences; then load() or
+  // randomize() fills them.
+  CudaRunner(const ModelConfig& c, const SessionOptions& o, int n_seqs);
+  void load(const ModelWeights& w);
+  void randomize(uint64_t seed);
+  ~CudaRunner() override;
+  const std::vector<float>& prefill(std::span<const int32_t> tokens) override;
+  const std::vector<float>& decode(int32_t token) override;
+  void restart_decode(const std::string& method, const std::map<std::string, std::string>& params) override;
+  int position() const override { return pos_; }
+  int capacity() const override { return capacity_; }
+  AttentionSummary summary() const override { return summary_; }
+  PrefillStats prefill_stats() const override { return {}; }
+  std::string device() const override { return "cuda: " + cuda_device_summary(); }
+  void fill_random_context(int n, uint64_t seed) override;
+  std::vector<int32_t> decode_batch(std::span<const int32_t> tokens) override;
+  int n_seqs() const override { return n_seqs_; }
+  size_t decode_weight_bytes() const override {
+    return (weight_elems(c_) - static_cast<size_t>(c_.tied_output ? 0 : c_.vocab_size) * c_.dim) * sizeof(__half);
+  }
+  size_t kv_bytes_per_token() const override {
+    return 2 * static_cast<size_t>(c_.n_layers) * c_.n_kv_heads * c_.head_dim * dtype_size(opt_.kv.dtype);
+  }
+
+ private:
+  struct Layer {
+    // wqkv: Wq, Wk, Wv stacked [qd + 2 kvd][dim]; w_gate_up: Wgate, Wup [2 hidden][dim]. A
+    // decode step takes each stack in one product (its output row holds q, k, v, or gate
+    // and up, back to back); a prefill chunk takes the parts one by one.
+    DeviceBuffer attn_norm, ffn_norm, wqkv, wo, w_gate_up, w_down;
+  };
+  // y [n][w.rows] f32 = beta * y + x [n][cols] f16 W^T (W f16 [rows][cols] row-major).
+  void gemm(const void* w, int rows, int cols, const __half* x, int n, float* y, float beta);
+  void forward(std::span<const int32_t> tokens, bool decode_mode);
+  // Everything a forward of n tokens (already in tok_host_) does on the device, ending with
+  // the copy of the last row's logits to logits_host_ (or, with `greedy`, of every row's
+  // argmax to ids_host_); no host wait (a decode step is captured from it). decode_mode:
+  // row i is one token of sequence i (n == n_seqs_); else n rows of sequence 0's prompt.
+  void enqueue_forward(int n, bool decode_mode, bool greedy = false);
+  // Replays (captures first) the decode step of one token per sequence.
+  void decode_step(std::optional<cuda::Graph>& graph, bool greedy);
+
+  SessionOptions opt_;
+  ModelConfig c_;
+  cuda::Stream stream_;
+  cudaStream_t st_ = nullptr;
+  cublasHandle_t blas_ = nullptr;
+  DeviceBuffer embd_, out_w_, out_norm_;
+  std::vector<Layer> layers_;
+  std::vector<cuda::DeviceKvCache> kv_;
+  std::unique_ptr<cuda::AttentionPlan> plan_;  // attention_decode, head_dim 64/128
+  DeviceBuffer blas_ws_;                       // cuBLAS workspace (no allocation while capturing)
+  // The decode step as one CUDA graph, captured at the first decode (CUMULUS_CUDA_GRAPHS=0:
+  // launched kernel by kernel instead).
+  bool use_graph_ = true;
+  std::optional<cuda::Graph> decode_graph_, batch_graph_;
+  int n_seqs_ = 1;
+  int rows_ = 0;
+  DeviceBuffer tok_, x_, xn_, q_, k_, v_, att_, att16_, gate_, up_, act_, logits_d_, lse_, ids_, qh_, kh_, vh_, oh_;
+  int32_t* tok_host_ = nullptr;    // page-locked [rows_]
+  float* logits_host_ = nullptr;   // page-locked [vocab]
+  int32_t* ids_host_ = nullptr;    // page-locked [n_seqs_]
+  std::vector<float> logits_;
+  int pos_ = 0, capacity_ = 0, prompt_end_ = 0;
+  AttentionSummary summary_;
+};
+
+void CudaRunner::load(const ModelWeights& w) {
+  embd_ = upload_f16(w.token_embd);
+  if (!c_.tied_output) out_w_ = upload_f16(w.output);
+  out_norm_ = cuda::to_device(w.output_norm);
+  layers_.clear();
+  for (const LayerWeights& L : w.layers) {
+    Layer d;
+    d.attn_norm = cuda::to_device(L.attn_norm);
+    d.ffn_norm = cuda::to_device(L.ffn_norm);
+    d.wqkv = upload_f16_stacked({&L.wq, &L.wk, &L.wv});
+    d.wo = upload_f16(L.wo);
+    d.w_gate_up = upload_f16_stacked({&L.w_gate, &L.w_up});
+    d.w_down = upload_f16(L.w_down);
+    layers_.push_back(std::move(d));
+  }
+}
+
+void CudaRunner::randomize(uint64_t seed) {
+  const ModelConfig& c = c_;
+  auto matrix = [&](int rows, int cols) {
+    DeviceBuffer b(static_cast<size_t>(rows) * cols * sizeof(__half));
+    // Uniform in [-a, a) has variance a^2 / 3: a = sqrt(3 / cols) gives 1 / cols.
+    cuda::model::fill_uniform(b.as<__half>(), static_cast<size_t>(rows) * cols, std::sqrt(3.0f / cols), seed++, st_);
+    return b;
+  };
+  const std::vector<float> ones(c.dim, 1.0f);
+  const int qd = c.n_heads * c.head_dim, kvd = c.n_kv_heads * c.head_dim;
+  embd_ = matrix(c.vocab_size, c.dim);
+  if (!c.tied_output) out_w_ = matrix(c.vocab_size, c.dim);
+  out_norm_ = cuda::to_device(ones);
+  layers_.clear();
+  for (int l = 0; l < c.n_layers; ++l) {
+    Layer d;
+    d.attn_norm = cuda::to_device(ones);
+    d.ffn_norm = cuda::to_device(ones);
+    d.wqkv = matrix(qd + 2 * kvd, c.dim);
+    d.wo = matrix(c.dim, qd);
+    d.w_gate_up = matrix(2 * c.hidden_dim, c.dim);
+    d.w_down = matrix(c.dim, c.hidden_dim);
+    layers_.push_back(std::move(d));
+  }
+  stream_.synchronize();
+}
+
+void CudaRunner::fill_random_context(int n, uint64_t seed) {
+  CUMULUS_CHECK(pos_ == 0, "fill_random_context(n={}) at position {}: a fresh runner only", n, pos_);
+  CUMULUS_CHECK(n >= 1 && n <= capacity_, "fill_random_context: n={} must be in [1, {}]", n, capacity_);
+  // Random rows for one chunk of the prefill scratch (k_, v_), appended again and again.
+  const size_t kvd = static_cast<size_t>(c_.n_kv_heads) * c_.head_dim;
+  cuda::model::fill_uniform(k_.as<float>(), static_cast<size_t>(rows_) * kvd, 2.0f, seed, st_);
+  cuda::model::fill_uniform(v_.as<float>(), static_cast<size_t>(rows_) * kvd, 2.0f, seed + 1, st_);
+  // Every sequence gets its own rows of the buffer: chunks of rows_ / n_seqs tokens.
+  const int chunk = std::max(1, rows_ / n_seqs_);
+  for (cuda::DeviceKvCache& kv : kv_)
+    for (int t = 0; t < n; t += chunk) kv.append(k_.as<float>(), v_.as<float>(), std::min(chunk, n - t), st_);
+  stream_.synchronize();
+  pos_ = prompt_end_ = n;
+}
+
+CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o, int n_seqs) : opt_(o), c_(c), n_seqs_(n_seqs) {
+  cuda_runner_check(c_, o, n_seqs);
+  st_ = cuda::as_stream(stream_.handle());
+  CUMULUS_CUBLAS_CHECK(cublasCreate(&blas_));
+  CUMULUS_CUBLAS_CHECK(cublasSetStream(blas_, st_));
+  blas_ws_ = DeviceBuffer(size_t{32} << 20);
+  CUMULUS_CUBLAS_CHECK(cublasSetWorkspace(blas_, blas_ws_.data(), blas_ws_.size()));
+  const char* graphs = std::getenv("CUMULUS_CUDA_GRAPHS");
+  use_graph_ = graphs == nullptr || std::string(graphs) != "0";
+  capacity_ = context_of(c_, o);
+  rows_ = std::max(chunk_of(c_, o), n_seqs_);
+  // One cache per layer, its pages reserved for the whole context up front (a decode step
+  // then never touches the host's page tables).
+  for (int l = 0; l < c_.n_layers; ++l) {
+    kv_.push_back(
+        cuda::DeviceKvCache::create(n_seqs_, c_.n_kv_heads, c_.head_dim, o.kv.dtype, o.kv.page_size, capacity_));
+    for (int s = 0; s < n_seqs_; ++s) kv_.back().reserve(s, capacity_);
+  }
+  if (cuda::head_dim_supported_cuda(c_.head_dim))
+    plan_ = std::make_unique<cuda::AttentionPlan>(kv_[0].view(), c_.shape().group());
+  CUMULUS_CHECK(n_seqs_ == 1 || plan_ != nullptr, "a batch of {} sequences needs head_dim 64 or 128, not {}", n_seqs_,
+                c_.head_dim);
+  // Scratch for rows_ rows.
+  const size_t r = rows_, qd = static_cast<size_t>(c_.n_heads) * c_.head_dim,
+               kvd = static_cast<size_t>(c_.n_kv_heads) * c_.head_dim;
+  tok_ = DeviceBuffer(r * sizeof(int32_t));
+  x_ = DeviceBuffer(r * c_.dim * sizeof(float));
+  xn_ = DeviceBuffer(r * c_.dim * sizeof(__half));
+  q_ = DeviceBuffer((r * qd + 2 * kvd) * sizeof(float));  // decode: q, k, v back to back
+  k_ = DeviceBuffer(r * kvd * sizeof(float));
+  v_ = DeviceBuffer(r * kvd * sizeof(float));
+  att_ = DeviceBuffer(n_seqs_ * qd * sizeof(float));
+  att16_ = DeviceBuffer(r * qd * sizeof(__half));
+  gate_ = DeviceBuffer((r + 1) * c_.hidden_dim * sizeof(float));  // decode: gate, up back to back
+  up_ = DeviceBuffer(r * c_.hidden_dim * sizeof(float));
+  act_ = DeviceBuffer(r * c_.hidden_dim * sizeof(__half));
+  logits_d_ = DeviceBuffer(static_cast<size_t>(n_seqs_) * c_.vocab_size * sizeof(float));
+  lse_ = DeviceBuffer(static_cast<size_t>(n_seqs_) * c_.n_heads * sizeof(float));
+  ids_ = DeviceBuffer(n_seqs_ * sizeof(int32_t));
+  if (plan_) {
+    qh_ = DeviceBuffer(r * qd * sizeof(__half));
+    kh_ = DeviceBuffer(r * kvd * sizeof(__half));
+    vh_ = DeviceBuffer(r * kvd * sizeof(__half));
+    oh_ = DeviceBuffer(r * qd * sizeof(__half));
+  }
+  CUMULUS_CUDA_CHECK(cudaMallocHost(&tok_host_, r * sizeof(int32_t)));
+  CUMULUS_CUDA_CHECK(cudaMallocHost(&logits_host_, static_cast<size_t>(c_.vocab_size) * sizeof(float)));
+  CUMULUS_CUDA_CHECK(cudaMallocHost(&ids_host_, n_seqs_ * sizeof(int32_t)));
+  logits_.resize(c_.vocab_size);
+}
+
+CudaRunner::~CudaRunner() {
+  if (blas_ != nullptr) cublasDestroy(blas_);
+  if (tok_host_ != nullptr) cudaFreeHost(tok_host_);
+  if (logits_host_ != nullptr) cudaFreeHost(logits_host_);
+  if (ids_host_ != nullptr) cudaFreeHost(ids_host_);
+}
+
+void CudaRunner::gemm(const void* w, int rows, int cols, const __half* x, int n, float* y, float beta) {
+  // Column-major view: y^T [rows][n] = W [rows][cols] x^T [cols][n]; W row-major is W^T
+  // column-major with leading dimension cols, hence op(A) = T.
+  const float alpha = 1.0f;
+  CUMULUS_CUBLAS_CHECK(cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, w, CUDA_R_16F,
+                                    cols, x, CUDA_R_16F, cols, &beta, y, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
+}
+
+const std::vector<float>& CudaRunner::prefill(std::span<const int32_t> tokens) {
+  CUMULUS_CHECK(!tokens.empty(), "prompt is empty (0 tokens)");
+  CUMULUS_CHECK(pos_ + static_cast<int64_t>(tokens.size()) <= capacity_,
+                "prompt of {} tokens at position {} exceeds the context of {} tokens", tokens.size(), pos_, capacity_);
+  CUMULUS_CHECK(pos_ == prompt_end_, "prefill after decode started (position {}): one prompt per session", pos_);
+  CUMULUS_CHECK(n_seqs_ == 1, "prefill of a runner of {} sequences (fill_random_context fills batches)", n_seqs_);
+  for (size_t i = 0; i < tokens.size(); i += rows_)
+    forward(tokens.subspan(i, std::min<size_t>(rows_, tokens.size() - i)), false);
+  prompt_end_ = pos_;
+  return logits_;
+}
+
+const std::vector<float>& CudaRunner::decode(int32_t token) {
+  CUMULUS_CHECK(pos_ > 0, "decode before prefill (position 0): prefill at least one token first");
+  CUMULUS_CHECK(pos_ + 1 <= capacity_, "decode at position {} exceeds the context of {} tokens", pos_, capacity_);
+  CUMULUS_CHECK(token >= 0 && token < c_.vocab_size, "token id {} at position {} is outside the vocabulary [0, {})",
+                token, pos_, c_.vocab_size);
+  CUMULUS_CHECK(n_seqs_ == 1, "decode(token) of a runner of {} sequences: use decode_batch", n_seqs_);
+  if (use_graph_) {
+    tok_host_[0] = token;  // the graph's first node copies it from here
+    decode_step(decode_graph_, false);
+    std::copy_n(logits_host_, c_.vocab_size, logits_.begin());
+  } else {
+    const int32_t t[1] = {token};
+    forward(t, true);
+  }
+  // Dense attention: every head-step reads the whole cache.
+  summary_.head_steps += static_cast<int64_t>(c_.n_layers) * c_.n_heads;
+  summary_.tokens_sum += static_cast<double>(pos_) * c_.n_layers * c_.n_heads;
+  summary_.kv_fraction_sum += c_.n_layers;
+  summary_.layer_steps += c_.n_layers;
+  return logits_;
+}
+
+void CudaRunner::decode_step(std::optional<cuda::Graph>& graph, bool greedy) {
+  if (!use_graph_) {
+    enqueue_forward(n_seqs_, true, greedy);
+  } else if (!graph) {
+    // Capturing enqueues nothing: the caches' host counts advance once, here, for the
+    // launch below; later replays advance them with append_replayed.
+    graph = cuda::Graph::capture(stream_.handle(), [&] { enqueue_forward(n_seqs_, true, greedy); });
+  } else {
+    for (cuda::DeviceKvCache& kv : kv_) kv.append_replayed(1);
+  }
+  if (use_graph_) graph->launch(stream_.handle());
+  CUMULUS_CUDA_CHECK(cudaStreamSynchronize(st_));
+  ++pos_;
+}
+
+std::vector<int32_t> CudaRunner::decode_batch(std::span<const int32_t> tokens) {
+  CUMULUS_CHECK(static_cast<int>(tokens.size()) == n_seqs_, "decode_batch: {} tokens for {} sequences", tokens.size(),
+                n_seqs_);
+  CUMULUS_CHECK(pos_ > 0, "decode_batch before the context is filled (position 0)");
+  CUMULUS_CHECK(pos_ + 1 <= capacity_, "decode at position {} exceeds the context of {} tokens", pos_, capacity_);
+  for (int32_t t : tokens)
+    CUMULUS_CHECK(t >= 0 && t < c_.vocab_size, "token id {} is outside the vocabulary [0, {})", t, c_.vocab_size);
+  std::copy(tokens.begin(), tokens.end(), tok_host_);
+  decode_step(batch_graph_, true);
+  return std::vector<int32_t>(ids_host_, ids_host_ + n_seqs_);
+}
+
+void CudaRunner::restart_decode(const std::string& method, const std::map<std::string, std::string>& params) {
+  CUMULUS_CHECK(prompt_end_ > 0, "restart_decode(method={}) before a prefill: there is no prompt to restart from",
+                method);
+  CUMULUS_CHECK(method == "dense" && params.empty(),
+                "restart_decode(method={}): decode method '{}' is not yet on cuda (dense only)", method, method);
+  for (cuda::DeviceKvCache& kv : kv_)
+    for (int s = 0; s < n_seqs_; ++s) {
+      kv.truncate(s, prompt_end_);
+      kv.reserve(s, capacity_);
+    }
+  pos_ = prompt_end_;
+  summary_ = {};
+}
+
+void CudaRunner::forward(std::span<const int32_t> tokens, bool decode_mode) {
+  const ModelConfig& c = c_;
+  const int n = static_cast<int>(tokens.size());
+  for (int i = 0; i < n; ++i)
+    CUMULUS_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab_size,
+                  "token id {} at position {} is outside the vocabulary [0, {})", tokens[i], pos_ + i, c.vocab_size);
+  std::memcpy(tok_host_, tokens.data(), n * sizeof(int32_t));
+  enqueue_forward(n, decode_mode);
+  CUMULUS_CUDA_CHECK(cudaStreamSynchronize(st_));
+  std::copy_n(logits_host_, c.vocab_size, logits_.begin());
+  pos_ += n;
+}
+
+void CudaRunner::enqueue_forward(int n, bool decode_mode, bool greedy) {
+  const ModelConfig& c = c_;
+  const int qd = c.n_heads * c.head_dim, kvd = c.n_kv_heads * c.head_dim;
+  const float scale = attention_scale(c.head_dim);
+  CUMULUS_CUDA_CHECK(cudaMemcpyAsync(tok_.data(), tok_host_, n * sizeof(int32_t), cudaMemcpyHostToDevice, st_));
+  float* x = x_.as<float>();
+  __half* xn = xn_.as<__half>();
+  // One row: q, k, v back to back in q_ (one product), gate and up in gate_; more rows: the
+  // separate buffers.
+  const bool stacked = n == 1;
+  float* q = q_.as<float>();
+  float* k = stacked ? q + qd : k_.as<float>();
+  float* v = stacked ? q + qd + kvd : v_.as<float>();
+  float* gate = gate_.as<float>();
+  float* up = stacked ? gate + c.hidden_dim : up_.as<float>();
+  __half* att16 = att16_.as<__half>();
+  cuda::model::embed(tok_.as<int32_t>(), n, embd_.as<__half>(), c.dim, c.embedding_scale, x, st_);
+  // The tuned prefill kernel attends a chunk that starts at position 0 (causal within it);
+  // later chunks take the rows kernel over the cache.
+  const bool prefill_first = !decode_mode && plan_ && pos_ == 0;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const Layer& L = layers_[l];
+    cuda::DeviceKvCache& kv = kv_[l];
+    cuda::model::rmsnorm(x, L.attn_norm.as<float>(), n, c.dim, c.rms_eps, xn, st_);
+    const __half* wqkv = L.wqkv.as<__half>();
+    if (stacked) {
+      gemm(wqkv, qd + 2 * kvd, c.dim, xn, 1, q, 0.0f);
+    } else {
+      gemm(wqkv, qd, c.dim, xn, n, q, 0.0f);
+      gemm(wqkv + static_cast<size_t>(qd) * c.dim, kvd, c.dim, xn, n, k, 0.0f);
+      gemm(wqkv + static_cast<size_t>(qd + kvd) * c.dim, kvd, c.dim, xn, n, v, 0.0f);
+    }
+    const int32_t* pos0 = kv.view().n_tokens;  // before this layer's append
+    // Decode: row i is sequence i at its own position; prefill: rows from sequence 0's.
+    cuda::model::rope(q, n, c.n_heads, c.head_dim, c.rope_dim, pos0, decode_mode, c.rope_theta, st_);
+    cuda::model::rope(k, n, c.n_kv_heads, c.head_dim, c.rope_dim, pos0, decode_mode, c.rope_theta, st_);
+    kv.append(k, v, decode_mode ? 1 : n, st_);
+    if (decode_mode && plan_) {
+      cuda::DeviceDecodeArgs a;
+      a.kv = kv.view();
+      a.group = c.shape().group();
+      a.scale = scale;
+      a.q = q;
+      a.out = att_.as<float>();
+      a.lse = lse_.as<float>();
+      cuda::attention_decode(a, *plan_, st_);
+      cuda::model::to_half(att_.as<float>(), static_cast<size_t>(n) * qd, att16, st_);
+    } else if (prefill_first) {
+      cuda::model::to_head_major(q, n, c.n_heads, c.head_dim, qh_.as<__half>(), st_);
+      cuda::model::to_head_major(k, n, c.n_kv_heads, c.head_dim, kh_.as<__half>(), st_);
+      cuda::model::to_head_major(v, n, c.n_kv_heads, c.head_dim, vh_.as<__half>(), st_);
+      cuda::DevicePrefillArgs a;
+      a.q = qh_.data();
+      a.k = kh_.data();
+      a.v = vh_.data();
+      a.out = oh_.data();
+      a.n = n;
+      a.n_q_heads = c.n_heads;
+      a.n_kv_heads = c.n_kv_heads;
+      a.head_dim = c.head_dim;
+      a.scale = scale;
+      cuda::attention_prefill_dense(a, st_);
+      cuda::model::from_head_major(oh_.as<__half>(), n, c.n_heads, c.head_dim, att16, st_);
+    } else {
+      cuda::model::attention_rows(kv.view(), n, c.n_heads, scale, q, att16, st_);
+    }
+    gemm(L.wo.data(), c.dim, qd, att16, n, x, 1.0f);  // x += att Wo^T
+    cuda::model::rmsnorm(x, L.ffn_norm.as<float>(), n, c.dim, c.rms_eps, xn, st_);
+    const __half* wgu = L.w_gate_up.as<__half>();
+    if (stacked) {
+      gemm(wgu, 2 * c.hidden_dim, c.dim, xn, 1, gate, 0.0f);
+    } else {
+      gemm(wgu, c.hidden_dim, c.dim, xn, n, gate, 0.0f);
+      gemm(wgu + static_cast<size_t>(c.hidden_dim) * c.dim, c.hidden_dim, c.dim, xn, n, up, 0.0f);
+    }
+    cuda::model::swiglu(gate, up, static_cast<size_t>(n) * c.hidden_dim, act_.as<__half>(), st_);
+    gemm(L.w_down.data(), c.dim, c.hidden_dim, act_.as<__half>(), n, x, 1.0f);  // x += act Wd^T
+  }
+  // Logits of the last row (a prompt), or of every row (a batch decode step).
+  const int out_rows = decode_mode ? n : 1;
+  cuda::model::rmsnorm(x + static_cast<size_t>(n - out_rows) * c.dim, out_norm_.as<float>(), out_rows, c.dim,
+                       c.rms_eps, xn, st_);
+  gemm(c.tied_output ? embd_.data() : out_w_.data(), c.vocab_size, c.dim, xn, out_rows, logits_d_.as<float>(), 0.0f);
+  if (greedy) {
+    cuda::model::argmax_rows(logits_d_.as<float>(), out_rows, c.vocab_size, ids_.as<int32_t>(), st_);
+    CUMULUS_CUDA_CHECK(cudaMemcpyAsync(ids_host_, ids_.data(), out_rows * sizeof(int32_t), cudaMemcpyDeviceToHost, st_));
+  } else {
+    CUMULUS_CUDA_CHECK(cudaMemcpyAsync(logits_host_, logits_d_.data(),
+                                       static_cast<size_t>(c.vocab_size) * sizeof(float), cudaMemcpyDeviceToHost, st_));
+  }
+}
+
+}  // namespace
+
+size_t cuda_runner_bytes(const ModelConfig& c, const SessionOptions& o, int n_seqs) {
+  const int ctx = context_of(c, o);
+  const size_t kv =
+      cuda::DeviceKvCache::create_bytes(n_seqs, c.n_kv_heads, c.head_dim, o.kv.dtype, o.kv.page_size, ctx);
+  const size_t norms = (2 * static_cast<size_t>(c.n_layers) + 1) * c.dim * sizeof(float);
+  return weight_elems(c) * 2 + norms + c.n_layers * kv + scratch_bytes(c, std::max(chunk_of(c, o), n_seqs)) +
+         static_cast<size_t>(n_seqs) * c.vocab_size * sizeof(float);
+}
+
+void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs) {
+  CUMULUS_CHECK(n_seqs >= 1, "--device cuda: n_seqs={} must be >= 1", n_seqs);
+  CUMULUS_CHECK(cuda::device_available(),
+                "--device cuda: no CUDA device is available (no GPU, or no driver that this build's CUDA runtime can "
+                "use)");
+  CUMULUS_CHECK(c.architecture == "llama" && !c.rope_neox && !c.qk_norm && !c.post_norms && c.layer_local.empty() &&
+                    c.ffn_activation == FfnActivation::silu && c.logit_softcap == 0 && c.attention_scale == 0,
+                "--device cuda: architecture '{}' is not yet on cuda (llama only)", c.architecture);
+  CUMULUS_CHECK(c.rope_dim == c.head_dim && c.head_dim % 2 == 0 && c.head_dim <= 256,
+                "--device cuda: head_dim={} rope_dim={} not supported (even head_dim <= 256, rope_dim == head_dim)",
+                c.head_dim, c.rope_dim);
+  CUMULUS_CHECK(o.method == "dense", "--device cuda: decode method '{}' is not yet on cuda (dense only)", o.method);
+  CUMULUS_CHECK(o.prefill_method == "dense", "--device cuda: prefill method '{}' is not yet on cuda (dense only)",
+                o.prefill_method);
+  CUMULUS_CHECK(!o.eval, "--device cuda: eval mode (true mass) is not yet on cuda");
+  CUMULUS_CHECK(o.kv.dtype == DType::f16 || o.kv.dtype == DType::bf16,
+                "--device cuda: KV dtype {} is not supported on the GPU (f16, bf16)", dtype_name(o.kv.dtype));
+  const size_t need = cuda_runner_bytes(c, o, n_seqs);
+  size_t free_b = 0, total_b = 0;
+  CUMULUS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  CUMULUS_CHECK(need <= free_b,
+                "--device cuda: the model with a context of {} tokens x {} sequence(s) needs {} of device memory "
+                "(weights f16 {}, KV cache {}), the device has {} free of {}",
+                context_of(c, o), n_seqs, gib(need), gib(weight_elems(c) * 2),
+                gib(c.n_layers * cuda::DeviceKvCache::create_bytes(n_seqs, c.n_kv_heads, c.head_dim, o.kv.dtype,
+                                                                    o.kv.page_size, context_of(c, o))),
+                gib(free_b), gib(total_b));
+}
+
+std::unique_ptr<CudaModelRunner> model_runner_cuda(const ModelWeights& weights, const SessionOptions& options) {
+  auto r = std::make_unique<CudaRunner>(weights.config, options, 1);
+  r->load(weights);
+  return r;
+}
+
+std::unique_ptr<CudaModelRunner> model_runner_cuda_random(const ModelConfig& config, const SessionOptions& options,
+                                                          uint64_t seed, int n_seqs) {
+  auto r = std::make_unique<CudaRunner>(config, options, n_seqs);
+  r->randomize(seed);
+  return r;
+}
+
+std::string cuda_device_summary() {
+  if (!cuda::device_available()) return "no CUDA device available";
+  const cuda::DeviceInfo d = cuda::device_info();
+  return fmt::format("{} (sm_{}{}, {} SMs, {})", d.name, d.cc_major, d.cc_minor, d.sm_count, gib(d.memory_bytes));
+}
+
+}  // namespace cumulus
