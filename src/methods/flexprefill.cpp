@@ -14,7 +14,7 @@
 #include <cstring>
 #include <numeric>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/methods/registry.h"
 #include "method_util.h"
 

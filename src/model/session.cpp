@@ -8,7 +8,7 @@
 #include <cmath>
 #include <set>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kernels/attention.h"
 #include "cumulus/methods/registry.h"
 

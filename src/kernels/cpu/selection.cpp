@@ -31,7 +31,7 @@
 #include <functional>
 #include <numeric>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kernels/selection.h"
 
 namespace cumulus::cpu {
