@@ -43,10 +43,15 @@
 
 namespace cumulus {
 
+class Registry;
+
 struct SessionOptions {
-  std::string method = "dense";                 // decode method (Registry::builtin())
+  // Where the session's methods come from: a user's registry (Registry::builtin() plus the
+  // user's own methods, say), which must outlive the session; nullptr: Registry::builtin().
+  const Registry* registry = nullptr;
+  std::string method = "dense";                 // decode method (from `registry`)
   std::map<std::string, std::string> params;    // its parameters
-  std::string prefill_method = "dense";         // prefill method (Registry::builtin(), kind prefill)
+  std::string prefill_method = "dense";         // prefill method (from `registry`, kind prefill)
   std::map<std::string, std::string> prefill_params;  // its parameters
   KvCacheOptions kv;                            // page size, storage dtype
   int n_threads = 2;
@@ -95,7 +100,7 @@ struct AttentionSummary {
 
 class Session {
  public:
-  // `weights` must outlive the session.
+  // `weights` (and options.registry, when given) must outlive the session.
   Session(const ModelWeights& weights, const SessionOptions& options = {});
   ~Session();
 
@@ -145,6 +150,7 @@ class Session {
 
   const ModelWeights& w_;
   SessionOptions opt_;
+  const Registry& registry_;  // opt_.registry or Registry::builtin()
   ThreadPool pool_;
   std::vector<std::unique_ptr<ThreadPool>> inline_pools_;  // [pool_ workers] 1-thread pools
   KvCache kv_;
