@@ -11,8 +11,7 @@
 #include "core/check.h"
 #include "cumulus/kernels/attention.h"
 #include "cumulus/methods/registry.h"
-
-extern "C" void openblas_set_num_threads(int num_threads);
+#include "model/blas_threads.h"
 
 namespace cumulus {
 namespace {
@@ -107,7 +106,6 @@ Session::Session(const ModelWeights& weights, const SessionOptions& options)
   CUMULUS_CHECK(c.layer_local.empty() || c.sliding_window >= 1, "model config: sliding_window={} with local layers",
                 c.sliding_window);
   for (int w = 0; w < pool_.n_threads(); ++w) inline_pools_.push_back(std::make_unique<ThreadPool>(1));
-  openblas_set_num_threads(1);  // threads come from pool_ (see weight_matmul)
   reserve_rows(opt_.prefill_chunk);
   logits_.resize(c.vocab_size);
   last_.resize(c.n_layers);
@@ -271,6 +269,8 @@ std::vector<PagedHeadView> Session::layer_views(int layer) const {
 }
 
 void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
+  // The matrix products run in pool_'s tasks, each OpenBLAS call on its task's thread.
+  const BlasSingleThreaded blas_single_threaded;
   const ModelConfig& c = w_.config;
   const int n = static_cast<int>(tokens.size());
   const int qd = c.n_heads * c.head_dim, kvd = c.n_kv_heads * c.head_dim;

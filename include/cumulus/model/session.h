@@ -98,6 +98,12 @@ struct AttentionSummary {
   double mean_tokens() const { return head_steps ? tokens_sum / head_steps : 0; }
 };
 
+// A Session has no process-wide side effects beyond one: while prefill or decode runs a
+// forward pass, OpenBLAS (whose thread count is one per process) runs single-threaded, since
+// the session splits the matrix products over its own thread pool; the count the program
+// had comes back when the last running forward pass in the process ends
+// (src/model/blas_threads.h). A program that calls OpenBLAS on another thread during that
+// time gets one thread too.
 class Session {
  public:
   // `weights` (and options.registry, when given) must outlive the session.
