@@ -10,6 +10,7 @@
 
 #include "core/check.h"
 #include "cumulus/kernels/attention.h"
+#include "cumulus/kernels/prefill.h"
 #include "cumulus/methods/registry.h"
 #include "model/blas_threads.h"
 
@@ -126,10 +127,13 @@ const std::vector<float>& Session::prefill(std::span<const int32_t> tokens) {
   const int chunk = prefill_->chunk_tokens(opt_.prefill_chunk, static_cast<int>(tokens.size()));
   CUMULUS_CHECK(chunk >= 1, "prefill method {} asked for chunks of {} tokens", prefill_->name(), chunk);
   reserve_rows(std::min<int>(chunk, static_cast<int>(tokens.size())));
+  // The prefill kernels' scratch serves every layer and chunk of this prompt, then goes.
+  prefill_workspace_ = std::make_unique<PrefillWorkspace>();
   for (size_t i = 0; i < tokens.size(); i += chunk) {
     const size_t n = std::min<size_t>(chunk, tokens.size() - i);
     forward(tokens.subspan(i, n), false);
   }
+  prefill_workspace_.reset();
   prompt_tokens_.insert(prompt_tokens_.end(), tokens.begin(), tokens.end());
   prompt_logits_ = logits_;
   return logits_;
@@ -226,7 +230,7 @@ void Session::restart_decode(const std::string& method, const std::map<std::stri
 void Session::attention_prefill(int layer, int c, const float* q, float* out) {
   // The chunk's queries at positions [pos_, pos_ + c) against the layer's cache, which
   // already holds the chunk's keys: the prefill method (dense: causal flash attention).
-  prefill_->prefill(layer, pos_, c, q, kv_, PrefillContext{&pool_}, out);
+  prefill_->prefill(layer, pos_, c, q, kv_, PrefillContext{&pool_, prefill_workspace_.get()}, out);
 }
 
 void Session::attention_local(int layer, int c, const float* q, float* out) {

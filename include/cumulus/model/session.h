@@ -162,6 +162,7 @@ class Session {
   KvCache kv_;
   std::unique_ptr<DecodeMethod> method_;
   std::unique_ptr<PrefillMethod> prefill_;
+  std::unique_ptr<PrefillWorkspace> prefill_workspace_;  // while prefill runs
   int pos_ = 0;
   int capacity_ = 0;
   bool prefilled_ = false;
