@@ -185,6 +185,7 @@ BlockSparseLayout band_layout(int n, int n_q_heads, int block, int band, int64_t
 
 nlohmann::json run_kernels(ThreadPool& pool, const std::vector<int>& lengths) {
   nlohmann::json rows = nlohmann::json::array();
+  PrefillWorkspace workspace;  // the kernels' scratch, allocated once, as a Session's prefill does
   const double roof = sgemm_gflops(pool);
   std::printf("== prefill kernels: one layer on the synthetic prompt (bench/prefill_workload.h), f16 cache; "
               "flexprefill = its selection (probe included) + the block-sparse kernel, defaults\n");
@@ -217,7 +218,7 @@ nlohmann::json run_kernels(ThreadPool& pool, const std::vector<int>& lengths) {
                         {"gflops", gflops}, {"sgemm_gflops", roof}, {"block_share", share},
                         {"speedup_vs_dense", dense_s / s}});
       };
-      dense_s = time_min([&] { cpu::attention_prefill_dense(kc.args(), pool); });
+      dense_s = time_min([&] { cpu::attention_prefill_dense(kc.args(), pool, &workspace); });
       report("dense", dense_s, dense_pairs, 1.0);
       const double causal_blocks = [&] {
         const double nb = (n + 127) / 128;
@@ -227,7 +228,7 @@ nlohmann::json run_kernels(ThreadPool& pool, const std::vector<int>& lengths) {
         int64_t pairs = 0;
         const BlockSparseLayout L = band_layout(n, nq, 128, band, &pairs);
         report("block-sparse band " + std::to_string(band),
-               time_min([&] { cpu::attention_prefill_block_sparse(kc.args(), L, pool); }), pairs,
+               time_min([&] { cpu::attention_prefill_block_sparse(kc.args(), L, pool, &workspace); }), pairs,
                static_cast<double>(L.blocks.size()) / causal_blocks);
       }
       flexprefill::LayerSelection sel;
@@ -236,7 +237,7 @@ nlohmann::json run_kernels(ThreadPool& pool, const std::vector<int>& lengths) {
       const double sel_s = time_min([&] {
         sel = flexprefill::select_layer(cfg, g, kc.views.data(), ps.n_kv, ps.group, kc.q.data(), pool);
       });
-      const double attn_s = time_min([&] { cpu::attention_prefill_block_sparse(kc.args(), sel.layout, pool); });
+      const double attn_s = time_min([&] { cpu::attention_prefill_block_sparse(kc.args(), sel.layout, pool, &workspace); });
       const double share = static_cast<double>(sel.layout.blocks.size()) / causal_blocks;
       const int64_t pairs = layout_pairs(sel.layout, n);
       report("flexprefill (total)", sel_s + attn_s, pairs, share);

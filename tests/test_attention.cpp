@@ -4,6 +4,7 @@
 // 64; bit-identical results for 1, 2 and 3 threads; sparse attention equals dense
 // attention over a cache holding only the selected tokens; mass = exp(lse - lse_ref);
 // bad input is a cumulus::Error that names the value.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
 

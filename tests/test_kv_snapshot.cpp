@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/core/file.h"
 #include "cumulus/kv/kv_snapshot.h"
 #include "cumulus/model/model_identity.h"

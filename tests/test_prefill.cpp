@@ -7,6 +7,7 @@
 // reference decode kernel over each query's own token list); with every causal block listed
 // it is bit-identical to the dense op. 1, 2 and 3 threads give identical bits. The projection
 // (FlexPrefill's probe) against the reference and against exp(s - lse) of decode attention.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "cumulus/core/error.h"
+#include "cumulus/methods/registry.h"
 #include "cumulus/model/model_weights.h"
 #include "cumulus/model/sampler.h"
 #include "cumulus/model/session.h"
@@ -178,6 +179,62 @@ TEST_F(Stories260K, BadInputIsAnError) {
   o.method = "oracle_topp";
   o.params = {{"p", "2"}};
   EXPECT_THROW(Session(*weights_, o), Error);
+}
+
+// A Session builds its methods from the registry it is given (SessionOptions::registry): a
+// user's own decode method, registered beside the built-ins, runs in every layer of every
+// decode step, restart_decode finds it too, and a session on the built-in registry does not.
+TEST_F(Stories260K, UserRegistryRunsACustomDecodeMethod) {
+  // Dense attention under another name, counting its decode calls.
+  class CountingDense : public DecodeMethod {
+   public:
+    CountingDense(const Shape& shape, int* calls) : dense_(Registry::builtin().make("dense", shape)), calls_(calls) {}
+    std::string name() const override { return "counting_dense"; }
+    void decode(int layer, const float* q, const KvCache& kv, const DecodeContext& ctx, AttnOutput& out) override {
+      ++*calls_;
+      dense_->decode(layer, q, kv, ctx, out);
+    }
+
+   private:
+    std::unique_ptr<DecodeMethod> dense_;
+    int* calls_;
+  };
+  int calls = 0;
+  Registry registry = Registry::builtin();
+  registry.add({.name = "counting_dense",
+                .kind = "decode",
+                .paper = "test",
+                .summary = "dense, counting its calls",
+                .params = {},
+                .make_decode = [&calls](const Shape& shape, const Params&) -> std::unique_ptr<DecodeMethod> {
+                  return std::make_unique<CountingDense>(shape, &calls);
+                }});
+  SessionOptions custom;
+  custom.registry = &registry;
+  custom.method = "counting_dense";
+  const int steps = 40;
+  const Generated got = generate(*weights_, *tok_, custom, steps);
+  const Generated want = generate(*weights_, *tok_, {}, steps);
+  EXPECT_EQ(got.ids, want.ids);
+  EXPECT_EQ(got.last_logits, want.last_logits);
+  // generate decodes every token it keeps but the last of a full run.
+  const int decoded = static_cast<int>(got.ids.size()) - (got.ids.size() == static_cast<size_t>(steps) ? 1 : 0);
+  EXPECT_EQ(calls, decoded * weights_->config.n_layers);
+
+  SessionOptions builtin;
+  Session s(*weights_, builtin);
+  s.prefill(std::vector<int32_t>{tok_->bos_id()});
+  EXPECT_THROW(s.restart_decode("counting_dense"), Error);
+  builtin.method = "counting_dense";
+  EXPECT_THROW(Session(*weights_, builtin), Error);
+
+  Session r(*weights_, custom);
+  r.prefill(std::vector<int32_t>{tok_->bos_id()});
+  r.restart_decode("dense");
+  r.restart_decode("counting_dense");
+  calls = 0;
+  r.decode(want.ids[0]);
+  EXPECT_EQ(calls, weights_->config.n_layers);
 }
 
 // restart_decode lets several methods continue one prefill (the eval harness): each

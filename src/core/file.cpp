@@ -9,7 +9,7 @@
 #include <cstring>
 #include <filesystem>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 
 namespace cumulus {
 namespace {

@@ -1,6 +1,6 @@
 #include "cumulus/core/shape.h"
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 
 namespace cumulus {
 

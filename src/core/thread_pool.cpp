@@ -6,7 +6,7 @@
 #include <immintrin.h>
 #endif
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 
 namespace cumulus {
 namespace {

@@ -17,7 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kv/kv_cache.h"
 #include "cumulus/methods/method.h"
 #include "cumulus/methods/registry.h"

@@ -13,8 +13,8 @@
 #include <fstream>
 #include <string>
 
+#include "core/check.h"
 #include "cumulus/core/buffer.h"
-#include "cumulus/core/error.h"
 
 namespace cumulus {
 

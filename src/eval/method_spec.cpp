@@ -3,7 +3,7 @@
 
 #include <algorithm>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/methods/registry.h"
 
 namespace cumulus {

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 
 namespace cumulus {
 namespace {

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <random>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/model/tokenizer.h"
 
 namespace cumulus {

@@ -29,7 +29,7 @@
 #include <functional>
 #include <numbers>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kernels/scoring.h"
 #include "cumulus/methods/method.h"
 

@@ -9,7 +9,7 @@
 #include <functional>
 #include <set>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/core/file.h"
 #include "cumulus/eval/niah.h"
 #include "cumulus/eval/progress.h"

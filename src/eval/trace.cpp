@@ -6,8 +6,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "core/check.h"
 #include "cumulus/core/dtype.h"
-#include "cumulus/core/error.h"
 #include "cumulus/core/file.h"
 
 namespace cumulus {

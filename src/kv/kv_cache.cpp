@@ -19,8 +19,8 @@
 #include <cstring>
 #include <limits>
 
+#include "core/check.h"
 #include "cumulus/core/buffer.h"
-#include "cumulus/core/error.h"
 
 namespace cumulus {
 

@@ -23,7 +23,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/core/file.h"
 
 namespace cumulus {

@@ -54,7 +54,8 @@ class DensePrefill final : public PrefillMethod {
                float* out) override {
     const auto t0 = std::chrono::steady_clock::now();
     const std::vector<PagedHeadView> views = methods::layer_views(kv, layer);
-    cpu::attention_prefill_dense(methods::prefill_args(shape_, views, pos, c, q, out), *ctx.pool);
+    cpu::attention_prefill_dense(methods::prefill_args(shape_, views, pos, c, q, out), *ctx.pool,
+                                 ctx.workspace);
     stats_.heads_dense += shape_.n_q_heads;
     stats_.attention_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }

@@ -14,7 +14,7 @@
 #include <cstring>
 #include <numeric>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/methods/registry.h"
 #include "method_util.h"
 
@@ -401,7 +401,8 @@ class FlexPrefill final : public PrefillMethod {
     flexprefill::LayerSelection sel =
         flexprefill::select_layer(cfg_, g, views.data(), shape_.n_kv_heads, shape_.group(), q, *ctx.pool);
     const auto t1 = clock::now();
-    cpu::attention_prefill_block_sparse(methods::prefill_args(shape_, views, pos, c, q, out), sel.layout, *ctx.pool);
+    cpu::attention_prefill_block_sparse(methods::prefill_args(shape_, views, pos, c, q, out), sel.layout, *ctx.pool,
+                                        ctx.workspace);
     const auto t2 = clock::now();
 
     int64_t causal = 0;

@@ -29,7 +29,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kernels/attention.h"
 #include "cumulus/kernels/scoring.h"
 #include "cumulus/kernels/selection.h"

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <limits>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kernels/attention.h"
 #include "method_util.h"
 

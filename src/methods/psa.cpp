@@ -20,7 +20,7 @@
 #include <cmath>
 #include <limits>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kernels/scoring.h"
 #include "cumulus/kernels/selection.h"
 #include "cumulus/methods/registry.h"

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <mutex>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 
 namespace cumulus {
 

@@ -26,7 +26,7 @@
 #include <limits>
 #include <random>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kernels/kmeans.h"
 #include "cumulus/kernels/scoring.h"
 #include "cumulus/kernels/selection.h"

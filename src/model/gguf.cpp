@@ -16,7 +16,7 @@
 #include <limits>
 #include <unordered_set>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 
 static_assert(std::endian::native == std::endian::little, "GGUF reader assumes a little-endian host");
 

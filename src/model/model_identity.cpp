@@ -10,7 +10,7 @@
 #include <cstring>
 #include <vector>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kv/kv_snapshot.h"
 #include "cumulus/model/gguf.h"
 #include "cumulus/model/model_weights.h"

@@ -8,7 +8,7 @@
 
 #include <cmath>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/core/file.h"
 #include "cumulus/model/gguf.h"
 #include "cumulus/model/model_weights.h"

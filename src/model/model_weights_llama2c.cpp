@@ -9,7 +9,7 @@
 #include <cstring>
 #include <fstream>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/core/file.h"
 #include "cumulus/model/model_weights.h"
 

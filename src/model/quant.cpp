@@ -4,8 +4,8 @@
 
 #include <cstring>
 
+#include "core/check.h"
 #include "cumulus/core/dtype.h"
-#include "cumulus/core/error.h"
 
 namespace cumulus {
 namespace {

@@ -7,7 +7,7 @@
 #include <numeric>
 #include <vector>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 
 namespace cumulus {
 

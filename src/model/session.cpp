@@ -8,11 +8,11 @@
 #include <cmath>
 #include <set>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kernels/attention.h"
+#include "cumulus/kernels/prefill.h"
 #include "cumulus/methods/registry.h"
-
-extern "C" void openblas_set_num_threads(int num_threads);
+#include "model/blas_threads.h"
 
 namespace cumulus {
 namespace {
@@ -48,7 +48,7 @@ void rope(float* x, int n_heads, int head_dim, int rope_dim, int pos, float thet
 // KvSnapshotInfo::setup: what shapes the cached K/V besides the model file, as text. The
 // weights' storage (compact vs f32 changes the projections' rounding), the prefill method
 // and its resolved parameters.
-std::string snapshot_setup(const ModelWeights& w, const SessionOptions& o) {
+std::string snapshot_setup(const ModelWeights& w, const SessionOptions& o, const Registry& registry) {
   std::set<std::string_view> storage{w.token_embd.storage_name(), w.output_weight().storage_name()};
   for (const LayerWeights& L : w.layers)
     for (const WeightMatrix* m : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_down, &L.w_up})
@@ -56,18 +56,18 @@ std::string snapshot_setup(const ModelWeights& w, const SessionOptions& o) {
   std::string s = "weights=";
   for (std::string_view name : storage) s.append(s.back() == '=' ? "" : ",").append(name);
   s += " prefill=" + o.prefill_method;
-  const Params params = Registry::builtin().parse(o.prefill_method, o.prefill_params);
+  const Params params = registry.parse(o.prefill_method, o.prefill_params);
   for (const auto& [k, v] : params.values()) s += " " + k + "=" + v;
   return s;
 }
 
 // What a snapshot of this session's cache holds besides its tokens: the model, the setup
 // and the cache's shape (n_tokens and prompt_q_rows are the caller's).
-KvSnapshotInfo snapshot_expected(const ModelWeights& w, const SessionOptions& o, const KvCache& kv,
-                                 uint64_t model_id) {
+KvSnapshotInfo snapshot_expected(const ModelWeights& w, const SessionOptions& o, const Registry& registry,
+                                 const KvCache& kv, uint64_t model_id) {
   const ModelConfig& c = w.config;
   return {.model_id = model_id,
-          .setup = snapshot_setup(w, o),
+          .setup = snapshot_setup(w, o, registry),
           .n_layers = c.n_layers,
           .n_heads = c.n_heads,
           .n_kv_heads = c.n_kv_heads,
@@ -88,6 +88,7 @@ float gelu_tanh(float x) {
 Session::Session(const ModelWeights& weights, const SessionOptions& options)
     : w_(weights),
       opt_(options),
+      registry_(options.registry != nullptr ? *options.registry : Registry::builtin()),
       pool_(options.n_threads),
       kv_(weights.config.shape(), [&] {
         KvCacheOptions kvo = options.kv;
@@ -99,14 +100,13 @@ Session::Session(const ModelWeights& weights, const SessionOptions& options)
                 opt_.prefill_chunk);
   CUMULUS_CHECK(opt_.max_tokens >= 0, "max_tokens={} must be >= 0", opt_.max_tokens);
   capacity_ = kv_.options().max_tokens;
-  method_ = Registry::builtin().make(opt_.method, c.shape(), opt_.params);
-  prefill_ = Registry::builtin().make_prefill(opt_.prefill_method, c.shape(), opt_.prefill_params);
+  method_ = registry_.make(opt_.method, c.shape(), opt_.params);
+  prefill_ = registry_.make_prefill(opt_.prefill_method, c.shape(), opt_.prefill_params);
   CUMULUS_CHECK(c.layer_local.empty() || c.layer_local.size() == static_cast<size_t>(c.n_layers),
                 "model config: layer_local has {} entries for {} layers", c.layer_local.size(), c.n_layers);
   CUMULUS_CHECK(c.layer_local.empty() || c.sliding_window >= 1, "model config: sliding_window={} with local layers",
                 c.sliding_window);
   for (int w = 0; w < pool_.n_threads(); ++w) inline_pools_.push_back(std::make_unique<ThreadPool>(1));
-  openblas_set_num_threads(1);  // threads come from pool_ (see weight_matmul)
   reserve_rows(opt_.prefill_chunk);
   logits_.resize(c.vocab_size);
   last_.resize(c.n_layers);
@@ -127,10 +127,13 @@ const std::vector<float>& Session::prefill(std::span<const int32_t> tokens) {
   const int chunk = prefill_->chunk_tokens(opt_.prefill_chunk, static_cast<int>(tokens.size()));
   CUMULUS_CHECK(chunk >= 1, "prefill method {} asked for chunks of {} tokens", prefill_->name(), chunk);
   reserve_rows(std::min<int>(chunk, static_cast<int>(tokens.size())));
+  // The prefill kernels' scratch serves every layer and chunk of this prompt, then goes.
+  prefill_workspace_ = std::make_unique<PrefillWorkspace>();
   for (size_t i = 0; i < tokens.size(); i += chunk) {
     const size_t n = std::min<size_t>(chunk, tokens.size() - i);
     forward(tokens.subspan(i, n), false);
   }
+  prefill_workspace_.reset();
   prompt_tokens_.insert(prompt_tokens_.end(), tokens.begin(), tokens.end());
   prompt_logits_ = logits_;
   return logits_;
@@ -138,7 +141,7 @@ const std::vector<float>& Session::prefill(std::span<const int32_t> tokens) {
 
 void Session::kv_save(const std::string& path, uint64_t model_id) const {
   CUMULUS_CHECK(prompt_end_ > 0, "kv_save('{}') before a prefill: there is no prompt to save", path);
-  KvSnapshotInfo info = snapshot_expected(w_, opt_, kv_, model_id);
+  KvSnapshotInfo info = snapshot_expected(w_, opt_, registry_, kv_, model_id);
   info.n_tokens = prompt_end_;
   info.prompt_q_rows = prompt_q_rows_;
   kv_snapshot_write(path, info, prompt_tokens_, prompt_logits_, prompt_q_, kv_);
@@ -148,7 +151,7 @@ const std::vector<float>& Session::kv_load(const KvSnapshot& snap, uint64_t mode
   CUMULUS_CHECK(pos_ == 0, "kv_load('{}') into a session at position {}: load into a fresh session", snap.path(),
                 pos_);
   const KvSnapshotInfo& got = snap.info();
-  snap.check(snapshot_expected(w_, opt_, kv_, model_id));
+  snap.check(snapshot_expected(w_, opt_, registry_, kv_, model_id));
   CUMULUS_CHECK(got.n_tokens <= capacity_, "KV snapshot '{}': n_tokens={} exceeds this session's context of {} tokens",
                 snap.path(), got.n_tokens, capacity_);
   // The prompt queries prefill would have kept for this session's method.
@@ -208,7 +211,7 @@ const std::vector<float>& Session::decode(int32_t token) {
 
 void Session::restart_decode(const std::string& method, const std::map<std::string, std::string>& params) {
   CUMULUS_CHECK(prompt_end_ > 0, "restart_decode(method={}) before a prefill: there is no prompt to restart from", method);
-  auto made = Registry::builtin().make(method, w_.config.shape(), params);
+  auto made = registry_.make(method, w_.config.shape(), params);
   CUMULUS_CHECK(made->prompt_queries() <= prompt_q_rows_ || prompt_q_rows_ == prompt_end_,
                 "restart_decode(method={}) needs the prompt's last {} queries but the session kept {} "
                 "(set SessionOptions::keep_prompt_queries)",
@@ -227,7 +230,7 @@ void Session::restart_decode(const std::string& method, const std::map<std::stri
 void Session::attention_prefill(int layer, int c, const float* q, float* out) {
   // The chunk's queries at positions [pos_, pos_ + c) against the layer's cache, which
   // already holds the chunk's keys: the prefill method (dense: causal flash attention).
-  prefill_->prefill(layer, pos_, c, q, kv_, PrefillContext{&pool_}, out);
+  prefill_->prefill(layer, pos_, c, q, kv_, PrefillContext{&pool_, prefill_workspace_.get()}, out);
 }
 
 void Session::attention_local(int layer, int c, const float* q, float* out) {
@@ -270,6 +273,8 @@ std::vector<PagedHeadView> Session::layer_views(int layer) const {
 }
 
 void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
+  // The matrix products run in pool_'s tasks, each OpenBLAS call on its task's thread.
+  const BlasSingleThreaded blas_single_threaded;
   const ModelConfig& c = w_.config;
   const int n = static_cast<int>(tokens.size());
   const int qd = c.n_heads * c.head_dim, kvd = c.n_kv_heads * c.head_dim;

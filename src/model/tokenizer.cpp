@@ -9,7 +9,7 @@
 #include <fstream>
 #include <iterator>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/core/file.h"
 #include "cumulus/model/gguf.h"
 #include "model/tokenizer_impl.h"

@@ -11,7 +11,7 @@
 #include <algorithm>
 #include <limits>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "model/tokenizer_impl.h"
 #include "model/unicode.h"
 

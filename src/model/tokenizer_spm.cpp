@@ -6,7 +6,7 @@
 // vocabulary) is written as its <0xXX> byte tokens, or <unk> without byte tokens.
 #include <queue>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "model/tokenizer_impl.h"
 #include "model/unicode.h"
 

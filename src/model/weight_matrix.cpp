@@ -9,7 +9,7 @@
 #include <cstring>
 #include <optional>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 
 namespace cumulus {
 namespace {

@@ -1,9 +1,9 @@
 // Errors: every public function checks its inputs and throws cumulus::Error with a message
 // that names the function, the argument and its value, e.g.
 //   "KvCache: page_size=0 must be a power of two in [1, 256]".
+// The library's sources throw through CUMULUS_CHECK / CUMULUS_FAIL (src/core/check.h,
+// private: they format with fmt, which stays out of the public headers).
 #pragma once
-
-#include <fmt/format.h>
 
 #include <stdexcept>
 #include <string>
@@ -17,15 +17,10 @@ class Error : public std::runtime_error {
 
 }  // namespace cumulus
 
-// CUMULUS_CHECK(cond, "n_q_heads={} must be a multiple of n_kv_heads={}", a, b)
-// throws cumulus::Error("<function>: <message>") when cond is false.
-#define CUMULUS_CHECK(cond, ...)                                                        \
-  do {                                                                                  \
-    if (!(cond)) [[unlikely]] {                                                         \
-      throw ::cumulus::Error(::fmt::format("{}: {}", __func__, ::fmt::format(__VA_ARGS__))); \
-    }                                                                                   \
-  } while (0)
-
-// Throws unconditionally, with the same message format.
-#define CUMULUS_FAIL(...) \
-  throw ::cumulus::Error(::fmt::format("{}: {}", __func__, ::fmt::format(__VA_ARGS__)))
+// Programs built inside this tree that link the `cumulus` target (the CLI, the CUDA
+// backend, tests, benchmarks) get CUMULUS_IN_TREE (CMakeLists.txt) and with it the check
+// macros from here, for sources that include only this header. An installed package never
+// defines it.
+#if defined(CUMULUS_IN_TREE)
+#include "core/check.h"
+#endif

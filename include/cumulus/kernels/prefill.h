@@ -20,6 +20,7 @@
 #include <span>
 #include <vector>
 
+#include "cumulus/core/buffer.h"
 #include "cumulus/core/shape.h"
 #include "cumulus/core/thread_pool.h"
 
@@ -100,9 +101,20 @@ void attention_prefill_block_sparse(const PrefillAttnArgs& a, const BlockSparseL
 void attention_prefill_projection(const PrefillProjectionArgs& a);
 }  // namespace ref
 
+// Scratch of the cpu:: dense and block-sparse ops: the chunk's causal prefix converted to
+// float32, [n_kv_heads][2][n_tokens rounded up to 64][head_dim] (at 32K tokens, 268 MB for 8
+// kv heads of 128). A caller that runs the ops many times (a Session: every layer of every
+// prefill chunk) passes one so the buffer is allocated once, and frees it when it is done
+// (the Session after its prefill); a call without one allocates its own and frees it on
+// return.
+struct PrefillWorkspace {
+  AlignedVector<float> prefix;
+};
+
 namespace cpu {
-void attention_prefill_dense(const PrefillAttnArgs& a, ThreadPool& pool);
-void attention_prefill_block_sparse(const PrefillAttnArgs& a, const BlockSparseLayout& layout, ThreadPool& pool);
+void attention_prefill_dense(const PrefillAttnArgs& a, ThreadPool& pool, PrefillWorkspace* workspace = nullptr);
+void attention_prefill_block_sparse(const PrefillAttnArgs& a, const BlockSparseLayout& layout, ThreadPool& pool,
+                                    PrefillWorkspace* workspace = nullptr);
 // Single-threaded (callers run one query head per task).
 void attention_prefill_projection(const PrefillProjectionArgs& a);
 }  // namespace cpu

@@ -34,8 +34,13 @@ struct PrefillStats {
   }
 };
 
+struct PrefillWorkspace;  // kernels/prefill.h
+
 struct PrefillContext {
   ThreadPool* pool = nullptr;
+  // Scratch the prefill kernels reuse from call to call; nullptr: each call allocates its
+  // own. A Session passes one for the whole prompt and frees it afterwards.
+  PrefillWorkspace* workspace = nullptr;
 };
 
 class PrefillMethod {

@@ -43,10 +43,15 @@
 
 namespace cumulus {
 
+class Registry;
+
 struct SessionOptions {
-  std::string method = "dense";                 // decode method (Registry::builtin())
+  // Where the session's methods come from: a user's registry (Registry::builtin() plus the
+  // user's own methods, say), which must outlive the session; nullptr: Registry::builtin().
+  const Registry* registry = nullptr;
+  std::string method = "dense";                 // decode method (from `registry`)
   std::map<std::string, std::string> params;    // its parameters
-  std::string prefill_method = "dense";         // prefill method (Registry::builtin(), kind prefill)
+  std::string prefill_method = "dense";         // prefill method (from `registry`, kind prefill)
   std::map<std::string, std::string> prefill_params;  // its parameters
   KvCacheOptions kv;                            // page size, storage dtype
   int n_threads = 2;
@@ -93,9 +98,15 @@ struct AttentionSummary {
   double mean_tokens() const { return head_steps ? tokens_sum / head_steps : 0; }
 };
 
+// A Session has no process-wide side effects beyond one: while prefill or decode runs a
+// forward pass, OpenBLAS (whose thread count is one per process) runs single-threaded, since
+// the session splits the matrix products over its own thread pool; the count the program
+// had comes back when the last running forward pass in the process ends
+// (src/model/blas_threads.h). A program that calls OpenBLAS on another thread during that
+// time gets one thread too.
 class Session {
  public:
-  // `weights` must outlive the session.
+  // `weights` (and options.registry, when given) must outlive the session.
   Session(const ModelWeights& weights, const SessionOptions& options = {});
   ~Session();
 
@@ -145,11 +156,13 @@ class Session {
 
   const ModelWeights& w_;
   SessionOptions opt_;
+  const Registry& registry_;  // opt_.registry or Registry::builtin()
   ThreadPool pool_;
   std::vector<std::unique_ptr<ThreadPool>> inline_pools_;  // [pool_ workers] 1-thread pools
   KvCache kv_;
   std::unique_ptr<DecodeMethod> method_;
   std::unique_ptr<PrefillMethod> prefill_;
+  std::unique_ptr<PrefillWorkspace> prefill_workspace_;  // while prefill runs
   int pos_ = 0;
   int capacity_ = 0;
   bool prefilled_ = false;

@@ -42,7 +42,7 @@
 #include <cstring>
 #include <vector>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kernels/gemv.h"
 
 #ifndef CUMULUS_KERNELS_CPU_GEMV_ONCE

@@ -15,7 +15,7 @@
 #include <limits>
 #include <vector>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kernels/kmeans.h"
 
 #ifndef CUMULUS_KERNELS_CPU_KMEANS_ONCE

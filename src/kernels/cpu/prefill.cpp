@@ -453,7 +453,7 @@ void push_keys(std::vector<PrefillKeyRange>& out, int b, int e, uint64_t heads) 
 }
 
 // Runs the tasks of a dense (layout == nullptr) or block-sparse call; inputs validated.
-void prefill_run(const PrefillAttnArgs& a, const BlockSparseLayout* layout, ThreadPool& pool) {
+void prefill_run(const PrefillAttnArgs& a, const BlockSparseLayout* layout, ThreadPool& pool, PrefillWorkspace* ws) {
   const int dim = a.kv[0].head_dim;
   const size_t udim = static_cast<size_t>(dim);
   const int n_keys = a.pos + a.n_q;
@@ -462,7 +462,8 @@ void prefill_run(const PrefillAttnArgs& a, const BlockSparseLayout* layout, Thre
 
   // Converted keys and values per kv head: kt [n_tiles][dim][kTk] then v [n_tiles * kTk][dim].
   const size_t head_floats = 2 * static_cast<size_t>(n_tiles) * kTk * udim;
-  thread_local AlignedVector<float> conv;
+  PrefillWorkspace call_ws;  // freed on return when the caller passes none
+  AlignedVector<float>& conv = (ws != nullptr ? *ws : call_ws).prefix;
   if (conv.size() < head_floats * a.n_kv_heads + kPadFloats) conv.resize(head_floats * a.n_kv_heads + kPadFloats);
   float* base = conv.data();
   auto kt_of = [&](int h) { return base + h * head_floats; };
@@ -522,14 +523,15 @@ void prefill_run(const PrefillAttnArgs& a, const BlockSparseLayout* layout, Thre
 
 }  // namespace
 
-void attention_prefill_dense(const PrefillAttnArgs& a, ThreadPool& pool) {
+void attention_prefill_dense(const PrefillAttnArgs& a, ThreadPool& pool, PrefillWorkspace* workspace) {
   attention_prefill_validate(a, nullptr);
-  prefill_run(a, nullptr, pool);
+  prefill_run(a, nullptr, pool, workspace);
 }
 
-void attention_prefill_block_sparse(const PrefillAttnArgs& a, const BlockSparseLayout& layout, ThreadPool& pool) {
+void attention_prefill_block_sparse(const PrefillAttnArgs& a, const BlockSparseLayout& layout, ThreadPool& pool,
+                                    PrefillWorkspace* workspace) {
   attention_prefill_validate(a, &layout);
-  prefill_run(a, &layout, pool);
+  prefill_run(a, &layout, pool, workspace);
 }
 
 void attention_prefill_projection(const PrefillProjectionArgs& a) {

@@ -22,7 +22,7 @@
 #include <string_view>
 #include <vector>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kernels/scoring.h"
 #include "kernels/cpu/qk-inl.h"
 

@@ -31,7 +31,7 @@
 #include <functional>
 #include <numeric>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kernels/selection.h"
 
 namespace cumulus::cpu {
@@ -61,7 +61,7 @@ inline int order_bucket(float x) { return static_cast<int>(order_key(x) >> kBuck
 // wants. Three passes of 11 bits; a pass whose digit is the same for every key is
 // skipped. Tactic and PSA rank every cluster or page of a head each step: 2,048 of them
 // sorted this way instead of by std::sort with the comparator took a decode step's
-// sorting from ~19% of Tactic's step to ~3% (docs/architecture.md).
+// sorting from ~19% of Tactic's step to ~3% (docs/performance-log.md).
 void sort_descending(const float* v, int n, std::vector<int32_t>& out) {
   thread_local std::vector<uint32_t> key, key2;
   thread_local std::vector<int32_t> idx2;

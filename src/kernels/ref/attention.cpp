@@ -8,7 +8,7 @@
 #include <limits>
 #include <vector>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kernels/attention.h"
 
 namespace cumulus {

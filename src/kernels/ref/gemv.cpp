@@ -13,8 +13,8 @@
 #include <cstring>
 #include <vector>
 
+#include "core/check.h"
 #include "cumulus/core/dtype.h"
-#include "cumulus/core/error.h"
 #include "cumulus/kernels/gemv.h"
 
 namespace cumulus {

@@ -4,7 +4,7 @@
 #include <limits>
 #include <vector>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kernels/kmeans.h"
 
 namespace cumulus {

@@ -9,7 +9,7 @@
 #include <limits>
 #include <vector>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kernels/prefill.h"
 
 namespace cumulus {

@@ -8,7 +8,7 @@
 #include <string_view>
 #include <vector>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kernels/scoring.h"
 
 namespace cumulus::ref {

@@ -18,7 +18,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "cumulus/core/error.h"
+#include "core/check.h"
 #include "cumulus/kernels/selection.h"
 
 namespace cumulus::ref {
