@@ -237,6 +237,70 @@ TEST_F(Stories260K, UserRegistryRunsACustomDecodeMethod) {
   EXPECT_EQ(calls, weights_->config.n_layers);
 }
 
+// build_indexes builds the method's indexes once the prompt is in, where `cumulus generate`
+// times it: each layer's on_prefill runs exactly once (not again at the first decode), and
+// decoding after it gives bit for bit what decoding with the lazy build gives.
+TEST_F(Stories260K, BuildIndexesRunsOnPrefillOnceAndMatchesTheLazyBuild) {
+  class CountingPrefill : public DecodeMethod {
+   public:
+    CountingPrefill(const Shape& shape, int* builds) : dense_(Registry::builtin().make("dense", shape)), builds_(builds) {}
+    std::string name() const override { return "counting_prefill"; }
+    void on_prefill(int, const KvCache&, const DecodeContext&) override { ++*builds_; }
+    void decode(int layer, const float* q, const KvCache& kv, const DecodeContext& ctx, AttnOutput& out) override {
+      dense_->decode(layer, q, kv, ctx, out);
+    }
+
+   private:
+    std::unique_ptr<DecodeMethod> dense_;
+    int* builds_;
+  };
+  int builds = 0;
+  Registry registry = Registry::builtin();
+  registry.add({.name = "counting_prefill",
+                .kind = "decode",
+                .paper = "test",
+                .summary = "dense, counting its on_prefill calls",
+                .params = {},
+                .make_decode = [&builds](const Shape& shape, const Params&) -> std::unique_ptr<DecodeMethod> {
+                  return std::make_unique<CountingPrefill>(shape, &builds);
+                }});
+  const std::vector<int32_t> prompt = tok_->encode("Once upon a time, there was a little girl named Lily.", true);
+  SessionOptions counting;
+  counting.registry = &registry;
+  counting.method = "counting_prefill";
+  Session c(*weights_, counting);
+  EXPECT_THROW(c.build_indexes(), Error);  // nothing prefilled
+  c.prefill(prompt);
+  EXPECT_EQ(builds, 0);
+  c.build_indexes();
+  EXPECT_EQ(builds, weights_->config.n_layers);
+  c.build_indexes();  // idempotent
+  c.decode(tok_->bos_id());
+  EXPECT_EQ(builds, weights_->config.n_layers);
+  EXPECT_THROW(c.prefill(prompt), Error);  // the prompt is closed once the indexes are built
+  c.restart_decode("counting_prefill");
+  c.decode(tok_->bos_id());  // the new method builds lazily
+  EXPECT_EQ(builds, 2 * weights_->config.n_layers);
+
+  for (const auto& [m, params] : std::vector<std::pair<std::string, std::map<std::string, std::string>>>{
+           {"tactic", {{"p", "0.7"}, {"cluster_size", "4"}}}, {"lfps", {{"s", "8"}}}}) {
+    SessionOptions o;
+    o.method = m;
+    o.params = params;
+    Session eager(*weights_, o), lazy(*weights_, o);
+    std::vector<float> le = eager.prefill(prompt), ll = lazy.prefill(prompt);
+    eager.build_indexes();
+    Sampler greedy({});
+    for (int i = 0; i < 20; ++i) {
+      const int32_t next = greedy.sample(le);
+      ASSERT_EQ(next, greedy.sample(ll)) << m << " step " << i;
+      le = eager.decode(next);
+      ll = lazy.decode(next);
+      ASSERT_EQ(le, ll) << m << " step " << i;
+    }
+  }
+}
+
 // restart_decode lets several methods continue one prefill (the eval harness): each
 // restarted run decodes exactly what a fresh session with that method decodes, whatever
 // ran before it (including lfps, which needs the prompt's last queries kept).

@@ -10,6 +10,7 @@ class CpuRunner final : public ModelRunner {
   CpuRunner(const ModelWeights& w, const SessionOptions& o) : s_(w, o) {}
   const std::vector<float>& prefill(std::span<const int32_t> tokens) override { return s_.prefill(tokens); }
   const std::vector<float>& decode(int32_t token) override { return s_.decode(token); }
+  void build_indexes() override { s_.build_indexes(); }
   void restart_decode(const std::string& method, const std::map<std::string, std::string>& params) override {
     s_.restart_decode(method, params);
   }

@@ -116,7 +116,7 @@ Session::~Session() = default;
 
 const std::vector<float>& Session::prefill(std::span<const int32_t> tokens) {
   CUMULUS_CHECK(!tokens.empty(), "prompt is empty (0 tokens)");
-  CUMULUS_CHECK(!prefilled_, "prefill after decode started (position {}): one prompt per session", pos_);
+  CUMULUS_CHECK(!prefilled_, "prefill after decode started or the indexes were built (position {}): one prompt per session", pos_);
   CUMULUS_CHECK(pos_ + static_cast<int64_t>(tokens.size()) <= capacity_,
                 "prompt of {} tokens at position {} exceeds the context of {} tokens", tokens.size(), pos_, capacity_);
   prompt_end_ = pos_ + static_cast<int>(tokens.size());
@@ -191,19 +191,23 @@ void Session::reserve_rows(int rows) {
   rows_ = rows;
 }
 
+void Session::build_indexes() {
+  CUMULUS_CHECK(pos_ > 0, "build_indexes before prefill (position 0): prefill at least one token first");
+  if (prefilled_) return;
+  DecodeContext ctx{&pool_, opt_.eval};
+  for (int l = 0; l < w_.config.n_layers; ++l) {
+    if (w_.config.is_local(l)) continue;  // methods run on global layers only
+    ctx.prompt_q = prompt_q_rows_ > 0 ? prompt_q_[l].data() : nullptr;
+    ctx.prompt_q_rows = prompt_q_rows_;
+    method_->on_prefill(l, kv_, ctx);
+  }
+  prefilled_ = true;
+}
+
 const std::vector<float>& Session::decode(int32_t token) {
   CUMULUS_CHECK(pos_ > 0, "decode before prefill (position 0): prefill at least one token first");
   CUMULUS_CHECK(pos_ + 1 <= capacity_, "decode at position {} exceeds the context of {} tokens", pos_, capacity_);
-  if (!prefilled_) {
-    DecodeContext ctx{&pool_, opt_.eval};
-    for (int l = 0; l < w_.config.n_layers; ++l) {
-      if (w_.config.is_local(l)) continue;  // methods run on global layers only
-      ctx.prompt_q = prompt_q_rows_ > 0 ? prompt_q_[l].data() : nullptr;
-      ctx.prompt_q_rows = prompt_q_rows_;
-      method_->on_prefill(l, kv_, ctx);
-    }
-    prefilled_ = true;
-  }
+  build_indexes();
   const int32_t t[1] = {token};
   forward(t, true);
   return logits_;

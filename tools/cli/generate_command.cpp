@@ -77,7 +77,7 @@ struct KvSnapshotUse {
 struct RunResult {
   std::string method;
   int prompt_len = 0, generated = 0;
-  double prefill_s = 0, decode_s = 0;
+  double prefill_s = 0, index_s = 0, decode_s = 0;  // index_s: the decode method's index build
   AttentionSummary summary;
   PrefillStats prefill_stats;
 };
@@ -107,7 +107,7 @@ RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector
                 "prompt of {} tokens + --max-tokens {} exceeds the model's context of {} tokens", prompt.size(),
                 o.max_tokens, s.capacity());
   Sampler sampler({.temperature = o.temperature, .top_p = o.top_p, .seed = o.seed});
-  RunResult r{spec.label, static_cast<int>(prompt.size()), 0, 0, 0, {}, {}};
+  RunResult r{spec.label, static_cast<int>(prompt.size()), 0, 0, 0, 0, {}, {}};
 
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
@@ -126,6 +126,11 @@ RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector
   }
 
   if (!o.quiet) fmt::print("\n--- {} ---\n", spec.label);
+  // The method's index over the prompt (tactic's k-means) is built here, where it happens,
+  // not inside the first decode step.
+  const auto tb = clock::now();
+  s.build_indexes();
+  r.index_s = std::chrono::duration<double>(clock::now() - tb).count();
   auto t1 = clock::now();
   for (int i = 0; i < o.max_tokens; ++i) {
     const int32_t next = sampler.sample(*logits);
@@ -147,7 +152,7 @@ RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector
 struct BenchRun {
   std::string method;
   int context = 0, decode_tokens = 0;
-  double prefill_s = 0, decode_s = 0;
+  double prefill_s = 0, index_s = 0, decode_s = 0;  // index_s: the decode method's index build
   DecodeProfile profile;  // per decode step (divided by steps)
   double decode_bytes = 0;  // bytes read per decode step: weights + mean K/V
 };
@@ -172,7 +177,7 @@ BenchRun bench_one(const ModelWeights& w, const std::vector<int32_t>& source, co
                    const GenerateOptions& o) {
   std::vector<int32_t> prompt(static_cast<size_t>(context));
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = source[i % source.size()];
-  std::vector<double> pre, dec;
+  std::vector<double> pre, idx, dec;
   std::vector<DecodeProfile> profs;
   double kv_bytes = 0;
   for (int rep = 0; rep < o.repetitions; ++rep) {
@@ -184,10 +189,13 @@ BenchRun bench_one(const ModelWeights& w, const std::vector<int32_t>& source, co
     using clock = std::chrono::steady_clock;
     const auto t0 = clock::now();
     const std::vector<float>* logits = &s.prefill(prompt);
+    const auto tb = clock::now();
+    s.build_indexes();
     const auto t1 = clock::now();
     for (int i = 0; i < o.bench_decode; ++i) logits = &s.decode(greedy.sample(*logits));
     const auto t2 = clock::now();
-    pre.push_back(std::chrono::duration<double>(t1 - t0).count());
+    pre.push_back(std::chrono::duration<double>(tb - t0).count());
+    idx.push_back(std::chrono::duration<double>(t1 - tb).count());
     dec.push_back(std::chrono::duration<double>(t2 - t1).count());
     profs.push_back(s.profile());
     // Dense K/V bytes per step at the mean depth, all layers (the method may read less).
@@ -199,6 +207,7 @@ BenchRun bench_one(const ModelWeights& w, const std::vector<int32_t>& source, co
   r.context = context;
   r.decode_tokens = o.bench_decode;
   r.prefill_s = median(pre);
+  r.index_s = median(idx);
   r.decode_s = median(dec);
   // The profile of the repetition whose decode time is the median (or the nearest).
   size_t best = 0;
@@ -247,16 +256,18 @@ void run_bench(const ModelWeights& w, const std::vector<int32_t>& source, const 
     }
   }
 
-  fmt::print("\n{:<12} {:>8} {:>12} {:>12} {:>10} {:>9} {:>8}\n", "method", "context", "prefill t/s", "decode t/s",
-             "ms/token", "GB/s", "of bw");
+  fmt::print("\n{:<12} {:>8} {:>12} {:>9} {:>12} {:>10} {:>9} {:>8}\n", "method", "context", "prefill t/s",
+             "index s", "decode t/s", "ms/token", "GB/s", "of bw");
   for (const BenchRun& r : runs) {
     const double per = r.decode_s / r.decode_tokens;
     const double gbps = r.decode_bytes / per / 1e9;
-    fmt::print("{:<12} {:>8} {:>12.1f} {:>12.1f} {:>10.2f} {:>9.1f} {:>7.0f}%\n", r.method, r.context,
-               r.context / r.prefill_s, r.decode_tokens / r.decode_s, 1e3 * per, gbps, 100 * gbps / bw.gbps_median);
+    fmt::print("{:<12} {:>8} {:>12.1f} {:>9.3f} {:>12.1f} {:>10.2f} {:>9.1f} {:>7.0f}%\n", r.method, r.context,
+               r.context / r.prefill_s, r.index_s, r.decode_tokens / r.decode_s, 1e3 * per, gbps,
+               100 * gbps / bw.gbps_median);
   }
-  fmt::print("decode: {} tokens after prefilling `context` tokens (depth context..context+{}); GB/s: weights + "
-             "K/V read per decode step / time per step\n",
+  fmt::print("decode: {} tokens after prefilling `context` tokens (depth context..context+{}); index s: the decode "
+             "method's index build after the prefill (tactic's k-means; 0 for dense); GB/s: weights + K/V read per "
+             "decode step / time per step\n",
              o.bench_decode, o.bench_decode - 1);
   for (const BenchRun& r : runs)
     fmt::print("profile {} @{}: {} (sum {:.3f} ms)\n", r.method, r.context, profile_line(r.profile),
@@ -279,6 +290,7 @@ void run_bench(const ModelWeights& w, const std::vector<int32_t>& source, const 
                            {"context", r.context},
                            {"prefill_s", r.prefill_s},
                            {"prefill_tok_s", r.context / r.prefill_s},
+                           {"index_s", r.index_s},
                            {"decode_tokens", r.decode_tokens},
                            {"decode_s", r.decode_s},
                            {"decode_tok_s", r.decode_tokens / r.decode_s},
@@ -463,12 +475,12 @@ void run_generate(const GenerateOptions& o) {
   std::vector<RunResult> results;
   for (const auto& spec : specs) results.push_back(run_one(w, *tok, prompt, spec, o, kvs));
 
-  fmt::print("\n{:<14} {:>7} {:>9} {:>10} {:>7} {:>10} {:>10} {:>9} {:>9}\n", "method", "prompt", "prefill", "tok/s",
-             "gen", "tok/s", "kv read", "tokens", "claimed");
+  fmt::print("\n{:<14} {:>7} {:>9} {:>10} {:>8} {:>7} {:>10} {:>10} {:>9} {:>9}\n", "method", "prompt", "prefill",
+             "tok/s", "index", "gen", "tok/s", "kv read", "tokens", "claimed");
   for (const auto& r : results) {
     const auto& s = r.summary;
-    fmt::print("{:<14} {:>7} {:>8.2f}s {:>10.1f} {:>7} {:>10.1f} {:>9.1f}% {:>9.0f} {:>9}\n", r.method, r.prompt_len,
-               r.prefill_s, r.prompt_len / r.prefill_s, r.generated,
+    fmt::print("{:<14} {:>7} {:>8.2f}s {:>10.1f} {:>7.2f}s {:>7} {:>10.1f} {:>9.1f}% {:>9.0f} {:>9}\n", r.method,
+               r.prompt_len, r.prefill_s, r.prompt_len / r.prefill_s, r.index_s, r.generated,
                r.generated > 1 ? (r.generated - 1) / r.decode_s : 0.0, 100 * s.mean_kv_fraction(), s.mean_tokens(),
                s.claimed_count ? fmt::format("{:.3f}", s.mean_claimed()) : "-");
     if (s.true_count) fmt::print("{:<14} true mass {:.3f} (eval mode)\n", "", s.mean_true());
@@ -477,8 +489,9 @@ void run_generate(const GenerateOptions& o) {
       fmt::print("{:<14} prefill {}: {:.1f}% of causal blocks, heads query-aware/vertical-slash/dense {}/{}/{}\n", "",
                  o.prefill, 100 * ps.block_share(), ps.heads_query_aware, ps.heads_vertical_slash, ps.heads_dense);
   }
-  fmt::print("kv read: mean share of the dense K/V bytes read per decode step; tokens: mean tokens attended per "
-             "head-step; claimed: mean mass the method claims (- = makes no claim)\n");
+  fmt::print("index: the decode method's index build over the prompt, after the prefill (tactic's k-means; 0 for "
+             "dense); kv read: mean share of the dense K/V bytes read per decode step; tokens: mean tokens attended "
+             "per head-step; claimed: mean mass the method claims (- = makes no claim)\n");
 }
 
 }  // namespace

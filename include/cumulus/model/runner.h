@@ -23,6 +23,9 @@ class ModelRunner {
   virtual const std::vector<float>& prefill(std::span<const int32_t> tokens) = 0;
   virtual const std::vector<float>& decode(int32_t token) = 0;
   virtual void restart_decode(const std::string& method, const std::map<std::string, std::string>& params = {}) = 0;
+  // As Session::build_indexes: the decode method's index over the prompt, built now rather
+  // than inside the first decode step (nothing to build for dense attention).
+  virtual void build_indexes() {}
   virtual int position() const = 0;
   virtual int capacity() const = 0;
   virtual AttentionSummary summary() const = 0;

@@ -114,6 +114,12 @@ class Session {
   // [vocab] after the last one. Throws Error when the prompt would exceed the context or
   // an id is out of the vocabulary.
   const std::vector<float>& prefill(std::span<const int32_t> tokens);
+  // Builds the decode method's indexes over the prompt (DecodeMethod::on_prefill for every
+  // layer it runs on: tactic's k-means, LFPS's tables) once the prompt is in. The first
+  // decode calls it when nobody has; call it right after the prefill to count the index
+  // build with the prefill, where it happens (`cumulus generate` does). Idempotent until
+  // restart_decode, whose method builds again.
+  void build_indexes();
   // Feeds one token through the decode method; returns logits [vocab].
   const std::vector<float>& decode(int32_t token);
   // Drops every token after the prompt and starts decoding again with a new decode method
