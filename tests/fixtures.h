@@ -14,6 +14,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
 
 namespace cumulus::test {
 
@@ -21,6 +24,20 @@ inline std::filesystem::path source_dir() { return std::filesystem::path(CUMULUS
 inline std::filesystem::path shared_dir() { return std::filesystem::path(CUMULUS_SHARED_DIR); }
 inline std::filesystem::path smollm2_gguf_path() { return source_dir() / "models/SmolLM2-135M-Instruct.Q4_1.gguf"; }
 inline std::filesystem::path stories260k_dir() { return shared_dir() / "data/models/stories260K"; }
+
+// stories260K's golden greedy sample (llama2.c's own output, not ours): the code block
+// after "-t 0.0" in stories260K.md; empty when the file or the block is missing.
+inline std::string stories260k_golden_sample() {
+  std::ifstream f(stories260k_dir() / "stories260K.md");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const std::string md = ss.str();
+  const std::string cmd = "-t 0.0\n";
+  size_t b = md.find(cmd);
+  if (b == std::string::npos) return "";
+  b += cmd.size();
+  return md.substr(b, md.find("\n```", b) - b);
+}
 
 inline bool fixtures_required() {
   const char* v = std::getenv("CUMULUS_REQUIRE_FIXTURES");

@@ -23,20 +23,6 @@ namespace {
 
 const std::string kDir = std::string(CUMULUS_SHARED_DIR) + "/data/models/stories260K";
 
-// The greedy sample: the code block after "temperature 0.0" in stories260K.md.
-std::string golden_sample() {
-  std::ifstream f(kDir + "/stories260K.md");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const std::string md = ss.str();
-  const std::string cmd = "-t 0.0\n";
-  size_t b = md.find(cmd);
-  if (b == std::string::npos) return "";
-  b += cmd.size();
-  const size_t e = md.find("\n```", b);
-  return md.substr(b, e - b);
-}
-
 struct Generated {
   std::string text;
   std::vector<int32_t> ids;
@@ -68,7 +54,7 @@ class Stories260K : public ::testing::Test {
       CUMULUS_FIXTURE_MISSING("no " << kDir << " (../shared missing)");
     weights_ = std::make_unique<ModelWeights>(model_weights_load(kDir + "/stories260K.bin"));
     tok_ = tokenizer_from_llama2c(kDir + "/tok512.bin", weights_->config.vocab_size);
-    sample_ = golden_sample();
+    sample_ = test::stories260k_golden_sample();
     ASSERT_GT(sample_.size(), 500u) << "could not find the greedy sample in stories260K.md";
   }
   std::unique_ptr<ModelWeights> weights_;

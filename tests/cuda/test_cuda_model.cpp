@@ -26,24 +26,13 @@
 #include "cumulus/model/sampler.h"
 #include "cumulus/model/session.h"
 #include "cumulus/model/tokenizer.h"
+#include "fixtures.h"
 
 using namespace cumulus;
 
 namespace {
 
 const std::string kDir = std::string(CUMULUS_SHARED_DIR) + "/data/models/stories260K";
-
-std::string golden_sample() {
-  std::ifstream f(kDir + "/stories260K.md");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const std::string md = ss.str();
-  const std::string cmd = "-t 0.0\n";
-  size_t b = md.find(cmd);
-  if (b == std::string::npos) return "";
-  b += cmd.size();
-  return md.substr(b, md.find("\n```", b) - b);
-}
 
 // W with every value rounded to f16 (what the GPU runner holds).
 WeightMatrix round_f16(const WeightMatrix& m) {
@@ -121,7 +110,7 @@ class CudaStories260K : public ::testing::Test {
     if (!std::filesystem::exists(kDir + "/stories260K.bin")) GTEST_SKIP() << "no " << kDir;
     weights_ = std::make_unique<ModelWeights>(model_weights_load(kDir + "/stories260K.bin"));
     tok_ = tokenizer_from_llama2c(kDir + "/tok512.bin", weights_->config.vocab_size);
-    sample_ = golden_sample();
+    sample_ = test::stories260k_golden_sample();
     ASSERT_GT(sample_.size(), 500u) << "could not find the greedy sample in stories260K.md";
   }
   std::unique_ptr<ModelWeights> weights_;

@@ -242,6 +242,9 @@ class DeviceKvCache {
   int free_pages() const { return static_cast<int>(free_.size()); }
 
  private:
+  // Points view_ at this cache's buffers with these shapes (create and upload).
+  void bind_view(int n_seqs, int n_kv_heads, int head_dim, int page_size, int max_pages, int max_tokens, DType dtype);
+
   DeviceBuffer k_, v_, kmin_, kmax_, kmean_, table_, n_tok_;
   std::vector<int> n_tokens_, capacity_;
   std::vector<int32_t> table_host_;  // [n_seqs][n_kv_heads][max_pages]; -1 = no page yet

@@ -149,22 +149,7 @@ DeviceKvCache DeviceKvCache::create(int n_seqs, int n_kv_heads, int head_dim, DT
   c.reserved_.assign(n_seqs, 0);
   c.n_tok_ = to_device(std::vector<int32_t>(n_seqs, 0));
   c.kv_bytes_ = 2 * n_pool * page_bytes;
-  DeviceKvView& w = c.view_;
-  w.k = c.k_.data();
-  w.v = c.v_.data();
-  w.kmin = c.kmin_.as<float>();
-  w.kmax = c.kmax_.as<float>();
-  w.kmean = c.kmean_.as<float>();
-  w.page_table = c.table_.as<int32_t>();
-  w.n_tokens = c.n_tok_.as<int32_t>();
-  w.n_seqs = n_seqs;
-  w.n_kv_heads = n_kv_heads;
-  w.head_dim = head_dim;
-  w.page_size = page_size;
-  w.page_shift = __builtin_ctz(static_cast<unsigned>(page_size));
-  w.max_pages = max_pages;
-  w.max_tokens = max_tokens;
-  w.dtype = dtype;
+  c.bind_view(n_seqs, n_kv_heads, head_dim, page_size, max_pages, max_tokens, dtype);
   return c;
 }
 

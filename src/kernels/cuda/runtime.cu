@@ -293,23 +293,28 @@ DeviceKvCache DeviceKvCache::upload(const std::vector<std::vector<PagedHeadView>
   c.table_host_ = std::move(table);
   c.n_tok_ = to_device(std::vector<int32_t>(c.n_tokens_.begin(), c.n_tokens_.end()));
   c.kv_bytes_ = 2 * n_pool * page_bytes;
-  DeviceKvView& w = c.view_;
-  w.k = c.k_.data();
-  w.v = c.v_.data();
-  w.kmin = c.kmin_.as<float>();
-  w.kmax = c.kmax_.as<float>();
-  w.kmean = c.kmean_.as<float>();
-  w.page_table = c.table_.as<int32_t>();
-  w.n_tokens = c.n_tok_.as<int32_t>();
+  c.bind_view(n_seqs, n_kv, d, v0.page_size, max_pages, max_tokens, v0.dtype);
+  return c;
+}
+
+void DeviceKvCache::bind_view(int n_seqs, int n_kv_heads, int head_dim, int page_size, int max_pages, int max_tokens,
+                              DType dtype) {
+  DeviceKvView& w = view_;
+  w.k = k_.data();
+  w.v = v_.data();
+  w.kmin = kmin_.as<float>();
+  w.kmax = kmax_.as<float>();
+  w.kmean = kmean_.as<float>();
+  w.page_table = table_.as<int32_t>();
+  w.n_tokens = n_tok_.as<int32_t>();
   w.n_seqs = n_seqs;
-  w.n_kv_heads = n_kv;
-  w.head_dim = d;
-  w.page_size = v0.page_size;
-  w.page_shift = v0.page_shift;
+  w.n_kv_heads = n_kv_heads;
+  w.head_dim = head_dim;
+  w.page_size = page_size;
+  w.page_shift = __builtin_ctz(static_cast<unsigned>(page_size));
   w.max_pages = max_pages;
   w.max_tokens = max_tokens;
-  w.dtype = v0.dtype;
-  return c;
+  w.dtype = dtype;
 }
 
 DeviceKvCache DeviceKvCache::upload_replicated(const std::vector<PagedHeadView>& seq, int n_copies) {
