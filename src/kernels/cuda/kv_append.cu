@@ -205,10 +205,7 @@ void DeviceKvCache::append(const float* k, const float* v, int n_new, void* stre
     run(__nv_bfloat16{});
   kv_advance_kernel<<<ceil_div(w.n_seqs, 128), 128, 0, st>>>(n_tok_.as<int32_t>(), w.n_seqs, n_new);
   CUMULUS_CUDA_LAUNCH("kv_advance_kernel");
-  for (int s = 0; s < w.n_seqs; ++s) {
-    n_tokens_[s] += n_new;
-    capacity_[s] = std::max(capacity_[s], n_tokens_[s]);
-  }
+  append_replayed(n_new);  // the host counts, as after a replay
 }
 
 void DeviceKvCache::append_replayed(int n_new) {
