@@ -384,6 +384,9 @@ TEST(Gemma3, WindowCacheDecodesAsACacheOfEveryToken) {
 TEST(Gemma3, RealModelWindowCacheDecodesAsACacheOfEveryToken) {
   // The real model: 700 tokens of Pride and Prejudice (past the 512-token window), 8
   // decoded; the 15 local layers keep their window (and a prefill chunk) instead of 708.
+#ifdef CUMULUS_SANITIZED
+  GTEST_SKIP() << "three 700-token prefills of the 270M model skipped under the sanitizers (the small model's test covers the same paths)";
+#endif
   if (!fs::exists(gemma3_gguf()))
     CUMULUS_FIXTURE_MISSING(gemma3_gguf() << " missing: run scripts/fetch-model.sh gemma3-270m");
   const fs::path book = cumulus::test::shared_dir() / "data/text/pg1342_pride_and_prejudice.txt";

@@ -239,11 +239,11 @@ HWY_INLINE void gemv_group(const QuantMatrixView& w, int r0, const QuantActivati
 }
 
 // Rows per group. Q8_0 goes one row at a time: its rows are twice the bytes of the 4-bit
-// formats', and one core (Zen 4) read Gemma 3's 262144x640 head at 19-21 GB/s one row at a time
-// (a single stream, which the hardware prefetcher follows; weights in 2 MiB pages) against
-// 9-10 GB/s in groups of four with the prefetch in gemv_group, while the 4-bit formats gain
-// from the groups (thread CPU time per 32 weights 0.85-1.3 ns in groups of four against
-// 1.1-1.6 alone, bench/gemv_bench; the same holds on the 8-bit path below).
+// formats', and Gemma 3's 262144x640 head read at 20-22 GB/s one row at a time (a single
+// stream, which the hardware prefetcher follows; weights in 2 MiB pages) against ~10 GB/s in
+// groups of 2 to 8 with the prefetch in gemv_group (Zen 4; docs/performance-log.md,
+// 2026-11-26). For the 4-bit formats the two orders measured within noise, and they keep the
+// groups (which share the activation loads). The 8-bit path below uses the same choice.
 template <QuantFormat F>
 constexpr int kGemvGroupRows = F == QuantFormat::q8_0 ? 1 : kGroupRows;
 
