@@ -116,7 +116,7 @@ MatchedSpecs matched_specs(const EvalOptions& o) {
 
 // The target P of an adaptive method, from its resolved parameters (NaN for none).
 double target_of(const std::string& method, const std::map<std::string, std::string>& resolved) {
-  if (method == "tactic" || method == "oracle_topp" || method == "hier_topp") return std::stod(resolved.at("p"));
+  if (method == "tactic" || method == "oracle_topp" || method == "hier_topp" || method == "sketch_topp") return std::stod(resolved.at("p"));
   if (method == "psa") return std::stod(resolved.at("threshold"));
   return kNaN;
 }

@@ -57,6 +57,7 @@ KvCache::KvCache(const Shape& shape, const KvCacheOptions& options) : shape_(sha
                 "dtype={} is not one of f32, f16, bf16", static_cast<int>(options_.dtype));
   CUMULUS_CHECK(options_.max_tokens >= 1, "max_tokens={} must be >= 1", options_.max_tokens);
   n_tokens_.assign(shape_.n_layers, 0);
+  generation_.assign(shape_.n_layers, 0);
   heads_.resize(static_cast<size_t>(shape_.n_layers) * shape_.n_kv_heads);
   for (auto& h : heads_) h = std::make_unique<HeadStore>();
 }
@@ -197,6 +198,11 @@ void KvCache::append_rows(int layer, const void* k, const void* v, int n, bool r
 
 void KvCache::clear() { truncate(0); }
 
+uint64_t KvCache::generation(int layer) const {
+  CUMULUS_CHECK(layer >= 0 && layer < shape_.n_layers, "layer={} out of range [0, {})", layer, shape_.n_layers);
+  return generation_[static_cast<size_t>(layer)];
+}
+
 void KvCache::truncate(int n) {
   CUMULUS_CHECK(n >= 0, "n={} must be >= 0", n);
   for (int l = 0; l < shape_.n_layers; ++l)
@@ -211,6 +217,7 @@ void KvCache::truncate(int n) {
     const int old_n = n_tokens_[l];
     if (old_n == n) continue;
     n_tokens_[l] = n;
+    ++generation_[l];
     for (int h = 0; h < shape_.n_kv_heads; ++h) {
       HeadStore& s = head(l, h);
       // Zero the dropped rows, as a fresh slab holds zeros: kernels may read the padding

@@ -74,27 +74,8 @@ class HierTopp final : public DecodeMethod {
         for (int j = 0; j < g; ++j) out.stats[h * g + j].mass_claimed = 1.0;
       }
     });
-    if (std::find(dense_head_.begin(), dense_head_.end(), 1) == dense_head_.end()) return;
-    // The dense heads through the shared attend (sparse kernel, tokens and bytes counted)
-    // with every token listed, into a second output: the sparse heads' lists are left
-    // empty there (their rows are already written), and the dense heads' rows, lists and
-    // stats move back.
-    methods::attn_output_reset(shape_, dense_);
-    for (int h = 0; h < shape_.n_kv_heads; ++h) {
-      dense_.selection.tokens[h].clear();
-      if (dense_head_[h]) std::swap(dense_.selection.tokens[h], out.selection.tokens[h]);
-    }
-    methods::attend_selection(kv, layer, q, *ctx.pool, dense_);
-    const size_t rows = static_cast<size_t>(g) * shape_.head_dim;
-    for (int h = 0; h < shape_.n_kv_heads; ++h) {
-      if (!dense_head_[h]) continue;
-      std::swap(dense_.selection.tokens[h], out.selection.tokens[h]);
-      std::copy_n(dense_.out.data() + h * rows, rows, out.out.data() + h * rows);
-      for (int j = 0; j < g; ++j) {
-        out.stats[h * g + j].tokens_attended = dense_.stats[h * g + j].tokens_attended;
-        out.stats[h * g + j].bytes_read += dense_.stats[h * g + j].bytes_read;
-      }
-    }
+    if (std::find(dense_head_.begin(), dense_head_.end(), 1) != dense_head_.end())
+      methods::attend_dense_heads(shape_, kv, layer, q, *ctx.pool, dense_head_, dense_, out);
   }
 
  private:

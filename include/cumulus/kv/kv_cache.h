@@ -56,6 +56,11 @@ class KvCache {
   // Throws when a layer holds fewer than n tokens.
   void truncate(int n);
 
+  // Changes whenever `layer` loses tokens (truncate, clear), never on append: what a method
+  // that keeps per-token state (an index, a sketch) compares to know its tokens are the
+  // cache's, since a cut followed by appends can restore the same token count.
+  uint64_t generation(int layer) const;
+
   // Read-only view of one (layer, kv head) for the kernels. Valid until the next append
   // or clear.
   PagedHeadView view(int layer, int kv_head) const;
@@ -77,6 +82,7 @@ class KvCache {
   Shape shape_;
   KvCacheOptions options_;
   std::vector<int> n_tokens_;                      // [n_layers]
+  std::vector<uint64_t> generation_;               // [n_layers] tokens-lost events
   std::vector<std::unique_ptr<HeadStore>> heads_;  // [n_layers * n_kv_heads]
 };
 

@@ -1,0 +1,293 @@
+// The threshold ops of kernels/selection.h on the CPU (Highway, runtime dispatch):
+//   - select_mass_threshold bisects the logarithm of the threshold between max(key) * 2^-32
+//     and max(key), 11 halvings down to 1/64 of an octave, each a vector pass that sums
+//     every row's weights over the keys at or above the trial threshold (float32 lanes,
+//     float64 across lanes). No sort. Once the bracket is 4 octaves wide, the entries
+//     inside it are copied out (the band, usually a small part of the list) and the rest of
+//     the halvings pass over the band alone, what lies above it summed once.
+//   - select_any_above compares every row with its threshold, ORs the masks and compresses
+//     the indices that pass.
+// Inputs are checked in the first pass (nonnegative, finite), with the reference's messages.
+
+// This file is compiled once per SIMD target by foreach_target.h.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/threshold.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "core/check.h"
+#include "cumulus/kernels/selection.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace cumulus::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+constexpr int kMaxRows = 8;  // rows summed in one pass (a GQA group); more go in further passes
+
+// True where x is not a finite nonnegative float (NaN fails both compares).
+template <class D>
+HWY_INLINE auto threshold_bad(D d, hn::Vec<D> x) {
+  return hn::Not(hn::And(hn::Ge(x, hn::Zero(d)), hn::Le(x, hn::Set(d, std::numeric_limits<float>::max()))));
+}
+
+// sum[j] = sum over i with key[i] >= k of w[j][i], rows [r0, r0 + R) of a [rows][stride]
+// array over n entries.
+// Sums are float32 in the lanes for kChunk vectors, then float64: each row's sum stays
+// within about 1e-7 of its total (float32 throughout drifted by 1e-6 at 40K entries).
+constexpr size_t kChunk = 16;
+
+template <int R>
+HWY_INLINE void threshold_sums(const float* HWY_RESTRICT key, const float* HWY_RESTRICT w, size_t stride, int r0,
+                               size_t n, float k, double* sum) {
+  const hn::ScalableTag<float> d;
+  const size_t N = hn::Lanes(d);
+  const auto vk = hn::Set(d, k);
+  double total[R] = {};
+  size_t i = 0;
+  while (i + N <= n) {
+    hn::Vec<decltype(d)> acc[R];
+    for (int j = 0; j < R; ++j) acc[j] = hn::Zero(d);
+    const size_t end = std::min(n - n % N, i + kChunk * N);
+    for (; i < end; i += N) {
+      const auto m = hn::Ge(hn::LoadU(d, key + i), vk);
+      for (int j = 0; j < R; ++j)
+        acc[j] = hn::Add(acc[j], hn::IfThenElseZero(m, hn::LoadU(d, w + static_cast<size_t>(r0 + j) * stride + i)));
+    }
+    for (int j = 0; j < R; ++j) total[j] += hn::GetLane(hn::SumOfLanes(d, acc[j]));
+  }
+  for (int j = 0; j < R; ++j) {
+    double s = total[j];
+    for (size_t t = i; t < n; ++t)
+      if (key[t] >= k) s += w[static_cast<size_t>(r0 + j) * stride + t];
+    sum[j] = s;
+  }
+}
+
+// Every row's sum over the keys >= k (rows [n_rows][stride], n entries) into sums, plus base.
+void threshold_all_sums(const float* key, const float* w, size_t stride, int n_rows, size_t n, float k,
+                        const double* base, double* sums) {
+  for (int r0 = 0; r0 < n_rows; r0 += kMaxRows) {
+    double* sum = sums + r0;
+    const int R = std::min(kMaxRows, n_rows - r0);
+    switch (R) {
+      case 1: threshold_sums<1>(key, w, stride, r0, n, k, sum); break;
+      case 2: threshold_sums<2>(key, w, stride, r0, n, k, sum); break;
+      case 3: threshold_sums<3>(key, w, stride, r0, n, k, sum); break;
+      case 4: threshold_sums<4>(key, w, stride, r0, n, k, sum); break;
+      case 5: threshold_sums<5>(key, w, stride, r0, n, k, sum); break;
+      case 6: threshold_sums<6>(key, w, stride, r0, n, k, sum); break;
+      case 7: threshold_sums<7>(key, w, stride, r0, n, k, sum); break;
+      default: threshold_sums<8>(key, w, stride, r0, n, k, sum); break;
+    }
+    for (int j = 0; j < R; ++j) sum[j] += base[r0 + j];
+  }
+}
+
+// One pass over the list: the entries with key in [lo, hi) copied to band_key [m] and
+// band_w [n_rows][n] (m of them, returned), and every row's sum over the keys >= hi added
+// to above. Rows are read in tiles of up to kMaxRows, each tile one pass over the keys.
+size_t threshold_band(const float* key, const float* w, int n_rows, size_t n, float lo, float hi, float* band_key,
+                      float* band_w, double* above) {
+  const hn::ScalableTag<float> d;
+  const size_t N = hn::Lanes(d);
+  const auto vlo = hn::Set(d, lo), vhi = hn::Set(d, hi);
+  size_t m = 0, i = 0;
+  hn::Vec<decltype(d)> acc[kMaxRows];
+  for (int r0 = 0; r0 < n_rows; r0 += kMaxRows) {
+    const int R = std::min(kMaxRows, n_rows - r0);
+    for (int j = 0; j < R; ++j) acc[j] = hn::Zero(d);
+    m = 0;
+    for (i = 0; i + N <= n; i += N) {
+      if ((i / N) % kChunk == 0 && i > 0) {  // float32 lanes for kChunk vectors, then float64
+        for (int j = 0; j < R; ++j) above[r0 + j] += hn::GetLane(hn::SumOfLanes(d, acc[j]));
+        for (int j = 0; j < R; ++j) acc[j] = hn::Zero(d);
+      }
+      const auto k = hn::LoadU(d, key + i);
+      const auto up = hn::Ge(k, vhi);
+      const auto in = hn::And(hn::Ge(k, vlo), hn::Not(up));
+      // Compress in registers, then a plain store: AVX-512's compress to memory is slow
+      // on some CPUs (Zen 4). Each array has N lanes of slack for the whole-vector store.
+      if (r0 == 0) hn::StoreU(hn::Compress(k, in), d, band_key + m);
+      for (int j = 0; j < R; ++j) {
+        const auto x = hn::LoadU(d, w + static_cast<size_t>(r0 + j) * n + i);
+        acc[j] = hn::Add(acc[j], hn::IfThenElseZero(up, x));
+        hn::StoreU(hn::Compress(x, in), d, band_w + static_cast<size_t>(r0 + j) * n + m);
+      }
+      m += hn::CountTrue(d, in);
+    }
+    for (int j = 0; j < R; ++j) above[r0 + j] += hn::GetLane(hn::SumOfLanes(d, acc[j]));
+    for (size_t t = i; t < n; ++t) {
+      if (key[t] >= hi) {
+        for (int j = 0; j < R; ++j) above[r0 + j] += w[static_cast<size_t>(r0 + j) * n + t];
+      } else if (key[t] >= lo) {
+        if (r0 == 0) band_key[m] = key[t];
+        for (int j = 0; j < R; ++j) band_w[static_cast<size_t>(r0 + j) * n + m] = w[static_cast<size_t>(r0 + j) * n + t];
+        ++m;
+      }
+    }
+  }
+  return m;
+}
+
+float select_mass_threshold_impl(const float* key, const float* w, int n_rows, int n, const double* need,
+                                 double* sum_at) {
+  const hn::ScalableTag<float> d;
+  const size_t N = hn::Lanes(d);
+  const size_t rows = static_cast<size_t>(n_rows);
+  const size_t nn = static_cast<size_t>(n);
+  thread_local std::vector<double> base, trial, best;  // [n_rows]
+  base.assign(rows, 0.0);
+  trial.assign(rows, 0.0);
+  best.resize(rows);
+  // Pass 0: checks, the largest key, and every row's total (into trial).
+  auto vmax = hn::Zero(d);
+  size_t i = 0;
+  auto bad = hn::FirstN(d, 0);
+  for (; i + N <= nn; i += N) {
+    const auto k = hn::LoadU(d, key + i);
+    bad = hn::Or(bad, threshold_bad(d, k));
+    vmax = hn::Max(vmax, k);
+  }
+  float kmax = hn::GetLane(hn::MaxOfLanes(d, vmax));
+  bool any_bad = !hn::AllFalse(d, bad);
+  for (; i < nn; ++i) {
+    any_bad = any_bad || !(key[i] >= 0 && key[i] <= std::numeric_limits<float>::max());
+    kmax = std::max(kmax, key[i]);
+  }
+  if (any_bad) {
+    for (int t = 0; t < n; ++t)
+      CUMULUS_CHECK(std::isfinite(key[t]) && key[t] >= 0, "select_mass_threshold: key[{}]={} must be finite and >= 0",
+                    t, key[t]);
+  }
+  bad = hn::FirstN(d, 0);
+  for (i = 0; i + N <= rows * nn; i += N) bad = hn::Or(bad, threshold_bad(d, hn::LoadU(d, w + i)));
+  for (; i < rows * nn; ++i) any_bad = any_bad || !(w[i] >= 0 && w[i] <= std::numeric_limits<float>::max());
+  any_bad = any_bad || !hn::AllFalse(d, bad);
+  if (any_bad) {
+    for (size_t t = 0; t < rows * nn; ++t)
+      CUMULUS_CHECK(std::isfinite(w[t]) && w[t] >= 0, "select_mass_threshold: w[{}]={} must be finite and >= 0", t,
+                    w[t]);
+  }
+  threshold_all_sums(key, w, nn, n_rows, nn, 0.0f, base.data(), trial.data());  // the totals
+  auto done = [&](float k, const std::vector<double>& sums) {
+    if (sum_at != nullptr) std::copy(sums.begin(), sums.end(), sum_at);
+    return k;
+  };
+  bool any_need = false, all_reach = true;
+  for (int j = 0; j < n_rows; ++j) {
+    any_need = any_need || need[j] > 0;
+    all_reach = all_reach && trial[j] >= need[j];
+  }
+  if (!any_need) return done(std::numeric_limits<float>::infinity(), base);
+  if (!all_reach) return done(-std::numeric_limits<float>::infinity(), trial);  // the totals
+  best = trial;
+  if (kmax <= 0) return done(0.0f, best);
+  // The current list (the whole, then a band of it) and the sums of what lies above it.
+  const float* ck = key;
+  const float* cw = w;
+  size_t cn = nn;
+  auto reached = [&](float k) {
+    threshold_all_sums(ck, cw, nn, n_rows, cn, k, base.data(), trial.data());
+    for (int j = 0; j < n_rows; ++j)
+      if (trial[j] < need[j]) return false;
+    best = trial;
+    return true;
+  };
+  // Bisection of the exponent e (threshold kmax 2^e) in [lo, hi] = [-32, 0], assuming
+  // reach at lo and none at hi; both ends are checked only if the answer lands there:
+  // at hi the largest key alone suffices (kmax 2^-1/64 is then within the contract), at
+  // lo the keys below kmax 2^-32 (at most 2.3e-10 of the largest, each) are needed.
+  constexpr float kLo = -32;
+  float lo = kLo, hi = 0;
+  // Halve on the whole list until the bracket is 4 octaves wide, then keep only the band
+  // [kmax 2^lo, kmax 2^hi) (what lies above it is summed into base) and halve on it.
+  thread_local std::vector<float> band_key, band_w;
+  bool banded = false;
+  while (hi - lo > 1.0f / 64) {
+    if (!banded && hi - lo <= 4) {
+      band_key.resize(nn + N);
+      band_w.resize(rows * nn + N);
+      cn = threshold_band(key, w, n_rows, nn, kmax * std::exp2(lo), kmax * std::exp2(hi), band_key.data(),
+                          band_w.data(), base.data());
+      ck = band_key.data();
+      cw = band_w.data();
+      banded = true;
+    }
+    const float mid = 0.5f * (lo + hi);
+    if (reached(kmax * std::exp2(mid))) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  if (lo == kLo) {  // never reached inside the bracket: check its low end on the whole list
+    ck = key, cw = w, cn = nn;
+    std::fill(base.begin(), base.end(), 0.0);
+    if (!reached(kmax * std::exp2(kLo))) {
+      // Only with the keys below kmax 2^-32: take every key (the totals).
+      threshold_all_sums(key, w, nn, n_rows, nn, 0.0f, base.data(), best.data());
+      return done(0.0f, best);
+    }
+  }
+  return done(kmax * std::exp2(lo), best);
+}
+
+void select_any_above_impl(const float* w, int n_rows, int n, const float* tau, int32_t base,
+                           std::vector<int32_t>& out) {
+  const hn::ScalableTag<float> d;
+  const hn::RebindToSigned<decltype(d)> di;
+  const size_t N = hn::Lanes(d);
+  const size_t start = out.size();
+  out.resize(start + static_cast<size_t>(n) + N);  // the whole-vector store's slack
+  int32_t* o = out.data() + start;
+  size_t count = 0;
+  const auto step = hn::Set(di, static_cast<int32_t>(N));
+  auto idx = hn::Add(hn::Iota(di, 0), hn::Set(di, base));
+  size_t i = 0;
+  for (; i + N <= static_cast<size_t>(n); i += N) {
+    auto m = hn::Ge(hn::LoadU(d, w + i), hn::Set(d, tau[0]));
+    for (int j = 1; j < n_rows; ++j)
+      m = hn::Or(m, hn::Ge(hn::LoadU(d, w + static_cast<size_t>(j) * n + i), hn::Set(d, tau[j])));
+    const auto mi = hn::RebindMask(di, m);
+    // Compress in registers, then a plain store (compress to memory is slow on Zen 4).
+    hn::StoreU(hn::Compress(idx, mi), di, o + count);
+    count += hn::CountTrue(di, mi);
+    idx = hn::Add(idx, step);
+  }
+  for (; i < static_cast<size_t>(n); ++i) {
+    bool hit = false;
+    for (int j = 0; j < n_rows; ++j) hit = hit || w[static_cast<size_t>(j) * n + i] >= tau[j];
+    if (hit) o[count++] = base + static_cast<int32_t>(i);
+  }
+  out.resize(start + count);
+}
+
+}  // namespace cumulus::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace cumulus::cpu {
+
+HWY_EXPORT(select_mass_threshold_impl);
+HWY_EXPORT(select_any_above_impl);
+
+float select_mass_threshold(const float* key, const float* w, int n_rows, int n, const double* need, double* sum_at) {
+  CUMULUS_CHECK(n_rows >= 1 && n >= 0, "select_mass_threshold: n_rows={} must be >= 1 and n={} >= 0", n_rows, n);
+  CUMULUS_CHECK(need != nullptr && (n == 0 || (key != nullptr && w != nullptr)),
+                "select_mass_threshold: key, w and need must be non-null for n={}", n);
+  return HWY_DYNAMIC_DISPATCH(select_mass_threshold_impl)(key, w, n_rows, n, need, sum_at);
+}
+
+void select_any_above(const float* w, int n_rows, int n, const float* tau, int32_t base, std::vector<int32_t>& out) {
+  CUMULUS_CHECK(n_rows >= 1 && n >= 0, "select_any_above: n_rows={} must be >= 1 and n={} >= 0", n_rows, n);
+  CUMULUS_CHECK(n == 0 || (w != nullptr && tau != nullptr), "select_any_above: w and tau must be non-null");
+  HWY_DYNAMIC_DISPATCH(select_any_above_impl)(w, n_rows, n, tau, base, out);
+}
+
+}  // namespace cumulus::cpu
+#endif  // HWY_ONCE

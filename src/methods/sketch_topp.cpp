@@ -1,0 +1,369 @@
+// sketch_topp: top-p attention for a GQA group from a 4-bit key sketch (ours; not from a
+// seed paper; docs/methods.md "sketch_topp"). The method keeps, per (layer, kv head), a
+// 4-bit sketch of every key (kernels/sketch.h: per-channel normalisation from the prompt,
+// per-token range, int8 query, an integer dot product per token), about 1/8 of the head's
+// K+V bytes at 16 bits. Each decode step, per kv head and once for its query group
+// (q_j, j < G):
+//   1. every token's weight is estimated from the sketch, e_jt = exp(scale est_jt - c_j),
+//      with S_j = sum_t e_jt head j's estimated total;
+//   2. the union: the sinks (first tokens) and the recent tokens always, then the other
+//      tokens in the order of their largest estimated share max_j e_jt / S_j, up to the
+//      smallest prefix at which every head's estimated share reaches candidate_p
+//      (select_mass_threshold; one ranking for the group, so each head's mass is counted
+//      over the union the group reads, not over a list of its own);
+//   3. the union is attended exactly (K and V rows, the shared sparse kernel), which gives
+//      each head's exact mass over it, A_j = sum_U exp(scale q_j.k_t - c_j) (from the
+//      log-sum-exp); head j's total is T_j = A_j + (S_j - sum_U e_jt): exact over what was
+//      read, estimated only over what was not;
+//   4. a head whose share A_j / T_j falls short of P gets more tokens: candidate_p moves
+//      to 1 - (1 - candidate_p) / 4 (twice), the tokens this adds are attended and merged
+//      by log-sum-exp; after that, the rest of the context (then dense; claim 1).
+// Cost rule: a context of at most min_context tokens, and a kv head whose union passes
+// dense_above of its tokens, attend densely (claim 1).
+// Claims: A_j / T_j, whose only estimated part is the sketch's weight of the tokens not
+// read. Bytes read: the sketch of every token (codes plus the f16 offset and step), then
+// the union's K and V rows.
+#include <algorithm>
+#include <cmath>
+#include <iterator>
+#include <limits>
+
+#include "core/check.h"
+#include "cumulus/core/dtype.h"
+#include "cumulus/kernels/scoring.h"
+#include "cumulus/kernels/selection.h"
+#include "cumulus/kernels/sketch.h"
+#include "cumulus/methods/registry.h"
+#include "method_util.h"
+
+namespace cumulus {
+namespace {
+
+struct SketchToppOptions {
+  double p = 0.9;
+  double candidate_p = 0.92;
+  int sinks = 4;
+  int recent = 64;
+  int min_context = 1024;
+  double dense_above = 0.5;
+  bool rest_mean = false;  // the tokens not read contribute their estimated mass times the mean value
+};
+
+// Rounds of step 4 before the rest of the context is attended.
+constexpr int kRounds = 3;
+
+// The sketch of one (layer, kv head): tokens [0, n) encoded.
+struct HeadSketch {
+  std::vector<uint8_t> codes;    // [blocks][head_dim / 8][16][4]
+  std::vector<uint16_t> offset;  // [blocks * 16] f16
+  std::vector<uint16_t> step;    // [blocks * 16] f16
+  std::vector<float> center;     // [head_dim]
+  std::vector<float> scale;      // [head_dim]
+  int n = 0;
+  uint64_t generation = 0;       // the cache's generation the codes were encoded at
+  std::vector<double> value_sum;  // [head_dim] sum of the value rows of tokens [0, n) (rest=mean)
+
+  KeySketchView view(int head_dim) const {
+    return {codes.data(), offset.data(), step.data(), center.data(), scale.data(), n, head_dim};
+  }
+  // Brings the sketch to the cache's tokens: new tokens are encoded; after the cache lost
+  // tokens (its generation changed: a cut, perhaps followed by appends) every token is
+  // encoded again. The normalisation is fixed by the first call (the prompt's keys).
+  void update(const PagedHeadView& v, uint64_t cache_generation, bool with_values) {
+    if (center.empty()) {
+      center.resize(static_cast<size_t>(v.head_dim));
+      scale.resize(static_cast<size_t>(v.head_dim));
+      key_sketch_channels(v, center.data(), scale.data());
+    }
+    if (cache_generation != generation) n = 0;
+    generation = cache_generation;
+    if (n == v.n_tokens) return;
+    const size_t blocks = static_cast<size_t>((v.n_tokens + kSketchBlock - 1) / kSketchBlock);
+    if (offset.size() < blocks * kSketchBlock) {
+      const size_t cap = std::max(blocks, offset.size() / kSketchBlock * 3 / 2);
+      codes.resize(cap * key_sketch_block_bytes(v.head_dim));
+      offset.resize(cap * kSketchBlock);
+      step.resize(cap * kSketchBlock);
+    }
+    key_sketch_encode(v, n, v.n_tokens, center.data(), scale.data(), {codes.data(), offset.data(), step.data()});
+    if (with_values) {
+      if (n == 0) value_sum.assign(static_cast<size_t>(v.head_dim), 0.0);
+      std::vector<float> row(static_cast<size_t>(v.head_dim));
+      for (int t = n; t < v.n_tokens; ++t) {
+        convert_to_f32(v.value(t), v.dtype, row.data(), row.size());
+        for (int c = 0; c < v.head_dim; ++c) value_sum[c] += row[c];
+      }
+    }
+    n = v.n_tokens;
+  }
+};
+
+class SketchTopp final : public DecodeMethod {
+ public:
+  SketchTopp(const Shape& shape, const SketchToppOptions& o)
+      : shape_(shape), o_(o), sketch_(static_cast<size_t>(shape.n_layers)) {}
+  std::string name() const override { return "sketch_topp"; }
+
+  void on_prefill(int layer, const KvCache& kv, const DecodeContext& ctx) override {
+    CUMULUS_CHECK(layer >= 0 && layer < shape_.n_layers, "sketch_topp: layer={} out of range [0, {})", layer,
+                  shape_.n_layers);
+    auto& heads = sketch_[static_cast<size_t>(layer)];
+    heads.assign(static_cast<size_t>(shape_.n_kv_heads), HeadSketch{});
+    ctx.pool->parallel_for(shape_.n_kv_heads, [&](int64_t h, int) {
+      heads[static_cast<size_t>(h)].update(kv.view(layer, static_cast<int>(h)), kv.generation(layer), o_.rest_mean);
+    });
+  }
+
+  void decode(int layer, const float* q, const KvCache& kv, const DecodeContext& ctx, AttnOutput& out) override {
+    methods::attn_output_reset(shape_, out);
+    const int n = kv.n_tokens(layer);
+    const int g = shape_.group();
+    const int n_kv = shape_.n_kv_heads;
+    const bool dense = n <= o_.min_context || o_.p >= 1.0;
+    auto& heads = sketch_[static_cast<size_t>(layer)];
+    if (heads.empty()) heads.resize(static_cast<size_t>(n_kv));
+    scratch_.resize(std::max(scratch_.size(), static_cast<size_t>(n_kv)));
+    // 1-2, one task per kv head: each keeps its own sketch current and writes only its
+    // own union and scratch. A head the cost rule sends to dense attention lists every
+    // token.
+    ctx.pool->parallel_for(n_kv, [&](int64_t hh, int) {
+      const int h = static_cast<int>(hh);
+      Scratch& w = scratch_[static_cast<size_t>(h)];
+      w.dense = dense;
+      if (!dense) {
+        const PagedHeadView v = kv.view(layer, h);
+        HeadSketch& sk = heads[static_cast<size_t>(h)];
+        sk.update(v, kv.generation(layer), o_.rest_mean);
+        w.dense = !select_union(h, q, v, sk, w, out);
+        methods::add_kv_head_bytes(shape_, h, static_cast<double>(n) * key_sketch_token_bytes(shape_.head_dim), out);
+      }
+      if (w.dense) {
+        auto& t = out.selection.tokens[h];
+        t.resize(static_cast<size_t>(n));
+        for (int i = 0; i < n; ++i) t[i] = i;
+      }
+    });
+    // 3. Every head's union in one call of the sparse kernel (split over the context, so
+    // the threads share the rows however the heads differ).
+    lse_.resize(static_cast<size_t>(shape_.n_q_heads));
+    methods::attend_selection(kv, layer, q, *ctx.pool, out, lse_.data());
+    // 4. Claims, and more tokens for the heads that fall short.
+    for (int round = 1;; ++round) {
+      bool more = false;
+      for (int h = 0; h < n_kv; ++h) {
+        Scratch& w = scratch_[static_cast<size_t>(h)];
+        add_.selection.tokens.resize(static_cast<size_t>(n_kv));
+        add_.selection.tokens[h].clear();
+        if (w.dense) {
+          for (int j = 0; j < g; ++j) out.stats[h * g + j].mass_claimed = 1.0;
+          continue;
+        }
+        bool short_of_p = false;
+        for (int j = 0; j < g; ++j) {
+          const double a = std::exp(static_cast<double>(lse_[h * g + j]) - w.shift[j]);
+          const double total = a + std::max(0.0, w.est_sum[j] - w.est_union[j]);
+          out.stats[h * g + j].mass_claimed = std::min(1.0, a / total);
+          short_of_p = short_of_p || a < o_.p * total;
+        }
+        if (short_of_p) {
+          extend_union(h, round, out.selection.tokens[h], add_.selection.tokens[h], w);
+          more = more || !add_.selection.tokens[h].empty();
+        }
+      }
+      if (!more) break;
+      // The added tokens attended, then merged with what each head holds.
+      add_.out.assign(out.out.size(), 0.0f);
+      add_.stats.assign(out.stats.size(), StepStats{});
+      lse_add_.resize(lse_.size());
+      methods::attend_selection(kv, layer, q, *ctx.pool, add_, lse_add_.data());
+      for (int h = 0; h < n_kv; ++h) {
+        const auto& a = add_.selection.tokens[h];
+        if (a.empty()) continue;
+        auto& t = out.selection.tokens[h];
+        merged_.clear();
+        std::merge(t.begin(), t.end(), a.begin(), a.end(), std::back_inserter(merged_));
+        t.swap(merged_);
+        for (int j = 0; j < g; ++j) {
+          const int qh = h * g + j;
+          methods::merge_partial(lse_[qh], out.out.data() + static_cast<size_t>(qh) * shape_.head_dim, lse_add_[qh],
+                                 add_.out.data() + static_cast<size_t>(qh) * shape_.head_dim, shape_.head_dim);
+          out.stats[qh].tokens_attended = static_cast<int>(t.size());
+          out.stats[qh].bytes_read += add_.stats[qh].bytes_read;
+        }
+      }
+    }
+    // rest=mean: the tokens not read join the output with their estimated mass and the
+    // mean value row of the head, o = (A o_U + R vbar) / (A + R).
+    if (o_.rest_mean && !dense) {
+      const int d = shape_.head_dim;
+      for (int h = 0; h < n_kv; ++h) {
+        const Scratch& w = scratch_[static_cast<size_t>(h)];
+        if (w.dense) continue;
+        const HeadSketch& sk = heads[static_cast<size_t>(h)];
+        for (int j = 0; j < g; ++j) {
+          const int qh = h * g + j;
+          const double a = std::exp(static_cast<double>(lse_[qh]) - w.shift[j]);
+          const double rest = std::max(0.0, w.est_sum[j] - w.est_union[j]);
+          const double wa = a / (a + rest), wr = rest / (a + rest) / sk.n;
+          float* o = out.out.data() + static_cast<size_t>(qh) * d;
+          for (int c = 0; c < d; ++c) o[c] = static_cast<float>(wa * o[c] + wr * sk.value_sum[c]);
+        }
+      }
+    }
+  }
+
+ private:
+  struct Scratch {
+    bool dense = false;
+    std::vector<float> est;          // [g][n] sketch scores, then estimated weights e_jt
+    std::vector<float> key;          // [n] max_j e_jt / S_j; the sinks and recent tokens above any share
+    std::vector<double> shift;       // [g] c_j: weights are exp(scale score - c_j)
+    std::vector<double> est_sum;     // [g] S_j
+    std::vector<double> est_union;   // [g] sum over the union of e_jt
+    std::vector<double> need;        // [g]
+    std::vector<int32_t> wider;      // a round's union
+    double candidate_p = 0;          // the share the union was chosen at
+  };
+
+  // Steps 1-2 for kv head h: the union into out.selection.tokens[h]. Returns false when
+  // the cost rule sends the head to dense attention.
+  bool select_union(int h, const float* q_all, const PagedHeadView& v, const HeadSketch& sk, Scratch& w,
+                    AttnOutput& out) const {
+    const int g = shape_.group();
+    const int d = shape_.head_dim;
+    const float scale = attention_scale(d);
+    const float* q = q_all + static_cast<size_t>(h) * g * d;
+    const int n = v.n_tokens;
+    w.est.resize(static_cast<size_t>(g) * n);
+    w.key.assign(static_cast<size_t>(n), 0.0f);
+    w.shift.resize(static_cast<size_t>(g));
+    w.est_sum.resize(static_cast<size_t>(g));
+    w.est_union.resize(static_cast<size_t>(g));
+    w.need.resize(static_cast<size_t>(g));
+    std::vector<float> top(static_cast<size_t>(g));
+    cpu::key_sketch_score(sk.view(d), q, g, 0, n, w.est.data(), top.data());
+    for (int j = 0; j < g; ++j) {
+      float* e = w.est.data() + static_cast<size_t>(j) * n;
+      w.shift[j] = static_cast<double>(scale) * top[j];
+      w.est_sum[j] = cpu::score_exp(e, n, scale, static_cast<float>(w.shift[j]), e);
+      const float inv = static_cast<float>(1.0 / w.est_sum[j]);
+      float* key = w.key.data();
+      for (int i = 0; i < n; ++i) key[i] = std::max(key[i], e[i] * inv);
+    }
+    // The sinks and the recent tokens come first in the order (a share is at most 1).
+    const int lo = std::min(o_.sinks, n), hi = std::max(lo, n - o_.recent);
+    std::fill(w.key.begin(), w.key.begin() + lo, 2.0f);
+    std::fill(w.key.begin() + hi, w.key.end(), 2.0f);
+    w.candidate_p = o_.candidate_p;
+    auto& t = out.selection.tokens[h];
+    t.clear();
+    choose(w, g, n, w.candidate_p, t);
+    return static_cast<double>(t.size()) <= o_.dense_above * n;
+  }
+
+  // The smallest prefix of the key order at which every head's estimated share reaches
+  // cp, as ascending token ids into `t`; est_union gets the estimates' sums over it.
+  static void choose(Scratch& w, int g, int n, double cp, std::vector<int32_t>& t) {
+    for (int j = 0; j < g; ++j) w.need[j] = cp * w.est_sum[j];
+    const float kappa = cpu::select_mass_threshold(w.key.data(), w.est.data(), g, n, w.need.data(), w.est_union.data());
+    cpu::select_any_above(w.key.data(), 1, n, &kappa, 0, t);
+  }
+
+  // Step 4 for kv head h in `round` (1-based): the tokens to add to its union `have`.
+  void extend_union(int h, int round, const std::vector<int32_t>& have, std::vector<int32_t>& add, Scratch& w) const {
+    const int g = shape_.group();
+    const int n = static_cast<int>(w.key.size());
+    add.clear();
+    w.wider.clear();
+    if (round < kRounds) {
+      w.candidate_p = 1 - (1 - w.candidate_p) / 4;
+      choose(w, g, n, w.candidate_p, w.wider);
+    } else {  // the rest of the context: the head ends dense
+      w.wider.resize(static_cast<size_t>(n));
+      for (int i = 0; i < n; ++i) w.wider[i] = i;
+      std::fill(w.est_union.begin(), w.est_union.end(), 0.0);
+      for (int j = 0; j < g; ++j) w.est_union[j] = w.est_sum[j];
+    }
+    std::set_difference(w.wider.begin(), w.wider.end(), have.begin(), have.end(), std::back_inserter(add));
+    (void)h;
+  }
+
+  Shape shape_;
+  SketchToppOptions o_;
+  std::vector<std::vector<HeadSketch>> sketch_;  // [n_layers][n_kv_heads]
+  std::vector<Scratch> scratch_;                 // [n_kv_heads]
+  std::vector<float> lse_, lse_add_;             // [n_q_heads]
+  AttnOutput add_;                               // a round's added tokens, attended
+  std::vector<int32_t> merged_;
+};
+
+}  // namespace
+
+void register_sketch_topp(Registry& r) {
+  r.add({.name = "sketch_topp",
+         .kind = "decode",
+         .paper = "ours: top-p from a 4-bit key sketch (every token estimated, the group's union attended exactly, "
+                  "claims exact over what was read)",
+         .summary = "sinks + recent; union by 4-bit sketch estimate where every head reaches candidate_p; more tokens "
+                    "until every head's exact share reaches P",
+         .params = {{.name = "p",
+                     .type = ParamType::kDouble,
+                     .default_value = "0.9",
+                     .help = "target cumulative attention mass of every query head over the group's union, in (0, 1]",
+                     .min = 0.0,
+                     .max = 1.0,
+                     .min_exclusive = true},
+                    {.name = "candidate_p",
+                     .type = ParamType::kDouble,
+                     .default_value = "0.92",
+                     .help = "share of each head's estimated mass the union is chosen to hold (the margin over p "
+                             "absorbs the sketch's error)",
+                     .min = 0.0,
+                     .max = 1.0,
+                     .min_exclusive = true},
+                    {.name = "sinks",
+                     .type = ParamType::kInt,
+                     .default_value = "4",
+                     .help = "first tokens always attended",
+                     .min = 0,
+                     .max = 1 << 30},
+                    {.name = "recent",
+                     .type = ParamType::kInt,
+                     .default_value = "64",
+                     .help = "last tokens always attended",
+                     .min = 0,
+                     .max = 1 << 30},
+                    {.name = "min_context",
+                     .type = ParamType::kInt,
+                     .default_value = "1024",
+                     .help = "contexts of at most this many tokens attend densely (the selection would not pay)",
+                     .min = 0,
+                     .max = 1 << 30},
+                    {.name = "rest",
+                     .type = ParamType::kString,
+                     .default_value = "none",
+                     .help = "the tokens not read: none (left out, as every top-p method) or mean (their estimated "
+                             "mass times the head's mean value row joins the output)"},
+                    {.name = "dense_above",
+                     .type = ParamType::kDouble,
+                     .default_value = "0.5",
+                     .help = "a kv head whose union exceeds this share of its tokens attends densely",
+                     .min = 0.0,
+                     .max = 1.0}},
+         .make_decode = [](const Shape& s, const Params& p) {
+           SketchToppOptions o;
+           o.p = p.get_double("p");
+           o.candidate_p = p.get_double("candidate_p");
+           o.sinks = p.get_int("sinks");
+           o.recent = p.get_int("recent");
+           o.min_context = p.get_int("min_context");
+           o.dense_above = p.get_double("dense_above");
+           const std::string& rest = p.get_string("rest");
+           CUMULUS_CHECK(rest == "none" || rest == "mean", "method 'sketch_topp': parameter rest='{}' must be none or mean",
+                         rest);
+           o.rest_mean = rest == "mean";
+           return std::make_unique<SketchTopp>(s, o);
+         }});
+}
+
+}  // namespace cumulus
