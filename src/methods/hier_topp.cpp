@@ -384,7 +384,8 @@ void register_hier_topp(Registry& r) {
                          "method 'hier_topp': parameter rest='{}' must be estimate or bound", rest);
            o.rest_bound = rest == "bound";
            return std::make_unique<HierTopp>(s, o);
-         }});
+         },
+         .target_param = "p"});
 }
 
 }  // namespace cumulus

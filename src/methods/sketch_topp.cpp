@@ -363,7 +363,8 @@ void register_sketch_topp(Registry& r) {
                          rest);
            o.rest_mean = rest == "mean";
            return std::make_unique<SketchTopp>(s, o);
-         }});
+         },
+         .target_param = "p"});
 }
 
 }  // namespace cumulus

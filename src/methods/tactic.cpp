@@ -394,7 +394,8 @@ void register_tactic(Registry& r) {
            o.sinks = p.get_int("sinks");
            o.recent = p.get_int("recent");
            return std::make_unique<Tactic>(s, o);
-         }});
+         },
+         .target_param = "p"});
 }
 
 }  // namespace cumulus

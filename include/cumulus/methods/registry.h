@@ -49,6 +49,10 @@ struct MethodInfo {
   std::vector<ParamSpec> params;
   std::function<std::unique_ptr<DecodeMethod>(const Shape&, const Params&)> make_decode = nullptr;    // decode
   std::function<std::unique_ptr<PrefillMethod>(const Shape&, const Params&)> make_prefill = nullptr;  // prefill
+  // The parameter holding the attention mass the method targets ("p", PSA's "threshold");
+  // empty for methods that target none (fixed budgets). Evaluation reports "reached P"
+  // against it.
+  std::string target_param = {};
 };
 
 class Registry {

@@ -23,6 +23,7 @@
 
 #include "core/check.h"
 #include "cumulus/kernels/sketch.h"
+#include "kernels/cpu/prefetch.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace cumulus::cpu::HWY_NAMESPACE {
@@ -45,128 +46,204 @@ CUMULUS_SKETCH_ATTR HWY_INLINE __m512i sketch_dpbusd(__m512i acc, __m512i u8, __
 #define CUMULUS_SKETCH_ATTR
 #endif
 
-// The integer dot products q8_j . u_t of the 16 tokens of one block for queries [0, G):
-// dot[j][16].
-template <int G>
-CUMULUS_SKETCH_ATTR HWY_INLINE void sketch_block_dots(const uint8_t* HWY_RESTRICT block, int n_chunks, const int32_t* HWY_RESTRICT qlo,
-                                  const int32_t* HWY_RESTRICT qhi, float* HWY_RESTRICT dot) {
+// The integer dot products q8_j . u_t of B consecutive blocks of 16 tokens for a tile of G
+// queries, as float: dot[b][j][16]. qw[(c * G + j) * 2 + h]: q8 of dims 8c + 4h .. 8c + 4h + 3
+// of query j as one int32 (byte i = dim 8c + 4h + i).
+template <int G, int B>
+CUMULUS_SKETCH_ATTR HWY_INLINE void sketch_block_dots(const uint8_t* HWY_RESTRICT block, size_t block_bytes,
+                                                      int n_chunks, const int32_t* HWY_RESTRICT qw,
+                                                      float* HWY_RESTRICT dot) {
 #if HWY_TARGET == HWY_AVX3_DL
-  // qlo[j * n_chunks + c]: q8 of dims 8c..8c+3 of query j as one int32 (byte b = dim 8c+b);
-  // qhi: dims 8c+4..8c+7.
-  const hn::Full512<int32_t> di;
-  const hn::Full512<uint8_t> du8;
-  const hn::Full512<float> df;
-  const auto low4 = hn::Set(du8, 0x0F);
-  hn::Vec<decltype(di)> acc[G];
-  for (int j = 0; j < G; ++j) acc[j] = hn::Zero(di);
+  // Two accumulators per block and query (low and high nibbles): 2 B G independent
+  // dpbusd chains, since its latency is several cycles (one chain per query left the unit
+  // idle part of the time).
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512i acc[B][G][2];
+#pragma GCC unroll 8
+  for (int b = 0; b < B; ++b)
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) acc[b][j][0] = acc[b][j][1] = _mm512_setzero_si512();
   for (int c = 0; c < n_chunks; ++c) {
-    const auto v = hn::LoadU(du8, block + static_cast<size_t>(c) * 64);
-    const auto lo = hn::And(v, low4);
-    // x86 has no 8-bit shift: shift 16-bit lanes, then keep each byte's low nibble.
-    const auto hi = hn::And(hn::BitCast(du8, hn::ShiftRight<4>(hn::BitCast(hn::Full512<uint16_t>(), v))), low4);
+    __m512i lo[B], hi[B];
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) {
+      const __m512i v = _mm512_loadu_si512(block + b * block_bytes + static_cast<size_t>(c) * 64);
+      lo[b] = _mm512_and_si512(v, low4);
+      // x86 has no 8-bit shift: shift 16-bit lanes, then keep each byte's low nibble.
+      hi[b] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    const int32_t* q = qw + static_cast<size_t>(c) * G * 2;
+#pragma GCC unroll 8
     for (int j = 0; j < G; ++j) {
-      acc[j].raw = sketch_dpbusd(acc[j].raw, lo.raw, _mm512_set1_epi32(qlo[j * n_chunks + c]));
-      acc[j].raw = sketch_dpbusd(acc[j].raw, hi.raw, _mm512_set1_epi32(qhi[j * n_chunks + c]));
+      const __m512i ql = _mm512_set1_epi32(q[2 * j]), qh = _mm512_set1_epi32(q[2 * j + 1]);
+#pragma GCC unroll 8
+      for (int b = 0; b < B; ++b) {
+        acc[b][j][0] = sketch_dpbusd(acc[b][j][0], lo[b], ql);
+        acc[b][j][1] = sketch_dpbusd(acc[b][j][1], hi[b], qh);
+      }
     }
   }
-  for (int j = 0; j < G; ++j) hn::StoreU(hn::ConvertTo(df, acc[j]), df, dot + j * kSketchBlock);
+#pragma GCC unroll 8
+  for (int b = 0; b < B; ++b)
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j)
+      _mm512_storeu_ps(dot + (b * G + j) * kSketchBlock,
+                       _mm512_cvtepi32_ps(_mm512_add_epi32(acc[b][j][0], acc[b][j][1])));
 #else
-  // q8 as float: qlo/qhi reinterpreted, 4 int8 each. Lanes of N tokens, 16 / N parts.
+  // q8 as float (exact: the sums stay below 2^24). Lanes of N tokens, 16 / N parts.
   const hn::ScalableTag<uint32_t> du;
   const hn::Rebind<float, decltype(du)> df;
   const hn::Rebind<int32_t, decltype(du)> di;
   const size_t N = hn::Lanes(du);
   const auto low4 = hn::Set(du, 0x0Fu);
-  for (size_t part = 0; part < static_cast<size_t>(kSketchBlock); part += N) {
-    hn::Vec<decltype(df)> acc[G];
-    for (int j = 0; j < G; ++j) acc[j] = hn::Zero(df);
-    for (int c = 0; c < n_chunks; ++c) {
-      const auto v = hn::LoadU(du, reinterpret_cast<const uint32_t*>(block + static_cast<size_t>(c) * 64) + part);
-      for (int b = 0; b < 8; ++b) {
-        // Dim 8c + b: byte b % 4 of the lane, low nibble for b < 4.
-        const int shift = 8 * (b % 4) + 4 * (b / 4);
-        const auto u = hn::ConvertTo(df, hn::BitCast(di, hn::And(hn::ShiftRightSame(v, shift), low4)));
-        for (int j = 0; j < G; ++j) {
-          const int32_t word = (b < 4 ? qlo : qhi)[j * n_chunks + c];
-          const auto q = static_cast<float>(static_cast<int8_t>(static_cast<uint32_t>(word) >> (8 * (b % 4))));
-          acc[j] = hn::MulAdd(u, hn::Set(df, q), acc[j]);
+  for (int b = 0; b < B; ++b) {
+    for (size_t part = 0; part < static_cast<size_t>(kSketchBlock); part += N) {
+      hn::Vec<decltype(df)> acc[G];
+      for (int j = 0; j < G; ++j) acc[j] = hn::Zero(df);
+      for (int c = 0; c < n_chunks; ++c) {
+        const auto v = hn::LoadU(
+            du, reinterpret_cast<const uint32_t*>(block + b * block_bytes + static_cast<size_t>(c) * 64) + part);
+        const int32_t* q = qw + static_cast<size_t>(c) * G * 2;
+        for (int i = 0; i < 8; ++i) {
+          // Dim 8c + i: byte i % 4 of the lane, low nibble for i < 4.
+          const int shift = 8 * (i % 4) + 4 * (i / 4);
+          const auto u = hn::ConvertTo(df, hn::BitCast(di, hn::And(hn::ShiftRightSame(v, shift), low4)));
+          for (int j = 0; j < G; ++j) {
+            const int32_t word = q[2 * j + i / 4];
+            const auto qv = static_cast<float>(static_cast<int8_t>(static_cast<uint32_t>(word) >> (8 * (i % 4))));
+            acc[j] = hn::MulAdd(u, hn::Set(df, qv), acc[j]);
+          }
         }
       }
+      for (int j = 0; j < G; ++j) hn::StoreU(acc[j], df, dot + (b * G + j) * kSketchBlock + part);
     }
-    for (int j = 0; j < G; ++j) hn::StoreU(acc[j], df, dot + j * kSketchBlock + part);
   }
 #endif
 }
 
-CUMULUS_SKETCH_ATTR void key_sketch_score_impl(const KeySketchView& s, const float* q, int n_q, int t0, int t1, float* scores,
-                                               float* top) {
-  const int d = s.head_dim;
-  const int n_chunks = d / 8;
-  const int n = t1 - t0;
-  const size_t block_bytes = key_sketch_block_bytes(d);
-  // Per query: the int8 query as packed words, and the affine terms.
-  thread_local std::vector<int32_t> qlo, qhi;
-  thread_local std::vector<int8_t> q8;
-  thread_local std::vector<SketchQuery> sq;
-  qlo.resize(static_cast<size_t>(n_q) * n_chunks);
-  qhi.resize(qlo.size());
-  q8.resize(static_cast<size_t>(d));
-  sq.resize(static_cast<size_t>(n_q));
-  for (int j = 0; j < n_q; ++j) {
-    sq[j] = key_sketch_quantize_query(s, q + static_cast<size_t>(j) * d, q8.data());
-    for (int c = 0; c < n_chunks; ++c) {
-      std::memcpy(&qlo[static_cast<size_t>(j) * n_chunks + c], q8.data() + 8 * c, 4);
-      std::memcpy(&qhi[static_cast<size_t>(j) * n_chunks + c], q8.data() + 8 * c + 4, 4);
-    }
-  }
+// Estimates of every token of [t0, t1) for a tile of G queries (sq, qw: the tile's).
+// scores: [G][stride], token t at t - t0; top: [G] largest estimate over the range.
+template <int G>
+CUMULUS_SKETCH_ATTR void sketch_tile(const KeySketchView& s, const SketchQuery* sq, const int32_t* qw, int t0, int t1,
+                                     float* scores, size_t stride, float* top) {
   const hn::ScalableTag<float> df;
   const hn::Rebind<hwy::float16_t, decltype(df)> dh;
   const size_t N = hn::Lanes(df);
-  HWY_ALIGN float dot[kSketchTile * kSketchBlock];
+  const int n_chunks = s.head_dim / 8;
+  const size_t block_bytes = key_sketch_block_bytes(s.head_dim);
+  constexpr int kB = 1;  // blocks per step (two interleaved streams defeated the hardware prefetcher)
+  HWY_ALIGN float dot[kB * G * kSketchBlock];
   HWY_ALIGN float est[kSketchBlock];
-  // Each query's largest estimate, over the valid lanes (a partial last block's padding
-  // lanes are masked out).
-  thread_local std::vector<float> best;  // [n_q][N]
-  best.assign(static_cast<size_t>(n_q) * N, -std::numeric_limits<float>::infinity());
-  for (int t = t0; t < t1; t += kSketchBlock) {
-    const uint8_t* block = s.codes + static_cast<size_t>(t / kSketchBlock) * block_bytes;
-    const int len = std::min(kSketchBlock, t1 - t);
-    for (int j0 = 0; j0 < n_q; j0 += kSketchTile) {
-      const int G = std::min(kSketchTile, n_q - j0);
-      const int32_t* lo = qlo.data() + static_cast<size_t>(j0) * n_chunks;
-      const int32_t* hi = qhi.data() + static_cast<size_t>(j0) * n_chunks;
-      switch (G) {
-        case 8: sketch_block_dots<8>(block, n_chunks, lo, hi, dot); break;
-        case 7: sketch_block_dots<7>(block, n_chunks, lo, hi, dot); break;
-        case 6: sketch_block_dots<6>(block, n_chunks, lo, hi, dot); break;
-        case 5: sketch_block_dots<5>(block, n_chunks, lo, hi, dot); break;
-        case 4: sketch_block_dots<4>(block, n_chunks, lo, hi, dot); break;
-        case 3: sketch_block_dots<3>(block, n_chunks, lo, hi, dot); break;
-        case 2: sketch_block_dots<2>(block, n_chunks, lo, hi, dot); break;
-        default: sketch_block_dots<1>(block, n_chunks, lo, hi, dot); break;
-      }
+  // The affine terms and the running maxima stay in memory: held in registers across the
+  // dot-product loop they pushed its accumulators out to the stack.
+  float base[G], qsum[G], qstep[G];
+  HWY_ALIGN float best[G * hn::MaxLanes(df)];
+  for (int j = 0; j < G; ++j) {
+    base[j] = static_cast<float>(sq[j].base);
+    qsum[j] = static_cast<float>(sq[j].qsum);
+    qstep[j] = static_cast<float>(sq[j].qstep);
+    hn::Store(hn::Set(df, -std::numeric_limits<float>::infinity()), df, best + j * N);
+  }
+  // est = base + offset qsum + step qstep dot for B blocks from token t (len valid tokens).
+  auto finish = [&](int t, int nb, int len) HWY_ATTR {
+    for (int b = 0; b < nb; ++b) {
+      const int tb = t + b * kSketchBlock;
+      const int valid = std::min(kSketchBlock, len - b * kSketchBlock);
       for (int j = 0; j < G; ++j) {
-        const SketchQuery& a = sq[j0 + j];
-        const auto base = hn::Set(df, static_cast<float>(a.base));
-        const auto qsum = hn::Set(df, static_cast<float>(a.qsum));
-        const auto qstep = hn::Set(df, static_cast<float>(a.qstep));
+        float* out = scores + static_cast<size_t>(j) * stride + (tb - t0);
         for (size_t i = 0; i < static_cast<size_t>(kSketchBlock); i += N) {
-          const auto off = hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(s.offset + t + i)));
-          const auto stp = hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(s.step + t + i)));
-          const auto e = hn::MulAdd(hn::Mul(stp, qstep), hn::LoadU(df, dot + j * kSketchBlock + i),
-                                    hn::MulAdd(off, qsum, base));
-          hn::StoreU(e, df, est + i);
-          const size_t valid = i < static_cast<size_t>(len) ? static_cast<size_t>(len) - i : 0;
-          float* bj = best.data() + static_cast<size_t>(j0 + j) * N;
-          const auto b = hn::LoadU(df, bj);
-          hn::StoreU(hn::Max(b, hn::IfThenElse(hn::FirstN(df, valid), e, b)), df, bj);
+          const auto off = hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(s.offset + tb + i)));
+          const auto stp = hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(s.step + tb + i)));
+          const auto e =
+              hn::MulAdd(hn::Mul(stp, hn::Set(df, qstep[j])), hn::LoadU(df, dot + (b * G + j) * kSketchBlock + i),
+                         hn::MulAdd(off, hn::Set(df, qsum[j]), hn::Set(df, base[j])));
+          const auto bj = hn::Load(df, best + j * N);
+          if (valid == kSketchBlock) {
+            hn::StoreU(e, df, out + i);
+            hn::Store(hn::Max(bj, e), df, best + j * N);
+          } else {
+            const size_t v = static_cast<size_t>(valid) > i ? static_cast<size_t>(valid) - i : 0;
+            hn::StoreU(e, df, est + i);
+            hn::Store(hn::Max(bj, hn::IfThenElse(hn::FirstN(df, v), e, bj)), df, best + j * N);
+          }
         }
-        std::memcpy(scores + static_cast<size_t>(j0 + j) * n + (t - t0), est, sizeof(float) * static_cast<size_t>(len));
+        if (valid < kSketchBlock) std::memcpy(out, est, sizeof(float) * static_cast<size_t>(valid));
+      }
+    }
+  };
+  // The codes kAhead blocks on, into L2 (prefetch.h): the dot products keep the core busy
+  // enough that the hardware prefetcher alone let the scan fall to a third of the
+  // bandwidth a plain read reaches.
+  constexpr int kAhead = 8;
+  auto prefetch = [&](int t_next) {
+    if (t_next >= t1) return;
+    const char* p = reinterpret_cast<const char*>(s.codes + static_cast<size_t>(t_next / kSketchBlock) * block_bytes);
+    for (size_t off = 0; off < block_bytes; off += 64) prefetch_l2(p + off);
+    if ((t_next / kSketchBlock) % 2 == 0) {  // 32 tokens of offsets and steps: one line each
+      prefetch_l2(s.offset + t_next);
+      prefetch_l2(s.step + t_next);
+    }
+  };
+  int t = t0;
+  for (int b = 0; b < kAhead; ++b) prefetch(t0 + b * kSketchBlock);
+  for (; t + kB * kSketchBlock <= t1; t += kB * kSketchBlock) {
+    for (int b = 0; b < kB; ++b) prefetch(t + (kAhead + b) * kSketchBlock);
+    sketch_block_dots<G, kB>(s.codes + static_cast<size_t>(t / kSketchBlock) * block_bytes, block_bytes, n_chunks, qw,
+                             dot);
+    finish(t, kB, kB * kSketchBlock);
+  }
+  for (; t < t1; t += kSketchBlock) {
+    sketch_block_dots<G, 1>(s.codes + static_cast<size_t>(t / kSketchBlock) * block_bytes, block_bytes, n_chunks, qw,
+                            dot);
+    finish(t, 1, std::min(kSketchBlock, t1 - t));
+  }
+  for (int j = 0; j < G; ++j) top[j] = hn::GetLane(hn::MaxOfLanes(df, hn::Load(df, best + j * N)));
+}
+
+CUMULUS_SKETCH_ATTR void key_sketch_score_impl(const KeySketchView& s, const float* q, int n_q, int t0, int t1,
+                                               float* scores, float* top) {
+  const int d = s.head_dim;
+  const int n_chunks = d / 8;
+  const size_t n = static_cast<size_t>(t1 - t0);
+  // Per query: the int8 query as packed words, tile by tile ([c][j][lo, hi] within a
+  // tile), and the affine terms.
+  thread_local std::vector<int32_t> qw;
+  thread_local std::vector<int8_t> q8;
+  thread_local std::vector<SketchQuery> sq;
+  thread_local std::vector<float> tops;
+  qw.resize(static_cast<size_t>(n_q) * n_chunks * 2);
+  q8.resize(static_cast<size_t>(d));
+  sq.resize(static_cast<size_t>(n_q));
+  tops.resize(static_cast<size_t>(n_q));
+  for (int j0 = 0; j0 < n_q; j0 += kSketchTile) {
+    const int G = std::min(kSketchTile, n_q - j0);
+    int32_t* w = qw.data() + static_cast<size_t>(j0) * n_chunks * 2;
+    for (int j = 0; j < G; ++j) {
+      sq[j0 + j] = key_sketch_quantize_query(s, q + static_cast<size_t>(j0 + j) * d, q8.data());
+      for (int c = 0; c < n_chunks; ++c) {
+        std::memcpy(&w[(static_cast<size_t>(c) * G + j) * 2], q8.data() + 8 * c, 4);
+        std::memcpy(&w[(static_cast<size_t>(c) * G + j) * 2 + 1], q8.data() + 8 * c + 4, 4);
       }
     }
   }
-  if (top != nullptr)
-    for (int j = 0; j < n_q; ++j) top[j] = hn::GetLane(hn::MaxOfLanes(df, hn::LoadU(df, best.data() + static_cast<size_t>(j) * N)));
+  for (int j0 = 0; j0 < n_q; j0 += kSketchTile) {
+    const int G = std::min(kSketchTile, n_q - j0);
+    const int32_t* w = qw.data() + static_cast<size_t>(j0) * n_chunks * 2;
+    float* out = scores + static_cast<size_t>(j0) * n;
+    const SketchQuery* a = sq.data() + j0;
+    float* tp = tops.data() + j0;
+    switch (G) {
+      case 8: sketch_tile<8>(s, a, w, t0, t1, out, n, tp); break;
+      case 7: sketch_tile<7>(s, a, w, t0, t1, out, n, tp); break;
+      case 6: sketch_tile<6>(s, a, w, t0, t1, out, n, tp); break;
+      case 5: sketch_tile<5>(s, a, w, t0, t1, out, n, tp); break;
+      case 4: sketch_tile<4>(s, a, w, t0, t1, out, n, tp); break;
+      case 3: sketch_tile<3>(s, a, w, t0, t1, out, n, tp); break;
+      case 2: sketch_tile<2>(s, a, w, t0, t1, out, n, tp); break;
+      default: sketch_tile<1>(s, a, w, t0, t1, out, n, tp); break;
+    }
+  }
+  if (top != nullptr) std::copy(tops.begin(), tops.end(), top);
 }
 
 }  // namespace cumulus::cpu::HWY_NAMESPACE

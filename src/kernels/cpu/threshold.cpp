@@ -41,9 +41,10 @@ HWY_INLINE auto threshold_bad(D d, hn::Vec<D> x) {
 // within about 1e-7 of its total (float32 throughout drifted by 1e-6 at 40K entries).
 constexpr size_t kChunk = 16;
 
+// sum[j] = sum over i with key[i] >= k of rows[j][i], for R rows of n entries.
 template <int R>
-HWY_INLINE void threshold_sums(const float* HWY_RESTRICT key, const float* HWY_RESTRICT w, size_t stride, int r0,
-                               size_t n, float k, double* sum) {
+HWY_INLINE void threshold_sums(const float* HWY_RESTRICT key, const float* const* rows, size_t n, float k,
+                               double* sum) {
   const hn::ScalableTag<float> d;
   const size_t N = hn::Lanes(d);
   const auto vk = hn::Set(d, k);
@@ -55,44 +56,40 @@ HWY_INLINE void threshold_sums(const float* HWY_RESTRICT key, const float* HWY_R
     const size_t end = std::min(n - n % N, i + kChunk * N);
     for (; i < end; i += N) {
       const auto m = hn::Ge(hn::LoadU(d, key + i), vk);
-      for (int j = 0; j < R; ++j)
-        acc[j] = hn::Add(acc[j], hn::IfThenElseZero(m, hn::LoadU(d, w + static_cast<size_t>(r0 + j) * stride + i)));
+      for (int j = 0; j < R; ++j) acc[j] = hn::Add(acc[j], hn::IfThenElseZero(m, hn::LoadU(d, rows[j] + i)));
     }
     for (int j = 0; j < R; ++j) total[j] += hn::GetLane(hn::SumOfLanes(d, acc[j]));
   }
   for (int j = 0; j < R; ++j) {
     double s = total[j];
     for (size_t t = i; t < n; ++t)
-      if (key[t] >= k) s += w[static_cast<size_t>(r0 + j) * stride + t];
+      if (key[t] >= k) s += rows[j][t];
     sum[j] = s;
   }
 }
 
-// Every row's sum over the keys >= k (rows [n_rows][stride], n entries) into sums, plus base.
-void threshold_all_sums(const float* key, const float* w, size_t stride, int n_rows, size_t n, float k,
-                        const double* base, double* sums) {
+// The same for any number of rows, in tiles of up to kMaxRows (one pass over the keys each).
+void threshold_row_sums(const float* key, const float* const* rows, int n_rows, size_t n, float k, double* sums) {
   for (int r0 = 0; r0 < n_rows; r0 += kMaxRows) {
+    const float* const* rp = rows + r0;
     double* sum = sums + r0;
-    const int R = std::min(kMaxRows, n_rows - r0);
-    switch (R) {
-      case 1: threshold_sums<1>(key, w, stride, r0, n, k, sum); break;
-      case 2: threshold_sums<2>(key, w, stride, r0, n, k, sum); break;
-      case 3: threshold_sums<3>(key, w, stride, r0, n, k, sum); break;
-      case 4: threshold_sums<4>(key, w, stride, r0, n, k, sum); break;
-      case 5: threshold_sums<5>(key, w, stride, r0, n, k, sum); break;
-      case 6: threshold_sums<6>(key, w, stride, r0, n, k, sum); break;
-      case 7: threshold_sums<7>(key, w, stride, r0, n, k, sum); break;
-      default: threshold_sums<8>(key, w, stride, r0, n, k, sum); break;
+    switch (std::min(kMaxRows, n_rows - r0)) {
+      case 1: threshold_sums<1>(key, rp, n, k, sum); break;
+      case 2: threshold_sums<2>(key, rp, n, k, sum); break;
+      case 3: threshold_sums<3>(key, rp, n, k, sum); break;
+      case 4: threshold_sums<4>(key, rp, n, k, sum); break;
+      case 5: threshold_sums<5>(key, rp, n, k, sum); break;
+      case 6: threshold_sums<6>(key, rp, n, k, sum); break;
+      case 7: threshold_sums<7>(key, rp, n, k, sum); break;
+      default: threshold_sums<8>(key, rp, n, k, sum); break;
     }
-    for (int j = 0; j < R; ++j) sum[j] += base[r0 + j];
   }
 }
 
-// One pass over the list: the entries with key in [lo, hi) copied to band_key [m] and
-// band_w [n_rows][n] (m of them, returned), and every row's sum over the keys >= hi added
-// to above. Rows are read in tiles of up to kMaxRows, each tile one pass over the keys.
-size_t threshold_band(const float* key, const float* w, int n_rows, size_t n, float lo, float hi, float* band_key,
-                      float* band_w, double* above) {
+// One pass per tile of rows: the entries with key in [lo, hi) copied to band_key [m] and
+// band[j] [m] (m of them, returned), and each row's sum over the keys >= hi added to above.
+size_t threshold_band(const float* key, const float* const* rows, int n_rows, size_t n, float lo, float hi,
+                      float* band_key, float* const* band, double* above) {
   const hn::ScalableTag<float> d;
   const size_t N = hn::Lanes(d);
   const auto vlo = hn::Set(d, lo), vhi = hn::Set(d, hi);
@@ -114,19 +111,19 @@ size_t threshold_band(const float* key, const float* w, int n_rows, size_t n, fl
       // on some CPUs (Zen 4). Each array has N lanes of slack for the whole-vector store.
       if (r0 == 0) hn::StoreU(hn::Compress(k, in), d, band_key + m);
       for (int j = 0; j < R; ++j) {
-        const auto x = hn::LoadU(d, w + static_cast<size_t>(r0 + j) * n + i);
+        const auto x = hn::LoadU(d, rows[r0 + j] + i);
         acc[j] = hn::Add(acc[j], hn::IfThenElseZero(up, x));
-        hn::StoreU(hn::Compress(x, in), d, band_w + static_cast<size_t>(r0 + j) * n + m);
+        hn::StoreU(hn::Compress(x, in), d, band[r0 + j] + m);
       }
       m += hn::CountTrue(d, in);
     }
     for (int j = 0; j < R; ++j) above[r0 + j] += hn::GetLane(hn::SumOfLanes(d, acc[j]));
     for (size_t t = i; t < n; ++t) {
       if (key[t] >= hi) {
-        for (int j = 0; j < R; ++j) above[r0 + j] += w[static_cast<size_t>(r0 + j) * n + t];
+        for (int j = 0; j < R; ++j) above[r0 + j] += rows[r0 + j][t];
       } else if (key[t] >= lo) {
         if (r0 == 0) band_key[m] = key[t];
-        for (int j = 0; j < R; ++j) band_w[static_cast<size_t>(r0 + j) * n + m] = w[static_cast<size_t>(r0 + j) * n + t];
+        for (int j = 0; j < R; ++j) band[r0 + j][m] = rows[r0 + j][t];
         ++m;
       }
     }
@@ -140,14 +137,10 @@ float select_mass_threshold_impl(const float* key, const float* w, int n_rows, i
   const size_t N = hn::Lanes(d);
   const size_t rows = static_cast<size_t>(n_rows);
   const size_t nn = static_cast<size_t>(n);
-  thread_local std::vector<double> base, trial, best;  // [n_rows]
-  base.assign(rows, 0.0);
-  trial.assign(rows, 0.0);
-  best.resize(rows);
-  // Pass 0: checks, the largest key, and every row's total (into trial).
+  // Pass 0: the keys checked, their largest.
   auto vmax = hn::Zero(d);
-  size_t i = 0;
   auto bad = hn::FirstN(d, 0);
+  size_t i = 0;
   for (; i + N <= nn; i += N) {
     const auto k = hn::LoadU(d, key + i);
     bad = hn::Or(bad, threshold_bad(d, k));
@@ -164,39 +157,85 @@ float select_mass_threshold_impl(const float* key, const float* w, int n_rows, i
       CUMULUS_CHECK(std::isfinite(key[t]) && key[t] >= 0, "select_mass_threshold: key[{}]={} must be finite and >= 0",
                     t, key[t]);
   }
+  // Pass 1: the weights checked, each row's total.
+  thread_local std::vector<double> total, base, sums;  // [n_rows]
+  thread_local std::vector<const float*> row_of;       // [n_rows] the rows still deciding
+  thread_local std::vector<int> id_of;                  // [n_rows] their row numbers
+  total.assign(rows, 0.0);
   bad = hn::FirstN(d, 0);
-  for (i = 0; i + N <= rows * nn; i += N) bad = hn::Or(bad, threshold_bad(d, hn::LoadU(d, w + i)));
-  for (; i < rows * nn; ++i) any_bad = any_bad || !(w[i] >= 0 && w[i] <= std::numeric_limits<float>::max());
+  for (size_t j = 0; j < rows; ++j) {
+    const float* x = w + j * nn;
+    double t = 0;
+    for (i = 0; i + N <= nn;) {
+      auto acc = hn::Zero(d);
+      const size_t end = std::min(nn - nn % N, i + kChunk * N);
+      for (; i < end; i += N) {
+        const auto v = hn::LoadU(d, x + i);
+        bad = hn::Or(bad, threshold_bad(d, v));
+        acc = hn::Add(acc, v);
+      }
+      t += hn::GetLane(hn::SumOfLanes(d, acc));
+    }
+    for (; i < nn; ++i) {
+      any_bad = any_bad || !(x[i] >= 0 && x[i] <= std::numeric_limits<float>::max());
+      t += x[i];
+    }
+    total[j] = t;
+  }
   any_bad = any_bad || !hn::AllFalse(d, bad);
   if (any_bad) {
     for (size_t t = 0; t < rows * nn; ++t)
       CUMULUS_CHECK(std::isfinite(w[t]) && w[t] >= 0, "select_mass_threshold: w[{}]={} must be finite and >= 0", t,
                     w[t]);
   }
-  threshold_all_sums(key, w, nn, n_rows, nn, 0.0f, base.data(), trial.data());  // the totals
-  auto done = [&](float k, const std::vector<double>& sums) {
-    if (sum_at != nullptr) std::copy(sums.begin(), sums.end(), sum_at);
+  // Every row's sum over the keys >= k, on the whole list (what sum_at reports).
+  auto answer = [&](float k) {
+    if (sum_at == nullptr) return k;
+    if (k == std::numeric_limits<float>::infinity()) {
+      std::fill(sum_at, sum_at + n_rows, 0.0);
+    } else if (k <= 0.0f) {  // every key (-inf: the list falls short)
+      std::copy(total.begin(), total.end(), sum_at);
+    } else {
+      row_of.resize(rows);
+      for (size_t j = 0; j < rows; ++j) row_of[j] = w + j * nn;
+      threshold_row_sums(key, row_of.data(), n_rows, nn, k, sum_at);
+    }
     return k;
   };
-  bool any_need = false, all_reach = true;
-  for (int j = 0; j < n_rows; ++j) {
-    any_need = any_need || need[j] > 0;
-    all_reach = all_reach && trial[j] >= need[j];
-  }
-  if (!any_need) return done(std::numeric_limits<float>::infinity(), base);
-  if (!all_reach) return done(-std::numeric_limits<float>::infinity(), trial);  // the totals
-  best = trial;
-  if (kmax <= 0) return done(0.0f, best);
-  // The current list (the whole, then a band of it) and the sums of what lies above it.
+  for (int j = 0; j < n_rows; ++j)
+    if (total[j] < need[j]) return answer(-std::numeric_limits<float>::infinity());  // sum_at: the totals
+  bool any_need = false;
+  for (int j = 0; j < n_rows; ++j) any_need = any_need || need[j] > 0;
+  if (!any_need) return answer(std::numeric_limits<float>::infinity());
+  if (kmax <= 0) return answer(0.0f);
+  // The list the passes read: every row of the whole list, then of the band (with what
+  // lies above the band summed into base). Only the deciding rows are summed in a pass: a
+  // row that reaches its need at a k where another does not stops deciding (the answer
+  // lies below k, where it reaches its need too); usually one or two of a group decide.
+  // Rows that need nothing never decide.
   const float* ck = key;
-  const float* cw = w;
   size_t cn = nn;
+  row_of.resize(rows);
+  for (size_t j = 0; j < rows; ++j) row_of[j] = w + j * nn;
+  id_of.clear();
+  for (int j = 0; j < n_rows; ++j)
+    if (need[j] > 0) id_of.push_back(j);
+  base.assign(rows, 0.0);
+  sums.resize(rows);
+  thread_local std::vector<const float*> deciding;
   auto reached = [&](float k) {
-    threshold_all_sums(ck, cw, nn, n_rows, cn, k, base.data(), trial.data());
-    for (int j = 0; j < n_rows; ++j)
-      if (trial[j] < need[j]) return false;
-    best = trial;
-    return true;
+    const int a = static_cast<int>(id_of.size());
+    deciding.resize(static_cast<size_t>(a));
+    for (int j = 0; j < a; ++j) deciding[j] = row_of[id_of[j]];
+    threshold_row_sums(ck, deciding.data(), a, cn, k, sums.data());
+    bool all = true;
+    for (int j = 0; j < a; ++j) all = all && sums[j] + base[id_of[j]] >= need[id_of[j]];
+    if (all) return true;
+    int kept = 0;
+    for (int j = 0; j < a; ++j)
+      if (sums[j] + base[id_of[j]] < need[id_of[j]]) id_of[kept++] = id_of[j];
+    id_of.resize(static_cast<size_t>(kept));
+    return false;
   };
   // Bisection of the exponent e (threshold kmax 2^e) in [lo, hi] = [-32, 0], assuming
   // reach at lo and none at hi; both ends are checked only if the answer lands there:
@@ -205,17 +244,20 @@ float select_mass_threshold_impl(const float* key, const float* w, int n_rows, i
   constexpr float kLo = -32;
   float lo = kLo, hi = 0;
   // Halve on the whole list until the bracket is 4 octaves wide, then keep only the band
-  // [kmax 2^lo, kmax 2^hi) (what lies above it is summed into base) and halve on it.
+  // [kmax 2^lo, kmax 2^hi) and halve on it.
   thread_local std::vector<float> band_key, band_w;
+  thread_local std::vector<float*> band_rows;
   bool banded = false;
   while (hi - lo > 1.0f / 64) {
     if (!banded && hi - lo <= 4) {
       band_key.resize(nn + N);
-      band_w.resize(rows * nn + N);
-      cn = threshold_band(key, w, n_rows, nn, kmax * std::exp2(lo), kmax * std::exp2(hi), band_key.data(),
-                          band_w.data(), base.data());
+      band_w.resize(rows * (nn + N));
+      band_rows.resize(rows);
+      for (size_t j = 0; j < rows; ++j) band_rows[j] = band_w.data() + j * (nn + N);
+      cn = threshold_band(key, row_of.data(), n_rows, nn, kmax * std::exp2(lo), kmax * std::exp2(hi), band_key.data(),
+                          band_rows.data(), base.data());
       ck = band_key.data();
-      cw = band_w.data();
+      for (size_t j = 0; j < rows; ++j) row_of[j] = band_rows[j];
       banded = true;
     }
     const float mid = 0.5f * (lo + hi);
@@ -225,16 +267,14 @@ float select_mass_threshold_impl(const float* key, const float* w, int n_rows, i
       hi = mid;
     }
   }
-  if (lo == kLo) {  // never reached inside the bracket: check its low end on the whole list
-    ck = key, cw = w, cn = nn;
-    std::fill(base.begin(), base.end(), 0.0);
-    if (!reached(kmax * std::exp2(kLo))) {
-      // Only with the keys below kmax 2^-32: take every key (the totals).
-      threshold_all_sums(key, w, nn, n_rows, nn, 0.0f, base.data(), best.data());
-      return done(0.0f, best);
-    }
+  // Never reached inside the bracket: only with the keys below kmax 2^-32, so every key.
+  if (lo == kLo && !reached(kmax * std::exp2(kLo))) return answer(0.0f);
+  const float k = kmax * std::exp2(lo);
+  if (sum_at != nullptr) {  // every row over the band at k, plus what lies above the band
+    threshold_row_sums(ck, row_of.data(), n_rows, cn, k, sum_at);
+    for (size_t j = 0; j < rows; ++j) sum_at[j] += base[j];
   }
-  return done(kmax * std::exp2(lo), best);
+  return k;
 }
 
 void select_any_above_impl(const float* w, int n_rows, int n, const float* tau, int32_t base,
