@@ -193,6 +193,43 @@ TEST(KeySketch, CpuMatchesReference) {
   });
 }
 
+// The weights: CPU (estimate and a degree-5 exp polynomial) against the reference
+// (float64 exp of its estimates) within 1e-4 relative (the estimates' float32 rounding
+// times the exponent's size, plus the polynomial's 3e-6), sums within 1e-5, and top;
+// shifts at, below and above each query's largest estimate (the clamp included).
+TEST(KeySketch, WeightsCpuMatchesReference) {
+  std::mt19937 rng(29);
+  for_each_target([&] {
+    for (int n : {1, 17, 255, 4097}) {
+      for (int d : {64, 128, 256}) {
+        KvCache kv = outlier_cache(n, d, DType::f16, rng);
+        const Sketch s = build(kv.view(0, 0));
+        for (int n_q : {1, 3, 4, 9}) {
+          const std::vector<float> q = random_q(n_q, d, rng);
+          const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+          std::vector<float> est(static_cast<size_t>(n_q) * n), top0(n_q);
+          ref::key_sketch_score(s.view(), q.data(), n_q, 0, n, est.data(), top0.data());
+          for (float offset : {0.0f, -5.0f, 20.0f, -100.0f}) {
+            std::vector<float> shift(n_q);
+            for (int j = 0; j < n_q; ++j) shift[j] = scale * top0[j] + offset;
+            std::vector<float> want(est.size()), got(est.size()), tw(n_q), tg(n_q);
+            std::vector<double> sw(n_q), sg(n_q);
+            ref::key_sketch_weights(s.view(), q.data(), n_q, 0, n, scale, shift.data(), want.data(), sw.data(), tw.data());
+            cpu::key_sketch_weights(s.view(), q.data(), n_q, 0, n, scale, shift.data(), got.data(), sg.data(), tg.data());
+            SCOPED_TRACE(::testing::Message() << "n=" << n << " d=" << d << " n_q=" << n_q << " offset=" << offset);
+            for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-4 * want[i] + 1e-37) << i;
+            for (int j = 0; j < n_q; ++j) {
+              ASSERT_NEAR(sg[j], sw[j], 1e-5 * sw[j] + 1e-37);
+              ASSERT_NEAR(tg[j], tw[j], 1e-4 * (1 + std::abs(tw[j])));
+              ASSERT_NEAR(tw[j], -offset, 1e-4 * (1 + std::abs(offset)));
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
 TEST(KeySketch, BadArgumentsNameTheValue) {
   std::mt19937 rng(3);
   KvCache kv = outlier_cache(40, 64, DType::f16, rng);

@@ -62,6 +62,7 @@ struct HeadSketch {
   int n = 0;
   uint64_t generation = 0;       // the cache's generation the codes were encoded at
   std::vector<double> value_sum;  // [head_dim] sum of the value rows of tokens [0, n) (rest=mean)
+  std::vector<float> last_shift;  // [group] the largest scale est of the last step, per query head
 
   KeySketchView view(int head_dim) const {
     return {codes.data(), offset.data(), step.data(), center.data(), scale.data(), n, head_dim};
@@ -215,7 +216,9 @@ class SketchTopp final : public DecodeMethod {
  private:
   struct Scratch {
     bool dense = false;
-    std::vector<float> est;          // [g][n] sketch scores, then estimated weights e_jt
+    std::vector<float> est;          // [g][n] estimated weights e_jt
+    std::vector<float> top;          // [g] the largest scale est_jt - c_j
+    std::vector<float> shift_f;      // [g] c_j as the kernel takes it
     std::vector<float> key;          // [n] max_j e_jt / S_j; the sinks and recent tokens above any share
     std::vector<double> shift;       // [g] c_j: weights are exp(scale score - c_j)
     std::vector<double> est_sum;     // [g] S_j
@@ -227,7 +230,7 @@ class SketchTopp final : public DecodeMethod {
 
   // Steps 1-2 for kv head h: the union into out.selection.tokens[h]. Returns false when
   // the cost rule sends the head to dense attention.
-  bool select_union(int h, const float* q_all, const PagedHeadView& v, const HeadSketch& sk, Scratch& w,
+  bool select_union(int h, const float* q_all, const PagedHeadView& v, HeadSketch& sk, Scratch& w,
                     AttnOutput& out) const {
     const int g = shape_.group();
     const int d = shape_.head_dim;
@@ -240,12 +243,26 @@ class SketchTopp final : public DecodeMethod {
     w.est_sum.resize(static_cast<size_t>(g));
     w.est_union.resize(static_cast<size_t>(g));
     w.need.resize(static_cast<size_t>(g));
-    std::vector<float> top(static_cast<size_t>(g));
-    cpu::key_sketch_score(sk.view(d), q, g, 0, n, w.est.data(), top.data());
+    // The weights in one pass over the sketch, against a shift guessed from this head's
+    // last step (the largest estimate moves little between steps); a guess off by more
+    // than kShiftSlack (or none yet) costs a second pass with the measured one.
+    constexpr float kShiftSlack = 30.0f;
+    w.top.resize(static_cast<size_t>(g));
+    w.shift_f.assign(sk.last_shift.begin(), sk.last_shift.end());
+    w.shift_f.resize(static_cast<size_t>(g), 0.0f);
+    for (int pass = 0; pass < 2; ++pass) {
+      cpu::key_sketch_weights(sk.view(d), q, g, 0, n, scale, w.shift_f.data(), w.est.data(), w.est_sum.data(),
+                              w.top.data());
+      bool off = false;
+      for (int j = 0; j < g; ++j) off = off || std::abs(w.top[j]) > kShiftSlack;
+      if (!off || pass == 1) break;
+      for (int j = 0; j < g; ++j) w.shift_f[j] += w.top[j];
+    }
+    sk.last_shift.resize(static_cast<size_t>(g));
     for (int j = 0; j < g; ++j) {
-      float* e = w.est.data() + static_cast<size_t>(j) * n;
-      w.shift[j] = static_cast<double>(scale) * top[j];
-      w.est_sum[j] = cpu::score_exp(e, n, scale, static_cast<float>(w.shift[j]), e);
+      sk.last_shift[j] = w.shift_f[j] + w.top[j];
+      w.shift[j] = w.shift_f[j];
+      const float* e = w.est.data() + static_cast<size_t>(j) * n;
       const float inv = static_cast<float>(1.0 / w.est_sum[j]);
       float* key = w.key.data();
       for (int i = 0; i < n; ++i) key[i] = std::max(key[i], e[i] * inv);

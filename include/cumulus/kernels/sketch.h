@@ -82,6 +82,22 @@ void key_sketch_score(const KeySketchView& s, const float* q, int n_q, int t0, i
                       float* top = nullptr);
 }  // namespace cpu
 
+// The sketch's weights for tokens [t0, t1) (as key_sketch_score's estimates):
+//   w[j][i] = exp(scale est_j(t0 + i) - shift[j]); sum [n_q] their sums (float64);
+//   top [n_q] the largest scale est_j - shift[j] (-inf for no tokens).
+// The exponent is clamped to [-87, 80]: a top above about 60 means the shift was too low
+// and weights may have lost their ratios, one below about -60 that it was too high; the
+// caller then runs again with shift[j] + top[j]. The CPU computes exp by a degree-5
+// polynomial (relative error below 3e-6 against the reference's float64 exp).
+namespace ref {
+void key_sketch_weights(const KeySketchView& s, const float* q, int n_q, int t0, int t1, float scale,
+                        const float* shift, float* w, double* sum, float* top);
+}  // namespace ref
+namespace cpu {
+void key_sketch_weights(const KeySketchView& s, const float* q, int n_q, int t0, int t1, float scale,
+                        const float* shift, float* w, double* sum, float* top);
+}  // namespace cpu
+
 // One query prepared for the integer dot product:
 //   q8 [head_dim] int8 = round(q_c scale_c / qstep), qstep = max_c |q_c scale_c| / 127 (1 if q' = 0);
 //   base = q . center (float64), qsum = sum_c q_c scale_c (float64).

@@ -121,11 +121,37 @@ CUMULUS_SKETCH_ATTR HWY_INLINE void sketch_block_dots(const uint8_t* HWY_RESTRIC
 #endif
 }
 
+// exp(x) for the sketch's weights: 2^(x log2 e) = 2^n 2^f with n = round(x log2 e), f in
+// [-1/2, 1/2], 2^f by its Taylor polynomial of degree 5 (relative error below 3e-6, far
+// under the sketch's own error), 2^n added to the exponent bits. x is clamped to [-87, 80]
+// (no denormals; sums of 256 lanes stay finite in float32). About half the operations of Highway's
+// Exp, which handles the whole range to 1 ulp.
+template <class D>
+HWY_INLINE hn::Vec<D> sketch_exp(D d, hn::Vec<D> x) {
+  const hn::RebindToSigned<D> di;
+  x = hn::Min(hn::Max(x, hn::Set(d, -87.0f)), hn::Set(d, 80.0f));
+  const auto y = hn::Mul(x, hn::Set(d, 1.44269504088896341f));
+  const auto n = hn::Round(y);
+  const auto f = hn::Sub(y, n);
+  // 2^f = e^(f ln 2): coefficients (ln 2)^k / k!
+  auto p = hn::Set(d, 1.3333558146428443e-3f);
+  p = hn::MulAdd(p, f, hn::Set(d, 9.6181291076284772e-3f));
+  p = hn::MulAdd(p, f, hn::Set(d, 5.5504108664821580e-2f));
+  p = hn::MulAdd(p, f, hn::Set(d, 2.4022650695910071e-1f));
+  p = hn::MulAdd(p, f, hn::Set(d, 6.9314718055994531e-1f));
+  p = hn::MulAdd(p, f, hn::Set(d, 1.0f));
+  const auto e = hn::ShiftLeft<23>(hn::ConvertTo(di, n));
+  return hn::BitCast(d, hn::Add(hn::BitCast(di, p), e));
+}
+
 // Estimates of every token of [t0, t1) for a tile of G queries (sq, qw: the tile's).
 // scores: [G][stride], token t at t - t0; top: [G] largest estimate over the range.
-template <int G>
+// kWeights: scores get exp(scale est - shift[j]) instead (sketch_exp), sum [G] their sums
+// and top [G] the largest scale est - shift[j].
+template <int G, bool kWeights>
 CUMULUS_SKETCH_ATTR void sketch_tile(const KeySketchView& s, const SketchQuery* sq, const int32_t* qw, int t0, int t1,
-                                     float* scores, size_t stride, float* top) {
+                                     float* scores, size_t stride, float* top, float scale, const float* shift,
+                                     double* sum) {
   const hn::ScalableTag<float> df;
   const hn::Rebind<hwy::float16_t, decltype(df)> dh;
   const size_t N = hn::Lanes(df);
@@ -136,13 +162,18 @@ CUMULUS_SKETCH_ATTR void sketch_tile(const KeySketchView& s, const SketchQuery* 
   HWY_ALIGN float est[kSketchBlock];
   // The affine terms and the running maxima stay in memory: held in registers across the
   // dot-product loop they pushed its accumulators out to the stack.
+  // In weights mode the affine terms carry the scale and the shift: x = scale est - shift.
   float base[G], qsum[G], qstep[G];
   HWY_ALIGN float best[G * hn::MaxLanes(df)];
+  HWY_ALIGN float acc[G * hn::MaxLanes(df)];  // weight sums of the current chunk of blocks
   for (int j = 0; j < G; ++j) {
-    base[j] = static_cast<float>(sq[j].base);
-    qsum[j] = static_cast<float>(sq[j].qsum);
-    qstep[j] = static_cast<float>(sq[j].qstep);
+    const double sc = kWeights ? scale : 1.0;
+    base[j] = static_cast<float>(sc * sq[j].base - (kWeights ? shift[j] : 0.0f));
+    qsum[j] = static_cast<float>(sc * sq[j].qsum);
+    qstep[j] = static_cast<float>(sc * sq[j].qstep);
     hn::Store(hn::Set(df, -std::numeric_limits<float>::infinity()), df, best + j * N);
+    hn::Store(hn::Zero(df), df, acc + j * N);
+    if (kWeights) sum[j] = 0;
   }
   // est = base + offset qsum + step qstep dot for B blocks from token t (len valid tokens).
   auto finish = [&](int t, int nb, int len) HWY_ATTR {
@@ -158,16 +189,29 @@ CUMULUS_SKETCH_ATTR void sketch_tile(const KeySketchView& s, const SketchQuery* 
               hn::MulAdd(hn::Mul(stp, hn::Set(df, qstep[j])), hn::LoadU(df, dot + (b * G + j) * kSketchBlock + i),
                          hn::MulAdd(off, hn::Set(df, qsum[j]), hn::Set(df, base[j])));
           const auto bj = hn::Load(df, best + j * N);
+          const auto keep = hn::FirstN(df, static_cast<size_t>(valid) > i ? static_cast<size_t>(valid) - i : 0);
+          hn::Store(hn::Max(bj, hn::IfThenElse(keep, e, bj)), df, best + j * N);
+          auto r = e;
+          if constexpr (kWeights) {
+            r = sketch_exp(df, e);
+            hn::Store(hn::Add(hn::Load(df, acc + j * N), hn::IfThenElseZero(keep, r)), df, acc + j * N);
+          }
           if (valid == kSketchBlock) {
-            hn::StoreU(e, df, out + i);
-            hn::Store(hn::Max(bj, e), df, best + j * N);
+            hn::StoreU(r, df, out + i);
           } else {
-            const size_t v = static_cast<size_t>(valid) > i ? static_cast<size_t>(valid) - i : 0;
-            hn::StoreU(e, df, est + i);
-            hn::Store(hn::Max(bj, hn::IfThenElse(hn::FirstN(df, v), e, bj)), df, best + j * N);
+            hn::StoreU(r, df, est + i);
           }
         }
         if (valid < kSketchBlock) std::memcpy(out, est, sizeof(float) * static_cast<size_t>(valid));
+      }
+    }
+  };
+  // The weight sums: float32 lanes for 16 blocks, then float64.
+  auto flush = [&]() HWY_ATTR {
+    if constexpr (kWeights) {
+      for (int j = 0; j < G; ++j) {
+        sum[j] += hn::GetLane(hn::SumOfLanes(df, hn::Load(df, acc + j * N)));
+        hn::Store(hn::Zero(df), df, acc + j * N);
       }
     }
   };
@@ -191,17 +235,21 @@ CUMULUS_SKETCH_ATTR void sketch_tile(const KeySketchView& s, const SketchQuery* 
     sketch_block_dots<G, kB>(s.codes + static_cast<size_t>(t / kSketchBlock) * block_bytes, block_bytes, n_chunks, qw,
                              dot);
     finish(t, kB, kB * kSketchBlock);
+    if ((t / kSketchBlock) % 16 == 15) flush();
   }
   for (; t < t1; t += kSketchBlock) {
     sketch_block_dots<G, 1>(s.codes + static_cast<size_t>(t / kSketchBlock) * block_bytes, block_bytes, n_chunks, qw,
                             dot);
     finish(t, 1, std::min(kSketchBlock, t1 - t));
   }
+  flush();
   for (int j = 0; j < G; ++j) top[j] = hn::GetLane(hn::MaxOfLanes(df, hn::Load(df, best + j * N)));
 }
 
-CUMULUS_SKETCH_ATTR void key_sketch_score_impl(const KeySketchView& s, const float* q, int n_q, int t0, int t1,
-                                               float* scores, float* top) {
+// Both ops: weights = false gives key_sketch_score, true key_sketch_weights.
+template <bool kWeights>
+CUMULUS_SKETCH_ATTR void key_sketch_run(const KeySketchView& s, const float* q, int n_q, int t0, int t1, float* scores,
+                                        float* top, float scale, const float* shift, double* sum) {
   const int d = s.head_dim;
   const int n_chunks = d / 8;
   const size_t n = static_cast<size_t>(t1 - t0);
@@ -232,18 +280,30 @@ CUMULUS_SKETCH_ATTR void key_sketch_score_impl(const KeySketchView& s, const flo
     float* out = scores + static_cast<size_t>(j0) * n;
     const SketchQuery* a = sq.data() + j0;
     float* tp = tops.data() + j0;
+    const float* sh = kWeights ? shift + j0 : nullptr;
+    double* sm = kWeights ? sum + j0 : nullptr;
     switch (G) {
-      case 8: sketch_tile<8>(s, a, w, t0, t1, out, n, tp); break;
-      case 7: sketch_tile<7>(s, a, w, t0, t1, out, n, tp); break;
-      case 6: sketch_tile<6>(s, a, w, t0, t1, out, n, tp); break;
-      case 5: sketch_tile<5>(s, a, w, t0, t1, out, n, tp); break;
-      case 4: sketch_tile<4>(s, a, w, t0, t1, out, n, tp); break;
-      case 3: sketch_tile<3>(s, a, w, t0, t1, out, n, tp); break;
-      case 2: sketch_tile<2>(s, a, w, t0, t1, out, n, tp); break;
-      default: sketch_tile<1>(s, a, w, t0, t1, out, n, tp); break;
+      case 8: sketch_tile<8, kWeights>(s, a, w, t0, t1, out, n, tp, scale, sh, sm); break;
+      case 7: sketch_tile<7, kWeights>(s, a, w, t0, t1, out, n, tp, scale, sh, sm); break;
+      case 6: sketch_tile<6, kWeights>(s, a, w, t0, t1, out, n, tp, scale, sh, sm); break;
+      case 5: sketch_tile<5, kWeights>(s, a, w, t0, t1, out, n, tp, scale, sh, sm); break;
+      case 4: sketch_tile<4, kWeights>(s, a, w, t0, t1, out, n, tp, scale, sh, sm); break;
+      case 3: sketch_tile<3, kWeights>(s, a, w, t0, t1, out, n, tp, scale, sh, sm); break;
+      case 2: sketch_tile<2, kWeights>(s, a, w, t0, t1, out, n, tp, scale, sh, sm); break;
+      default: sketch_tile<1, kWeights>(s, a, w, t0, t1, out, n, tp, scale, sh, sm); break;
     }
   }
   if (top != nullptr) std::copy(tops.begin(), tops.end(), top);
+}
+
+CUMULUS_SKETCH_ATTR void key_sketch_score_impl(const KeySketchView& s, const float* q, int n_q, int t0, int t1,
+                                               float* scores, float* top) {
+  key_sketch_run<false>(s, q, n_q, t0, t1, scores, top, 1.0f, nullptr, nullptr);
+}
+
+CUMULUS_SKETCH_ATTR void key_sketch_weights_impl(const KeySketchView& s, const float* q, int n_q, int t0, int t1,
+                                                 float scale, const float* shift, float* w, double* sum, float* top) {
+  key_sketch_run<true>(s, q, n_q, t0, t1, w, top, scale, shift, sum);
 }
 
 }  // namespace cumulus::cpu::HWY_NAMESPACE
@@ -253,11 +313,25 @@ HWY_AFTER_NAMESPACE();
 namespace cumulus::cpu {
 
 HWY_EXPORT(key_sketch_score_impl);
+HWY_EXPORT(key_sketch_weights_impl);
 
 void key_sketch_score(const KeySketchView& s, const float* q, int n_q, int t0, int t1, float* scores, float* top) {
   ref::key_sketch_score(s, q, n_q, t0, t0, scores, top);  // the reference's checks, on no tokens
   CUMULUS_CHECK(t1 <= s.n_tokens, "key_sketch_score: t1={} past n_tokens={}", t1, s.n_tokens);
   if (t1 > t0) HWY_DYNAMIC_DISPATCH(key_sketch_score_impl)(s, q, n_q, t0, t1, scores, top);
+}
+
+void key_sketch_weights(const KeySketchView& s, const float* q, int n_q, int t0, int t1, float scale,
+                        const float* shift, float* w, double* sum, float* top) {
+  ref::key_sketch_score(s, q, n_q, t0, t0, w, top);  // the reference's checks, on no tokens
+  CUMULUS_CHECK(t1 <= s.n_tokens, "key_sketch_weights: t1={} past n_tokens={}", t1, s.n_tokens);
+  CUMULUS_CHECK(shift != nullptr && sum != nullptr && top != nullptr,
+                "key_sketch_weights: shift, sum and top must be non-null");
+  if (t1 > t0) {
+    HWY_DYNAMIC_DISPATCH(key_sketch_weights_impl)(s, q, n_q, t0, t1, scale, shift, w, sum, top);
+  } else {
+    for (int j = 0; j < n_q; ++j) sum[j] = 0, top[j] = -std::numeric_limits<float>::infinity();
+  }
 }
 
 }  // namespace cumulus::cpu

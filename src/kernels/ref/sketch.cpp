@@ -154,6 +154,25 @@ void key_sketch_score(const KeySketchView& s, const float* q, int n_q, int t0, i
   }
 }
 
+void key_sketch_weights(const KeySketchView& s, const float* q, int n_q, int t0, int t1, float scale,
+                        const float* shift, float* w, double* sum, float* top) {
+  CUMULUS_CHECK(shift != nullptr && sum != nullptr && top != nullptr,
+                "key_sketch_weights: shift, sum and top must be non-null");
+  key_sketch_score(s, q, n_q, t0, t1, w, nullptr);
+  const int n = t1 - t0;
+  for (int j = 0; j < n_q; ++j) {
+    float* x = w + static_cast<size_t>(j) * n;
+    sum[j] = 0;
+    top[j] = -std::numeric_limits<float>::infinity();
+    for (int i = 0; i < n; ++i) {
+      const double a = static_cast<double>(scale) * x[i] - shift[j];
+      top[j] = std::max(top[j], static_cast<float>(a));
+      x[i] = static_cast<float>(std::exp(std::clamp(a, -87.0, 80.0)));
+      sum[j] += x[i];
+    }
+  }
+}
+
 }  // namespace ref
 
 }  // namespace cumulus
