@@ -214,8 +214,10 @@ TEST(KeySketch, WeightsCpuMatchesReference) {
             for (int j = 0; j < n_q; ++j) shift[j] = scale * top0[j] + offset;
             std::vector<float> want(est.size()), got(est.size()), tw(n_q), tg(n_q);
             std::vector<double> sw(n_q), sg(n_q);
-            ref::key_sketch_weights(s.view(), q.data(), n_q, 0, n, scale, shift.data(), want.data(), sw.data(), tw.data());
-            cpu::key_sketch_weights(s.view(), q.data(), n_q, 0, n, scale, shift.data(), got.data(), sg.data(), tg.data());
+            ref::key_sketch_weights(s.view(), q.data(), n_q, 0, n, scale, shift.data(), want.data(), n, sw.data(),
+                                    tw.data());
+            cpu::key_sketch_weights(s.view(), q.data(), n_q, 0, n, scale, shift.data(), got.data(), n, sg.data(),
+                                    tg.data());
             SCOPED_TRACE(::testing::Message() << "n=" << n << " d=" << d << " n_q=" << n_q << " offset=" << offset);
             for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-4 * want[i] + 1e-37) << i;
             for (int j = 0; j < n_q; ++j) {

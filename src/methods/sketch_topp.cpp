@@ -124,26 +124,17 @@ class SketchTopp final : public DecodeMethod {
     auto& heads = sketch_[static_cast<size_t>(layer)];
     if (heads.empty()) heads.resize(static_cast<size_t>(n_kv));
     scratch_.resize(std::max(scratch_.size(), static_cast<size_t>(n_kv)));
-    // 1-2, one task per kv head: each keeps its own sketch current and writes only its
-    // own union and scratch. A head the cost rule sends to dense attention lists every
-    // token.
-    ctx.pool->parallel_for(n_kv, [&](int64_t hh, int) {
-      const int h = static_cast<int>(hh);
-      Scratch& w = scratch_[static_cast<size_t>(h)];
-      w.dense = dense;
-      if (!dense) {
-        const PagedHeadView v = kv.view(layer, h);
-        HeadSketch& sk = heads[static_cast<size_t>(h)];
-        sk.update(v, kv.generation(layer), o_.rest_mean);
-        w.dense = !select_union(h, q, v, sk, w, out);
-        methods::add_kv_head_bytes(shape_, h, static_cast<double>(n) * key_sketch_token_bytes(shape_.head_dim), out);
-      }
-      if (w.dense) {
-        auto& t = out.selection.tokens[h];
-        t.resize(static_cast<size_t>(n));
-        for (int i = 0; i < n; ++i) t[i] = i;
-      }
-    });
+    if (dense) {
+      for (int h = 0; h < n_kv; ++h) scratch_[static_cast<size_t>(h)].dense = true;
+    } else {
+      select(layer, q, kv, *ctx.pool, out);
+    }
+    for (int h = 0; h < n_kv; ++h) {
+      if (!scratch_[static_cast<size_t>(h)].dense) continue;
+      auto& t = out.selection.tokens[h];
+      t.resize(static_cast<size_t>(n));
+      for (int i = 0; i < n; ++i) t[i] = i;
+    }
     // 3. Every head's union in one call of the sparse kernel (split over the context, so
     // the threads share the rows however the heads differ).
     lse_.resize(static_cast<size_t>(shape_.n_q_heads));
@@ -217,8 +208,11 @@ class SketchTopp final : public DecodeMethod {
   struct Scratch {
     bool dense = false;
     std::vector<float> est;          // [g][n] estimated weights e_jt
-    std::vector<float> top;          // [g] the largest scale est_jt - c_j
+    std::vector<float> top_f;        // [g] the largest scale est_jt - c_j
     std::vector<float> shift_f;      // [g] c_j as the kernel takes it
+    std::vector<double> part_sum;    // [parts][g] weight sums of each part of the context
+    std::vector<float> part_top;     // [parts][g] the largest scale est_jt - c_j of each part
+    bool redo = false;               // the weights pass runs (again) for this head
     std::vector<float> key;          // [n] max_j e_jt / S_j; the sinks and recent tokens above any share
     std::vector<double> shift;       // [g] c_j: weights are exp(scale score - c_j)
     std::vector<double> est_sum;     // [g] S_j
@@ -228,54 +222,131 @@ class SketchTopp final : public DecodeMethod {
     double candidate_p = 0;          // the share the union was chosen at
   };
 
-  // Steps 1-2 for kv head h: the union into out.selection.tokens[h]. Returns false when
-  // the cost rule sends the head to dense attention.
-  bool select_union(int h, const float* q_all, const PagedHeadView& v, HeadSketch& sk, Scratch& w,
-                    AttnOutput& out) const {
+  // Steps 1-2 for every kv head: the unions into out.selection.tokens, Scratch::dense for
+  // the heads the cost rule sends to dense attention. The work runs as tasks over (kv head,
+  // part of the context), so that a model with fewer kv heads than twice the threads (3 for
+  // SmolLM2, 1 for Gemma 3) still keeps every thread busy: the sketch's weights and the
+  // group key per part, then the threshold per kv head.
+  void select(int layer, const float* q_all, const KvCache& kv, ThreadPool& pool, AttnOutput& out) {
     const int g = shape_.group();
     const int d = shape_.head_dim;
+    const int n_kv = shape_.n_kv_heads;
     const float scale = attention_scale(d);
-    const float* q = q_all + static_cast<size_t>(h) * g * d;
-    const int n = v.n_tokens;
-    w.est.resize(static_cast<size_t>(g) * n);
-    w.key.assign(static_cast<size_t>(n), 0.0f);
-    w.shift.resize(static_cast<size_t>(g));
-    w.est_sum.resize(static_cast<size_t>(g));
-    w.est_union.resize(static_cast<size_t>(g));
-    w.need.resize(static_cast<size_t>(g));
-    // The weights in one pass over the sketch, against a shift guessed from this head's
-    // last step (the largest estimate moves little between steps); a guess off by more
-    // than kShiftSlack (or none yet) costs a second pass with the measured one.
+    const int n = kv.n_tokens(layer);
+    auto& heads = sketch_[static_cast<size_t>(layer)];
+    // Parts of whole sketch blocks, at least kMinPart tokens each, about kTasks tasks in
+    // all. The split depends on the problem alone, never on the thread count, so the sums
+    // (and the results) are the same for any number of threads.
+    constexpr int kMinPart = 1024, kTasks = 8;
+    const int want = std::max(1, kTasks / n_kv);
+    const int parts = std::max(1, std::min(want, n / kMinPart));
+    const int part_len = (n / parts + kSketchBlock - 1) / kSketchBlock * kSketchBlock;
+    auto part_range = [&](int k) { return std::pair{std::min(n, k * part_len), std::min(n, (k + 1) * part_len)}; };
+    for (int h = 0; h < n_kv; ++h) {
+      Scratch& w = scratch_[static_cast<size_t>(h)];
+      w.est.resize(static_cast<size_t>(g) * n);
+      w.key.resize(static_cast<size_t>(n));
+      w.shift.resize(static_cast<size_t>(g));
+      w.est_sum.resize(static_cast<size_t>(g));
+      w.est_union.resize(static_cast<size_t>(g));
+      w.need.resize(static_cast<size_t>(g));
+      w.part_sum.resize(static_cast<size_t>(parts) * g);
+      w.part_top.resize(static_cast<size_t>(parts) * g);
+      w.top_f.resize(static_cast<size_t>(g));
+    }
+    // The sketch brought to the cache: one new token per decode step here, on this thread;
+    // many (the first step without on_prefill, or after a cut) one task per kv head.
+    bool bulk = false;
+    for (int h = 0; h < n_kv; ++h) {
+      const HeadSketch& sk = heads[static_cast<size_t>(h)];
+      bulk = bulk || sk.generation != kv.generation(layer) || n - sk.n > 64;
+    }
+    auto update = [&](int64_t h, int) {
+      heads[static_cast<size_t>(h)].update(kv.view(layer, static_cast<int>(h)), kv.generation(layer), o_.rest_mean);
+    };
+    if (bulk) {
+      pool.parallel_for(n_kv, update);
+    } else {
+      for (int h = 0; h < n_kv; ++h) update(h, 0);
+    }
+    // 1. The weights against a shift guessed from the head's last step (the largest
+    // estimate moves little between steps); a guess off by more than kShiftSlack (or none
+    // yet) costs a second pass with the measured one.
     constexpr float kShiftSlack = 30.0f;
-    w.top.resize(static_cast<size_t>(g));
-    w.shift_f.assign(sk.last_shift.begin(), sk.last_shift.end());
-    w.shift_f.resize(static_cast<size_t>(g), 0.0f);
+    for (int h = 0; h < n_kv; ++h) {
+      Scratch& w = scratch_[static_cast<size_t>(h)];
+      const HeadSketch& sk = heads[static_cast<size_t>(h)];
+      w.shift_f.assign(sk.last_shift.begin(), sk.last_shift.end());
+      w.shift_f.resize(static_cast<size_t>(g), 0.0f);
+      w.redo = true;
+    }
     for (int pass = 0; pass < 2; ++pass) {
-      cpu::key_sketch_weights(sk.view(d), q, g, 0, n, scale, w.shift_f.data(), w.est.data(), w.est_sum.data(),
-                              w.top.data());
-      bool off = false;
-      for (int j = 0; j < g; ++j) off = off || std::abs(w.top[j]) > kShiftSlack;
-      if (!off || pass == 1) break;
-      for (int j = 0; j < g; ++j) w.shift_f[j] += w.top[j];
+      pool.parallel_for(static_cast<int64_t>(n_kv) * parts, [&](int64_t task, int) {
+        const int h = static_cast<int>(task / parts), k = static_cast<int>(task % parts);
+        Scratch& w = scratch_[static_cast<size_t>(h)];
+        if (!w.redo) return;
+        const auto [t0, t1] = part_range(k);
+        cpu::key_sketch_weights(heads[static_cast<size_t>(h)].view(d), q_all + static_cast<size_t>(h) * g * d, g, t0,
+                                t1, scale, w.shift_f.data(), w.est.data() + t0, static_cast<size_t>(n),
+                                w.part_sum.data() + static_cast<size_t>(k) * g,
+                                w.part_top.data() + static_cast<size_t>(k) * g);
+      });
+      bool again = false;
+      for (int h = 0; h < n_kv; ++h) {
+        Scratch& w = scratch_[static_cast<size_t>(h)];
+        if (!w.redo) continue;
+        w.redo = false;
+        for (int j = 0; j < g; ++j) {
+          double sum = 0;
+          float top = -std::numeric_limits<float>::infinity();
+          for (int k = 0; k < parts; ++k) {
+            sum += w.part_sum[static_cast<size_t>(k) * g + j];
+            top = std::max(top, w.part_top[static_cast<size_t>(k) * g + j]);
+          }
+          w.est_sum[j] = sum;
+          w.top_f[j] = top;
+          w.redo = w.redo || std::abs(top) > kShiftSlack;
+        }
+        if (w.redo && pass == 0) {
+          for (int j = 0; j < g; ++j) w.shift_f[j] += w.top_f[j];
+          again = true;
+        } else {
+          w.redo = false;
+        }
+      }
+      if (!again) break;
     }
-    sk.last_shift.resize(static_cast<size_t>(g));
-    for (int j = 0; j < g; ++j) {
-      sk.last_shift[j] = w.shift_f[j] + w.top[j];
-      w.shift[j] = w.shift_f[j];
-      const float* e = w.est.data() + static_cast<size_t>(j) * n;
-      const float inv = static_cast<float>(1.0 / w.est_sum[j]);
-      float* key = w.key.data();
-      for (int i = 0; i < n; ++i) key[i] = std::max(key[i], e[i] * inv);
+    for (int h = 0; h < n_kv; ++h) {
+      Scratch& w = scratch_[static_cast<size_t>(h)];
+      HeadSketch& sk = heads[static_cast<size_t>(h)];
+      sk.last_shift.resize(static_cast<size_t>(g));
+      for (int j = 0; j < g; ++j) {
+        sk.last_shift[j] = w.shift_f[j] + w.top_f[j];
+        w.shift[j] = w.shift_f[j];
+      }
+      methods::add_kv_head_bytes(shape_, h, static_cast<double>(n) * key_sketch_token_bytes(d), out);
     }
-    // The sinks and the recent tokens come first in the order (a share is at most 1).
+    // 2. Per kv head: the group key, max_j e_jt / S_j (the sinks and the recent tokens
+    // first in the order: a share is at most 1), the threshold and the union.
     const int lo = std::min(o_.sinks, n), hi = std::max(lo, n - o_.recent);
-    std::fill(w.key.begin(), w.key.begin() + lo, 2.0f);
-    std::fill(w.key.begin() + hi, w.key.end(), 2.0f);
-    w.candidate_p = o_.candidate_p;
-    auto& t = out.selection.tokens[h];
-    t.clear();
-    choose(w, g, n, w.candidate_p, t);
-    return static_cast<double>(t.size()) <= o_.dense_above * n;
+    pool.parallel_for(n_kv, [&](int64_t hh, int) {
+      const int h = static_cast<int>(hh);
+      Scratch& w = scratch_[static_cast<size_t>(h)];
+      float* key = w.key.data();
+      std::fill(key, key + n, 0.0f);
+      for (int j = 0; j < g; ++j) {
+        const float inv = static_cast<float>(1.0 / w.est_sum[j]);
+        const float* e = w.est.data() + static_cast<size_t>(j) * n;
+        for (int i = 0; i < n; ++i) key[i] = std::max(key[i], e[i] * inv);
+      }
+      std::fill(key, key + lo, 2.0f);
+      std::fill(key + hi, key + n, 2.0f);
+      w.candidate_p = o_.candidate_p;
+      auto& t = out.selection.tokens[h];
+      t.clear();
+      choose(w, g, n, w.candidate_p, t);
+      w.dense = static_cast<double>(t.size()) > o_.dense_above * n;
+    });
   }
 
   // The smallest prefix of the key order at which every head's estimated share reaches

@@ -83,7 +83,9 @@ void key_sketch_score(const KeySketchView& s, const float* q, int n_q, int t0, i
 }  // namespace cpu
 
 // The sketch's weights for tokens [t0, t1) (as key_sketch_score's estimates):
-//   w[j][i] = exp(scale est_j(t0 + i) - shift[j]); sum [n_q] their sums (float64);
+//   w[j * stride + i] = exp(scale est_j(t0 + i) - shift[j]) (stride >= t1 - t0: a caller
+//   splitting the context into parts writes each into its place of one [n_q][n] array);
+//   sum [n_q] their sums (float64);
 //   top [n_q] the largest scale est_j - shift[j] (-inf for no tokens).
 // The exponent is clamped to [-87, 80]: a top above about 60 means the shift was too low
 // and weights may have lost their ratios, one below about -60 that it was too high; the
@@ -91,11 +93,11 @@ void key_sketch_score(const KeySketchView& s, const float* q, int n_q, int t0, i
 // polynomial (relative error below 3e-6 against the reference's float64 exp).
 namespace ref {
 void key_sketch_weights(const KeySketchView& s, const float* q, int n_q, int t0, int t1, float scale,
-                        const float* shift, float* w, double* sum, float* top);
+                        const float* shift, float* w, size_t stride, double* sum, float* top);
 }  // namespace ref
 namespace cpu {
 void key_sketch_weights(const KeySketchView& s, const float* q, int n_q, int t0, int t1, float scale,
-                        const float* shift, float* w, double* sum, float* top);
+                        const float* shift, float* w, size_t stride, double* sum, float* top);
 }  // namespace cpu
 
 // One query prepared for the integer dot product:

@@ -249,10 +249,9 @@ CUMULUS_SKETCH_ATTR void sketch_tile(const KeySketchView& s, const SketchQuery* 
 // Both ops: weights = false gives key_sketch_score, true key_sketch_weights.
 template <bool kWeights>
 CUMULUS_SKETCH_ATTR void key_sketch_run(const KeySketchView& s, const float* q, int n_q, int t0, int t1, float* scores,
-                                        float* top, float scale, const float* shift, double* sum) {
+                                        size_t n, float* top, float scale, const float* shift, double* sum) {
   const int d = s.head_dim;
   const int n_chunks = d / 8;
-  const size_t n = static_cast<size_t>(t1 - t0);
   // Per query: the int8 query as packed words, tile by tile ([c][j][lo, hi] within a
   // tile), and the affine terms.
   thread_local std::vector<int32_t> qw;
@@ -298,12 +297,13 @@ CUMULUS_SKETCH_ATTR void key_sketch_run(const KeySketchView& s, const float* q, 
 
 CUMULUS_SKETCH_ATTR void key_sketch_score_impl(const KeySketchView& s, const float* q, int n_q, int t0, int t1,
                                                float* scores, float* top) {
-  key_sketch_run<false>(s, q, n_q, t0, t1, scores, top, 1.0f, nullptr, nullptr);
+  key_sketch_run<false>(s, q, n_q, t0, t1, scores, static_cast<size_t>(t1 - t0), top, 1.0f, nullptr, nullptr);
 }
 
 CUMULUS_SKETCH_ATTR void key_sketch_weights_impl(const KeySketchView& s, const float* q, int n_q, int t0, int t1,
-                                                 float scale, const float* shift, float* w, double* sum, float* top) {
-  key_sketch_run<true>(s, q, n_q, t0, t1, w, top, scale, shift, sum);
+                                                 float scale, const float* shift, float* w, size_t stride,
+                                                 double* sum, float* top) {
+  key_sketch_run<true>(s, q, n_q, t0, t1, w, stride, top, scale, shift, sum);
 }
 
 }  // namespace cumulus::cpu::HWY_NAMESPACE
@@ -322,13 +322,15 @@ void key_sketch_score(const KeySketchView& s, const float* q, int n_q, int t0, i
 }
 
 void key_sketch_weights(const KeySketchView& s, const float* q, int n_q, int t0, int t1, float scale,
-                        const float* shift, float* w, double* sum, float* top) {
+                        const float* shift, float* w, size_t stride, double* sum, float* top) {
   ref::key_sketch_score(s, q, n_q, t0, t0, w, top);  // the reference's checks, on no tokens
   CUMULUS_CHECK(t1 <= s.n_tokens, "key_sketch_weights: t1={} past n_tokens={}", t1, s.n_tokens);
   CUMULUS_CHECK(shift != nullptr && sum != nullptr && top != nullptr,
                 "key_sketch_weights: shift, sum and top must be non-null");
+  CUMULUS_CHECK(stride >= static_cast<size_t>(t1 - t0), "key_sketch_weights: stride={} below the {} tokens", stride,
+                t1 - t0);
   if (t1 > t0) {
-    HWY_DYNAMIC_DISPATCH(key_sketch_weights_impl)(s, q, n_q, t0, t1, scale, shift, w, sum, top);
+    HWY_DYNAMIC_DISPATCH(key_sketch_weights_impl)(s, q, n_q, t0, t1, scale, shift, w, stride, sum, top);
   } else {
     for (int j = 0; j < n_q; ++j) sum[j] = 0, top[j] = -std::numeric_limits<float>::infinity();
   }

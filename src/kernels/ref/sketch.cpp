@@ -155,13 +155,16 @@ void key_sketch_score(const KeySketchView& s, const float* q, int n_q, int t0, i
 }
 
 void key_sketch_weights(const KeySketchView& s, const float* q, int n_q, int t0, int t1, float scale,
-                        const float* shift, float* w, double* sum, float* top) {
+                        const float* shift, float* w, size_t stride, double* sum, float* top) {
   CUMULUS_CHECK(shift != nullptr && sum != nullptr && top != nullptr,
                 "key_sketch_weights: shift, sum and top must be non-null");
-  key_sketch_score(s, q, n_q, t0, t1, w, nullptr);
   const int n = t1 - t0;
+  CUMULUS_CHECK(stride >= static_cast<size_t>(n), "key_sketch_weights: stride={} below the {} tokens", stride, n);
+  std::vector<float> est(static_cast<size_t>(n_q) * n);
+  key_sketch_score(s, q, n_q, t0, t1, est.data(), nullptr);
   for (int j = 0; j < n_q; ++j) {
-    float* x = w + static_cast<size_t>(j) * n;
+    float* x = w + static_cast<size_t>(j) * stride;
+    std::copy_n(est.data() + static_cast<size_t>(j) * n, n, x);
     sum[j] = 0;
     top[j] = -std::numeric_limits<float>::infinity();
     for (int i = 0; i < n; ++i) {
