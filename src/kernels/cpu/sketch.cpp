@@ -159,7 +159,7 @@ CUMULUS_SKETCH_ATTR void sketch_tile(const KeySketchView& s, const SketchQuery* 
   const size_t block_bytes = key_sketch_block_bytes(s.head_dim);
   constexpr int kB = 1;  // blocks per step (two interleaved streams defeated the hardware prefetcher)
   HWY_ALIGN float dot[kB * G * kSketchBlock];
-  HWY_ALIGN float est[kSketchBlock];
+  HWY_ALIGN float est[G * kSketchBlock];
   // The affine terms and the running maxima stay in memory: held in registers across the
   // dot-product loop they pushed its accumulators out to the stack.
   // In weights mode the affine terms carry the scale and the shift: x = scale est - shift.
@@ -180,16 +180,17 @@ CUMULUS_SKETCH_ATTR void sketch_tile(const KeySketchView& s, const SketchQuery* 
     for (int b = 0; b < nb; ++b) {
       const int tb = t + b * kSketchBlock;
       const int valid = std::min(kSketchBlock, len - b * kSketchBlock);
-      for (int j = 0; j < G; ++j) {
-        float* out = scores + static_cast<size_t>(j) * stride + (tb - t0);
-        for (size_t i = 0; i < static_cast<size_t>(kSketchBlock); i += N) {
-          const auto off = hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(s.offset + tb + i)));
-          const auto stp = hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(s.step + tb + i)));
+      for (size_t i = 0; i < static_cast<size_t>(kSketchBlock); i += N) {
+        // The tokens' offsets and steps once for every query of the tile.
+        const auto off = hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(s.offset + tb + i)));
+        const auto stp = hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(s.step + tb + i)));
+        const auto keep = hn::FirstN(df, static_cast<size_t>(valid) > i ? static_cast<size_t>(valid) - i : 0);
+        for (int j = 0; j < G; ++j) {
+          float* out = scores + static_cast<size_t>(j) * stride + (tb - t0);
           const auto e =
               hn::MulAdd(hn::Mul(stp, hn::Set(df, qstep[j])), hn::LoadU(df, dot + (b * G + j) * kSketchBlock + i),
                          hn::MulAdd(off, hn::Set(df, qsum[j]), hn::Set(df, base[j])));
           const auto bj = hn::Load(df, best + j * N);
-          const auto keep = hn::FirstN(df, static_cast<size_t>(valid) > i ? static_cast<size_t>(valid) - i : 0);
           hn::Store(hn::Max(bj, hn::IfThenElse(keep, e, bj)), df, best + j * N);
           auto r = e;
           if constexpr (kWeights) {
@@ -198,12 +199,15 @@ CUMULUS_SKETCH_ATTR void sketch_tile(const KeySketchView& s, const SketchQuery* 
           }
           if (valid == kSketchBlock) {
             hn::StoreU(r, df, out + i);
-          } else {
-            hn::StoreU(r, df, est + i);
+          } else {  // a partial last block: only the valid lanes reach scores
+            hn::StoreU(r, df, est + static_cast<size_t>(j) * kSketchBlock + i);
           }
         }
-        if (valid < kSketchBlock) std::memcpy(out, est, sizeof(float) * static_cast<size_t>(valid));
       }
+      if (valid < kSketchBlock)
+        for (int j = 0; j < G; ++j)
+          std::memcpy(scores + static_cast<size_t>(j) * stride + (tb - t0), est + static_cast<size_t>(j) * kSketchBlock,
+                      sizeof(float) * static_cast<size_t>(valid));
     }
   };
   // The weight sums: float32 lanes for 16 blocks, then float64.
