@@ -17,7 +17,11 @@
 //      read, estimated only over what was not;
 //   4. a head whose share A_j / T_j falls short of P gets more tokens: candidate_p moves
 //      to 1 - (1 - candidate_p) / 4 (twice), the tokens this adds are attended and merged
-//      by log-sum-exp; after that, the rest of the context (then dense; claim 1).
+//      by log-sum-exp; after that, the rest of the context (then dense; claim 1);
+//   5. rest=mean (the default): the tokens not read join the output with their estimated
+//      mass R_j = S_j - sum_U e_jt times the head's mean value row (kept as tokens are
+//      appended): o = (A_j o_U + R_j vbar) / (A_j + R_j). It changes the output, not the
+//      set or the claim; rest=none leaves them out, as the papers' methods do.
 // Cost rule: a context of at most min_context tokens, and a kv head whose union passes
 // dense_above of its tokens, attend densely (claim 1).
 // Claims: A_j / T_j, whose only estimated part is the sketch's weight of the tokens not
@@ -46,7 +50,7 @@ struct SketchToppOptions {
   int recent = 64;
   int min_context = 1024;
   double dense_above = 0.5;
-  bool rest_mean = false;  // the tokens not read contribute their estimated mass times the mean value
+  bool rest_mean = true;  // the tokens not read contribute their estimated mass times the mean value
 };
 
 // Rounds of step 4 before the rest of the context is attended.
@@ -429,9 +433,9 @@ void register_sketch_topp(Registry& r) {
                      .max = 1 << 30},
                     {.name = "rest",
                      .type = ParamType::kString,
-                     .default_value = "none",
-                     .help = "the tokens not read: none (left out, as every top-p method) or mean (their estimated "
-                             "mass times the head's mean value row joins the output)"},
+                     .default_value = "mean",
+                     .help = "the tokens not read: mean (their estimated mass times the head's mean value row joins "
+                             "the output) or none (left out, as in every top-p method of the papers)"},
                     {.name = "dense_above",
                      .type = ParamType::kDouble,
                      .default_value = "0.5",
