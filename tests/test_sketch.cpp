@@ -339,8 +339,12 @@ TEST(SelectMassThreshold, CpuIsWithinItsContract) {
             std::vector<double> at(rows);
             const float k_lo = ref::select_mass_threshold(key.data(), w.data(), rows, n, up.data());
             const float k_hi = ref::select_mass_threshold(key.data(), w.data(), rows, n, down.data());
-            const float kc = cpu::select_mass_threshold(key.data(), w.data(), rows, n, need.data(), at.data());
-            SCOPED_TRACE(::testing::Message() << "rows=" << rows << " n=" << n << " sigma=" << sigma << " p=" << p);
+            const float k_ref = ref::select_mass_threshold(key.data(), w.data(), rows, n, need.data());
+            // No hint, a right one, and wrong ones above and below.
+            for (float hint : {0.0f, k_ref, k_ref * 1024.0f, k_ref / 1024.0f}) {
+            const float kc = cpu::select_mass_threshold(key.data(), w.data(), rows, n, need.data(), at.data(), hint);
+            SCOPED_TRACE(::testing::Message() << "rows=" << rows << " n=" << n << " sigma=" << sigma << " p=" << p
+                                              << " hint=" << hint);
             ASSERT_LE(kc, k_hi);
             if (k_lo >= kmax * std::exp2(-32.0f)) {
               ASSERT_GE(kc, k_lo * std::exp2(-1.0f / 64) * (1 - 1e-6f));
@@ -351,6 +355,7 @@ TEST(SelectMassThreshold, CpuIsWithinItsContract) {
             for (int j = 0; j < rows; ++j) {
               ASSERT_GE(want[j], need[j] - kEps * tot[j]);
               ASSERT_NEAR(at[j], want[j], kEps * tot[j]);
+            }
             }
           }
         }

@@ -67,6 +67,7 @@ struct HeadSketch {
   uint64_t generation = 0;       // the cache's generation the codes were encoded at
   std::vector<double> value_sum;  // [head_dim] sum of the value rows of tokens [0, n) (rest=mean)
   std::vector<float> last_shift;  // [group] the largest scale est of the last step, per query head
+  float last_kappa = 0;           // the last step's threshold on the group key (a hint for the next)
 
   KeySketchView view(int head_dim) const {
     return {codes.data(), offset.data(), step.data(), center.data(), scale.data(), n, head_dim};
@@ -348,17 +349,22 @@ class SketchTopp final : public DecodeMethod {
       w.candidate_p = o_.candidate_p;
       auto& t = out.selection.tokens[h];
       t.clear();
-      choose(w, g, n, w.candidate_p, t);
+      HeadSketch& sk = heads[static_cast<size_t>(h)];
+      const float kappa = choose(w, g, n, w.candidate_p, t, sk.last_kappa);
+      if (std::isfinite(kappa) && kappa > 0) sk.last_kappa = kappa;
       w.dense = static_cast<double>(t.size()) > o_.dense_above * n;
     });
   }
 
   // The smallest prefix of the key order at which every head's estimated share reaches
-  // cp, as ascending token ids into `t`; est_union gets the estimates' sums over it.
-  static void choose(Scratch& w, int g, int n, double cp, std::vector<int32_t>& t) {
+  // cp, as ascending token ids into `t`; est_union gets the estimates' sums over it. hint:
+  // a guess of the threshold (the head's last one), which saves passes when it is close.
+  static float choose(Scratch& w, int g, int n, double cp, std::vector<int32_t>& t, float hint = 0.0f) {
     for (int j = 0; j < g; ++j) w.need[j] = cp * w.est_sum[j];
-    const float kappa = cpu::select_mass_threshold(w.key.data(), w.est.data(), g, n, w.need.data(), w.est_union.data());
+    const float kappa =
+        cpu::select_mass_threshold(w.key.data(), w.est.data(), g, n, w.need.data(), w.est_union.data(), hint);
     cpu::select_any_above(w.key.data(), 1, n, &kappa, 0, t);
+    return kappa;
   }
 
   // Step 4 for kv head h in `round` (1-based): the tokens to add to its union `have`.

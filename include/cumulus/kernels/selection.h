@@ -22,7 +22,10 @@ namespace cumulus {
 //     Its sums are float32 within chunks of 256 entries and float64 across, within about
 //     1e-7 of each row's total: a need that close to a boundary may land either side.
 //     sum_at: optional [n_rows], each row's sum over the keys >= the returned threshold
-//     (the row totals for -inf, 0 for +inf).
+//     (the row totals for -inf, 0 for +inf). hint (CPU only; 0: none): a guess of the
+//     answer (a caller's last one); a good guess saves the CPU's passes over the whole
+//     list, a bad one costs one pass; the answer is the same either way up to the stated
+//     resolution.
 //   select_any_above: appends to `out` the indices i (ascending, plus `base`) at which
 //     some row reaches its threshold, w[j][i] >= tau[j] for some j; w: [n_rows][n], tau:
 //     [n_rows] (+inf: the row selects nothing). Both backends return the same list.
@@ -33,7 +36,7 @@ void select_any_above(const float* w, int n_rows, int n, const float* tau, int32
 }  // namespace ref
 namespace cpu {
 float select_mass_threshold(const float* key, const float* w, int n_rows, int n, const double* need,
-                            double* sum_at = nullptr);
+                            double* sum_at = nullptr, float hint = 0.0f);
 void select_any_above(const float* w, int n_rows, int n, const float* tau, int32_t base, std::vector<int32_t>& out);
 }  // namespace cpu
 

@@ -132,7 +132,7 @@ size_t threshold_band(const float* key, const float* const* rows, int n_rows, si
 }
 
 float select_mass_threshold_impl(const float* key, const float* w, int n_rows, int n, const double* need,
-                                 double* sum_at) {
+                                 double* sum_at, float hint) {
   const hn::ScalableTag<float> d;
   const size_t N = hn::Lanes(d);
   const size_t rows = static_cast<size_t>(n_rows);
@@ -248,18 +248,48 @@ float select_mass_threshold_impl(const float* key, const float* w, int n_rows, i
   thread_local std::vector<float> band_key, band_w;
   thread_local std::vector<float*> band_rows;
   bool banded = false;
-  while (hi - lo > 1.0f / 64) {
-    if (!banded && hi - lo <= 4) {
-      band_key.resize(nn + N);
-      band_w.resize(rows * (nn + N));
-      band_rows.resize(rows);
-      for (size_t j = 0; j < rows; ++j) band_rows[j] = band_w.data() + j * (nn + N);
-      cn = threshold_band(key, row_of.data(), n_rows, nn, kmax * std::exp2(lo), kmax * std::exp2(hi), band_key.data(),
-                          band_rows.data(), base.data());
-      ck = band_key.data();
-      for (size_t j = 0; j < rows; ++j) row_of[j] = band_rows[j];
-      banded = true;
+  auto make_band = [&](float e_lo, float e_hi) {
+    band_key.resize(nn + N);
+    band_w.resize(rows * (nn + N));
+    band_rows.resize(rows);
+    for (size_t j = 0; j < rows; ++j) band_rows[j] = band_w.data() + j * (nn + N);
+    cn = threshold_band(key, row_of.data(), n_rows, nn, kmax * std::exp2(e_lo), kmax * std::exp2(e_hi),
+                        band_key.data(), band_rows.data(), base.data());
+    ck = band_key.data();
+    for (size_t j = 0; j < rows; ++j) row_of[j] = band_rows[j];
+    banded = true;
+  };
+  // A hint (the caller's guess of the answer, e.g. the last step's) puts the band around it
+  // at once: the band pass also sums what lies above it, which tells whether the answer is
+  // inside (reach at the band's low end, none at its high end). Otherwise the band is
+  // dropped and the bisection runs as without a hint, which the miss cost one pass.
+  if (hint > 0 && hint <= kmax) {
+    const float e = std::log2(hint / kmax);
+    const float e_lo = std::max(kLo, std::floor(e) - 2), e_hi = std::min(0.0f, e_lo + 4);
+    make_band(e_lo, e_hi);
+    bool reach_lo = true, reach_hi = true;
+    thread_local std::vector<double> band_total;
+    band_total.resize(rows);
+    threshold_row_sums(ck, row_of.data(), n_rows, cn, 0.0f, band_total.data());
+    for (int j : id_of) {
+      reach_hi = reach_hi && base[j] >= need[j];
+      reach_lo = reach_lo && base[j] + band_total[j] >= need[j];
     }
+    if (reach_lo && !reach_hi && e_lo < e_hi) {
+      lo = e_lo;
+      hi = e_hi;
+    } else {  // back to the whole list
+      if (reach_hi) lo = e_hi;
+      if (!reach_lo) hi = e_lo;
+      ck = key;
+      cn = nn;
+      for (size_t j = 0; j < rows; ++j) row_of[j] = w + j * nn;
+      std::fill(base.begin(), base.end(), 0.0);
+      banded = false;
+    }
+  }
+  while (hi - lo > 1.0f / 64) {
+    if (!banded && hi - lo <= 4) make_band(lo, hi);
     const float mid = 0.5f * (lo + hi);
     if (reached(kmax * std::exp2(mid))) {
       lo = mid;
@@ -316,11 +346,12 @@ namespace cumulus::cpu {
 HWY_EXPORT(select_mass_threshold_impl);
 HWY_EXPORT(select_any_above_impl);
 
-float select_mass_threshold(const float* key, const float* w, int n_rows, int n, const double* need, double* sum_at) {
+float select_mass_threshold(const float* key, const float* w, int n_rows, int n, const double* need, double* sum_at,
+                            float hint) {
   CUMULUS_CHECK(n_rows >= 1 && n >= 0, "select_mass_threshold: n_rows={} must be >= 1 and n={} >= 0", n_rows, n);
   CUMULUS_CHECK(need != nullptr && (n == 0 || (key != nullptr && w != nullptr)),
                 "select_mass_threshold: key, w and need must be non-null for n={}", n);
-  return HWY_DYNAMIC_DISPATCH(select_mass_threshold_impl)(key, w, n_rows, n, need, sum_at);
+  return HWY_DYNAMIC_DISPATCH(select_mass_threshold_impl)(key, w, n_rows, n, need, sum_at, hint);
 }
 
 void select_any_above(const float* w, int n_rows, int n, const float* tau, int32_t base, std::vector<int32_t>& out) {
