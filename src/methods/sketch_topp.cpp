@@ -144,17 +144,18 @@ class SketchTopp final : public DecodeMethod {
     // the threads share the rows however the heads differ).
     lse_.resize(static_cast<size_t>(shape_.n_q_heads));
     methods::attend_selection(kv, layer, q, *ctx.pool, out, lse_.data());
-    // 4. Claims, and more tokens for the heads that fall short.
-    for (int round = 1;; ++round) {
-      bool more = false;
-      for (int h = 0; h < n_kv; ++h) {
-        Scratch& w = scratch_[static_cast<size_t>(h)];
-        add_.selection.tokens.resize(static_cast<size_t>(n_kv));
-        add_.selection.tokens[h].clear();
-        if (w.dense) {
-          for (int j = 0; j < g; ++j) out.stats[h * g + j].mass_claimed = 1.0;
-          continue;
-        }
+    // 4. Claims, and more tokens for the heads that fall short: one task per kv head. A
+    // head short of P adds tokens (extend_union), scores and attends them on its own
+    // thread and merges them by log-sum-exp, at most kRounds times.
+    ctx.pool->parallel_for(n_kv, [&](int64_t hh, int) {
+      const int h = static_cast<int>(hh);
+      Scratch& w = scratch_[static_cast<size_t>(h)];
+      if (w.dense) {
+        for (int j = 0; j < g; ++j) out.stats[h * g + j].mass_claimed = 1.0;
+        return;
+      }
+      auto& t = out.selection.tokens[h];
+      for (int round = 1;; ++round) {
         bool short_of_p = false;
         for (int j = 0; j < g; ++j) {
           const double a = std::exp(static_cast<double>(lse_[h * g + j]) - w.shift[j]);
@@ -162,33 +163,16 @@ class SketchTopp final : public DecodeMethod {
           out.stats[h * g + j].mass_claimed = std::min(1.0, a / total);
           short_of_p = short_of_p || a < o_.p * total;
         }
-        if (short_of_p) {
-          extend_union(h, round, out.selection.tokens[h], add_.selection.tokens[h], w);
-          more = more || !add_.selection.tokens[h].empty();
-        }
+        if (!short_of_p || round > kRounds) break;
+        extend_union(h, round, t, w.added, w);
+        if (w.added.empty()) break;
+        attend_added(h, q, kv.view(layer, h), w, out);
+        w.merged.clear();
+        std::merge(t.begin(), t.end(), w.added.begin(), w.added.end(), std::back_inserter(w.merged));
+        t.swap(w.merged);
+        for (int j = 0; j < g; ++j) out.stats[h * g + j].tokens_attended = static_cast<int>(t.size());
       }
-      if (!more) break;
-      // The added tokens attended, then merged with what each head holds.
-      add_.out.assign(out.out.size(), 0.0f);
-      add_.stats.assign(out.stats.size(), StepStats{});
-      lse_add_.resize(lse_.size());
-      methods::attend_selection(kv, layer, q, *ctx.pool, add_, lse_add_.data());
-      for (int h = 0; h < n_kv; ++h) {
-        const auto& a = add_.selection.tokens[h];
-        if (a.empty()) continue;
-        auto& t = out.selection.tokens[h];
-        merged_.clear();
-        std::merge(t.begin(), t.end(), a.begin(), a.end(), std::back_inserter(merged_));
-        t.swap(merged_);
-        for (int j = 0; j < g; ++j) {
-          const int qh = h * g + j;
-          methods::merge_partial(lse_[qh], out.out.data() + static_cast<size_t>(qh) * shape_.head_dim, lse_add_[qh],
-                                 add_.out.data() + static_cast<size_t>(qh) * shape_.head_dim, shape_.head_dim);
-          out.stats[qh].tokens_attended = static_cast<int>(t.size());
-          out.stats[qh].bytes_read += add_.stats[qh].bytes_read;
-        }
-      }
-    }
+    });
     // rest=mean: the tokens not read join the output with their estimated mass and the
     // mean value row of the head, o = (A o_U + R vbar) / (A + R).
     if (o_.rest_mean && !dense) {
@@ -224,6 +208,10 @@ class SketchTopp final : public DecodeMethod {
     std::vector<double> est_union;   // [g] sum over the union of e_jt
     std::vector<double> need;        // [g]
     std::vector<int32_t> wider;      // a round's union
+    std::vector<int32_t> added;      // a round's tokens not in the union yet
+    std::vector<int32_t> merged;     // the union with them
+    std::vector<float> added_w;      // [g][added] their scores, then normalised weights
+    std::vector<float> added_o;      // [g][head_dim] attention over them
     double candidate_p = 0;          // the share the union was chosen at
   };
 
@@ -367,6 +355,35 @@ class SketchTopp final : public DecodeMethod {
     return kappa;
   }
 
+  // Attends kv head h's group over w.added (tokens not in its union) on this thread and
+  // merges the result into out's rows and lse_ by log-sum-exp; counts their K and V bytes.
+  void attend_added(int h, const float* q_all, const PagedHeadView& v, Scratch& w, AttnOutput& out) {
+    const int g = shape_.group();
+    const int d = shape_.head_dim;
+    const float scale = attention_scale(d);
+    const int m = static_cast<int>(w.added.size());
+    const float* q = q_all + static_cast<size_t>(h) * g * d;
+    w.added_w.resize(static_cast<size_t>(g) * m);
+    w.added_o.resize(static_cast<size_t>(g) * d);
+    cpu::token_score(v, q, g, w.added.data(), m, w.added_w.data());
+    std::vector<float> lse(static_cast<size_t>(g));
+    for (int j = 0; j < g; ++j) {
+      float* x = w.added_w.data() + static_cast<size_t>(j) * m;
+      const float top = scale * cpu::score_max(x, m);
+      const double l = cpu::score_exp(x, m, scale, top, x);
+      const float inv = static_cast<float>(1.0 / l);
+      for (int i = 0; i < m; ++i) x[i] *= inv;
+      lse[j] = top + static_cast<float>(std::log(l));
+    }
+    cpu::attention_weighted_values(v, w.added.data(), m, w.added_w.data(), g, w.added_o.data());
+    for (int j = 0; j < g; ++j) {
+      const int qh = h * g + j;
+      methods::merge_partial(lse_[qh], out.out.data() + static_cast<size_t>(qh) * d, lse[j],
+                             w.added_o.data() + static_cast<size_t>(j) * d, d);
+    }
+    methods::add_kv_head_bytes(shape_, h, static_cast<double>(m) * 2 * v.row_bytes(), out);
+  }
+
   // Step 4 for kv head h in `round` (1-based): the tokens to add to its union `have`.
   void extend_union(int h, int round, const std::vector<int32_t>& have, std::vector<int32_t>& add, Scratch& w) const {
     const int g = shape_.group();
@@ -390,9 +407,7 @@ class SketchTopp final : public DecodeMethod {
   SketchToppOptions o_;
   std::vector<std::vector<HeadSketch>> sketch_;  // [n_layers][n_kv_heads]
   std::vector<Scratch> scratch_;                 // [n_kv_heads]
-  std::vector<float> lse_, lse_add_;             // [n_q_heads]
-  AttnOutput add_;                               // a round's added tokens, attended
-  std::vector<int32_t> merged_;
+  std::vector<float> lse_;                       // [n_q_heads]
 };
 
 }  // namespace

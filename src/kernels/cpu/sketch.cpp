@@ -219,10 +219,11 @@ CUMULUS_SKETCH_ATTR void sketch_tile(const KeySketchView& s, const SketchQuery* 
       }
     }
   };
-  // The codes kAhead blocks on, into L2 (prefetch.h): the dot products keep the core busy
+  // The codes about 8 KB on, into L2 (prefetch.h): the dot products keep the core busy
   // enough that the hardware prefetcher alone let the scan fall to a third of the
   // bandwidth a plain read reaches.
-  constexpr int kAhead = 8;
+  // About 8 KB ahead: 8 blocks at head_dim 128, 16 at 64, 4 at 256.
+  const int kAhead = std::max(4, static_cast<int>(8192 / block_bytes));
   auto prefetch = [&](int t_next) {
     if (t_next >= t1) return;
     const char* p = reinterpret_cast<const char*>(s.codes + static_cast<size_t>(t_next / kSketchBlock) * block_bytes);
