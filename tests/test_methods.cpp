@@ -175,7 +175,6 @@ TEST(Methods, AtFullMassEveryMethodEqualsDense) {
         {"oracle_topk", {{"k", "300"}}},
         {"streaming", {{"sinks", "4"}, {"window", "296"}}},
         {"quest", {{"budget", "300"}}},
-        {"hier_topp", {{"p", "1"}, {"min_context", "0"}}},
         {"sketch_topp", {{"p", "1"}, {"min_context", "0"}}}};
     for (const auto& [m, params] : full) {
       AttnOutput out = run(m, f, params);
@@ -193,7 +192,6 @@ TEST(Methods, OutputErrorWithinTheBound) {
         {"oracle_topk", {{"k", "64"}}},
         {"streaming", {{"sinks", "4"}, {"window", "100"}}},
         {"quest", {{"budget", "128"}}},
-        {"hier_topp", {{"p", "0.8"}, {"min_context", "0"}}},
         // The bound is for attention over a set: rest=none (rest=mean adds an estimate of
         // what was left out; SketchTopp.RestMeanAddsTheEstimatedRestTimesTheMeanValue).
         {"sketch_topp", {{"p", "0.8"}, {"min_context", "0"}, {"rest", "none"}}}};
@@ -346,99 +344,6 @@ TEST(Methods, BadInputNamesTheValue) {
   f.q[3 * 64 + 7] = INFINITY;
   expect_error([&] { decode_step(*m, 0, f.q.data(), f.kv, ctx, out); }, "q[head=3][dim=7]=inf");
   expect_error([&] { decode_step(*m, 1, f.q.data(), f.kv, ctx, out); }, "layer=1");
-}
-
-// With every page a candidate, hier_topp's total is exact: for a group of one it must pick
-// the minimal top-p set (the float64 count here, as oracle_topp), and its claim must be the
-// set's true mass.
-TEST(HierTopp, EveryPageScoredGivesTheMinimalSet) {
-  for (double p : {0.5, 0.9}) {
-    // 1024 tokens: no partial last page (it would be attended as part of the recent tokens).
-    Fixture f = make_fixture({1, 4, 4, 32}, 1024, 11);
-    AttnOutput out = run("hier_topp", f,
-                         {{"p", std::to_string(p)},
-                          {"candidate_p", "1"},
-                          {"dense_above", "1"},
-                          {"sinks", "0"},
-                          {"recent", "0"},
-                          {"min_context", "0"}});
-    for (int qh = 0; qh < f.shape.n_q_heads; ++qh) {
-      expect_minimal_set(f, qh, p, out.selection.tokens[qh].size());
-      EXPECT_GE(out.stats[qh].mass_claimed, p - 1e-5);
-      EXPECT_NEAR(out.stats[qh].mass_true, out.stats[qh].mass_claimed, 1e-4);
-    }
-  }
-}
-
-// The group's union is pruned so that every head reaches P over the union (not over a list
-// of its own). With the defaults the pages not scored are estimated, so the claim is an
-// estimate: on these fixtures (pages of one cluster each) it stays within 0.05 of the true
-// mass. Sinks and recent tokens are always in the union. A kv head whose candidates pass
-// dense_above (the group of 8 heads, each leaning to its own cluster) attends densely and
-// claims 1; the others attend far fewer tokens than dense.
-TEST(HierTopp, EveryHeadReachesPOverTheUnion) {
-  int sparse_heads = 0;
-  for (const Shape& s : kShapes) {
-    Fixture f = make_fixture(s, 3000, 17, DType::f16, 3.0f, 32);
-    AttnOutput out = run("hier_topp", f, {{"min_context", "0"}});
-    for (int h = 0; h < s.n_kv_heads; ++h) {
-      const auto& t = out.selection.tokens[h];
-      EXPECT_TRUE(std::is_sorted(t.begin(), t.end()));
-      for (int i : {0, 1, 2, 3, 2936, 2999}) EXPECT_TRUE(std::binary_search(t.begin(), t.end(), i)) << i;
-      const bool dense = t.size() == 3000u;
-      sparse_heads += dense ? 0 : 1;
-      EXPECT_TRUE(dense || t.size() < 3000u / 2) << "kv head " << h << ": " << t.size();
-      for (int j = 0; j < s.group(); ++j) {
-        const StepStats& st = out.stats[h * s.group() + j];
-        EXPECT_EQ(st.tokens_attended, static_cast<int>(t.size()));
-        if (dense) {
-          EXPECT_EQ(st.mass_claimed, 1.0);
-          continue;
-        }
-        EXPECT_GE(st.mass_claimed, 0.9 - 1e-6) << "kv head " << h << " query " << j;
-        EXPECT_NEAR(st.mass_true, st.mass_claimed, 0.05) << "kv head " << h << " query " << j;
-      }
-    }
-  }
-  EXPECT_GE(sparse_heads, 6) << "the fixtures should leave most kv heads sparse";
-}
-
-// Every page scored with the default sinks and recent tokens, on GQA groups: the total is
-// exact, so each head's claim is the union's true mass and reaches P.
-TEST(HierTopp, EveryPageScoredClaimsTheTrueMass) {
-  for (const Shape& s : kShapes) {
-    Fixture f = make_fixture(s, 2000, 23, DType::f16, 3.0f, 16);
-    AttnOutput out = run("hier_topp", f, {{"candidate_p", "1"}, {"dense_above", "1"}, {"min_context", "0"}});
-    for (int qh = 0; qh < s.n_q_heads; ++qh) {
-      EXPECT_GE(out.stats[qh].mass_claimed, 0.9 - 1e-6) << "head " << qh;
-      EXPECT_NEAR(out.stats[qh].mass_true, out.stats[qh].mass_claimed, 1e-4) << "head " << qh;
-    }
-  }
-}
-
-// rest=bound: the pages not scored count with Quest's upper bound, so every claim is a
-// lower bound of the union's true mass (float32 scores: within 1e-4) and reaches P.
-TEST(HierTopp, BoundedRestMakesEveryClaimALowerBound) {
-  for (const Shape& s : kShapes) {
-    Fixture f = make_fixture(s, 3000, 31, DType::f16, 3.0f, 32);
-    AttnOutput out = run("hier_topp", f, {{"rest", "bound"}, {"dense_above", "1"}, {"min_context", "0"}});
-    for (int qh = 0; qh < s.n_q_heads; ++qh) {
-      EXPECT_GE(out.stats[qh].mass_claimed, 0.9 - 1e-6) << "head " << qh;
-      EXPECT_LE(out.stats[qh].mass_claimed, out.stats[qh].mass_true + 1e-4) << "head " << qh;
-    }
-  }
-  Fixture f = make_fixture({1, 4, 4, 32}, 100, 1);
-  EXPECT_THROW(run("hier_topp", f, {{"rest", "upper"}}), Error);
-}
-
-// The cost rule: contexts of at most min_context tokens attend every token and claim 1.
-TEST(HierTopp, ShortContextsAttendDensely) {
-  Fixture f = make_fixture({1, 8, 2, 64}, 900, 5);
-  AttnOutput dense = run("dense", f, {});
-  AttnOutput out = run("hier_topp", f, {});  // min_context defaults to 1024
-  for (const auto& t : out.selection.tokens) EXPECT_EQ(t.size(), 900u);
-  for (const auto& st : out.stats) EXPECT_EQ(st.mass_claimed, 1.0);
-  EXPECT_LT(rel_err(out.out, dense.out), 1e-6);
 }
 
 namespace {

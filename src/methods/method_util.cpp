@@ -63,29 +63,6 @@ void attend_selection(const KvCache& kv, int layer, const float* q, ThreadPool& 
   }
 }
 
-void attend_dense_heads(const Shape& shape, const KvCache& kv, int layer, const float* q, ThreadPool& pool,
-                        const std::vector<char>& dense_head, AttnOutput& scratch, AttnOutput& out) {
-  // The flagged heads' lists move into scratch (the others' lists stay empty there, so the
-  // sparse kernel attends nothing for them), then their rows, lists and stats move back.
-  const int g = shape.group();
-  attn_output_reset(shape, scratch);
-  for (int h = 0; h < shape.n_kv_heads; ++h) {
-    scratch.selection.tokens[h].clear();
-    if (dense_head[h]) std::swap(scratch.selection.tokens[h], out.selection.tokens[h]);
-  }
-  attend_selection(kv, layer, q, pool, scratch);
-  const size_t rows = static_cast<size_t>(g) * shape.head_dim;
-  for (int h = 0; h < shape.n_kv_heads; ++h) {
-    if (!dense_head[h]) continue;
-    std::swap(scratch.selection.tokens[h], out.selection.tokens[h]);
-    std::copy_n(scratch.out.data() + h * rows, rows, out.out.data() + h * rows);
-    for (int j = 0; j < g; ++j) {
-      out.stats[h * g + j].tokens_attended = scratch.stats[h * g + j].tokens_attended;
-      out.stats[h * g + j].bytes_read += scratch.stats[h * g + j].bytes_read;
-    }
-  }
-}
-
 void merge_partial(float& lse1, float* o1, float lse2, const float* o2, int head_dim) {
   if (lse2 == -std::numeric_limits<float>::infinity()) return;
   if (lse1 == -std::numeric_limits<float>::infinity()) {

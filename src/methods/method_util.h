@@ -34,14 +34,6 @@ void attn_output_reset(const Shape& shape, AttnOutput& out);
 void attend_selection(const KvCache& kv, int layer, const float* q, ThreadPool& pool, AttnOutput& out,
                       float* lse = nullptr);
 
-// The kv heads flagged in dense_head [n_kv_heads] attend every token through
-// attend_selection, the others keep what out already holds: out.selection.tokens[h] of a
-// flagged head must list every token; its output rows, tokens_attended and bytes (added to
-// the bytes its selection already read) are written into out. scratch: an AttnOutput the
-// call reuses. For methods whose cost rule sends some heads to dense attention.
-void attend_dense_heads(const Shape& shape, const KvCache& kv, int layer, const float* q, ThreadPool& pool,
-                        const std::vector<char>& dense_head, AttnOutput& scratch, AttnOutput& out);
-
 // Merges two attention outputs over disjoint sets of one query head (log-sum-exp lse1,
 // lse2; -inf for an empty set) into the first: o1 = (e^lse1 o1 + e^lse2 o2) / (e^lse1 +
 // e^lse2), lse1 = log(e^lse1 + e^lse2). o1, o2: [head_dim].

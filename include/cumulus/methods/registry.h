@@ -86,7 +86,6 @@ void register_streaming(Registry& r);
 void register_quest(Registry& r);
 // Seed methods (issue 4): src/methods/{tactic,psa,lfps}.cpp.
 void register_tactic(Registry& r);
-void register_hier_topp(Registry& r);
 void register_sketch_topp(Registry& r);
 void register_psa(Registry& r);
 void register_lfps(Registry& r);
