@@ -113,6 +113,7 @@ struct SparseDecoder::Base {
   DeviceBuffer claimed;  // [n_seqs * n_q] float32
   DeviceBuffer budget;   // [n_seqs * n_q] int32
   DeviceBuffer counts;   // [n_seqs * n_kv_heads][bitmap_tiles(words)] compaction scratch
+  DeviceBuffer lse_own;  // [n_seqs * n_q] attend()'s lse when the caller passes none and the method needs it
   std::unique_ptr<AttentionPlan> plan;
 
   Base(const DeviceKvView& v, int g, const AttentionPlanOptions& po);

@@ -26,6 +26,7 @@ SparseDecoder::Base::Base(const DeviceKvView& v, int g, const AttentionPlanOptio
   claimed = DeviceBuffer(static_cast<size_t>(kv.n_seqs) * n_q * sizeof(float));
   budget = DeviceBuffer(static_cast<size_t>(kv.n_seqs) * n_q * sizeof(int32_t));
   counts = DeviceBuffer(static_cast<size_t>(n_lists) * bitmap_tiles(words) * sizeof(int));
+  lse_own = DeviceBuffer(static_cast<size_t>(kv.n_seqs) * n_q * sizeof(float));
   plan = std::make_unique<AttentionPlan>(kv, g, po);
 }
 
@@ -44,10 +45,12 @@ void SparseDecoder::attend(const float* q, float* out, float* lse, const float* 
   a.idx_len = b.len.as<int32_t>();
   a.idx_stride = b.stride;
   a.out = out;
+  if (lse == nullptr && needs_lse()) lse = b.lse_own.as<float>();
   a.lse = lse;
   a.lse_ref = lse_ref;
   a.mass = mass;
   attention_decode(a, *b.plan, stream);
+  if (needs_lse()) after_attend(lse, stream);
 }
 
 const int32_t* SparseDecoder::list_idx() const { return base_->idx.as<int32_t>(); }
