@@ -185,16 +185,19 @@ double copy_bandwidth(cuda::Stream& stream, int iters, json& out) {
 
 struct Accuracy {
   double mass = 0, claimed = 0, tokens_frac = 0, rel_err = 0, max_err = 0;
+  double ge_p = 0;  // share of query heads whose true mass reaches p
   int claimed_n = 0;
 };
 
 // Per-head accuracy of one sparse step against dense outputs.
 Accuracy accuracy(const std::vector<float>& out, const std::vector<float>& dense_out, const std::vector<float>& mass,
-                  const cuda::SparseStepStats& st, int n_q, int n_kv, int d, const std::vector<int>& n_tokens) {
+                  const cuda::SparseStepStats& st, int n_q, int n_kv, int d, const std::vector<int>& n_tokens,
+                  double p) {
   Accuracy a;
   const size_t heads = mass.size();
   for (size_t i = 0; i < heads; ++i) {
     a.mass += mass[i] / heads;
+    a.ge_p += (mass[i] >= p ? 1.0 : 0.0) / heads;
     if (!std::isnan(st.claimed[i])) a.claimed += st.claimed[i], ++a.claimed_n;
     double num = 0, den = 0;
     for (int j = 0; j < d; ++j) {
@@ -334,8 +337,9 @@ cuda::TacticGpuOptions tactic_options(const std::string& name, double p) {
   return o;
 }
 
-// sketch_topp, and sketch_topp_wN_hN: the same with the weights pass's and the histogram
-// pass's tokens per CTA set (SketchToppGpuOptions::weights_chunk, hist_chunk; 0 = planned).
+// sketch_topp, and sketch_topp_wN_hN_dM: the same with the weights pass's and the
+// histogram pass's tokens per CTA set (SketchToppGpuOptions::weights_chunk, hist_chunk; 0 =
+// planned) and the step's dense cost rule at M MiB of K/V (dense_kv_bytes; d0: never).
 bool is_sketch(const std::string& name) { return name.rfind("sketch_topp", 0) == 0; }
 
 cuda::SketchToppGpuOptions sketch_options(const std::string& name, double p) {
@@ -345,9 +349,12 @@ cuda::SketchToppGpuOptions sketch_options(const std::string& name, double p) {
   std::string part;
   while (std::getline(ss, part, '_')) {
     if (part.empty()) continue;
-    CUMULUS_CHECK(part.size() >= 2 && (part[0] == 'w' || part[0] == 'h'),
-                  "method '{}': '{}' must be wN or hN (tokens per CTA of the weights / histogram pass)", name, part);
-    (part[0] == 'w' ? o.weights_chunk : o.hist_chunk) = std::stoi(part.substr(1));
+    CUMULUS_CHECK(part.size() >= 2 && (part[0] == 'w' || part[0] == 'h' || part[0] == 'd'),
+                  "method '{}': '{}' must be wN, hN (tokens per CTA of the weights / histogram pass) or dM (MiB)",
+                  name, part);
+    const int v = std::stoi(part.substr(1));
+    if (part[0] == 'd') o.dense_kv_bytes = static_cast<size_t>(v) << 20;
+    else (part[0] == 'w' ? o.weights_chunk : o.hist_chunk) = v;
   }
   return o;
 }
@@ -380,8 +387,8 @@ std::unique_ptr<cuda::SparseDecoder> make_method(const std::string& name, const 
   if (name == "quest") return cuda::make_quest_gpu(kv, group, quest_budget, po);
   if (name == "oracle_topp") return cuda::make_oracle_topp_gpu(kv, group, p, po);
   CUMULUS_FAIL(
-      "unknown method '{}' (sketch_topp, sketch_topp_wN_hN, tactic, tactic_split, tactic_s4, tactic_cmarks, tactic_msN, psa, psa_mb4, quest, "
-      "oracle_topp)",
+      "unknown method '{}' (sketch_topp, sketch_topp_wN_hN_dM, tactic, tactic_split, tactic_s4, tactic_cmarks, "
+      "tactic_msN, psa, psa_mb4, quest, oracle_topp)",
       name);
 }
 
@@ -404,14 +411,15 @@ json run_sparse(const std::string& name, const Problem& pb, cuda::Stream& st, Ti
   m->check(st.handle());
   const cuda::SparseStepStats ss = m->stats(st.handle());
   const Accuracy acc = accuracy(cuda::to_host<float>(out, nq * d), dense_out, cuda::to_host<float>(mass, nq), ss, n_q,
-                                kv.n_kv_heads, d, pb.dev->n_tokens());
+                                kv.n_kv_heads, d, pb.dev->n_tokens(), p);
   json phases = json::array();
   for (const auto& [phase, us] : m->phase_times(st.handle())) phases.push_back({phase, us});
   if (acc_out != nullptr) *acc_out = acc;
   size_t attended = 0;
   for (int t : ss.tokens) attended += t;
   json r = {{"method", name}, {"prefill_s", prefill_s}, {"true_mass", acc.mass}, {"tokens_frac", acc.tokens_frac},
-            {"rel_err", acc.rel_err}, {"max_err", acc.max_err}, {"attended_tokens", attended}};
+            {"rel_err", acc.rel_err}, {"max_err", acc.max_err}, {"attended_tokens", attended},
+            {"ge_p_share", acc.ge_p}};
   r["claimed"] = acc.claimed_n ? json(acc.claimed) : json(nullptr);
   if (!phases.empty()) r["select_phases_us"] = phases;  // one untimed step, mean over query heads
   double budget_mean = 0;
@@ -547,7 +555,7 @@ json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Time
           m->attend(q.as<float>(), out.as<float>(), lse.as<float>(), dlse.as<float>(), mass.as<float>(), st.handle());
           m->check(st.handle());
           acc = accuracy(cuda::to_host<float>(out, nq * d), dense_out, cuda::to_host<float>(mass, nq),
-                         m->stats(st.handle()), t.n_q_heads, t.n_kv_heads, d, dev.n_tokens());
+                         m->stats(st.handle()), t.n_q_heads, t.n_kv_heads, d, dev.n_tokens(), o.p);
           if (last) {
             cuda::Graph g = cuda::Graph::capture(st.handle(), [&] {
               m->select(q.as<float>(), st.handle());
@@ -572,9 +580,10 @@ json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Time
         m.rel_err += a.rel_err / v.size();
         m.max_err = std::max(m.max_err, a.max_err);
         m.claimed += a.claimed / v.size();
+        m.ge_p += a.ge_p / v.size();
       }
       lj[name] = {{"true_mass", m.mass}, {"tokens_frac", m.tokens_frac}, {"rel_err", m.rel_err},
-                  {"max_err", m.max_err}, {"claimed", m.claimed}, {"step_us", step_us[name]},
+                  {"max_err", m.max_err}, {"claimed", m.claimed}, {"ge_p_share", m.ge_p}, {"step_us", step_us[name]},
                   {"speedup_vs_our_dense", dense_us / step_us[name]}};
     }
     layers.push_back(lj);
@@ -695,11 +704,12 @@ int main(int argc, char** argv) {
                      100 * r["tokens_frac"].get<double>(), r["rel_err"].get<double>());
           if (r.contains("floor_us"))
             fmt::print("  batch {:>2}: {:<12} byte floor {:7.1f} us (sketch {:.1f} MB: {:.1f} us; union K/V {:.1f} MB: "
-                       "{:.1f} us) at the copy bandwidth; claimed {:.3f}\n",
+                       "{:.1f} us) at the copy bandwidth; claimed {:.3f}; true mass >= p on {:.1f}% of heads\n",
                        b, name, r["floor_us"].get<double>(), r["sketch_bytes"].get<double>() / 1e6,
                        r["floor_select_us"].get<double>(),
                        (r["floor_bytes"].get<double>() - r["sketch_bytes"].get<double>()) / 1e6,
-                       r["floor_attend_us"].get<double>(), r["claimed"].is_null() ? 0.0 : r["claimed"].get<double>());
+                       r["floor_attend_us"].get<double>(), r["claimed"].is_null() ? 0.0 : r["claimed"].get<double>(),
+                       100 * r["ge_p_share"].get<double>());
           if (r.contains("select_phases_us")) {
             std::string line;
             for (const auto& ph : r["select_phases_us"])
@@ -729,10 +739,11 @@ int main(int argc, char** argv) {
       for (const auto& l : traces.back()["layers"])
         for (const auto& name : o.methods)
           if (l.contains(name))
-            fmt::print("  layer {:>2} {:<12} mass {:.3f} tokens {:5.1f}% err {:.4f} step {:6.1f} us (dense {:6.1f} us)\n",
+            fmt::print("  layer {:>2} {:<12} mass {:.3f} (>= p {:5.1f}%) tokens {:5.1f}% err {:.4f} step {:6.1f} us "
+                       "(dense {:6.1f} us)\n",
                        l["layer"].get<int>(), name, l[name]["true_mass"].get<double>(),
-                       100 * l[name]["tokens_frac"].get<double>(), l[name]["rel_err"].get<double>(),
-                       l[name]["step_us"].get<double>(), l["dense_us"].get<double>());
+                       100 * l[name]["ge_p_share"].get<double>(), 100 * l[name]["tokens_frac"].get<double>(),
+                       l[name]["rel_err"].get<double>(), l[name]["step_us"].get<double>(), l["dense_us"].get<double>());
     }
     report["traces"] = traces;
     cumulus::file_write_atomic(o.json_path, report.dump(1), "--json");

@@ -40,28 +40,28 @@ if command -v cuobjdump > /dev/null; then  # registers, shared memory and spills
 fi
 
 stamp "== CUDA tests"
-timeout "${TEST_TIMEOUT:-150}" "$BIN/cumulus_cuda_tests" --gtest_color=no \
-  --gtest_filter="${TESTS:-CudaSketchTopp.*:CudaMethods.*:CudaAttention.*:CudaOps.*}" > "$LOG/tests.log" 2>&1
+timeout "${TEST_TIMEOUT:-120}" "$BIN/cumulus_cuda_tests" --gtest_color=no \
+  --gtest_filter="${TESTS:-CudaSketchTopp.*:CudaMethods.*}" > "$LOG/tests.log" 2>&1
 echo "tests rc=$?"
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|error|GPU vs CPU|sketch_topp" "$LOG/tests.log" | head -60
 
 stamp "== GPU decode benchmark"
 traces=()
 for t in traces/*.bin; do [ -f "$t" ] && traces+=(--trace "$t"); done
-timeout "${BENCH_TIMEOUT:-300}" "$BIN/cuda_decode_bench" --contexts "${CONTEXTS:-8192,32768,131072}" \
+timeout "${BENCH_TIMEOUT:-280}" "$BIN/cuda_decode_bench" --contexts "${CONTEXTS:-8192,32768,131072}" \
   --batches "${BATCHES:-1,4,16}" --methods "${METHODS:-sketch_topp,tactic}" ${BENCH_ARGS:-} "${traces[@]}" \
   --json "$OUT/cuda_decode_bench.json" > "$LOG/bench.log" 2>&1
 echo "bench rc=$?"
 grep -vE "^  (batch .* dense |layer .* dense )" "$LOG/bench.log" | tail -60
 
 stamp "== PyTorch SDPA"
-PYTHONUNBUFFERED=1 timeout "${TORCH_TIMEOUT:-120}" python3 tools/device/torch_sdpa_bench.py \
+PYTHONUNBUFFERED=1 timeout "${TORCH_TIMEOUT:-90}" python3 tools/device/torch_sdpa_bench.py \
   --contexts "${CONTEXTS:-8192,32768,131072}" --batches "${BATCHES:-1,4,16}" --backends cudnn,flash \
   --json "$OUT/torch_sdpa.json" > "$LOG/torch.log" 2>&1
 echo "torch rc=$?"
 tail -12 "$LOG/torch.log"
 if [ -f traces/smollm2_8k_l3_15_27.bin ]; then  # the SmolLM2 trace's shape: 9 query / 3 kv heads, d 64, last step
-  PYTHONUNBUFFERED=1 timeout 60 python3 tools/device/torch_sdpa_bench.py --shape 9,3,64 --contexts 8016 --batches 1 \
+  PYTHONUNBUFFERED=1 timeout 40 python3 tools/device/torch_sdpa_bench.py --shape 9,3,64 --contexts 8016 --batches 1 \
     --backends cudnn,flash --json "$OUT/torch_smollm2.json" > "$LOG/torch_smollm2.log" 2>&1
   echo "torch (SmolLM2 trace shape) rc=$?"
   tail -4 "$LOG/torch_smollm2.log"

@@ -46,7 +46,9 @@ class SparseDecoder {
   void attend(const float* q, float* out, float* lse, const float* lse_ref = nullptr, float* mass = nullptr,
               void* stream = nullptr);
 
-  // The lists of the last select(): idx [n_seqs][n_kv_heads][stride], len [n_seqs][n_kv_heads].
+  // The lists of the last select(): idx [n_seqs][n_kv_heads][stride], len [n_seqs][n_kv_heads]
+  // (not written by a step that a method's cost rule sends wholly to dense attention:
+  // stats() then reports every token).
   const int32_t* list_idx() const;
   const int32_t* list_len() const;
   int list_stride() const;
@@ -159,8 +161,14 @@ struct SketchToppGpuOptions {
   int recent = 64;
   int min_context = 1024;    // contexts of at most this many tokens attend densely
   double dense_above = 0.5;  // a kv head whose union exceeds this share of its tokens attends densely
+  // GPU only, a cost rule of the whole step: when the batch's K/V (every sequence at the
+  // view's max_tokens, K and V) is at most this many bytes, select() enqueues nothing and
+  // attend() runs the dense kernel (claims 1). A step's selection costs a few fixed
+  // launches whatever the context; below this size they cost more than the bytes they
+  // save (docs/cuda.md "sketch_topp on the GPU" has the measurements). 0: never.
+  size_t dense_kv_bytes = size_t{256} << 20;
   // Tokens per CTA of the weights pass and of the histogram pass (0: planned from the batch
-  // and the multiprocessor count; multiples of 512 and 1024).
+  // and the multiprocessor count; multiples of 512).
   int weights_chunk = 0;
   int hist_chunk = 0;
 };

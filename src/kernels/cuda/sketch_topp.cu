@@ -6,14 +6,18 @@
 // device, no host synchronisation (graph-capturable):
 //   1. weights pass (one launch, many CTAs per list): the group's queries quantised to int8
 //      as key_sketch_quantize_query does, every token's estimate s_jt = scale est_jt from
-//      the codes (__dp4a on the nibbles), written as float logits [list][G][n], and per
-//      CTA the flash-decoding partials (max, sum of exp) per query head. Tokens appended
-//      since the last step are encoded first, by the CTA that owns them.
+//      the codes (__dp4a on the nibbles), written as 16-bit fixed point below the largest of
+//      its 64-token group (s = m64 + q / 1024, q in [-32767, 0]: 2^-11 at most off, a weight
+//      within 0.05%; anything e^-32 below its group's largest weighs nothing here) with the
+//      groups' maxima, and per CTA the flash-decoding partials (max, sum of exp) per query
+//      head from the exact estimates. Tokens appended since the last step are encoded
+//      first, by the CTA that owns them.
 //   2. histogram pass (one launch): the partials merged (M_j, S_j), each token's key
 //      max_j exp(s_jt - M_j) / S_j (2 for the sinks and recent tokens) placed in its
 //      threshold bin c(t) = min{m : key >= kmax 2^(-m/64)} (m <= 2048; 2049 below), the
 //      weights summed per bin and query head in 2^-31 fixed point (exact and
-//      deterministic: shared-memory then global 32-bit integer atomics). The list's last
+//      deterministic: shared-memory 32-bit atomics, then the CTAs' bins merged with global
+//      64-bit atomics that each carry two 32-bit sums). The list's last
 //      CTA (ticket) scans the bins: the first m where every head reaches candidate_p of
 //      its total is the CPU's threshold (select_mass_threshold: kmax 2^-m/64, at least one
 //      step below kmax; every token when no bin suffices), the cost rule (union above
@@ -48,7 +52,9 @@ constexpr float kFixF = 2147483648.0f;  // 2^31
 constexpr double kFix = 2147483648.0;
 constexpr float kSketchRange = 6.0e4f;          // src/kernels/ref/sketch.cpp's clamp of normalised values
 constexpr int kWeightsThreads = 256;
-constexpr int kHistThreads = 1024;
+constexpr int kHistThreads = 512;
+constexpr int kGroupTokens = 64;       // tokens per maximum of the 16-bit logits
+constexpr float kLogitUnit = 1024.0f;  // 16-bit logits: s = m64 + q / kLogitUnit
 constexpr int kTokensPerWarpStep = 64;  // a lane estimates two tokens per step of the weights pass
 
 // Everything the kernels of one decoder share (device pointers; plain data).
@@ -65,12 +71,14 @@ struct SketchParams {
   size_t codes_stride = 0;    // bytes of codes per list
   int ts = 0;                 // token stride: max_tokens rounded up to 64
   // Step scratch:
-  float* logits = nullptr;              // [L][G][ts]
+  int16_t* logits = nullptr;            // [L][ts][G] q = round((s - m64) * 1024), in [-32767, 0]
+  float* gmax = nullptr;                // [L][ts / 64][G] m64: the largest s of each 64-token group
   float* part_m = nullptr;              // [L][n_chunks1][G]
   float* part_s = nullptr;              // [L][n_chunks1][G]
   uint16_t* cbin = nullptr;             // [L][ts] threshold bin of each token
-  uint32_t* hist = nullptr;             // [L][kBins][G] fixed-point weight sums, zero between steps
-  uint32_t* hist_cnt = nullptr;         // [L][kBins] token counts, zero between steps
+  // [L][kBins][(G + 2) / 2]: the G weight sums and the token count of each bin, two 32-bit values
+  // to a 64-bit word (value 2k low, 2k + 1 high); zero between steps.
+  unsigned long long* hist = nullptr;
   uint32_t* ticket = nullptr;           // [L] zero between steps
   int32_t* thr = nullptr;               // [L] the chosen bin m* (tokens with c(t) <= m* are the union)
   int32_t* dense = nullptr;             // [L] 1: every token
@@ -220,7 +228,8 @@ __device__ __forceinline__ void merge_max_sum(float& m, float& s, float om, floa
 // with __dp4a. 16 tokens of one chunk are 64 contiguous bytes, so a load instruction of
 // the warp reads two full 64-byte runs.
 template <int G, class T>
-__global__ void __launch_bounds__(kWeightsThreads) sketch_weights_kernel(SketchParams p, const float* __restrict__ q) {
+__global__ void __launch_bounds__(kWeightsThreads, G > 4 ? 2 : 3)
+    sketch_weights_kernel(SketchParams p, const float* __restrict__ q) {
   const int l = blockIdx.y, s = l / p.kv.n_kv_heads, h = l % p.kv.n_kv_heads;
   const int n = p.kv.n_tokens[s];
   if (p.force_dense || n <= p.min_context) return;
@@ -271,7 +280,8 @@ __global__ void __launch_bounds__(kWeightsThreads) sketch_weights_kernel(SketchP
   const uint32_t* codes = reinterpret_cast<const uint32_t*>(p.codes + static_cast<size_t>(l) * p.codes_stride);
   const uint16_t* offs = p.off + static_cast<size_t>(l) * p.ts;
   const uint16_t* steps = p.step + static_cast<size_t>(l) * p.ts;
-  float* lg = p.logits + static_cast<size_t>(l) * G * p.ts;
+  int16_t* lq = p.logits + static_cast<size_t>(l) * p.ts * G;
+  float* gm = p.gmax + static_cast<size_t>(l) * (p.ts / kGroupTokens) * G;
   float m[G], sum[G];
 #pragma unroll
   for (int j = 0; j < G; ++j) m[j] = -INFINITY, sum[j] = 0.0f;
@@ -307,17 +317,43 @@ __global__ void __launch_bounds__(kWeightsThreads) sketch_weights_kernel(SketchP
         }
       }
     }
+    float sx[2][G];
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
       const int t = x ? tb : ta;
-      if (t >= t1) continue;
       const float off = f16_bits_to_float(x ? ob : oa), stp = f16_bits_to_float(x ? sb : sa);
 #pragma unroll
       for (int j = 0; j < G; ++j) {
         // est = base + offset qsum + step qstep dot, scaled (the CPU's MulAdd order).
         const float sj = fmaf(stp * s_qstep[j], static_cast<float>(acc[x][j]), fmaf(off, s_qsum[j], s_base[j]));
-        lg[static_cast<size_t>(j) * p.ts + t] = sj;
-        merge_max_sum(m[j], sum[j], sj, 1.0f);
+        sx[x][j] = t < t1 ? sj : -INFINITY;
+        if (t < t1) merge_max_sum(m[j], sum[j], sj, 1.0f);
+      }
+    }
+    // The group's largest estimate per head (tg is a multiple of 64: one group), then each
+    // token's 16-bit offset below it.
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      const float g64 = warp_max(fmaxf(sx[0][j], sx[1][j]));
+      if (lane == 0) gm[static_cast<size_t>(tg / kGroupTokens) * G + j] = g64;
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const float qv = rintf((sx[x][j] - g64) * kLogitUnit);  // -inf for tokens past t1
+        sx[x][j] = qv < -32767.0f ? -32767.0f : qv;
+      }
+    }
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const int t = x ? tb : ta;
+      if (t >= t1) continue;
+      int16_t* dst = lq + static_cast<size_t>(t) * G;
+      if constexpr (G == 4) {  // one 8-byte store
+        auto bits = [](float v) { return static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(v))); };
+        *reinterpret_cast<uint2*>(dst) =
+            make_uint2(bits(sx[x][0]) | (bits(sx[x][1]) << 16), bits(sx[x][2]) | (bits(sx[x][3]) << 16));
+      } else {
+#pragma unroll
+        for (int j = 0; j < G; ++j) dst[j] = static_cast<int16_t>(sx[x][j]);
       }
     }
   }
@@ -352,10 +388,10 @@ __device__ __forceinline__ int sketch_bin(float key, float log2_kmax, const floa
   return m;
 }
 
-// 2. The histogram pass. grid: (n_chunks2, L), block: 1024 threads; dynamic shared memory:
+// 2. The histogram pass. grid: (n_chunks2, L), block: 512 threads; dynamic shared memory:
 // [kBins][G] uint32 weight sums, then [kBins] uint32 counts.
 template <int G>
-__global__ void __launch_bounds__(kHistThreads) sketch_hist_kernel(SketchParams p) {
+__global__ void __launch_bounds__(kHistThreads, 2) sketch_hist_kernel(SketchParams p) {
   extern __shared__ __align__(16) unsigned char s_raw[];
   uint32_t* s_hist = reinterpret_cast<uint32_t*>(s_raw);
   uint32_t* s_cnt = reinterpret_cast<uint32_t*>(s_hist + kBins * G);
@@ -365,6 +401,7 @@ __global__ void __launch_bounds__(kHistThreads) sketch_hist_kernel(SketchParams 
   __shared__ float s_kmax;
   __shared__ int s_last, s_mj[G], s_m;
   __shared__ unsigned long long s_tot[G], s_un[G];
+  __shared__ int s_count;
 
   const int l = blockIdx.y, s = l / p.kv.n_kv_heads;
   const int n = p.kv.n_tokens[s];
@@ -389,7 +426,7 @@ __global__ void __launch_bounds__(kHistThreads) sketch_hist_kernel(SketchParams 
     double sm = 0;
     for (int c = lane; c < n_ck1; c += 32) {
       const float x = pm[c * G + j];
-      if (x > -INFINITY) sm += static_cast<double>(ps[c * G + j]) * exp(static_cast<double>(x) - mx);
+      if (x > -INFINITY) sm += static_cast<double>(ps[c * G + j]) * static_cast<double>(__expf(x - mx));
     }
     for (int o = 16; o >= 1; o >>= 1) sm += __shfl_xor_sync(0xffffffffu, sm, o);
     if (lane == 0) {
@@ -416,68 +453,166 @@ __global__ void __launch_bounds__(kHistThreads) sketch_hist_kernel(SketchParams 
   for (int m = tid; m < kThresholds; m += bd) s_T[m] = kmax * exp2f(-static_cast<float>(m) / 64.0f);
   __syncthreads();
   const float log2_kmax = __log2f(kmax);
-  const float* lg = p.logits + static_cast<size_t>(l) * G * p.ts;
+  const int16_t* lq = p.logits + static_cast<size_t>(l) * p.ts * G;
+  const float* gm = p.gmax + static_cast<size_t>(l) * (p.ts / kGroupTokens) * G;
   uint16_t* cb = p.cbin + static_cast<size_t>(l) * p.ts;
-  for (int t = t0 + tid; t < t1; t += bd) {
-    float w[G], key = 0.0f;
+  // kU tokens per thread at a time, their logits loaded before any is used (the loop is
+  // bound by the loads' latency otherwise).
+  constexpr int kU = G <= 4 ? 4 : 2;
+  for (int t_base = t0 + tid; t_base < t1; t_base += bd * kU) {
+    float x[kU][G];
 #pragma unroll
-    for (int j = 0; j < G; ++j) {
-      w[j] = __expf(lg[static_cast<size_t>(j) * p.ts + t] - s_M[j]) * s_inv[j];
-      key = fmaxf(key, w[j]);
-    }
-    if (t < lo || t >= hi) key = 2.0f;  // the sinks and the recent tokens first
-    const int c = sketch_bin(key, log2_kmax, s_T);
-    cb[t] = static_cast<uint16_t>(c);
+    for (int u = 0; u < kU; ++u) {
+      const int t = min(t_base + u * bd, t1 - 1);  // past t1: a valid token, not used
+      int16_t v[G];
+      if constexpr (G == 4) {
+        const uint2 r = __ldcs(reinterpret_cast<const uint2*>(lq + static_cast<size_t>(t) * G));
+        v[0] = static_cast<int16_t>(r.x & 0xffffu), v[1] = static_cast<int16_t>(r.x >> 16);
+        v[2] = static_cast<int16_t>(r.y & 0xffffu), v[3] = static_cast<int16_t>(r.y >> 16);
+      } else {
 #pragma unroll
-    for (int j = 0; j < G; ++j) {
-      const uint32_t f = __float2uint_rn(w[j] * kFixF);
-      if (f != 0) atomicAdd(s_hist + c * G + j, f);
+        for (int j = 0; j < G; ++j) v[j] = lq[static_cast<size_t>(t) * G + j];
+      }
+#pragma unroll
+      for (int j = 0; j < G; ++j)
+        x[u][j] = gm[static_cast<size_t>(t / kGroupTokens) * G + j] + static_cast<float>(v[j]) * (1.0f / kLogitUnit);
     }
-    atomicAdd(s_cnt + c, 1u);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int t = t_base + u * bd;
+      if (t >= t1) break;
+      float w[G], key = 0.0f;
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        w[j] = __expf(x[u][j] - s_M[j]) * s_inv[j];
+        key = fmaxf(key, w[j]);
+      }
+      if (t < lo || t >= hi) key = 2.0f;  // the sinks and the recent tokens first
+      const int c = sketch_bin(key, log2_kmax, s_T);
+      cb[t] = static_cast<uint16_t>(c);
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        const uint32_t f = __float2uint_rn(w[j] * kFixF);
+        if (f != 0) atomicAdd(s_hist + c * G + j, f);
+      }
+      atomicAdd(s_cnt + c, 1u);
+    }
   }
   __syncthreads();
-  uint32_t* gh = p.hist + static_cast<size_t>(l) * kBins * G;
-  uint32_t* gc = p.hist_cnt + static_cast<size_t>(l) * kBins;
+  // Value v of bin c: v < G a head's weight sum, v == G the token count (s_cnt follows
+  // s_hist, so it is s_hist[kBins * G + c]).
+  auto value_at = [&](int c, int v) -> uint32_t {
+    return v < G ? s_hist[c * G + v] : (v == G ? s_cnt[c] : 0u);
+  };
   if (n_ck2 > 1) {  // the list's other CTAs add theirs; the last one decides
-    for (int i = tid; i < kBins * G; i += bd)
-      if (s_hist[i] != 0) atomicAdd(gh + i, s_hist[i]);
-    for (int i = tid; i < kBins; i += bd)
-      if (s_cnt[i] != 0) atomicAdd(gc + i, s_cnt[i]);
+    constexpr int P = (G + 2) / 2;  // 64-bit words per bin
+    unsigned long long* gh = p.hist + static_cast<size_t>(l) * kBins * P;
+    // Two 32-bit sums per 64-bit atomic: a sum stays below 2^32 (weights: 2^31 for a
+    // whole head; counts: the tokens), so the low half never carries into the high half.
+    for (int c = tid; c < kBins; c += bd) {
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        const unsigned long long v =
+            value_at(c, 2 * k) | (static_cast<unsigned long long>(value_at(c, 2 * k + 1)) << 32);
+        if (v != 0) atomicAdd(gh + c * P + k, v);
+      }
+    }
     __threadfence();
     __syncthreads();
     if (tid == 0) s_last = atomicAdd(p.ticket + l, 1u) == static_cast<uint32_t>(n_ck2 - 1);
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    for (int i = tid; i < kBins * G; i += bd) {
-      s_hist[i] = __ldcg(gh + i);
-      gh[i] = 0;
-    }
-    for (int i = tid; i < kBins; i += bd) {
-      s_cnt[i] = __ldcg(gc + i);
-      gc[i] = 0;
+    // The list's totals into shared memory (8 loads in flight per thread), zeroed for the
+    // next step.
+    for (int c0 = tid; c0 < kBins; c0 += bd * 4) {
+      unsigned long long v[4][P];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int k = 0; k < P; ++k) v[u][k] = c0 + u * bd < kBins ? __ldcg(gh + (c0 + u * bd) * P + k) : 0ull;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int c = c0 + u * bd;
+        if (c >= kBins) break;
+#pragma unroll
+        for (int k = 0; k < P; ++k) {
+          gh[c * P + k] = 0ull;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int vv = 2 * k + half;
+            const uint32_t x = static_cast<uint32_t>(half ? v[u][k] >> 32 : v[u][k] & 0xffffffffull);
+            if (vv < G) s_hist[c * G + vv] = x;
+            else if (vv == G) s_cnt[c] = x;
+          }
+        }
+      }
     }
   }
   if (tid < G) s_mj[tid] = kBinBelow;
-  __syncthreads();
-  // Per head: the first threshold m at which its sum over the bins <= m reaches cp of its
-  // total (prefix sums: a block scan over runs of bins, then each thread walks its run).
+  __syncthreads();  // the bins read back above are read by other threads below
+  // The scan, on the list's critical path (it runs once every CTA of the list is done): one
+  // block scan of the G + 1 values at once (each head's weight, and the token count) over
+  // runs of bins, then each thread walks its run for the first threshold m at which head
+  // j's sum over the bins <= m reaches cp of its total.
+  constexpr int V = G + 1;
   const int per = (kBins + bd - 1) / bd;
   const int c0 = min(kBins, tid * per), c1 = min(kBins, c0 + per);
-  for (int j = 0; j < G; ++j) {
-    unsigned long long loc = 0;
-    for (int c = c0; c < c1; ++c) loc += s_hist[c * G + j];
-    unsigned long long tot = 0;
-    unsigned long long run = block_scan_exclusive<unsigned long long>(loc, &tot);
-    const double need = p.cp * static_cast<double>(tot);
+  unsigned long long run[V];
+#pragma unroll
+  for (int v = 0; v < V; ++v) run[v] = 0;
+  for (int c = c0; c < c1; ++c) {
+#pragma unroll
+    for (int v = 0; v < V; ++v) run[v] += v < G ? s_hist[c * G + v] : s_cnt[c];
+  }
+  __shared__ unsigned long long s_wsum[kHistThreads / 32][V];
+#pragma unroll
+  for (int v = 0; v < V; ++v) {  // inclusive within the warp
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned long long y = __shfl_up_sync(0xffffffffu, run[v], o);
+      if (lane >= o) run[v] += y;
+    }
+    if (lane == 31) s_wsum[warp][v] = run[v];
+  }
+  __syncthreads();
+  if (warp == 0) {  // the warps' totals scanned (lanes over warps)
+    const int nw = bd >> 5;
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      unsigned long long x = lane < nw ? s_wsum[lane][v] : 0ull;
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+      }
+      if (lane < nw) s_wsum[lane][v] = x;  // inclusive over warps
+      if (lane == nw - 1 && v < G) s_tot[v] = x;
+    }
+  }
+  __syncthreads();
+  // This thread's exclusive prefix: the warp's exclusive part, then the lanes before it.
+  unsigned long long excl[V];
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    unsigned long long own = 0;
+    for (int c = c0; c < c1; ++c) own += v < G ? s_hist[c * G + v] : s_cnt[c];
+    excl[v] = run[v] - own + (warp > 0 ? s_wsum[warp - 1][v] : 0ull);
+  }
+  {
+    unsigned long long r[G];
+    double need[G];
+    bool found[G];
+#pragma unroll
+    for (int j = 0; j < G; ++j) r[j] = excl[j], need[j] = p.cp * static_cast<double>(s_tot[j]), found[j] = false;
     for (int c = c0; c < c1 && c < kThresholds; ++c) {
-      run += s_hist[c * G + j];
-      if (static_cast<double>(run) >= need) {
-        atomicMin(s_mj + j, c);
-        break;
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        r[j] += s_hist[c * G + j];
+        if (!found[j] && static_cast<double>(r[j]) >= need[j]) {
+          atomicMin(s_mj + j, c);
+          found[j] = true;
+        }
       }
     }
-    if (tid == 0) s_tot[j] = tot;
   }
   __syncthreads();
   if (tid == 0) {
@@ -489,16 +624,21 @@ __global__ void __launch_bounds__(kHistThreads) sketch_hist_kernel(SketchParams 
   }
   __syncthreads();
   const int msel = s_m;
-  int loc_cnt = 0;
-  for (int c = c0; c < c1 && c <= msel; ++c) loc_cnt += static_cast<int>(s_cnt[c]);
-  const int count = block_sum<int>(loc_cnt);
-  for (int j = 0; j < G; ++j) {
-    unsigned long long loc = 0;
-    for (int c = c0; c < c1 && c <= msel; ++c) loc += s_hist[c * G + j];
-    const unsigned long long u = block_sum<unsigned long long>(loc);
-    if (tid == 0) s_un[j] = u;
+  // The union's sums (bins <= msel) from the thread whose run holds msel.
+  if (msel >= c0 && msel < c1) {
+    unsigned long long u[V];
+#pragma unroll
+    for (int v = 0; v < V; ++v) u[v] = excl[v];
+    for (int c = c0; c <= msel; ++c) {
+#pragma unroll
+      for (int v = 0; v < V; ++v) u[v] += v < G ? s_hist[c * G + v] : s_cnt[c];
+    }
+#pragma unroll
+    for (int j = 0; j < G; ++j) s_un[j] = u[j];
+    s_count = static_cast<int>(u[G]);
   }
   __syncthreads();
+  const int count = s_count;
   if (tid == 0) {
     const bool dense = static_cast<double>(count) > p.dense_above * n;
     p.thr[l] = dense ? kBinBelow : msel;
@@ -601,9 +741,9 @@ class SketchToppGpu final : public SparseDecoder {
                   o.dense_above);
     CUMULUS_CHECK(group >= 1 && group <= kMaxGroup, "sketch_topp: group={} must be in [1, {}] on the GPU", group,
                   kMaxGroup);
-    CUMULUS_CHECK(o.weights_chunk >= 0 && o.weights_chunk % 512 == 0, "sketch_topp: weights_chunk={} must be a multiple of 512",
-                  o.weights_chunk);
-    CUMULUS_CHECK(o.hist_chunk >= 0 && o.hist_chunk % 1024 == 0, "sketch_topp: hist_chunk={} must be a multiple of 1024",
+    CUMULUS_CHECK(o.weights_chunk >= 0 && o.weights_chunk % 512 == 0,
+                  "sketch_topp: weights_chunk={} must be a multiple of 512", o.weights_chunk);
+    CUMULUS_CHECK(o.hist_chunk >= 0 && o.hist_chunk % 512 == 0, "sketch_topp: hist_chunk={} must be a multiple of 512",
                   o.hist_chunk);
     Base& b = base();
     const int d = kv.head_dim;
@@ -622,28 +762,41 @@ class SketchToppGpu final : public SparseDecoder {
     scale_ = DeviceBuffer(L * d * sizeof(float));
     sk_n_ = DeviceBuffer(L * sizeof(int32_t));
     sk_n_.fill_bytes(0);
-    // Planning from the bound max_tokens: the weights pass in about 4 CTAs per
-    // multiprocessor (HBM-bound: several waves' worth of loads in flight), the histogram
-    // pass in about one 1024-thread CTA per multiprocessor (fewer CTAs per list, fewer
-    // global atomics to merge their bins).
-    const size_t total = nt * L;
+    // Planning from the bound max_tokens, each list cut into equal chunks (multiples of 512
+    // tokens) so that each pass's CTAs fit one wave of the device (as many CTAs per
+    // multiprocessor as its registers and shared memory allow): a second, partial wave
+    // measured as a tail of ~20% on the weights pass at 128K.
+    hist_smem_ = static_cast<size_t>(kBins) * (group + 1) * sizeof(uint32_t);
+    int occ1 = 1, occ2 = 1;
+    with_group(group, [&](auto g) {
+      constexpr int G = decltype(g)::value;
+      const void* k2 = reinterpret_cast<const void*>(sketch_hist_kernel<G>);
+      CUMULUS_CUDA_CHECK(cudaFuncSetAttribute(k2, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(hist_smem_)));
+      // Two CTAs per multiprocessor need more than the default carveout of shared memory.
+      CUMULUS_CUDA_CHECK(cudaFuncSetAttribute(k2, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                              static_cast<int>(cudaSharedmemCarveoutMaxShared)));
+      CUMULUS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ2, k2, kHistThreads, hist_smem_));
+      const void* k1 = kv.dtype == DType::f16 ? reinterpret_cast<const void*>(sketch_weights_kernel<G, __half>)
+                                              : reinterpret_cast<const void*>(sketch_weights_kernel<G, __nv_bfloat16>);
+      CUMULUS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ1, k1, kWeightsThreads, 0));
+    });
     const int sms = sm_count();
-    p_.chunk1 = o.weights_chunk > 0 ? o.weights_chunk
-                                    : static_cast<int>(std::clamp<size_t>(round_up((total + 4 * sms - 1) / (4 * sms), 512),
-                                                                          512, round_up(nt, 512)));
-    p_.chunk2 = o.hist_chunk > 0 ? o.hist_chunk
-                                 : static_cast<int>(std::clamp<size_t>(round_up((total + sms - 1) / sms, 1024), 1024,
-                                                                       round_up(nt, 1024)));
+    auto plan = [&](int ctas) {
+      const size_t per_list = std::max<size_t>(1, static_cast<size_t>(ctas) / L);
+      return static_cast<int>(std::max<size_t>(512, round_up((nt + per_list - 1) / per_list, 512)));
+    };
+    p_.chunk1 = o.weights_chunk > 0 ? o.weights_chunk : plan(std::max(1, occ1) * sms);
+    p_.chunk2 = o.hist_chunk > 0 ? o.hist_chunk : plan(std::max(1, occ2) * sms);
     p_.n_chunks1 = static_cast<int>((nt + p_.chunk1 - 1) / p_.chunk1);
     n_chunks2_ = static_cast<int>((nt + p_.chunk2 - 1) / p_.chunk2);
-    logits_ = DeviceBuffer(L * group * nt * sizeof(float));
+    logits_ = DeviceBuffer(L * nt * group * sizeof(int16_t));
+    gmax_ = DeviceBuffer(L * (nt / kGroupTokens) * group * sizeof(float));
     part_m_ = DeviceBuffer(L * p_.n_chunks1 * group * sizeof(float));
     part_s_ = DeviceBuffer(L * p_.n_chunks1 * group * sizeof(float));
     cbin_ = DeviceBuffer(L * nt * sizeof(uint16_t));
-    hist_ = DeviceBuffer(L * kBins * group * sizeof(uint32_t));
+    hist_ = DeviceBuffer(L * kBins * ((group + 2) / 2) * sizeof(unsigned long long));
     hist_.fill_bytes(0);
-    hist_cnt_ = DeviceBuffer(L * kBins * sizeof(uint32_t));
-    hist_cnt_.fill_bytes(0);
     ticket_ = DeviceBuffer(L * sizeof(uint32_t));
     ticket_.fill_bytes(0);
     thr_ = DeviceBuffer(L * sizeof(int32_t));
@@ -659,12 +812,12 @@ class SketchToppGpu final : public SparseDecoder {
     p_.center = center_.as<float>();
     p_.scale = scale_.as<float>();
     p_.sk_n = sk_n_.as<int32_t>();
-    p_.logits = logits_.as<float>();
+    p_.logits = logits_.as<int16_t>();
+    p_.gmax = gmax_.as<float>();
     p_.part_m = part_m_.as<float>();
     p_.part_s = part_s_.as<float>();
     p_.cbin = cbin_.as<uint16_t>();
-    p_.hist = hist_.as<uint32_t>();
-    p_.hist_cnt = hist_cnt_.as<uint32_t>();
+    p_.hist = hist_.as<unsigned long long>();
     p_.ticket = ticket_.as<uint32_t>();
     p_.thr = thr_.as<int32_t>();
     p_.dense = dense_.as<int32_t>();
@@ -679,12 +832,8 @@ class SketchToppGpu final : public SparseDecoder {
     p_.recent = o.recent;
     p_.min_context = o.min_context;
     p_.force_dense = o.p >= 1.0 ? 1 : 0;
-    hist_smem_ = static_cast<size_t>(kBins) * (group + 1) * sizeof(uint32_t);
-    with_group(group, [&](auto g) {
-      CUMULUS_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(sketch_hist_kernel<decltype(g)::value>),
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              static_cast<int>(hist_smem_)));
-    });
+    const size_t kv_bytes = static_cast<size_t>(kv.n_seqs) * kv.n_kv_heads * kv.max_tokens * d * 2 * 2;
+    b.dense_step = o.dense_kv_bytes > 0 && kv_bytes <= o.dense_kv_bytes;
   }
 
   std::string name() const override { return "sketch_topp"; }
@@ -709,6 +858,7 @@ class SketchToppGpu final : public SparseDecoder {
   void select(const float* q, void* stream) override {
     CUMULUS_CHECK(prefilled_, "sketch_topp: select() before prefill() (the sketch is built there)");
     last_q_ = q;
+    if (base().dense_step) return;  // the cost rule: attend() runs the dense kernel
     const cudaStream_t st = as_stream(stream);
     launch_weights(q, st);
     launch_hist(st);
@@ -719,7 +869,7 @@ class SketchToppGpu final : public SparseDecoder {
   std::vector<std::pair<std::string, double>> phase_times(void* stream) const override {
     // Each phase of the last select() again, alone between events, after one untimed run
     // of it (the caches as that run left them, no flush): where the selection's time goes.
-    if (last_q_ == nullptr) return {};
+    if (last_q_ == nullptr || base().dense_step) return {};
     const cudaStream_t st = as_stream(stream);
     auto* self = const_cast<SketchToppGpu*>(this);
     std::vector<std::pair<std::string, double>> r;
@@ -748,9 +898,10 @@ class SketchToppGpu final : public SparseDecoder {
   bool needs_lse() const override { return true; }
   void after_attend(const float* lse, void* stream) override {
     Base& b = base();
+    if (b.dense_step) return;  // stats() reports claim 1
     const int rows = b.kv.n_seqs * b.n_q;
-    sketch_claims_kernel<<<ceil_div(rows, 128), 128, 0, as_stream(stream)>>>(p_, lse, b.len.as<int32_t>(),
-                                                                            b.claimed.as<float>(), b.budget.as<int32_t>());
+    sketch_claims_kernel<<<ceil_div(rows, 128), 128, 0, as_stream(stream)>>>(
+        p_, lse, b.len.as<int32_t>(), b.claimed.as<float>(), b.budget.as<int32_t>());
     CUMULUS_CUDA_LAUNCH("sketch_claims_kernel");
   }
 
@@ -790,7 +941,7 @@ class SketchToppGpu final : public SparseDecoder {
   size_t hist_smem_ = 0;
   bool prefilled_ = false;
   const float* last_q_ = nullptr;
-  DeviceBuffer codes_, off_, step_, center_, scale_, sk_n_, logits_, part_m_, part_s_, cbin_, hist_, hist_cnt_,
+  DeviceBuffer codes_, off_, step_, center_, scale_, sk_n_, logits_, gmax_, part_m_, part_s_, cbin_, hist_,
       ticket_, thr_, dense_, st_M_, st_S_, st_T_, st_U_;
 };
 
