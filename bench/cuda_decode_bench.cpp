@@ -1,5 +1,5 @@
 // GPU decode benchmark (docs/cuda.md): our dense paged decode kernel and the GPU sparse
-// methods (tactic, psa, quest, oracle_topp) on the synthetic workload (docs/workload.md) in
+// methods (sketch_topp, tactic, psa, quest, oracle_topp) on the synthetic workload (docs/workload.md) in
 // the llama3-8b shape (32 query heads, 8 kv heads, head_dim 128, f16) at several contexts and
 // batch sizes, and on real K/V/Q traces recorded by `cumulus trace`. PyTorch's
 // scaled_dot_product_attention runs in tools/device/torch_sdpa_bench.py on the same GPU in
@@ -11,7 +11,9 @@
 // the median of --iters replays. The reference bandwidth is a device-to-device copy of 1 GiB
 // measured the same way in the same run, counting bytes read plus bytes written. A sparse
 // step is timed whole (select + attend) and in its two parts (select alone, attend alone
-// over the lists of the last select). Accuracy per query head comes from one untimed step:
+// over the lists of the last select). sketch_topp's rows also give its byte floor: the
+// sketch of every token plus the K/V rows of its union, over the copy bandwidth (the
+// fastest the step could run). Accuracy per query head comes from one untimed step:
 // the true softmax mass of the attended union (exp(lse_sparse - lse_dense)), the claim, the
 // share of tokens attended and ||o - o_dense|| / ||o_dense||. Batch b decodes synthetic query
 // step b of sequence copies that each live in their own memory.
@@ -58,7 +60,7 @@ namespace {
 struct Options {
   std::vector<int> contexts{8192, 32768, 131072};
   std::vector<int> batches{1, 16};
-  std::vector<std::string> methods{"tactic", "psa", "quest", "oracle_topp"};
+  std::vector<std::string> methods{"sketch_topp", "tactic", "psa", "quest", "oracle_topp"};
   std::vector<std::string> traces;
   std::vector<std::string> dense_plans{"simt8", "tc4", "tc8", "tc8/s1", "tc8/p0"};
   int iters = 30, warmup = 5;
@@ -183,16 +185,19 @@ double copy_bandwidth(cuda::Stream& stream, int iters, json& out) {
 
 struct Accuracy {
   double mass = 0, claimed = 0, tokens_frac = 0, rel_err = 0, max_err = 0;
+  double ge_p = 0;  // share of query heads whose true mass reaches p
   int claimed_n = 0;
 };
 
 // Per-head accuracy of one sparse step against dense outputs.
 Accuracy accuracy(const std::vector<float>& out, const std::vector<float>& dense_out, const std::vector<float>& mass,
-                  const cuda::SparseStepStats& st, int n_q, int n_kv, int d, const std::vector<int>& n_tokens) {
+                  const cuda::SparseStepStats& st, int n_q, int n_kv, int d, const std::vector<int>& n_tokens,
+                  double p) {
   Accuracy a;
   const size_t heads = mass.size();
   for (size_t i = 0; i < heads; ++i) {
     a.mass += mass[i] / heads;
+    a.ge_p += (mass[i] >= p ? 1.0 : 0.0) / heads;
     if (!std::isnan(st.claimed[i])) a.claimed += st.claimed[i], ++a.claimed_n;
     double num = 0, den = 0;
     for (int j = 0; j < d; ++j) {
@@ -332,9 +337,36 @@ cuda::TacticGpuOptions tactic_options(const std::string& name, double p) {
   return o;
 }
 
+// sketch_topp, and sketch_topp_wN_hN_dM: the same with the weights pass's and the
+// histogram pass's tokens per CTA set (SketchToppGpuOptions::weights_chunk, hist_chunk; 0 =
+// planned) and the step's dense cost rule at M MiB of K/V (dense_kv_bytes; d0: never).
+bool is_sketch(const std::string& name) { return name.rfind("sketch_topp", 0) == 0; }
+
+cuda::SketchToppGpuOptions sketch_options(const std::string& name, double p) {
+  cuda::SketchToppGpuOptions o;  // the CPU method's defaults (docs/methods.md), p from --p
+  o.p = p;
+  std::stringstream ss(name.substr(std::string("sketch_topp").size()));
+  std::string part;
+  while (std::getline(ss, part, '_')) {
+    if (part.empty()) continue;
+    CUMULUS_CHECK(part.size() >= 2 && (part[0] == 'w' || part[0] == 'h' || part[0] == 'd'),
+                  "method '{}': '{}' must be wN, hN (tokens per CTA of the weights / histogram pass) or dM (MiB)",
+                  name, part);
+    const int v = std::stoi(part.substr(1));
+    if (part[0] == 'd') o.dense_kv_bytes = static_cast<size_t>(v) << 20;
+    else (part[0] == 'w' ? o.weights_chunk : o.hist_chunk) = v;
+  }
+  return o;
+}
+
+// Methods that keep an index built at prefill (tactic's clusters, sketch_topp's sketch): on
+// a trace they are prefilled once over the prompt and see the decoded tokens appended.
+bool is_stateful(const std::string& name) { return is_tactic(name) || is_sketch(name); }
+
 std::unique_ptr<cuda::SparseDecoder> make_method(const std::string& name, const cuda::DeviceKvView& kv, int group,
                                                  double p, int n_seqs, int quest_budget,
                                                  const cuda::AttentionPlanOptions& po) {
+  if (is_sketch(name)) return cuda::make_sketch_topp_gpu(kv, group, sketch_options(name, p), po);
   if (is_tactic(name)) {
     cuda::TacticGpuOptions o = tactic_options(name, p);
     o.record_phases = true;
@@ -355,7 +387,8 @@ std::unique_ptr<cuda::SparseDecoder> make_method(const std::string& name, const 
   if (name == "quest") return cuda::make_quest_gpu(kv, group, quest_budget, po);
   if (name == "oracle_topp") return cuda::make_oracle_topp_gpu(kv, group, p, po);
   CUMULUS_FAIL(
-      "unknown method '{}' (tactic, tactic_split, tactic_s4, tactic_cmarks, tactic_msN, psa, psa_mb4, quest, oracle_topp)",
+      "unknown method '{}' (sketch_topp, sketch_topp_wN_hN_dM, tactic, tactic_split, tactic_s4, tactic_cmarks, "
+      "tactic_msN, psa, psa_mb4, quest, oracle_topp)",
       name);
 }
 
@@ -378,14 +411,15 @@ json run_sparse(const std::string& name, const Problem& pb, cuda::Stream& st, Ti
   m->check(st.handle());
   const cuda::SparseStepStats ss = m->stats(st.handle());
   const Accuracy acc = accuracy(cuda::to_host<float>(out, nq * d), dense_out, cuda::to_host<float>(mass, nq), ss, n_q,
-                                kv.n_kv_heads, d, pb.dev->n_tokens());
+                                kv.n_kv_heads, d, pb.dev->n_tokens(), p);
   json phases = json::array();
   for (const auto& [phase, us] : m->phase_times(st.handle())) phases.push_back({phase, us});
   if (acc_out != nullptr) *acc_out = acc;
   size_t attended = 0;
   for (int t : ss.tokens) attended += t;
   json r = {{"method", name}, {"prefill_s", prefill_s}, {"true_mass", acc.mass}, {"tokens_frac", acc.tokens_frac},
-            {"rel_err", acc.rel_err}, {"max_err", acc.max_err}, {"attended_tokens", attended}};
+            {"rel_err", acc.rel_err}, {"max_err", acc.max_err}, {"attended_tokens", attended},
+            {"ge_p_share", acc.ge_p}};
   r["claimed"] = acc.claimed_n ? json(acc.claimed) : json(nullptr);
   if (!phases.empty()) r["select_phases_us"] = phases;  // one untimed step, mean over query heads
   double budget_mean = 0;
@@ -412,6 +446,18 @@ json run_sparse(const std::string& name, const Problem& pb, cuda::Stream& st, Ti
   r["attend_gbps"] = att_bytes / (att * 1e-6) / 1e9;
   r["attend_pct_copy"] = 100.0 * att_bytes / (att * 1e-6) / 1e9 / copy_gbps;
   r["speedup_vs_our_dense"] = dense_us / step;
+  if (is_sketch(name)) {
+    // The step's byte floor: the sketch of every token (codes + f16 offset and step) and
+    // the union's K/V rows, at the copy bandwidth.
+    double tokens = 0;
+    for (int n : pb.dev->n_tokens()) tokens += n;
+    const double sketch_bytes = tokens * kv.n_kv_heads * (d / 2 + 4);
+    r["sketch_bytes"] = sketch_bytes;
+    r["floor_bytes"] = sketch_bytes + att_bytes;
+    r["floor_us"] = (sketch_bytes + att_bytes) / (copy_gbps * 1e9) * 1e6;
+    r["floor_select_us"] = sketch_bytes / (copy_gbps * 1e9) * 1e6;
+    r["floor_attend_us"] = att_bytes / (copy_gbps * 1e9) * 1e6;
+  }
   return r;
 }
 
@@ -433,14 +479,19 @@ json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Time
     const int d = t.head_dim;
     cuda::DeviceBuffer q(nq * d * sizeof(float)), dout(nq * d * sizeof(float)), dlse(nq * sizeof(float));
     // tactic clusters the prompt once (the tokens decoded since form its dense tail, as on
-    // the CPU); the other methods are stateless.
+    // the CPU) and sketch_topp sketches it once (the tokens decoded since are encoded by
+    // each step with the prompt's normalisation); the other methods are stateless.
     std::map<std::string, std::unique_ptr<cuda::SparseDecoder>> tactics;
     for (const auto& name : o.methods)
-      if (is_tactic(name)) {
+      if (is_stateful(name)) {
         dev.set_n_tokens({t.prompt_tokens});
-        cuda::TacticGpuOptions to = tactic_options(name, o.p);
-        to.layer = t.layers[li];
-        tactics[name] = cuda::make_tactic_gpu(dev.view(), group, to);
+        if (is_sketch(name)) {
+          tactics[name] = cuda::make_sketch_topp_gpu(dev.view(), group, sketch_options(name, o.p));
+        } else {
+          cuda::TacticGpuOptions to = tactic_options(name, o.p);
+          to.layer = t.layers[li];
+          tactics[name] = cuda::make_tactic_gpu(dev.view(), group, to);
+        }
         tactics[name]->prefill(st.handle());
       }
     for (int j = 0; j < t.steps; ++j) {
@@ -504,7 +555,7 @@ json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Time
           m->attend(q.as<float>(), out.as<float>(), lse.as<float>(), dlse.as<float>(), mass.as<float>(), st.handle());
           m->check(st.handle());
           acc = accuracy(cuda::to_host<float>(out, nq * d), dense_out, cuda::to_host<float>(mass, nq),
-                         m->stats(st.handle()), t.n_q_heads, t.n_kv_heads, d, dev.n_tokens());
+                         m->stats(st.handle()), t.n_q_heads, t.n_kv_heads, d, dev.n_tokens(), o.p);
           if (last) {
             cuda::Graph g = cuda::Graph::capture(st.handle(), [&] {
               m->select(q.as<float>(), st.handle());
@@ -529,9 +580,10 @@ json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Time
         m.rel_err += a.rel_err / v.size();
         m.max_err = std::max(m.max_err, a.max_err);
         m.claimed += a.claimed / v.size();
+        m.ge_p += a.ge_p / v.size();
       }
       lj[name] = {{"true_mass", m.mass}, {"tokens_frac", m.tokens_frac}, {"rel_err", m.rel_err},
-                  {"max_err", m.max_err}, {"claimed", m.claimed}, {"step_us", step_us[name]},
+                  {"max_err", m.max_err}, {"claimed", m.claimed}, {"ge_p_share", m.ge_p}, {"step_us", step_us[name]},
                   {"speedup_vs_our_dense", dense_us / step_us[name]}};
     }
     layers.push_back(lj);
@@ -650,6 +702,14 @@ int main(int argc, char** argv) {
                      b, name, r["step_us"].get<double>(), r["select_us"].get<double>(), r["attend_us"].get<double>(),
                      r["speedup_vs_our_dense"].get<double>(), r["true_mass"].get<double>(),
                      100 * r["tokens_frac"].get<double>(), r["rel_err"].get<double>());
+          if (r.contains("floor_us"))
+            fmt::print("  batch {:>2}: {:<12} byte floor {:7.1f} us (sketch {:.1f} MB: {:.1f} us; union K/V {:.1f} MB: "
+                       "{:.1f} us) at the copy bandwidth; claimed {:.3f}; true mass >= p on {:.1f}% of heads\n",
+                       b, name, r["floor_us"].get<double>(), r["sketch_bytes"].get<double>() / 1e6,
+                       r["floor_select_us"].get<double>(),
+                       (r["floor_bytes"].get<double>() - r["sketch_bytes"].get<double>()) / 1e6,
+                       r["floor_attend_us"].get<double>(), r["claimed"].is_null() ? 0.0 : r["claimed"].get<double>(),
+                       100 * r["ge_p_share"].get<double>());
           if (r.contains("select_phases_us")) {
             std::string line;
             for (const auto& ph : r["select_phases_us"])
@@ -679,10 +739,11 @@ int main(int argc, char** argv) {
       for (const auto& l : traces.back()["layers"])
         for (const auto& name : o.methods)
           if (l.contains(name))
-            fmt::print("  layer {:>2} {:<12} mass {:.3f} tokens {:5.1f}% err {:.4f} step {:6.1f} us (dense {:6.1f} us)\n",
+            fmt::print("  layer {:>2} {:<12} mass {:.3f} (>= p {:5.1f}%) tokens {:5.1f}% err {:.4f} step {:6.1f} us "
+                       "(dense {:6.1f} us)\n",
                        l["layer"].get<int>(), name, l[name]["true_mass"].get<double>(),
-                       100 * l[name]["tokens_frac"].get<double>(), l[name]["rel_err"].get<double>(),
-                       l[name]["step_us"].get<double>(), l["dense_us"].get<double>());
+                       100 * l[name]["ge_p_share"].get<double>(), 100 * l[name]["tokens_frac"].get<double>(),
+                       l[name]["rel_err"].get<double>(), l[name]["step_us"].get<double>(), l["dense_us"].get<double>());
     }
     report["traces"] = traces;
     cumulus::file_write_atomic(o.json_path, report.dump(1), "--json");

@@ -217,6 +217,30 @@ TEST(KvCache, TruncateThenAppendEqualsAFreshCache) {
   expect_error([&] { kv.truncate(-1); }, "n=-1 must be >= 0");
 }
 
+// generation(layer) moves when the layer loses tokens and only then, so a method holding
+// per-token state can tell a cut followed by appends from appends alone.
+TEST(KvCache, GenerationMovesOnlyWhenTokensAreLost) {
+  const Shape s{2, 4, 2, 24};
+  std::mt19937 rng(3);
+  KvCache kv(s, {});
+  std::vector<float> k, v;
+  random_kv(rng, s, 20, k, v);
+  const uint64_t g0 = kv.generation(0);
+  for (int l = 0; l < 2; ++l) kv.append(l, k.data(), v.data(), 20);
+  EXPECT_EQ(kv.generation(0), g0);
+  kv.truncate(20);  // nothing lost
+  EXPECT_EQ(kv.generation(0), g0);
+  kv.truncate(12);
+  const uint64_t g1 = kv.generation(0);
+  EXPECT_NE(g1, g0);
+  EXPECT_EQ(kv.generation(1), g1);
+  for (int l = 0; l < 2; ++l) kv.append(l, k.data(), v.data(), 8);  // back to 20 tokens
+  EXPECT_EQ(kv.generation(0), g1);
+  kv.clear();
+  EXPECT_NE(kv.generation(0), g1);
+  expect_error([&] { (void)kv.generation(2); }, "layer=2");
+}
+
 TEST(KvCache, BadInputNamesTheValue) {
   const Shape s{2, 4, 2, 32};
   for (int ps : {0, 3, 512, -16}) {

@@ -275,3 +275,20 @@ TEST(Lfps, BadInputNamesTheValue) {
   ctx.prompt_q_rows = 101;
   expect_error([&] { m->on_prefill(0, f.kv, ctx); }, "prompt_q_rows=101");
 }
+
+// As tactic: its tables are the prompt's; decode after a cut asks for on_prefill again.
+TEST(Lfps, DecodeAfterTheCacheLostTokensAsksForOnPrefill) {
+  Fixture f = make_fixture({1, 8, 2, 64}, 600, 43);
+  ThreadPool pool(2);
+  auto m = prefilled(f, {}, pool);
+  DecodeContext ctx{&pool, false};
+  AttnOutput out;
+  decode_step(*m, 0, f.q.data(), f.kv, ctx, out);
+  f.kv.truncate(590);
+  try {
+    decode_step(*m, 0, f.q.data(), f.kv, ctx, out);
+    ADD_FAILURE() << "decode over a cut cache did not throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("lost tokens since on_prefill"), std::string::npos) << e.what();
+  }
+}

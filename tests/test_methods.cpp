@@ -11,6 +11,7 @@
 #include <set>
 
 #include "cumulus/core/error.h"
+#include "cumulus/kernels/sketch.h"
 #include "cumulus/kv/kv_cache.h"
 #include "cumulus/methods/registry.h"
 
@@ -174,7 +175,7 @@ TEST(Methods, AtFullMassEveryMethodEqualsDense) {
         {"oracle_topk", {{"k", "300"}}},
         {"streaming", {{"sinks", "4"}, {"window", "296"}}},
         {"quest", {{"budget", "300"}}},
-        {"hier_topp", {{"p", "1"}, {"min_context", "0"}}}};
+        {"sketch_topp", {{"p", "1"}, {"min_context", "0"}}}};
     for (const auto& [m, params] : full) {
       AttnOutput out = run(m, f, params);
       EXPECT_LT(rel_err(out.out, dense.out), 1e-5) << m;
@@ -191,7 +192,9 @@ TEST(Methods, OutputErrorWithinTheBound) {
         {"oracle_topk", {{"k", "64"}}},
         {"streaming", {{"sinks", "4"}, {"window", "100"}}},
         {"quest", {{"budget", "128"}}},
-        {"hier_topp", {{"p", "0.8"}, {"min_context", "0"}}}};
+        // The bound is for attention over a set: rest=none (rest=mean adds an estimate of
+        // what was left out; SketchTopp.RestMeanAddsTheEstimatedRestTimesTheMeanValue).
+        {"sketch_topp", {{"p", "0.8"}, {"min_context", "0"}, {"rest", "none"}}}};
     for (const auto& [m, params] : runs) {
       AttnOutput out = run(m, f, params);
       for (int qh = 0; qh < s.n_q_heads; ++qh) {
@@ -343,95 +346,185 @@ TEST(Methods, BadInputNamesTheValue) {
   expect_error([&] { decode_step(*m, 1, f.q.data(), f.kv, ctx, out); }, "layer=1");
 }
 
-// With every page a candidate, hier_topp's total is exact: for a group of one it must pick
-// the minimal top-p set (the float64 count here, as oracle_topp), and its claim must be the
-// set's true mass.
-TEST(HierTopp, EveryPageScoredGivesTheMinimalSet) {
-  for (double p : {0.5, 0.9}) {
-    // 1024 tokens: no partial last page (it would be attended as part of the recent tokens).
-    Fixture f = make_fixture({1, 4, 4, 32}, 1024, 11);
-    AttnOutput out = run("hier_topp", f,
-                         {{"p", std::to_string(p)},
-                          {"candidate_p", "1"},
-                          {"dense_above", "1"},
-                          {"sinks", "0"},
-                          {"recent", "0"},
-                          {"min_context", "0"}});
-    for (int qh = 0; qh < f.shape.n_q_heads; ++qh) {
-      expect_minimal_set(f, qh, p, out.selection.tokens[qh].size());
-      EXPECT_GE(out.stats[qh].mass_claimed, p - 1e-5);
-      EXPECT_NEAR(out.stats[qh].mass_true, out.stats[qh].mass_claimed, 1e-4);
+namespace {
+
+// The sketch sketch_topp builds from a fixture's cache (the channels of every token at
+// on_prefill, then every token encoded), and the bound of each token's estimate error
+// (raw logit; kernels/sketch.h): sum_c |q_c scale_c| step_t / 2 + step_t (qstep / 2) sum_c u_tc.
+std::vector<double> sketch_error_bound(const Fixture& f, int qh) {
+  const int d = f.shape.head_dim, n = f.kv.n_tokens(0);
+  const PagedHeadView v = f.kv.view(0, qh / f.shape.group());
+  const size_t blocks = static_cast<size_t>((n + kSketchBlock - 1) / kSketchBlock);
+  std::vector<uint8_t> codes(blocks * key_sketch_block_bytes(d));
+  std::vector<uint16_t> off(blocks * kSketchBlock), st(off.size());
+  std::vector<float> center(d), scale(d);
+  key_sketch_channels(v, center.data(), scale.data());
+  key_sketch_encode(v, 0, n, center.data(), scale.data(), {codes.data(), off.data(), st.data()});
+  const KeySketchView s{codes.data(), off.data(), st.data(), center.data(), scale.data(), n, d};
+  std::vector<int8_t> q8(d);
+  const SketchQuery sq = key_sketch_quantize_query(s, f.q.data() + static_cast<size_t>(qh) * d, q8.data());
+  double qabs = 0;
+  for (int c = 0; c < d; ++c) qabs += std::abs(static_cast<double>(f.q[qh * d + c]) * scale[c]);
+  std::vector<double> bound(n);
+  for (int t = 0; t < n; ++t) {
+    double usum = 0;
+    for (int c = 0; c < d; ++c) {
+      const uint8_t b = codes[static_cast<size_t>(t / 16) * key_sketch_block_bytes(d) + (c / 8) * 64 + (t % 16) * 4 + c % 4];
+      usum += (c % 8) < 4 ? (b & 0x0F) : (b >> 4);
     }
+    const double stp = f16_to_f32(st[t]);
+    bound[t] = qabs * stp / 2 + stp * sq.qstep / 2 * usum;
   }
+  return bound;
 }
 
-// The group's union is pruned so that every head reaches P over the union (not over a list
-// of its own). With the defaults the pages not scored are estimated, so the claim is an
-// estimate: on these fixtures (pages of one cluster each) it stays within 0.05 of the true
-// mass. Sinks and recent tokens are always in the union. A kv head whose candidates pass
-// dense_above (the group of 8 heads, each leaning to its own cluster) attends densely and
-// claims 1; the others attend far fewer tokens than dense.
-TEST(HierTopp, EveryHeadReachesPOverTheUnion) {
+}  // namespace
+
+// A head's claim is A / (A + R_est): A its exact mass over the union (from the attention's
+// log-sum-exp), R_est the sketch's estimate of the tokens not read. The true mass is
+// A / (A + R_true), so (1/claim - 1) / (1/true - 1) = R_est / R_true, which the
+// quantisation bound confines to exp(+-scale max_t bound_t) over the tokens not read.
+// Every sparse head also claims at least P, and the union holds the sinks and the recent
+// tokens, sorted.
+TEST(SketchTopp, ClaimsAreExactOverTheUnionAndBoundedForTheRest) {
   int sparse_heads = 0;
   for (const Shape& s : kShapes) {
     Fixture f = make_fixture(s, 3000, 17, DType::f16, 3.0f, 32);
-    AttnOutput out = run("hier_topp", f, {{"min_context", "0"}});
+    AttnOutput out = run("sketch_topp", f, {{"min_context", "0"}});
+    const double scale = 1.0 / std::sqrt(static_cast<double>(s.head_dim));
     for (int h = 0; h < s.n_kv_heads; ++h) {
       const auto& t = out.selection.tokens[h];
       EXPECT_TRUE(std::is_sorted(t.begin(), t.end()));
+      EXPECT_EQ(std::adjacent_find(t.begin(), t.end()), t.end());
       for (int i : {0, 1, 2, 3, 2936, 2999}) EXPECT_TRUE(std::binary_search(t.begin(), t.end(), i)) << i;
       const bool dense = t.size() == 3000u;
       sparse_heads += dense ? 0 : 1;
-      EXPECT_TRUE(dense || t.size() < 3000u / 2) << "kv head " << h << ": " << t.size();
       for (int j = 0; j < s.group(); ++j) {
-        const StepStats& st = out.stats[h * s.group() + j];
+        const int qh = h * s.group() + j;
+        const StepStats& st = out.stats[qh];
         EXPECT_EQ(st.tokens_attended, static_cast<int>(t.size()));
         if (dense) {
           EXPECT_EQ(st.mass_claimed, 1.0);
           continue;
         }
         EXPECT_GE(st.mass_claimed, 0.9 - 1e-6) << "kv head " << h << " query " << j;
-        EXPECT_NEAR(st.mass_true, st.mass_claimed, 0.05) << "kv head " << h << " query " << j;
+        const std::vector<double> bound = sketch_error_bound(f, qh);
+        double worst = 0;
+        for (int i = 0; i < 3000; ++i)
+          if (!std::binary_search(t.begin(), t.end(), i)) worst = std::max(worst, bound[i]);
+        const double ratio = (1 / st.mass_claimed - 1) / (1 / st.mass_true - 1);
+        EXPECT_LE(ratio, std::exp(scale * worst) * 1.001) << "kv head " << h << " query " << j;
+        EXPECT_GE(ratio, std::exp(-scale * worst) / 1.001) << "kv head " << h << " query " << j;
       }
     }
   }
   EXPECT_GE(sparse_heads, 6) << "the fixtures should leave most kv heads sparse";
 }
 
-// Every page scored with the default sinks and recent tokens, on GQA groups: the total is
-// exact, so each head's claim is the union's true mass and reaches P.
-TEST(HierTopp, EveryPageScoredClaimsTheTrueMass) {
+// A union chosen at a small estimated share falls short of P; the rounds add tokens (and
+// at the end the rest of the context) until every head's claim reaches P.
+TEST(SketchTopp, HeadsShortOfPGetMoreTokens) {
   for (const Shape& s : kShapes) {
-    Fixture f = make_fixture(s, 2000, 23, DType::f16, 3.0f, 16);
-    AttnOutput out = run("hier_topp", f, {{"candidate_p", "1"}, {"dense_above", "1"}, {"min_context", "0"}});
+    Fixture f = make_fixture(s, 3000, 41, DType::f16, 3.0f, 32);
+    AttnOutput out = run("sketch_topp", f, {{"min_context", "0"}, {"candidate_p", "0.05"}, {"dense_above", "1"}});
     for (int qh = 0; qh < s.n_q_heads; ++qh) {
       EXPECT_GE(out.stats[qh].mass_claimed, 0.9 - 1e-6) << "head " << qh;
-      EXPECT_NEAR(out.stats[qh].mass_true, out.stats[qh].mass_claimed, 1e-4) << "head " << qh;
+      EXPECT_GE(out.stats[qh].mass_true, 0.85) << "head " << qh;
+    }
+    for (const auto& t : out.selection.tokens) {
+      EXPECT_TRUE(std::is_sorted(t.begin(), t.end()));
+      EXPECT_EQ(std::adjacent_find(t.begin(), t.end()), t.end());
     }
   }
 }
 
-// rest=bound: the pages not scored count with Quest's upper bound, so every claim is a
-// lower bound of the union's true mass (float32 scores: within 1e-4) and reaches P.
-TEST(HierTopp, BoundedRestMakesEveryClaimALowerBound) {
-  for (const Shape& s : kShapes) {
-    Fixture f = make_fixture(s, 3000, 31, DType::f16, 3.0f, 32);
-    AttnOutput out = run("hier_topp", f, {{"rest", "bound"}, {"dense_above", "1"}, {"min_context", "0"}});
-    for (int qh = 0; qh < s.n_q_heads; ++qh) {
-      EXPECT_GE(out.stats[qh].mass_claimed, 0.9 - 1e-6) << "head " << qh;
-      EXPECT_LE(out.stats[qh].mass_claimed, out.stats[qh].mass_true + 1e-4) << "head " << qh;
+// The sketch follows the cache: a token appended after on_prefill that holds most of a
+// head's mass (its key along that head's query), outside the recent window, is found and
+// attended; after the cache is cut back below it, and another such token appended
+// elsewhere, that one is found instead.
+TEST(SketchTopp, SketchFollowsAppendsAndTruncation) {
+  const Shape s{1, 4, 1, 64};
+  Fixture f = make_fixture(s, 2000, 5);
+  auto m = Registry::builtin().make("sketch_topp", s, {{"min_context", "0"}, {"recent", "16"}});
+  ThreadPool pool(2);
+  DecodeContext ctx{&pool, true};
+  m->on_prefill(0, f.kv, ctx);
+  AttnOutput out;
+  decode_step(*m, 0, f.q.data(), f.kv, ctx, out);
+  auto append = [&](int count, int needle) {
+    std::mt19937 rng(static_cast<uint32_t>(needle));
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<float> k(64), v(64);
+    for (int i = 0; i < count; ++i) {
+      const int pos = f.kv.n_tokens(0);
+      for (int c = 0; c < 64; ++c) {
+        k[c] = pos == needle ? 2.0f * f.q[c] : 0.6f * nd(rng);
+        v[c] = nd(rng);
+      }
+      f.kv.append(0, k.data(), v.data(), 1);
     }
-  }
-  Fixture f = make_fixture({1, 4, 4, 32}, 100, 1);
-  EXPECT_THROW(run("hier_topp", f, {{"rest", "upper"}}), Error);
+  };
+  append(100, 2030);
+  decode_step(*m, 0, f.q.data(), f.kv, ctx, out);
+  EXPECT_TRUE(std::binary_search(out.selection.tokens[0].begin(), out.selection.tokens[0].end(), 2030));
+  EXPECT_GE(out.stats[0].mass_true, 0.9);
+  f.kv.truncate(2000);
+  append(100, 2050);
+  decode_step(*m, 0, f.q.data(), f.kv, ctx, out);
+  const auto& t = out.selection.tokens[0];
+  EXPECT_TRUE(std::binary_search(t.begin(), t.end(), 2050));
+  EXPECT_GE(out.stats[0].mass_true, 0.9);
+  for (int qh = 0; qh < 4; ++qh) EXPECT_GE(out.stats[qh].mass_claimed, 0.9 - 1e-6);
 }
 
 // The cost rule: contexts of at most min_context tokens attend every token and claim 1.
-TEST(HierTopp, ShortContextsAttendDensely) {
+TEST(SketchTopp, ShortContextsAttendDensely) {
   Fixture f = make_fixture({1, 8, 2, 64}, 900, 5);
   AttnOutput dense = run("dense", f, {});
-  AttnOutput out = run("hier_topp", f, {});  // min_context defaults to 1024
+  AttnOutput out = run("sketch_topp", f, {});  // min_context defaults to 1024
   for (const auto& t : out.selection.tokens) EXPECT_EQ(t.size(), 900u);
   for (const auto& st : out.stats) EXPECT_EQ(st.mass_claimed, 1.0);
   EXPECT_LT(rel_err(out.out, dense.out), 1e-6);
+}
+
+// rest=mean: o = claim o_U + (1 - claim) vbar, with o_U attention over the union and vbar
+// the mean value row of the head (both in float64 here); the set and the claim are those
+// of the default.
+TEST(SketchTopp, RestMeanAddsTheEstimatedRestTimesTheMeanValue) {
+  const Shape s{1, 8, 2, 64};
+  Fixture f = make_fixture(s, 3000, 29, DType::f16, 3.0f, 32);
+  AttnOutput plain = run("sketch_topp", f, {{"min_context", "0"}, {"rest", "none"}});
+  AttnOutput out = run("sketch_topp", f, {{"min_context", "0"}});  // rest=mean is the default
+  const int d = s.head_dim, n = 3000;
+  std::vector<float> v(d);
+  for (int h = 0; h < s.n_kv_heads; ++h) {
+    EXPECT_EQ(out.selection.tokens[h], plain.selection.tokens[h]);
+    std::vector<double> vbar(d, 0.0);
+    for (int t = 0; t < n; ++t) {
+      f.kv.value_f32(0, h, t, v.data());
+      for (int c = 0; c < d; ++c) vbar[c] += v[c] / n;
+    }
+    for (int j = 0; j < s.group(); ++j) {
+      const int qh = h * s.group() + j;
+      const double claim = out.stats[qh].mass_claimed;
+      EXPECT_EQ(claim, plain.stats[qh].mass_claimed);
+      const std::vector<double> pr = true_probs(f, qh);
+      std::vector<double> ou(d, 0.0);
+      double a = 0;
+      for (int t : out.selection.tokens[h]) a += pr[t];
+      for (int t : out.selection.tokens[h]) {
+        f.kv.value_f32(0, h, t, v.data());
+        for (int c = 0; c < d; ++c) ou[c] += pr[t] / a * v[c];
+      }
+      double num = 0, den = 0;
+      for (int c = 0; c < d; ++c) {
+        const double want = claim * ou[c] + (1 - claim) * vbar[c];
+        num += (out.out[qh * d + c] - want) * (out.out[qh * d + c] - want);
+        den += want * want;
+      }
+      EXPECT_LT(std::sqrt(num / den), 1e-5) << "head " << qh;
+      EXPECT_LT(claim, 1.0);  // something was left out, so the test sees the correction
+    }
+  }
+  EXPECT_THROW(run("sketch_topp", f, {{"rest", "median"}}), Error);
 }

@@ -285,3 +285,26 @@ TEST(Tactic, BadParametersNameTheValue) {
   AttnOutput out;
   expect_error([&] { decode_step(*m, 0, f.q.data(), f.kv, ctx, out); }, "before on_prefill");
 }
+
+// A cut followed by appends (the same token count, other tokens) leaves the clusters
+// describing tokens the cache no longer holds: decode says so instead of selecting from
+// them; on_prefill again rebuilds them.
+TEST(Tactic, DecodeAfterTheCacheLostTokensAsksForOnPrefill) {
+  Fixture f = make_fixture({1, 8, 2, 64}, 600, 41);
+  auto m = Registry::builtin().make("tactic", f.shape, {});
+  ThreadPool pool(2);
+  DecodeContext ctx{&pool, false};
+  m->on_prefill(0, f.kv, ctx);
+  AttnOutput out;
+  decode_step(*m, 0, f.q.data(), f.kv, ctx, out);
+  f.kv.truncate(500);
+  append_tokens(f, 100, 32);
+  try {
+    decode_step(*m, 0, f.q.data(), f.kv, ctx, out);
+    ADD_FAILURE() << "decode over a cut cache did not throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("lost tokens since on_prefill"), std::string::npos) << e.what();
+  }
+  m->on_prefill(0, f.kv, ctx);
+  EXPECT_NO_THROW(decode_step(*m, 0, f.q.data(), f.kv, ctx, out));
+}

@@ -3,6 +3,7 @@
 // then runs every method once in eval mode (accuracy) and repeatedly without it (time),
 // measuring the bandwidth again right before and after each method's timing passes.
 #include "cumulus/eval/bench.h"
+#include "cumulus/eval/method_spec.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -57,7 +58,7 @@ void log_line(std::FILE* log, const std::string& s) {
   std::fflush(log);
 }
 
-std::string params_text(const std::map<std::string, std::string>& p) {
+std::string params_commas(const std::map<std::string, std::string>& p) {
   std::string s;
   for (const auto& [k, v] : p) s += (s.empty() ? "" : ",") + k + "=" + v;
   return s;
@@ -205,7 +206,8 @@ BenchReport bench_run(const BenchOptions& o, std::FILE* log) {
     AttnOutput out;
     DecodeContext eval_ctx{.pool = &pool, .eval = true};
     double tokens = 0, bytes = 0, mass = 0, claimed = 0, err = 0;
-    int n_mass = 0, n_bypass = 0;
+    int n_mass = 0, n_bypass = 0, n_reached = 0;
+    const double target = method_target(name, r.params);
     r.mass_true_min = std::numeric_limits<double>::infinity();
     r.rel_err_max = 0;
     bool claims = true;
@@ -222,6 +224,7 @@ BenchReport bench_run(const BenchOptions& o, std::FILE* log) {
         } else {
           mass += st.mass_true;
           ++n_mass;
+          n_reached += st.mass_true >= target ? 1 : 0;
           r.mass_true_min = std::min(r.mass_true_min, st.mass_true);
         }
         r.rel_err_max = std::max(r.rel_err_max, rel);
@@ -239,6 +242,7 @@ BenchReport bench_run(const BenchOptions& o, std::FILE* log) {
     const double nan = std::numeric_limits<double>::quiet_NaN();
     r.bypass_fraction = n_bypass / head_steps;
     r.mass_true = n_mass > 0 ? mass / n_mass : nan;
+    r.reached_p = std::isnan(target) || n_mass == 0 ? nan : static_cast<double>(n_reached) / n_mass;
     if (n_mass == 0) r.mass_true_min = nan;
     r.mass_claimed = claims && n_mass > 0 ? claimed / (head_steps - n_bypass) : nan;
     r.rel_err = err / head_steps;
@@ -292,22 +296,23 @@ std::string bench_table(const BenchReport& rep) {
                    o.seed, o.concentration, rep.n_sinks, 100 * p.sink_mass, rep.recent_window, 100 * p.recent_mass,
                    p.topp, 100 * p.topp_fraction, 100 * p.topp_fraction_p10, 100 * p.topp_fraction_p50,
                    100 * p.topp_fraction_p90);
-  t += fmt::format("{:<12} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>6} {:>8} {:>10}\n", "method",
-                   "tokens", "tokens%", "KV read%", "mass", "claimed", "rel err", "max err", "ms/step", "GB/s", "ref",
-                   "%bw", "speedup", "prefill ms");
+  t += fmt::format("{:<12} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>9} {:>9} {:>9} {:>7} {:>7} {:>6} {:>8} {:>10}\n",
+                   "method", "tokens", "tokens%", "KV read%", "mass", "claimed", ">=P", "rel err", "max err", "ms/step",
+                   "GB/s", "ref", "%bw", "speedup", "prefill ms");
   for (const auto& r : rep.methods) {
     const std::string claimed = std::isnan(r.mass_claimed) ? "-" : fmt::format("{:.4f}", r.mass_claimed);
-    t += fmt::format("{:<12} {:>8.0f} {:>8.2f} {:>8.2f} {:>9.4f} {:>9} {:>9.2e} {:>9.2e} {:>9.3f} {:>7.1f} {:>7.1f} "
+    const std::string reached = std::isnan(r.reached_p) ? "-" : fmt::format("{:.1f}%", 100 * r.reached_p);
+    t += fmt::format("{:<12} {:>8.0f} {:>8.2f} {:>8.2f} {:>9.4f} {:>9} {:>8} {:>9.2e} {:>9.2e} {:>9.3f} {:>7.1f} {:>7.1f} "
                      "{:>5.0f}% {:>7.2f}x {:>10.1f}\n",
                      r.method, r.tokens_attended, 100 * r.token_fraction, 100 * r.bytes_fraction, r.mass_true, claimed,
-                     r.rel_err, r.rel_err_max, r.ms_median, r.gbps, r.bw_ref_gbps, 100 * r.bw_fraction, r.speedup,
-                     r.prefill_ms);
+                     reached, r.rel_err, r.rel_err_max, r.ms_median, r.gbps, r.bw_ref_gbps, 100 * r.bw_fraction,
+                     r.speedup, r.prefill_ms);
   }
   t += "\nparameters:\n";
   for (const auto& r : rep.methods)
-    if (!r.params.empty()) t += fmt::format("  {:<12} {}\n", r.method, params_text(r.params));
+    if (!r.params.empty()) t += fmt::format("  {:<12} {}\n", r.method, params_commas(r.params));
   t += "\nmass: true softmax mass of the attended set (mean over step x query head); claimed: the method's own\n"
-       "claim (- = none); rel err: ||o - o_dense|| / ||o_dense||; ms/step: median over repeats of one decode\n"
+       "claim (- = none); >=P: share of step x query head whose true mass reaches the method's target (- = none); rel err: ||o - o_dense|| / ||o_dense||; ms/step: median over repeats of one decode\n"
        "step (all heads of one layer), caches swept before each; GB/s: K/V bytes read / time; ref: read\n"
        "bandwidth measured just before and just after the method's timing (the larger); %bw: GB/s / ref;\n"
        "prefill ms: on_prefill (index build) once, not in ms/step.\n";
@@ -372,6 +377,7 @@ std::string bench_json(const BenchReport& rep) {
                        {"mass_true_min", std::isnan(r.mass_true_min) ? json(nullptr) : json(r.mass_true_min)},
                        {"bypass_fraction", r.bypass_fraction},
                        {"mass_claimed", std::isnan(r.mass_claimed) ? json(nullptr) : json(r.mass_claimed)},
+                       {"reached_p", std::isnan(r.reached_p) ? json(nullptr) : json(r.reached_p)},
                        {"rel_err", r.rel_err},
                        {"rel_err_max", r.rel_err_max},
                        {"ms_per_step_median", r.ms_median},

@@ -2,6 +2,7 @@
 #include "cumulus/eval/method_spec.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "core/check.h"
 #include "cumulus/methods/registry.h"
@@ -159,6 +160,12 @@ std::vector<MethodSpec> method_specs_parse(const std::vector<std::string>& entri
     out.insert(out.end(), variants.begin(), variants.end());
   }
   return out;
+}
+
+double method_target(const std::string& method, const std::map<std::string, std::string>& resolved) {
+  const std::string& key = Registry::builtin().find(method).target_param;
+  if (key.empty()) return std::numeric_limits<double>::quiet_NaN();
+  return std::stod(resolved.at(key));
 }
 
 }  // namespace cumulus

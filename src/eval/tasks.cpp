@@ -114,13 +114,6 @@ MatchedSpecs matched_specs(const EvalOptions& o) {
   return m;
 }
 
-// The target P of an adaptive method, from its resolved parameters (NaN for none).
-double target_of(const std::string& method, const std::map<std::string, std::string>& resolved) {
-  if (method == "tactic" || method == "oracle_topp" || method == "hier_topp") return std::stod(resolved.at("p"));
-  if (method == "psa") return std::stod(resolved.at("threshold"));
-  return kNaN;
-}
-
 // Accumulates the per-head statistics of decode steps (Session::last_step after each).
 struct StepAccumulator {
   double target = kNaN;
@@ -271,7 +264,7 @@ RunStats Evaluator::start_run(Session& s, const MethodSpec& spec, const std::str
   r.spec = spec;
   r.name = name.empty() ? spec.label : name;
   r.resolved = Registry::builtin().parse(spec.method, spec.params).values();
-  r.target = target_of(spec.method, r.resolved);
+  r.target = method_target(spec.method, r.resolved);
   s.restart_decode(spec.method, spec.params);
   return r;
 }

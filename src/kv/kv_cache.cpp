@@ -68,6 +68,7 @@ KvCache::KvCache(const Shape& shape, const KvCacheOptions& options, std::vector<
   }
   window_first_page_.assign(shape_.n_layers, 0);
   n_tokens_.assign(shape_.n_layers, 0);
+  generation_.assign(shape_.n_layers, 0);
   heads_.resize(static_cast<size_t>(shape_.n_layers) * shape_.n_kv_heads);
   for (auto& h : heads_) h = std::make_unique<HeadStore>();
 }
@@ -334,6 +335,11 @@ size_t KvCache::bytes_allocated() const {
 
 void KvCache::clear() { truncate(0); }
 
+uint64_t KvCache::generation(int layer) const {
+  CUMULUS_CHECK(layer >= 0 && layer < shape_.n_layers, "layer={} out of range [0, {})", layer, shape_.n_layers);
+  return generation_[static_cast<size_t>(layer)];
+}
+
 void KvCache::truncate(int n) {
   CUMULUS_CHECK(n >= 0, "n={} must be >= 0", n);
   for (int l = 0; l < shape_.n_layers; ++l)
@@ -363,6 +369,7 @@ void KvCache::truncate(int n) {
     n_tokens_[l] = n;
     // Pages below the window of n are dropped or pinned; the next appends examine them again.
     if (window_[l] > 0) window_first_page_[l] = std::min(window_first_page_[l], std::max(0, n - window_[l] + 1) / ps);
+    ++generation_[l];
     for (int h = 0; h < shape_.n_kv_heads; ++h) {
       HeadStore& s = head(l, h);
       // Zero the dropped rows, as a fresh slab holds zeros: kernels may read the padding

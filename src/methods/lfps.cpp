@@ -85,7 +85,7 @@ class Lfps final : public DecodeMethod {
         tables_(static_cast<size_t>(shape.n_layers) * shape.n_q_heads),
         kmean_(static_cast<size_t>(shape.n_layers) * shape.n_kv_heads),
         vmean_(kmean_.size()),
-        prefilled_(shape.n_layers, false) {}
+        prefilled_(shape.n_layers, false), generation_(shape.n_layers, 0) {}
   std::string name() const override { return "lfps"; }
   int prompt_queries() const override { return o_.s; }
 
@@ -169,10 +169,17 @@ class Lfps final : public DecodeMethod {
       }
     }
     prefilled_[layer] = true;
+    generation_[layer] = kv.generation(layer);
   }
 
   void decode(int layer, const float* q, const KvCache& kv, const DecodeContext& ctx, AttnOutput& out) override {
     CUMULUS_CHECK(prefilled_[layer], "lfps: decode on layer={} before on_prefill built its score tables", layer);
+    // Its index describes the tokens the cache held at on_prefill plus those appended since;
+    // a cut (truncate, clear) may have replaced them, even with as many new ones.
+    CUMULUS_CHECK(kv.generation(layer) == generation_[layer],
+                  "lfps: the cache of layer={} lost tokens since on_prefill built its score tables; run on_prefill "
+                  "again (Session::restart_decode does)",
+                  layer);
     methods::attn_output_reset(shape_, out);
     const int g = shape_.group(), d = shape_.head_dim;
     const float scale = attention_scale(d);
@@ -292,7 +299,8 @@ class Lfps final : public DecodeMethod {
   std::vector<methods::LfpsTables> tables_;   // [n_layers][n_q_heads]
   std::vector<std::vector<float>> kmean_;     // [n_layers][n_kv_heads] -> [head_dim]
   std::vector<std::vector<float>> vmean_;     // [n_layers][n_kv_heads] -> [head_dim]
-  std::vector<bool> prefilled_;               // [n_layers]
+  std::vector<bool> prefilled_;       // [n_layers]
+  std::vector<uint64_t> generation_;  // [n_layers] the cache's generation at on_prefill
   // Scratch.
   std::vector<float> scores_, rho_scores_, c2_scores_;
   std::vector<double> probs_;

@@ -63,6 +63,20 @@ void attend_selection(const KvCache& kv, int layer, const float* q, ThreadPool& 
   }
 }
 
+void merge_partial(float& lse1, float* o1, float lse2, const float* o2, int head_dim) {
+  if (lse2 == -std::numeric_limits<float>::infinity()) return;
+  if (lse1 == -std::numeric_limits<float>::infinity()) {
+    std::copy_n(o2, head_dim, o1);
+    lse1 = lse2;
+    return;
+  }
+  const double m = std::max(lse1, lse2);
+  const double a = std::exp(lse1 - m), b = std::exp(lse2 - m);
+  const double inv = 1.0 / (a + b);
+  for (int i = 0; i < head_dim; ++i) o1[i] = static_cast<float>((a * o1[i] + b * o2[i]) * inv);
+  lse1 = static_cast<float>(m + std::log(a + b));
+}
+
 double softmax_scaled(const float* scores, int n, float scale, std::vector<float>& probs) {
   probs.resize(n);
   float mx = -std::numeric_limits<float>::infinity();

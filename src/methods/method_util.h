@@ -34,6 +34,11 @@ void attn_output_reset(const Shape& shape, AttnOutput& out);
 void attend_selection(const KvCache& kv, int layer, const float* q, ThreadPool& pool, AttnOutput& out,
                       float* lse = nullptr);
 
+// Merges two attention outputs over disjoint sets of one query head (log-sum-exp lse1,
+// lse2; -inf for an empty set) into the first: o1 = (e^lse1 o1 + e^lse2 o2) / (e^lse1 +
+// e^lse2), lse1 = log(e^lse1 + e^lse2). o1, o2: [head_dim].
+void merge_partial(float& lse1, float* o1, float lse2, const float* o2, int head_dim);
+
 // Adds `bytes` read on behalf of kv head h, split evenly over its query heads.
 void add_kv_head_bytes(const Shape& shape, int kv_head, double bytes, AttnOutput& out);
 

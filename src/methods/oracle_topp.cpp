@@ -45,7 +45,8 @@ void register_oracle_topp(Registry& r) {
                      .min_exclusive = true}},
          .make_decode = [](const Shape& s, const Params& p) {
            return std::make_unique<OracleTopP>(s, p.get_double("p"));
-         }});
+         },
+         .target_param = "p"});
 }
 
 }  // namespace cumulus

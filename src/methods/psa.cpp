@@ -201,7 +201,8 @@ void register_psa(Registry& r) {
            return std::make_unique<Psa>(s, p.get_double("threshold"), p.get_int("microbatch"),
                                         crit == "mean" ? Criticality::kMean : Criticality::kBound,
                                         stop == "estimate" ? Stop::kEstimate : Stop::kCertified);
-         }});
+         },
+         .target_param = "threshold"});
 }
 
 }  // namespace cumulus

@@ -134,7 +134,7 @@ const Registry& Registry::builtin() {
     register_tactic(r);
     register_psa(r);
     register_lfps(r);
-    register_hier_topp(r);
+    register_sketch_topp(r);
     register_flexprefill(r);
     return r;
   }();

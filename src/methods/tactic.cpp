@@ -70,7 +70,11 @@ struct Scratch {
 class Tactic final : public DecodeMethod {
  public:
   Tactic(const Shape& shape, const TacticOptions& o)
-      : shape_(shape), o_(o), index_(shape.n_layers), prefilled_(shape.n_layers, false) {}
+      : shape_(shape),
+        o_(o),
+        index_(shape.n_layers),
+        prefilled_(shape.n_layers, false),
+        generation_(shape.n_layers, 0) {}
   std::string name() const override { return "tactic"; }
 
   void on_prefill(int layer, const KvCache& kv, const DecodeContext& ctx) override {
@@ -82,10 +86,17 @@ class Tactic final : public DecodeMethod {
       cluster_segment(kv, layer, h, 0, kv.n_tokens(layer), ctx.pool, heads[h]);
     }
     prefilled_[layer] = true;
+    generation_[layer] = kv.generation(layer);
   }
 
   void decode(int layer, const float* q, const KvCache& kv, const DecodeContext& ctx, AttnOutput& out) override {
     CUMULUS_CHECK(prefilled_[layer], "tactic: decode on layer={} before on_prefill built its clusters", layer);
+    // Its index describes the tokens the cache held at on_prefill plus those appended since;
+    // a cut (truncate, clear) may have replaced them, even with as many new ones.
+    CUMULUS_CHECK(kv.generation(layer) == generation_[layer],
+                  "tactic: the cache of layer={} lost tokens since on_prefill built its clusters; run on_prefill "
+                  "again (Session::restart_decode does)",
+                  layer);
     methods::attn_output_reset(shape_, out);
     const int g = shape_.group();
     const int d = shape_.head_dim;
@@ -289,7 +300,8 @@ class Tactic final : public DecodeMethod {
   Shape shape_;
   TacticOptions o_;
   std::vector<std::vector<HeadIndex>> index_;  // [n_layers][n_kv_heads]
-  std::vector<bool> prefilled_;                // [n_layers]
+  std::vector<bool> prefilled_;       // [n_layers]
+  std::vector<uint64_t> generation_;  // [n_layers] the cache's generation at on_prefill
   // Clustering scratch (one kv head at a time).
   std::vector<float> x_, cent_;
   std::vector<int32_t> assign_, counts_, perm_;
@@ -394,7 +406,8 @@ void register_tactic(Registry& r) {
            o.sinks = p.get_int("sinks");
            o.recent = p.get_int("recent");
            return std::make_unique<Tactic>(s, o);
-         }});
+         },
+         .target_param = "p"});
 }
 
 }  // namespace cumulus

@@ -485,14 +485,20 @@ void run_generate(const GenerateOptions& o) {
   std::vector<RunResult> results;
   for (const auto& spec : specs) results.push_back(run_one(w, *tok, prompt, spec, o, kvs));
 
-  fmt::print("\n{:<14} {:>7} {:>9} {:>10} {:>8} {:>7} {:>10} {:>10} {:>9} {:>9}\n", "method", "prompt", "prefill",
-             "tok/s", "index", "gen", "tok/s", "kv read", "tokens", "claimed");
+  // Decode speed against the first dense run of this process, when there is one.
+  auto decode_tps = [](const RunResult& r) { return r.generated > 1 ? (r.generated - 1) / r.decode_s : 0.0; };
+  double dense_tps = 0;
+  for (size_t i = 0; i < results.size() && dense_tps == 0; ++i)
+    if (specs[i].method == "dense") dense_tps = decode_tps(results[i]);
+  fmt::print("\n{:<14} {:>7} {:>9} {:>10} {:>8} {:>7} {:>10} {:>9} {:>10} {:>9} {:>9}\n", "method", "prompt", "prefill",
+             "tok/s", "index", "gen", "tok/s", "vs dense", "kv read", "tokens", "claimed");
   for (const auto& r : results) {
     const auto& s = r.summary;
-    fmt::print("{:<14} {:>7} {:>8.2f}s {:>10.1f} {:>7.2f}s {:>7} {:>10.1f} {:>9.1f}% {:>9.0f} {:>9}\n", r.method,
-               r.prompt_len, r.prefill_s, r.prompt_len / r.prefill_s, r.index_s, r.generated,
-               r.generated > 1 ? (r.generated - 1) / r.decode_s : 0.0, 100 * s.mean_kv_fraction(), s.mean_tokens(),
-               s.claimed_count ? fmt::format("{:.3f}", s.mean_claimed()) : "-");
+    const double tps = decode_tps(r);
+    fmt::print("{:<14} {:>7} {:>8.2f}s {:>10.1f} {:>7.2f}s {:>7} {:>10.1f} {:>9} {:>9.1f}% {:>9.0f} {:>9}\n", r.method,
+               r.prompt_len, r.prefill_s, r.prompt_len / r.prefill_s, r.index_s, r.generated, tps,
+               dense_tps > 0 && tps > 0 ? fmt::format("{:.2f}x", tps / dense_tps) : "-", 100 * s.mean_kv_fraction(),
+               s.mean_tokens(), s.claimed_count ? fmt::format("{:.3f}", s.mean_claimed()) : "-");
     if (s.true_count) fmt::print("{:<14} true mass {:.3f} (eval mode)\n", "", s.mean_true());
     const PrefillStats& ps = r.prefill_stats;
     if (o.prefill != "dense")
@@ -500,8 +506,9 @@ void run_generate(const GenerateOptions& o) {
                  o.prefill, 100 * ps.block_share(), ps.heads_query_aware, ps.heads_vertical_slash, ps.heads_dense);
   }
   fmt::print("index: the decode method's index build over the prompt, after the prefill (tactic's k-means; 0 for "
-             "dense); kv read: mean share of the dense K/V bytes read per decode step; tokens: mean tokens attended "
-             "per head-step; claimed: mean mass the method claims (- = makes no claim)\n");
+             "dense); vs dense: decode tok/s over the dense run's in this process; kv read: mean share of the dense "
+             "K/V bytes read per decode step; tokens: mean tokens attended per head-step; claimed: mean mass the "
+             "method claims (- = makes no claim)\n");
 }
 
 }  // namespace

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Joins the GPU benchmark (bench/cuda_decode_bench.cpp) and PyTorch's (torch_sdpa_bench.py)
 JSON files of one device run into the short table that tools/device/run.sh prints last,
-with the issue's goals checked: dense at 128K batch 1 against the copy bandwidth, sparse
-speedups over PyTorch's fastest dense path at P = 0.9, selection share of the sparse step.
+with the issues' goals checked: dense at 128K batch 1 against the copy bandwidth, sparse
+speedups over PyTorch's fastest dense path at P = 0.9, selection share of the sparse step
+(issue 6: tactic, psa; issue 17: sketch_topp, with its byte floor: sketch + union K/V at
+the copy bandwidth).
 
 Usage: summary.py cuda_decode_bench.json torch_sdpa.json [--base base_bench.json]
 (--base: the same benchmark built from another commit and run in the same device run;
@@ -43,7 +45,7 @@ def main():
     print(f"{ours['device']['name']}: device-to-device copy {copy:.0f} GB/s (read + write), "
           f"P = {ours['options']['p']}, concentration {ours['options']['concentration']}")
     hdr = (f"{'ctx':>6} {'B':>2} {'method':<12} {'us/step':>8} {'sel%':>5} {'GB/s':>6} {'%copy':>6} "
-           f"{'xTorch':>6} {'mass':>5} {'tok%':>6} {'err':>6}")
+           f"{'xTorch':>6} {'mass':>5} {'tok%':>6} {'err':>6} {'floor':>7}")
     print(hdr)
     goals = {}
     base_runs = {(r["context"], r["batch"]): r for r in (base or {}).get("runs", [])}
@@ -79,11 +81,15 @@ def main():
                 continue
             x = tus / m["step_us"] if tus else None
             xs = f"{x:6.2f}" if x else "     -"
+            fl = f"{m['floor_us']:7.1f}" if "floor_us" in m else ""
             print(f"{n:>6} {b:>2} {m['method']:<12} {m['step_us']:8.1f} {100 * m['select_share']:5.1f} "
                   f"{m['attend_gbps']:6.0f} {m['attend_pct_copy']:6.1f} {xs} {m['true_mass']:5.3f} "
-                  f"{100 * m['tokens_frac']:6.2f} {m['rel_err']:6.4f}")
+                  f"{100 * m['tokens_frac']:6.2f} {m['rel_err']:6.4f} {fl}")
             if n == 131072 and m["method"] in ("tactic", "psa") and x:
                 goals[(b, m["method"])] = (x, m["select_share"])
+            if m["method"] == "sketch_topp":
+                goals[("sketch", n, b)] = (x, m["select_share"], m["step_us"], d["us_median"],
+                                           tus / m["floor_us"] if tus and "floor_us" in m else None)
     for t in ours.get("traces", []):
         if "error" in t:
             print(f"trace {t['path']}: error {t['error'][:100]}")
@@ -98,6 +104,20 @@ def main():
                     parts.append(f"{name} mass {v['true_mass']:.3f} tok {100 * v['tokens_frac']:.1f}% "
                                  f"err {v['rel_err']:.3f} {v['step_us']:.1f}us")
             print("  " + " | ".join(parts))
+    print("goals (issue 17, sketch_topp at P = 0.9):")
+    for (key, (x, sel, us, dense_us, xfloor)) in sorted((k, v) for k, v in goals.items() if k[0] == "sketch"):
+        _, n, b = key
+        want = {(131072, 1): 3.0, (131072, 16): 3.0, (32768, 1): 1.5}.get((n, b))
+        xs = f"{x:.2f}x cuDNN" if x else "- (no PyTorch row)"
+        line = f"  {n // 1024}K B={b}: {xs}"
+        if want:
+            line += f" (goal >= {want}x)"
+        if xfloor:
+            line += f", at most {xfloor:.2f}x at the byte floor"
+        if n == 8192:
+            line += f"; {dense_us / us:.2f}x our dense (goal >= 1)"
+        line += f"; selection {100 * sel:.1f}% of the step (goal <= 25%)"
+        print(line)
     print("goals (issue 6):")
     if "dense_pct_copy" in goals:
         print(f"  dense 128K B=1: {goals['dense_pct_copy']:.1f}% of copy bandwidth (goal >= 85%)")

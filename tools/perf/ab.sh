@@ -27,7 +27,7 @@ for r in $(seq 1 "$ROUNDS"); do
     g=$("$bin" generate --model "$MODEL" --prompt-file "$TEXT" --bench --bench-context "$CONTEXT" --bench-decode 32 \
           --method "$METHOD" --threads "$THREADS" 2>/dev/null | awk -v m="$METHOD" '$1 == m {print $(NF - 3); exit}')
     k=$("$bin" bench --shape llama3-8b --context "$BENCH_CONTEXT" --methods "$METHOD" --threads "$THREADS" 2>/dev/null |
-        awk -v m="$METHOD" '$1 == m {print $9; exit}')
+        awk -v m="$METHOD" '$1 == m {print $10; exit}')
     echo "$r $side ${g:-?} ${k:-?}"
   done
 done

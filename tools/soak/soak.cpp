@@ -81,13 +81,13 @@ std::vector<int32_t> soak_prompt(const EvalModel& m, int n) {
 
 // Fixed budgets well under the small model's context, so the sparse paths run (at their
 // defaults quest, streaming and oracle_topk would cover all 512 tokens and equal dense, and
-// hier_topp's cost rule would attend densely).
+// sketch_topp's cost rule would attend densely).
 std::map<std::string, std::string> soak_params(const std::string& method) {
   if (method == "quest" || method == "lfps") return {{"budget", "64"}};
   if (method == "oracle_topk") return {{"k", "64"}};
   if (method == "streaming") return {{"window", "64"}};
-  // hier_topp attends densely up to min_context (1024) tokens: 0 runs its selection here.
-  if (method == "hier_topp") return {{"min_context", "0"}};
+  // sketch_topp attends densely up to min_context (1024) tokens: 0 runs its selection here.
+  if (method == "sketch_topp") return {{"min_context", "0"}};
   return {};
 }
 

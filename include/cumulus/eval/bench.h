@@ -62,6 +62,9 @@ struct BenchMethodResult {
   double mass_true_min = 0;
   double bypass_fraction = 0;   // share of (step, query head) with StepStats::bypass
   double mass_claimed = 0;      // mean claim; NaN for methods that make none
+  // Share of (step, query head) whose true mass reaches the method's target P (its
+  // registry entry's target_param); NaN for methods that target none.
+  double reached_p = 0;
   double rel_err = 0;           // mean over (step, query head) of ||o - o_dense|| / ||o_dense||
   double rel_err_max = 0;
   std::vector<double> ms;       // [repeats] mean ms per step of each timed pass

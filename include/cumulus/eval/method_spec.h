@@ -41,4 +41,8 @@ void prefill_spec_check(const std::string& method, const std::map<std::string, s
 // "k1=v1 k2=v2" (sorted by key; "" for none), for labels and tables.
 std::string params_text(const std::map<std::string, std::string>& params);
 
+// The attention mass a method targets (its registry entry's target_param, from its
+// resolved parameters), NaN for methods that target none.
+double method_target(const std::string& method, const std::map<std::string, std::string>& resolved);
+
 }  // namespace cumulus

@@ -1,5 +1,5 @@
 // Sparse decode methods on the GPU (src/kernels/cuda; docs/cuda.md, docs/methods.md): the
-// select-then-attend pipelines of tactic, psa, quest and oracle_topp over a DeviceKvCache,
+// select-then-attend pipelines of tactic, psa, quest, oracle_topp and sketch_topp over a DeviceKvCache,
 // for a batch of sequences, entirely on the device. A decode step is select() then
 // attend(): selection ends in per-kv-head sorted token lists (each the union of its GQA
 // group's choices, Tactic 4.5), attention runs the shared split-KV kernel over them
@@ -46,7 +46,9 @@ class SparseDecoder {
   void attend(const float* q, float* out, float* lse, const float* lse_ref = nullptr, float* mass = nullptr,
               void* stream = nullptr);
 
-  // The lists of the last select(): idx [n_seqs][n_kv_heads][stride], len [n_seqs][n_kv_heads].
+  // The lists of the last select(): idx [n_seqs][n_kv_heads][stride], len [n_seqs][n_kv_heads]
+  // (not written by a step that a method's cost rule sends wholly to dense attention:
+  // stats() then reports every token).
   const int32_t* list_idx() const;
   const int32_t* list_len() const;
   int list_stride() const;
@@ -66,6 +68,14 @@ class SparseDecoder {
  protected:
   SparseDecoder(const DeviceKvView& kv, int group, const AttentionPlanOptions& plan);
   Base& base() const { return *base_; }
+  // Methods whose claims come from the attention's log-sum-exp (sketch_topp) enqueue their
+  // claims here, at the end of attend(); lse is never null (attend() supplies its own
+  // buffer when the caller passes none and needs_lse() is true).
+  virtual bool needs_lse() const { return false; }
+  virtual void after_attend(const float* lse, void* stream) {
+    (void)lse;
+    (void)stream;
+  }
 
  private:
   std::unique_ptr<Base> base_;
@@ -133,5 +143,48 @@ std::unique_ptr<SparseDecoder> make_quest_gpu(const DeviceKvView& kv, int group,
 // oracle_topp: every key scored; the fewest tokens whose true softmax mass reaches p.
 std::unique_ptr<SparseDecoder> make_oracle_topp_gpu(const DeviceKvView& kv, int group, double p,
                                                     const AttentionPlanOptions& plan = {});
+
+// sketch_topp (ours, issue 17; docs/methods.md "sketch_topp", docs/cuda.md "sketch_topp on
+// the GPU"): the CPU method's parameters and defaults. prefill() builds a 4-bit sketch of
+// every key of every sequence (kernels/sketch.h's layout and encoder: the CPU's codes bit
+// for bit); a step estimates every token's weight from the sketch, chooses each kv head's
+// union (the smallest prefix of the tokens ordered by their largest estimated share at
+// which every query head's estimated share reaches candidate_p, to 1/64 of an octave as the
+// CPU's select_mass_threshold), attends it, and claims A / (A + the sketch's estimate of
+// the tokens not read). Tokens appended after prefill are encoded by the next select()
+// with the prompt's normalisation; after DeviceKvCache::truncate call prefill() again.
+// Deviation from the CPU: no rounds (a head whose claim falls short of p keeps its union).
+struct SketchToppGpuOptions {
+  double p = 0.9;
+  double candidate_p = 0.92;
+  int sinks = 4;
+  int recent = 64;
+  int min_context = 1024;    // contexts of at most this many tokens attend densely
+  double dense_above = 0.5;  // a kv head whose union exceeds this share of its tokens attends densely
+  // GPU only, a cost rule of the whole step: when the batch's K/V (every sequence at the
+  // view's max_tokens, K and V) is at most this many bytes, select() enqueues nothing and
+  // attend() runs the dense kernel (claims 1). A step's selection costs a few fixed
+  // launches whatever the context; below this size they cost more than the bytes they
+  // save (docs/cuda.md "sketch_topp on the GPU" has the measurements). 0: never.
+  size_t dense_kv_bytes = size_t{256} << 20;
+  // Tokens per CTA of the weights pass and of the histogram pass (0: planned from the batch
+  // and the multiprocessor count; multiples of 512).
+  int weights_chunk = 0;
+  int hist_chunk = 0;
+};
+std::unique_ptr<SparseDecoder> make_sketch_topp_gpu(const DeviceKvView& kv, int group, const SketchToppGpuOptions& o,
+                                                    const AttentionPlanOptions& plan = {});
+
+// Tests and tools: the device sketch of sequence `seq`, kv head `h` of a decoder made by
+// make_sketch_topp_gpu, copied to the host (synchronous), in kernels/sketch.h's layout:
+//   codes [ceil(n / 16)][head_dim / 8][16][4], offset and step [ceil(n / 16) * 16] f16 bits,
+//   center and scale [head_dim]; n = the tokens encoded.
+struct DeviceSketchCopy {
+  int n_tokens = 0;
+  std::vector<uint8_t> codes;
+  std::vector<uint16_t> offset, step;
+  std::vector<float> center, scale;
+};
+DeviceSketchCopy sketch_topp_gpu_download(const SparseDecoder& m, int seq, int h);
 
 }  // namespace cumulus::cuda

@@ -7,6 +7,39 @@
 
 namespace cumulus {
 
+// Thresholds for a group of weight rows sharing one key (ours; sketch_topp's candidate and
+// union steps, docs/methods.md):
+//   select_mass_threshold: the largest k such that, for every row j, the weights of the
+//     entries whose key is >= k sum to at least need[j]:
+//       for all j: sum_{i : key[i] >= k} w[j][i] >= need[j]
+//     key: [n] nonnegative finite; w: [n_rows][n] nonnegative finite (w may be key itself,
+//     n_rows = 1); need: [n_rows]. Returns +inf when every need[j] <= 0 (nothing needed),
+//     -inf when the whole list falls short for some row. The reference returns the exact
+//     key at which the last row is reached; the CPU backend bisects the keys' logarithm and
+//     returns a k_cpu with k_ref * 2^(-1/64) <= k_cpu <= k_ref (or k_cpu = 0 when k_ref
+//     lies below max(key) * 2^-32, so every key is taken): it never takes less
+//     than the reference, and at most the entries of keys within 1.1% below k_ref more.
+//     Its sums are float32 within chunks of 256 entries and float64 across, within about
+//     1e-7 of each row's total: a need that close to a boundary may land either side.
+//     sum_at: optional [n_rows], each row's sum over the keys >= the returned threshold
+//     (the row totals for -inf, 0 for +inf). hint (CPU only; 0: none): a guess of the
+//     answer (a caller's last one); a good guess saves the CPU's passes over the whole
+//     list, a bad one costs one pass; the answer is the same either way up to the stated
+//     resolution.
+//   select_any_above: appends to `out` the indices i (ascending, plus `base`) at which
+//     some row reaches its threshold, w[j][i] >= tau[j] for some j; w: [n_rows][n], tau:
+//     [n_rows] (+inf: the row selects nothing). Both backends return the same list.
+namespace ref {
+float select_mass_threshold(const float* key, const float* w, int n_rows, int n, const double* need,
+                            double* sum_at = nullptr);
+void select_any_above(const float* w, int n_rows, int n, const float* tau, int32_t base, std::vector<int32_t>& out);
+}  // namespace ref
+namespace cpu {
+float select_mass_threshold(const float* key, const float* w, int n_rows, int n, const double* need,
+                            double* sum_at = nullptr, float hint = 0.0f);
+void select_any_above(const float* w, int n_rows, int n, const float* tau, int32_t base, std::vector<int32_t>& out);
+}  // namespace cpu
+
 namespace ref {
 // The k largest scores: out = their indices ordered by score descending (ties: lower
 // index first). Requires 1 <= k; k > n returns all n.

@@ -91,6 +91,11 @@ class KvCache {
   // the page statistics.
   size_t bytes_allocated() const;
 
+  // Changes whenever `layer` loses tokens (truncate, clear), never on append: what a method
+  // that keeps per-token state (an index, a sketch) compares to know its tokens are the
+  // cache's, since a cut followed by appends can restore the same token count.
+  uint64_t generation(int layer) const;
+
   // Read-only view of one (layer, kv head) for the kernels. Valid until the next append
   // or clear. A sliding-window layer's view: dropped pages are nullptr, no statistics.
   PagedHeadView view(int layer, int kv_head) const;
@@ -121,6 +126,7 @@ class KvCache {
   Shape shape_;
   KvCacheOptions options_;
   std::vector<int> n_tokens_;                      // [n_layers]
+  std::vector<uint64_t> generation_;               // [n_layers] tokens-lost events
   std::vector<std::unique_ptr<HeadStore>> heads_;  // [n_layers * n_kv_heads]
   std::vector<int> window_;                        // [n_layers] 0 or w
   std::vector<int> window_first_page_;             // [n_layers] window layers: pages below are dropped or pinned

@@ -49,6 +49,10 @@ struct MethodInfo {
   std::vector<ParamSpec> params;
   std::function<std::unique_ptr<DecodeMethod>(const Shape&, const Params&)> make_decode = nullptr;    // decode
   std::function<std::unique_ptr<PrefillMethod>(const Shape&, const Params&)> make_prefill = nullptr;  // prefill
+  // The parameter holding the attention mass the method targets ("p", PSA's "threshold");
+  // empty for methods that target none (fixed budgets). Evaluation reports "reached P"
+  // against it.
+  std::string target_param = {};
 };
 
 class Registry {
@@ -82,7 +86,7 @@ void register_streaming(Registry& r);
 void register_quest(Registry& r);
 // Seed methods (issue 4): src/methods/{tactic,psa,lfps}.cpp.
 void register_tactic(Registry& r);
-void register_hier_topp(Registry& r);
+void register_sketch_topp(Registry& r);
 void register_psa(Registry& r);
 void register_lfps(Registry& r);
 // Prefill methods (issue 7): src/methods/flexprefill.cpp (dense registers both kinds).

@@ -4,7 +4,7 @@
 // log-sum-exp merging across chunks (the flash-decoding split over the context).
 //
 // Work split: each kv head's token range (dense) or index list (sparse) is cut into chunks
-// of kChunkTokens entries; one (kv head, chunk) is one ThreadPool task producing a partial
+// of kAttnChunkTokens (dense) or kAttnChunkSparse (lists) entries; one (kv head, chunk) is one ThreadPool task producing a partial
 // (max m, sum l, unnormalised output o) for every query head of the group. The chunk
 // count depends on the token count alone, and partials are merged in chunk order, so the
 // result is bit-identical for any number of threads.
@@ -50,10 +50,12 @@ struct AttentionChunk {
   float* l = nullptr;  // [group] out: sum_i exp(s_i - m)
 };
 
-// Tokens per block and per chunk. kChunkTokens is a multiple of kBlock so only a list's
-// last block is partial.
+// Tokens per block and per chunk. Chunks are multiples of kBlock so only a list's last
+// block is partial. Sparse lists are cut finer: a union of ~900 tokens per kv head
+// (SmolLM2 at 8K, 3 kv heads) was one task per head, three tasks for two threads.
 constexpr int kAttnBlock = 16;
 constexpr int kAttnChunkTokens = 1024;
+constexpr int kAttnChunkSparse = 256;
 
 }  // namespace cumulus::cpu
 #endif
@@ -389,7 +391,8 @@ void attention_decode_run(const DecodeAttnArgs& a, const Selection* sel, ThreadP
   for (int h = 0; h < a.n_kv_heads; ++h) {
     first_task[h] = static_cast<int>(tasks.size());
     const int n = sel != nullptr ? static_cast<int>(sel->tokens[h].size()) : a.kv[h].n_tokens;
-    for (int b = 0; b < n; b += kAttnChunkTokens) tasks.push_back({h, b, std::min(n, b + kAttnChunkTokens)});
+    const int chunk = sel != nullptr ? kAttnChunkSparse : kAttnChunkTokens;
+    for (int b = 0; b < n; b += chunk) tasks.push_back({h, b, std::min(n, b + chunk)});
   }
   first_task[a.n_kv_heads] = static_cast<int>(tasks.size());
 

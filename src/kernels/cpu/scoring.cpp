@@ -214,19 +214,34 @@ float score_max_impl(const float* x, int n) {
   return m;
 }
 
-// exp in float32 (Highway's Exp, as decode attention's softmax); each vector's lanes are
-// summed in float32 and the vector sums in float64.
+// exp in float32 (Highway's Exp, as decode attention's softmax); the lanes sum in float32
+// for 16 vectors at a time, those sums in float64. (A float64 add of each vector's lane
+// sum made one serial chain through the loop: 4x slower at 32K entries.)
 double score_exp_impl(const float* x, int n, float scale, float shift, float* out) {
   const hn::ScalableTag<float> d;
   const size_t N = hn::Lanes(d);
   const auto vs = hn::Set(d, scale);
   const auto vb = hn::Set(d, -shift);
+  constexpr size_t kChunk = 16;
   double sum = 0;
   size_t i = 0;
-  for (; i + N <= static_cast<size_t>(n); i += N) {
-    const auto e = hn::Exp(d, hn::MulAdd(hn::LoadU(d, x + i), vs, vb));
-    hn::StoreU(e, d, out + i);
-    sum += hn::GetLane(hn::SumOfLanes(d, e));
+  while (i + N <= static_cast<size_t>(n)) {
+    const size_t end = std::min(static_cast<size_t>(n) / N * N, i + kChunk * N);
+    auto acc0 = hn::Zero(d), acc1 = hn::Zero(d);
+    for (; i + 2 * N <= end; i += 2 * N) {
+      const auto e0 = hn::Exp(d, hn::MulAdd(hn::LoadU(d, x + i), vs, vb));
+      const auto e1 = hn::Exp(d, hn::MulAdd(hn::LoadU(d, x + i + N), vs, vb));
+      hn::StoreU(e0, d, out + i);
+      hn::StoreU(e1, d, out + i + N);
+      acc0 = hn::Add(acc0, e0);
+      acc1 = hn::Add(acc1, e1);
+    }
+    for (; i < end; i += N) {
+      const auto e = hn::Exp(d, hn::MulAdd(hn::LoadU(d, x + i), vs, vb));
+      hn::StoreU(e, d, out + i);
+      acc0 = hn::Add(acc0, e);
+    }
+    sum += hn::GetLane(hn::SumOfLanes(d, hn::Add(acc0, acc1)));
   }
   for (; i < static_cast<size_t>(n); ++i) {
     out[i] = std::exp(x[i] * scale - shift);

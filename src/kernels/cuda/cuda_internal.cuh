@@ -113,6 +113,11 @@ struct SparseDecoder::Base {
   DeviceBuffer claimed;  // [n_seqs * n_q] float32
   DeviceBuffer budget;   // [n_seqs * n_q] int32
   DeviceBuffer counts;   // [n_seqs * n_kv_heads][bitmap_tiles(words)] compaction scratch
+  DeviceBuffer lse_own;  // [n_seqs * n_q] attend()'s lse when the caller passes none and the method needs it
+  // Set by a method whose cost rule sends the whole step to dense attention (sketch_topp's
+  // dense_kv_bytes): select() writes no list, attend() runs the dense kernel, stats()
+  // reports every token with claim 1.
+  bool dense_step = false;
   std::unique_ptr<AttentionPlan> plan;
 
   Base(const DeviceKvView& v, int g, const AttentionPlanOptions& po);

@@ -26,6 +26,7 @@ SparseDecoder::Base::Base(const DeviceKvView& v, int g, const AttentionPlanOptio
   claimed = DeviceBuffer(static_cast<size_t>(kv.n_seqs) * n_q * sizeof(float));
   budget = DeviceBuffer(static_cast<size_t>(kv.n_seqs) * n_q * sizeof(int32_t));
   counts = DeviceBuffer(static_cast<size_t>(n_lists) * bitmap_tiles(words) * sizeof(int));
+  lse_own = DeviceBuffer(static_cast<size_t>(kv.n_seqs) * n_q * sizeof(float));
   plan = std::make_unique<AttentionPlan>(kv, g, po);
 }
 
@@ -40,14 +41,16 @@ void SparseDecoder::attend(const float* q, float* out, float* lse, const float* 
   a.group = b.group;
   a.scale = 1.0f / std::sqrt(static_cast<float>(b.kv.head_dim));
   a.q = q;
-  a.idx = b.idx.as<int32_t>();
-  a.idx_len = b.len.as<int32_t>();
+  a.idx = b.dense_step ? nullptr : b.idx.as<int32_t>();  // a dense step attends every token
+  a.idx_len = b.dense_step ? nullptr : b.len.as<int32_t>();
   a.idx_stride = b.stride;
   a.out = out;
+  if (lse == nullptr && needs_lse()) lse = b.lse_own.as<float>();
   a.lse = lse;
   a.lse_ref = lse_ref;
   a.mass = mass;
   attention_decode(a, *b.plan, stream);
+  if (needs_lse()) after_attend(lse, stream);
 }
 
 const int32_t* SparseDecoder::list_idx() const { return base_->idx.as<int32_t>(); }
@@ -58,6 +61,16 @@ SparseStepStats SparseDecoder::stats(void* stream) const {
   CUMULUS_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
   const Base& b = *base_;
   SparseStepStats st;
+  if (b.dense_step) {  // every token of every list, claim 1
+    std::vector<int> n(static_cast<size_t>(b.kv.n_seqs));
+    memcpy_to_host(n.data(), b.kv.n_tokens, n.size() * sizeof(int));
+    for (int s = 0; s < b.kv.n_seqs; ++s) {
+      st.tokens.insert(st.tokens.end(), static_cast<size_t>(b.kv.n_kv_heads), n[s]);
+      st.budget.insert(st.budget.end(), static_cast<size_t>(b.n_q), n[s]);
+    }
+    st.claimed.assign(static_cast<size_t>(b.kv.n_seqs) * b.n_q, 1.0f);
+    return st;
+  }
   st.tokens = to_host<int>(b.len, b.n_lists);
   st.claimed = to_host<float>(b.claimed, static_cast<size_t>(b.kv.n_seqs) * b.n_q);
   st.budget = to_host<int>(b.budget, static_cast<size_t>(b.kv.n_seqs) * b.n_q);

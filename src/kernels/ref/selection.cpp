@@ -16,12 +16,28 @@
 //     threshold can differ from exact arithmetic, and it differs identically everywhere.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "core/check.h"
 #include "cumulus/kernels/selection.h"
 
 namespace cumulus::ref {
+
+namespace {
+
+void select_threshold_check(const float* key, const float* w, int n_rows, int n, const double* need) {
+  CUMULUS_CHECK(n_rows >= 1 && n >= 0, "select_mass_threshold: n_rows={} must be >= 1 and n={} >= 0", n_rows, n);
+  CUMULUS_CHECK(need != nullptr && (n == 0 || (key != nullptr && w != nullptr)),
+                "select_mass_threshold: key, w and need must be non-null for n={}", n);
+  for (int i = 0; i < n; ++i)
+    CUMULUS_CHECK(std::isfinite(key[i]) && key[i] >= 0, "select_mass_threshold: key[{}]={} must be finite and >= 0", i,
+                  key[i]);
+  for (int64_t i = 0; i < static_cast<int64_t>(n_rows) * n; ++i)
+    CUMULUS_CHECK(std::isfinite(w[i]) && w[i] >= 0, "select_mass_threshold: w[{}]={} must be finite and >= 0", i, w[i]);
+}
+
+}  // namespace
 
 void select_topk(const float* scores, int n, int k, std::vector<int32_t>& out) {
   CUMULUS_CHECK(k >= 1, "k={} must be >= 1", k);
@@ -77,6 +93,45 @@ void select_top_mass(const float* weights, int n, double p, std::vector<int32_t>
   }
   order.resize(m);
   out = std::move(order);
+}
+
+float select_mass_threshold(const float* key, const float* w, int n_rows, int n, const double* need, double* sum_at) {
+  select_threshold_check(key, w, n_rows, n, need);
+  bool any = false;
+  for (int j = 0; j < n_rows; ++j) any = any || need[j] > 0;
+  if (!any) {
+    if (sum_at != nullptr) std::fill(sum_at, sum_at + n_rows, 0.0);
+    return std::numeric_limits<float>::infinity();
+  }
+  // Keys descending; every entry of one key value joins at once (a threshold cannot split
+  // equal keys), and the first key at which every row has reached its need is the answer.
+  std::vector<int32_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return key[a] > key[b]; });
+  std::vector<double> acc(n_rows, 0.0);
+  for (int r = 0; r < n;) {
+    const float k = key[order[r]];
+    for (; r < n && key[order[r]] == k; ++r)
+      for (int j = 0; j < n_rows; ++j) acc[j] += w[static_cast<size_t>(j) * n + order[r]];
+    bool all = true;
+    for (int j = 0; j < n_rows; ++j) all = all && acc[j] >= need[j];
+    if (all || r == n) {
+      if (sum_at != nullptr) std::copy(acc.begin(), acc.end(), sum_at);
+      if (all) return k;
+    }
+  }
+  if (n == 0 && sum_at != nullptr) std::fill(sum_at, sum_at + n_rows, 0.0);
+  return -std::numeric_limits<float>::infinity();
+}
+
+void select_any_above(const float* w, int n_rows, int n, const float* tau, int32_t base, std::vector<int32_t>& out) {
+  CUMULUS_CHECK(n_rows >= 1 && n >= 0, "select_any_above: n_rows={} must be >= 1 and n={} >= 0", n_rows, n);
+  CUMULUS_CHECK(n == 0 || (w != nullptr && tau != nullptr), "select_any_above: w and tau must be non-null");
+  for (int i = 0; i < n; ++i) {
+    bool hit = false;
+    for (int j = 0; j < n_rows; ++j) hit = hit || w[static_cast<size_t>(j) * n + i] >= tau[j];
+    if (hit) out.push_back(base + i);
+  }
 }
 
 }  // namespace cumulus::ref

@@ -1,0 +1,988 @@
+// sketch_topp on the GPU (ours, issue 17; the CPU method is src/methods/sketch_topp.cpp,
+// docs/methods.md "sketch_topp" gives the equations, docs/cuda.md "sketch_topp on the GPU"
+// the design and the measurements). Per (sequence, kv head) a 4-bit sketch of every key in
+// kernels/sketch.h's layout, built at prefill by the CPU's encoder (same operations in the
+// same order, so the same codes, offsets and steps bit for bit). A decode step, all on the
+// device, no host synchronisation (graph-capturable):
+//   1. weights pass (one launch, many CTAs per list): the group's queries quantised to int8
+//      as key_sketch_quantize_query does, every token's estimate s_jt = scale est_jt from
+//      the codes (__dp4a on the nibbles), written as 16-bit fixed point below the largest of
+//      its 64-token group (s = m64 + q / 1024, q in [-32767, 0]: 2^-11 at most off, a weight
+//      within 0.05%; anything e^-32 below its group's largest weighs nothing here) with the
+//      groups' maxima, and per CTA the flash-decoding partials (max, sum of exp) per query
+//      head from the exact estimates. Tokens appended since the last step are encoded
+//      first, by the CTA that owns them.
+//   2. histogram pass (one launch): the partials merged (M_j, S_j), each token's key
+//      max_j exp(s_jt - M_j) / S_j (2 for the sinks and recent tokens) placed in its
+//      threshold bin c(t) = min{m : key >= kmax 2^(-m/64)} (m <= 2048; 2049 below), the
+//      weights summed per bin and query head in 2^-31 fixed point (exact and
+//      deterministic: shared-memory 32-bit atomics, then the CTAs' bins merged with global
+//      64-bit atomics that each carry two 32-bit sums). The list's last
+//      CTA (ticket) scans the bins: the first m where every head reaches candidate_p of
+//      its total is the CPU's threshold (select_mass_threshold: kmax 2^-m/64, at least one
+//      step below kmax; every token when no bin suffices), the cost rule (union above
+//      dense_above of the tokens: dense), the union's weight per head for the claims.
+//   3. marks (one launch): bitmap words c(t) <= m and per-tile counts; 4. the compaction's
+//      emit pass (sparse_decoder's bitmap_emit) into sorted per-kv-head lists.
+// Then the shared sparse attention kernel, and the claims from its log-sum-exp:
+//   claim_j = A_j / (A_j + T_j - U_j),  A_j = exp(lse_j - M_j) / S_j  (normalised units).
+// Deviation from the CPU (docs/cuda.md): no rounds; a head whose claim falls short of p
+// keeps its union.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cuda_internal.cuh"
+#include "cumulus/kernels/cuda_methods.h"
+#include "cumulus/kernels/sketch.h"
+
+namespace cumulus::cuda {
+namespace {
+
+constexpr int kMaxGroup = 8;       // query heads per kv head the kernels hold in registers
+constexpr int kThresholds = 2049;  // thresholds kmax 2^(-m/64), m = 0 .. 2048 (32 octaves)
+constexpr int kBinBelow = 2049;    // keys below kmax 2^-32 (and zero)
+constexpr int kBins = 2050;
+// Weights (each <= 1, and a head's sum over all tokens 1 up to rounding) in fixed point,
+// 2^-31 units: any bin's or list's sum fits 32 bits, so shared and global histograms use
+// the native 32-bit integer atomics; integer sums do not depend on the order of the adds.
+constexpr float kFixF = 2147483648.0f;  // 2^31
+constexpr double kFix = 2147483648.0;
+constexpr float kSketchRange = 6.0e4f;          // src/kernels/ref/sketch.cpp's clamp of normalised values
+constexpr int kWeightsThreads = 256;
+constexpr int kHistThreads = 512;
+constexpr int kGroupTokens = 64;       // tokens per maximum of the 16-bit logits
+constexpr float kLogitUnit = 1024.0f;  // 16-bit logits: s = m64 + q / kLogitUnit
+constexpr int kTokensPerWarpStep = 64;  // a lane estimates two tokens per step of the weights pass
+
+// Everything the kernels of one decoder share (device pointers; plain data).
+struct SketchParams {
+  DeviceKvView kv;
+  int group = 1, n_q = 0;
+  // The sketch, per list l = seq * n_kv_heads + h:
+  uint8_t* codes = nullptr;   // [L][blocks][head_dim / 8][16][4]
+  uint16_t* off = nullptr;    // [L][ts] f16 bits
+  uint16_t* step = nullptr;   // [L][ts] f16 bits
+  float* center = nullptr;    // [L][head_dim]
+  float* scale = nullptr;     // [L][head_dim]
+  int32_t* sk_n = nullptr;    // [L] tokens encoded
+  size_t codes_stride = 0;    // bytes of codes per list
+  int ts = 0;                 // token stride: max_tokens rounded up to 64
+  // Step scratch:
+  int16_t* logits = nullptr;            // [L][ts][G] q = round((s - m64) * 1024), in [-32767, 0]
+  float* gmax = nullptr;                // [L][ts / 64][G] m64: the largest s of each 64-token group
+  float* part_m = nullptr;              // [L][n_chunks1][G]
+  float* part_s = nullptr;              // [L][n_chunks1][G]
+  uint16_t* cbin = nullptr;             // [L][ts] threshold bin of each token
+  // [L][kBins][(G + 2) / 2]: the G weight sums and the token count of each bin, two 32-bit values
+  // to a 64-bit word (value 2k low, 2k + 1 high); zero between steps.
+  unsigned long long* hist = nullptr;
+  uint32_t* ticket = nullptr;           // [L] zero between steps
+  int32_t* thr = nullptr;               // [L] the chosen bin m* (tokens with c(t) <= m* are the union)
+  int32_t* dense = nullptr;             // [L] 1: every token
+  float* st_M = nullptr;                // [L][G] largest logit
+  double* st_S = nullptr;               // [L][G] sum of exp(s - M)
+  double* st_T = nullptr;               // [L][G] sum of the normalised weights (~1)
+  double* st_U = nullptr;               // [L][G] ... over the union
+  // Options:
+  float attn_scale = 0;
+  double cp = 0.92, dense_above = 0.5;
+  int sinks = 4, recent = 64, min_context = 1024, force_dense = 0;
+  int chunk1 = 512, n_chunks1 = 1, chunk2 = 1024;
+};
+
+__device__ __forceinline__ float f16_bits_to_float(uint16_t b) { return __half2float(__ushort_as_half(b)); }
+__device__ __forceinline__ uint16_t float_to_f16_bits(float x) { return __half_as_ushort(__float2half_rn(x)); }
+
+// The next f16 value below h toward -inf (ref/sketch.cpp's f16_next_down).
+__device__ __forceinline__ uint16_t f16_next_down(uint16_t h) {
+  if ((h & 0x7FFF) == 0) return 0x8001;
+  return (h & 0x8000) ? static_cast<uint16_t>(h + 1) : static_cast<uint16_t>(h - 1);
+}
+
+// std::clamp((k - center) / scale, -R, R), as the CPU encoder computes it.
+__device__ __forceinline__ float sketch_norm(float k, float center, float scale) {
+  const float y = __fdiv_rn(__fsub_rn(k, center), scale);
+  return y < -kSketchRange ? -kSketchRange : (kSketchRange < y ? kSketchRange : y);
+}
+
+// Encodes token t of list l (key_sketch_encode's operations in its order: the codes are
+// the CPU's bit for bit). Reads the key row twice (the range, then the codes) rather than
+// holding head_dim floats.
+template <class T>
+__device__ void sketch_encode_token(const SketchParams& p, int l, int s, int h, int t) {
+  const int d = p.kv.head_dim;
+  const int32_t* pt = p.kv.page_table + (static_cast<size_t>(s) * p.kv.n_kv_heads + h) * p.kv.max_pages;
+  const int page = pt[t >> p.kv.page_shift];
+  const T* row = static_cast<const T*>(p.kv.k) +
+                 (static_cast<size_t>(page) * p.kv.page_size + (t & (p.kv.page_size - 1))) * d;
+  const float* cen = p.center + static_cast<size_t>(l) * d;
+  const float* sc = p.scale + static_cast<size_t>(l) * d;
+  float lo = sketch_norm(to_float(row[0]), cen[0], sc[0]), hi = lo;
+  for (int c = 1; c < d; ++c) {
+    const float y = sketch_norm(to_float(row[c]), cen[c], sc[c]);
+    lo = y < lo ? y : lo;  // std::min(lo, y)
+    hi = hi < y ? y : hi;  // std::max(hi, y)
+  }
+  uint16_t off16 = float_to_f16_bits(lo);
+  if (f16_bits_to_float(off16) > lo) off16 = f16_next_down(off16);
+  const float off = f16_bits_to_float(off16);
+  const float range = __fsub_rn(hi, off);
+  uint16_t step16 = float_to_f16_bits(__fdiv_rn(range, 15.0f));
+  if (__fmul_rn(f16_bits_to_float(step16), 15.0f) < range) step16 = static_cast<uint16_t>(step16 + 1);
+  const float step = f16_bits_to_float(step16);
+  p.off[static_cast<size_t>(l) * p.ts + t] = off16;
+  p.step[static_cast<size_t>(l) * p.ts + t] = step16;
+  uint8_t* block = p.codes + static_cast<size_t>(l) * p.codes_stride +
+                   static_cast<size_t>(t >> 4) * (d / 8) * 64 + (t & 15) * 4;
+  for (int c8 = 0; c8 < d / 8; ++c8) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int c = 8 * c8 + i;
+      const float y = sketch_norm(to_float(row[c]), cen[c], sc[c]);
+      float u = step > 0.0f ? rintf(__fdiv_rn(__fsub_rn(y, off), step)) : 0.0f;
+      u = u < 0.0f ? 0.0f : (15.0f < u ? 15.0f : u);
+      word |= static_cast<uint32_t>(u) << (8 * (i % 4) + 4 * (i / 4));
+    }
+    *reinterpret_cast<uint32_t*>(block + c8 * 64) = word;
+  }
+}
+
+// ---- prefill ------------------------------------------------------------------------------
+
+// Per-channel mean and standard deviation of a list's keys (key_sketch_channels): one
+// thread per channel sums the tokens in order in float64 with explicit roundings (no
+// contraction), so center and scale equal the CPU's bit for bit. grid: L, block: head_dim.
+template <class T>
+__global__ void sketch_channels_kernel(SketchParams p) {
+  const int l = blockIdx.x, s = l / p.kv.n_kv_heads, h = l % p.kv.n_kv_heads;
+  const int d = p.kv.head_dim, c = threadIdx.x;
+  const int n = p.kv.n_tokens[s];
+  const int32_t* pt = p.kv.page_table + (static_cast<size_t>(s) * p.kv.n_kv_heads + h) * p.kv.max_pages;
+  const T* k = static_cast<const T*>(p.kv.k);
+  double sum = 0, sq = 0;
+  constexpr int kBatch = 16;  // loads in flight before the ordered adds
+  for (int t0 = 0; t0 < n; t0 += kBatch) {
+    float x[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int t = t0 + i;
+      x[i] = 0.0f;
+      if (t < n) {
+        const int page = __ldg(pt + (t >> p.kv.page_shift));
+        x[i] = to_float(k[(static_cast<size_t>(page) * p.kv.page_size + (t & (p.kv.page_size - 1))) * d + c]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      if (t0 + i < n) {
+        sum = __dadd_rn(sum, static_cast<double>(x[i]));
+        sq = __dadd_rn(sq, __dmul_rn(static_cast<double>(x[i]), static_cast<double>(x[i])));
+      }
+    }
+  }
+  const double nn = static_cast<double>(max(1, n));
+  const double mean = __ddiv_rn(sum, nn);
+  const double var = __dsub_rn(__ddiv_rn(sq, nn), __dmul_rn(mean, mean));
+  const double sd = __dsqrt_rn(var > 0.0 ? var : 0.0);
+  __shared__ double s_max[8];
+  double m = sd;
+  for (int o = 16; o >= 1; o >>= 1) m = fmax(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((c & 31) == 0) s_max[c >> 5] = m;
+  __syncthreads();
+  double largest = 0;
+  for (int w = 0; w < (d + 31) / 32; ++w) largest = fmax(largest, s_max[w]);
+  const double floor = largest > 0 ? __dmul_rn(1e-3, largest) : 1.0;
+  p.center[static_cast<size_t>(l) * d + c] = static_cast<float>(mean);
+  p.scale[static_cast<size_t>(l) * d + c] = static_cast<float>(sd > floor ? sd : floor);
+}
+
+// Every token of every list encoded; sk_n = n. grid: (ceil(max_tokens / 128), L).
+template <class T>
+__global__ void sketch_encode_kernel(SketchParams p) {
+  const int l = blockIdx.y, s = l / p.kv.n_kv_heads, h = l % p.kv.n_kv_heads;
+  const int n = p.kv.n_tokens[s];
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t < n) sketch_encode_token<T>(p, l, s, h, t);
+  if (blockIdx.x == 0 && threadIdx.x == 0) p.sk_n[l] = n;
+}
+
+// ---- a step -------------------------------------------------------------------------------
+
+// Online (max, sum of exp) merge; either side may be empty (m = -inf).
+__device__ __forceinline__ void merge_max_sum(float& m, float& s, float om, float os) {
+  const float nm = fmaxf(m, om);
+  if (nm == -INFINITY) return;
+  s = (m == -INFINITY ? 0.0f : s * __expf(m - nm)) + (om == -INFINITY ? 0.0f : os * __expf(om - nm));
+  m = nm;
+}
+
+// 1. The weights pass. grid: (n_chunks1, L), block: 256 threads (8 warps). Each CTA owns
+// tokens [t0, t0 + chunk1) of its list: encodes those appended since the last step,
+// quantises the group's queries (warp j: query j), then each warp estimates 64 tokens a
+// step, two per lane: for every 8-dim chunk the token's 32-bit word of nibbles, split into
+// the low and high nibbles (4 dims each as bytes) and multiplied by the query's int8 words
+// with __dp4a. 16 tokens of one chunk are 64 contiguous bytes, so a load instruction of
+// the warp reads two full 64-byte runs.
+template <int G, class T>
+__global__ void __launch_bounds__(kWeightsThreads, G > 4 ? 2 : 3)
+    sketch_weights_kernel(SketchParams p, const float* __restrict__ q) {
+  const int l = blockIdx.y, s = l / p.kv.n_kv_heads, h = l % p.kv.n_kv_heads;
+  const int n = p.kv.n_tokens[s];
+  if (p.force_dense || n <= p.min_context) return;
+  const int t0 = blockIdx.x * p.chunk1;
+  if (t0 >= n) return;
+  const int t1 = min(n, t0 + p.chunk1);
+  const int d = p.kv.head_dim;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __shared__ __align__(16) int8_t s_q8[G][256];
+  __shared__ float s_base[G], s_qsum[G], s_qstep[G];
+  __shared__ float s_red_m[kWeightsThreads / 32][G], s_red_s[kWeightsThreads / 32][G];
+
+  const int enc0 = max(t0, p.sk_n[l]);
+  for (int t = enc0 + static_cast<int>(threadIdx.x); t < t1; t += blockDim.x) sketch_encode_token<T>(p, l, s, h, t);
+
+  if (warp < G) {  // key_sketch_quantize_query (the float64 sums in another order: equal to rounding)
+    const float* qj = q + (static_cast<size_t>(s) * p.n_q + h * G + warp) * d;
+    const float* cen = p.center + static_cast<size_t>(l) * d;
+    const float* sc = p.scale + static_cast<size_t>(l) * d;
+    double amax = 0, base = 0, qsum = 0;
+    for (int c = lane; c < d; c += 32) {
+      const double qs = static_cast<double>(qj[c]) * sc[c];
+      amax = fmax(amax, fabs(qs));
+      base += static_cast<double>(qj[c]) * cen[c];
+      qsum += qs;
+    }
+    for (int o = 16; o >= 1; o >>= 1) {
+      amax = fmax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      base += __shfl_xor_sync(0xffffffffu, base, o);
+      qsum += __shfl_xor_sync(0xffffffffu, qsum, o);
+    }
+    const double qstep = amax > 0 ? amax / 127.0 : 1.0;
+    for (int c = lane; c < d; c += 32) {
+      double v = rint(static_cast<double>(qj[c]) * sc[c] / qstep);
+      v = v < -127.0 ? -127.0 : (v > 127.0 ? 127.0 : v);
+      s_q8[warp][c] = static_cast<int8_t>(v);
+    }
+    if (lane == 0) {
+      const double a = p.attn_scale;
+      s_base[warp] = static_cast<float>(a * base);
+      s_qsum[warp] = static_cast<float>(a * qsum);
+      s_qstep[warp] = static_cast<float>(a * qstep);
+    }
+  }
+  __syncthreads();  // also makes the tokens encoded above visible to the whole CTA
+
+  const int nch = d >> 3;  // 8-dim chunks per token
+  const uint32_t* codes = reinterpret_cast<const uint32_t*>(p.codes + static_cast<size_t>(l) * p.codes_stride);
+  const uint16_t* offs = p.off + static_cast<size_t>(l) * p.ts;
+  const uint16_t* steps = p.step + static_cast<size_t>(l) * p.ts;
+  int16_t* lq = p.logits + static_cast<size_t>(l) * p.ts * G;
+  float* gm = p.gmax + static_cast<size_t>(l) * (p.ts / kGroupTokens) * G;
+  float m[G], sum[G];
+#pragma unroll
+  for (int j = 0; j < G; ++j) m[j] = -INFINITY, sum[j] = 0.0f;
+
+  for (int tg = t0 + warp * kTokensPerWarpStep; tg < t1; tg += (kWeightsThreads / 32) * kTokensPerWarpStep) {
+    const int ta = tg + lane, tb = tg + 32 + lane;  // the sketch is padded to 64 tokens: both in bounds
+    // Word of chunk c of token t: codes[(t / 16 * nch + c) * 16 + t % 16].
+    const uint32_t* wa = codes + (static_cast<size_t>(ta >> 4) * nch) * 16 + (ta & 15);
+    const uint32_t* wb = wa + static_cast<size_t>(2 * nch) * 16;
+    const uint16_t oa = __ldcs(offs + ta), ob = __ldcs(offs + tb);
+    const uint16_t sa = __ldcs(steps + ta), sb = __ldcs(steps + tb);
+    int acc[2][G];
+#pragma unroll
+    for (int j = 0; j < G; ++j) acc[0][j] = acc[1][j] = 0;
+    for (int c0 = 0; c0 < nch; c0 += 8) {
+      uint32_t xa[8], xb[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        xa[i] = __ldcs(wa + (c0 + i) * 16);
+        xb[i] = __ldcs(wb + (c0 + i) * 16);
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int la = static_cast<int>(xa[i] & 0x0F0F0F0Fu), ha = static_cast<int>((xa[i] >> 4) & 0x0F0F0F0Fu);
+        const int lb = static_cast<int>(xb[i] & 0x0F0F0F0Fu), hb = static_cast<int>((xb[i] >> 4) & 0x0F0F0F0Fu);
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+          const int2 w = reinterpret_cast<const int2*>(s_q8[j])[c0 + i];  // dims 8c .. 8c+3, 8c+4 .. 8c+7
+          acc[0][j] = __dp4a(la, w.x, acc[0][j]);
+          acc[0][j] = __dp4a(ha, w.y, acc[0][j]);
+          acc[1][j] = __dp4a(lb, w.x, acc[1][j]);
+          acc[1][j] = __dp4a(hb, w.y, acc[1][j]);
+        }
+      }
+    }
+    float sx[2][G];
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const int t = x ? tb : ta;
+      const float off = f16_bits_to_float(x ? ob : oa), stp = f16_bits_to_float(x ? sb : sa);
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        // est = base + offset qsum + step qstep dot, scaled (the CPU's MulAdd order).
+        const float sj = fmaf(stp * s_qstep[j], static_cast<float>(acc[x][j]), fmaf(off, s_qsum[j], s_base[j]));
+        sx[x][j] = t < t1 ? sj : -INFINITY;
+        if (t < t1) merge_max_sum(m[j], sum[j], sj, 1.0f);
+      }
+    }
+    // The group's largest estimate per head (tg is a multiple of 64: one group), then each
+    // token's 16-bit offset below it.
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      const float g64 = warp_max(fmaxf(sx[0][j], sx[1][j]));
+      if (lane == 0) gm[static_cast<size_t>(tg / kGroupTokens) * G + j] = g64;
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const float qv = rintf((sx[x][j] - g64) * kLogitUnit);  // -inf for tokens past t1
+        sx[x][j] = qv < -32767.0f ? -32767.0f : qv;
+      }
+    }
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const int t = x ? tb : ta;
+      if (t >= t1) continue;
+      int16_t* dst = lq + static_cast<size_t>(t) * G;
+      if constexpr (G == 4) {  // one 8-byte store
+        auto bits = [](float v) { return static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(v))); };
+        *reinterpret_cast<uint2*>(dst) =
+            make_uint2(bits(sx[x][0]) | (bits(sx[x][1]) << 16), bits(sx[x][2]) | (bits(sx[x][3]) << 16));
+      } else {
+#pragma unroll
+        for (int j = 0; j < G; ++j) dst[j] = static_cast<int16_t>(sx[x][j]);
+      }
+    }
+  }
+  // The CTA's partials: lanes, then warps, in a fixed order (deterministic).
+#pragma unroll
+  for (int j = 0; j < G; ++j) {
+    for (int o = 16; o >= 1; o >>= 1) {
+      const float om = __shfl_xor_sync(0xffffffffu, m[j], o), os = __shfl_xor_sync(0xffffffffu, sum[j], o);
+      merge_max_sum(m[j], sum[j], om, os);
+    }
+    if (lane == 0) s_red_m[warp][j] = m[j], s_red_s[warp][j] = sum[j];
+  }
+  __syncthreads();
+  if (threadIdx.x < G) {
+    const int j = threadIdx.x;
+    float mm = -INFINITY, ss = 0.0f;
+    for (int w = 0; w < kWeightsThreads / 32; ++w) merge_max_sum(mm, ss, s_red_m[w][j], s_red_s[w][j]);
+    const size_t at = (static_cast<size_t>(l) * p.n_chunks1 + blockIdx.x) * G + j;
+    p.part_m[at] = mm;
+    p.part_s[at] = ss;
+  }
+}
+
+// Threshold bin of a key: c = min{m <= 2048 : key >= T[m]}, or kBinBelow. A guess from the
+// logarithm, then corrected against the table, so every kernel bins alike.
+__device__ __forceinline__ int sketch_bin(float key, float log2_kmax, const float* T) {
+  if (!(key > 0.0f)) return kBinBelow;
+  float g = ceilf(-64.0f * (__log2f(key) - log2_kmax));
+  int m = g < 0.0f ? 0 : (g > static_cast<float>(kBinBelow) ? kBinBelow : static_cast<int>(g));
+  while (m < kThresholds && key < T[m]) ++m;
+  while (m > 0 && key >= T[m - 1]) --m;
+  return m;
+}
+
+// 2. The histogram pass. grid: (n_chunks2, L), block: 512 threads; dynamic shared memory:
+// [kBins][G] uint32 weight sums, then [kBins] uint32 counts.
+template <int G>
+__global__ void __launch_bounds__(kHistThreads, 2) sketch_hist_kernel(SketchParams p) {
+  extern __shared__ __align__(16) unsigned char s_raw[];
+  uint32_t* s_hist = reinterpret_cast<uint32_t*>(s_raw);
+  uint32_t* s_cnt = reinterpret_cast<uint32_t*>(s_hist + kBins * G);
+  __shared__ float s_T[kThresholds];
+  __shared__ float s_M[G], s_inv[G];
+  __shared__ double s_S[G];
+  __shared__ float s_kmax;
+  __shared__ int s_last, s_mj[G], s_m;
+  __shared__ unsigned long long s_tot[G], s_un[G];
+  __shared__ int s_count;
+
+  const int l = blockIdx.y, s = l / p.kv.n_kv_heads;
+  const int n = p.kv.n_tokens[s];
+  const int tid = threadIdx.x, bd = blockDim.x, warp = tid >> 5, lane = tid & 31;
+  if (p.force_dense || n <= p.min_context || n <= 0) {
+    if (blockIdx.x == 0 && tid == 0) p.thr[l] = kBinBelow, p.dense[l] = 1;
+    return;
+  }
+  const int t0 = blockIdx.x * p.chunk2;
+  if (t0 >= n) return;
+  const int t1 = min(n, t0 + p.chunk2);
+  const int n_ck1 = (n + p.chunk1 - 1) / p.chunk1, n_ck2 = (n + p.chunk2 - 1) / p.chunk2;
+
+  // The weights pass's partials merged (every CTA of the list computes the same, in order).
+  if (warp < G) {
+    const int j = warp;
+    const float* pm = p.part_m + static_cast<size_t>(l) * p.n_chunks1 * G;
+    const float* ps = p.part_s + static_cast<size_t>(l) * p.n_chunks1 * G;
+    float mx = -INFINITY;
+    for (int c = lane; c < n_ck1; c += 32) mx = fmaxf(mx, pm[c * G + j]);
+    mx = warp_max(mx);
+    double sm = 0;
+    for (int c = lane; c < n_ck1; c += 32) {
+      const float x = pm[c * G + j];
+      if (x > -INFINITY) sm += static_cast<double>(ps[c * G + j]) * static_cast<double>(__expf(x - mx));
+    }
+    for (int o = 16; o >= 1; o >>= 1) sm += __shfl_xor_sync(0xffffffffu, sm, o);
+    if (lane == 0) {
+      s_M[j] = mx;
+      s_S[j] = sm;
+      s_inv[j] = static_cast<float>(1.0 / sm);
+    }
+  }
+  for (int i = tid; i < kBins * G; i += bd) s_hist[i] = 0;
+  for (int i = tid; i < kBins; i += bd) s_cnt[i] = 0;
+  __syncthreads();
+  const int lo = min(p.sinks, n), hi = max(lo, n - p.recent);
+  if (tid == 0) {
+    float km = 0.0f;  // the largest key: a forced token's 2, else the largest weight (exp(0) / S_j)
+    if (lo > 0 || hi < n) {
+      km = 2.0f;
+    } else {
+      for (int j = 0; j < G; ++j) km = fmaxf(km, __expf(s_M[j] - s_M[j]) * s_inv[j]);
+    }
+    s_kmax = km;
+  }
+  __syncthreads();
+  const float kmax = s_kmax;
+  for (int m = tid; m < kThresholds; m += bd) s_T[m] = kmax * exp2f(-static_cast<float>(m) / 64.0f);
+  __syncthreads();
+  const float log2_kmax = __log2f(kmax);
+  const int16_t* lq = p.logits + static_cast<size_t>(l) * p.ts * G;
+  const float* gm = p.gmax + static_cast<size_t>(l) * (p.ts / kGroupTokens) * G;
+  uint16_t* cb = p.cbin + static_cast<size_t>(l) * p.ts;
+  // kU tokens per thread at a time, their logits loaded before any is used (the loop is
+  // bound by the loads' latency otherwise).
+  constexpr int kU = G <= 4 ? 4 : 2;
+  for (int t_base = t0 + tid; t_base < t1; t_base += bd * kU) {
+    float x[kU][G];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int t = min(t_base + u * bd, t1 - 1);  // past t1: a valid token, not used
+      int16_t v[G];
+      if constexpr (G == 4) {
+        const uint2 r = __ldcs(reinterpret_cast<const uint2*>(lq + static_cast<size_t>(t) * G));
+        v[0] = static_cast<int16_t>(r.x & 0xffffu), v[1] = static_cast<int16_t>(r.x >> 16);
+        v[2] = static_cast<int16_t>(r.y & 0xffffu), v[3] = static_cast<int16_t>(r.y >> 16);
+      } else {
+#pragma unroll
+        for (int j = 0; j < G; ++j) v[j] = lq[static_cast<size_t>(t) * G + j];
+      }
+#pragma unroll
+      for (int j = 0; j < G; ++j)
+        x[u][j] = gm[static_cast<size_t>(t / kGroupTokens) * G + j] + static_cast<float>(v[j]) * (1.0f / kLogitUnit);
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int t = t_base + u * bd;
+      if (t >= t1) break;
+      float w[G], key = 0.0f;
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        w[j] = __expf(x[u][j] - s_M[j]) * s_inv[j];
+        key = fmaxf(key, w[j]);
+      }
+      if (t < lo || t >= hi) key = 2.0f;  // the sinks and the recent tokens first
+      const int c = sketch_bin(key, log2_kmax, s_T);
+      cb[t] = static_cast<uint16_t>(c);
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        const uint32_t f = __float2uint_rn(w[j] * kFixF);
+        if (f != 0) atomicAdd(s_hist + c * G + j, f);
+      }
+      atomicAdd(s_cnt + c, 1u);
+    }
+  }
+  __syncthreads();
+  // Value v of bin c: v < G a head's weight sum, v == G the token count (s_cnt follows
+  // s_hist, so it is s_hist[kBins * G + c]).
+  auto value_at = [&](int c, int v) -> uint32_t {
+    return v < G ? s_hist[c * G + v] : (v == G ? s_cnt[c] : 0u);
+  };
+  if (n_ck2 > 1) {  // the list's other CTAs add theirs; the last one decides
+    constexpr int P = (G + 2) / 2;  // 64-bit words per bin
+    unsigned long long* gh = p.hist + static_cast<size_t>(l) * kBins * P;
+    // Two 32-bit sums per 64-bit atomic: a sum stays below 2^32 (weights: 2^31 for a
+    // whole head; counts: the tokens), so the low half never carries into the high half.
+    for (int c = tid; c < kBins; c += bd) {
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        const unsigned long long v =
+            value_at(c, 2 * k) | (static_cast<unsigned long long>(value_at(c, 2 * k + 1)) << 32);
+        if (v != 0) atomicAdd(gh + c * P + k, v);
+      }
+    }
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) s_last = atomicAdd(p.ticket + l, 1u) == static_cast<uint32_t>(n_ck2 - 1);
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    // The list's totals into shared memory (8 loads in flight per thread), zeroed for the
+    // next step.
+    for (int c0 = tid; c0 < kBins; c0 += bd * 4) {
+      unsigned long long v[4][P];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int k = 0; k < P; ++k) v[u][k] = c0 + u * bd < kBins ? __ldcg(gh + (c0 + u * bd) * P + k) : 0ull;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int c = c0 + u * bd;
+        if (c >= kBins) break;
+#pragma unroll
+        for (int k = 0; k < P; ++k) {
+          gh[c * P + k] = 0ull;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int vv = 2 * k + half;
+            const uint32_t x = static_cast<uint32_t>(half ? v[u][k] >> 32 : v[u][k] & 0xffffffffull);
+            if (vv < G) s_hist[c * G + vv] = x;
+            else if (vv == G) s_cnt[c] = x;
+          }
+        }
+      }
+    }
+  }
+  if (tid < G) s_mj[tid] = kBinBelow;
+  __syncthreads();  // the bins read back above are read by other threads below
+  // The scan, on the list's critical path (it runs once every CTA of the list is done): one
+  // block scan of the G + 1 values at once (each head's weight, and the token count) over
+  // runs of bins, then each thread walks its run for the first threshold m at which head
+  // j's sum over the bins <= m reaches cp of its total.
+  constexpr int V = G + 1;
+  const int per = (kBins + bd - 1) / bd;
+  const int c0 = min(kBins, tid * per), c1 = min(kBins, c0 + per);
+  unsigned long long run[V];
+#pragma unroll
+  for (int v = 0; v < V; ++v) run[v] = 0;
+  for (int c = c0; c < c1; ++c) {
+#pragma unroll
+    for (int v = 0; v < V; ++v) run[v] += v < G ? s_hist[c * G + v] : s_cnt[c];
+  }
+  __shared__ unsigned long long s_wsum[kHistThreads / 32][V];
+#pragma unroll
+  for (int v = 0; v < V; ++v) {  // inclusive within the warp
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned long long y = __shfl_up_sync(0xffffffffu, run[v], o);
+      if (lane >= o) run[v] += y;
+    }
+    if (lane == 31) s_wsum[warp][v] = run[v];
+  }
+  __syncthreads();
+  if (warp == 0) {  // the warps' totals scanned (lanes over warps)
+    const int nw = bd >> 5;
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      unsigned long long x = lane < nw ? s_wsum[lane][v] : 0ull;
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+      }
+      if (lane < nw) s_wsum[lane][v] = x;  // inclusive over warps
+      if (lane == nw - 1 && v < G) s_tot[v] = x;
+    }
+  }
+  __syncthreads();
+  // This thread's exclusive prefix: the warp's exclusive part, then the lanes before it.
+  unsigned long long excl[V];
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    unsigned long long own = 0;
+    for (int c = c0; c < c1; ++c) own += v < G ? s_hist[c * G + v] : s_cnt[c];
+    excl[v] = run[v] - own + (warp > 0 ? s_wsum[warp - 1][v] : 0ull);
+  }
+  {
+    unsigned long long r[G];
+    double need[G];
+    bool found[G];
+#pragma unroll
+    for (int j = 0; j < G; ++j) r[j] = excl[j], need[j] = p.cp * static_cast<double>(s_tot[j]), found[j] = false;
+    for (int c = c0; c < c1 && c < kThresholds; ++c) {
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        r[j] += s_hist[c * G + j];
+        if (!found[j] && static_cast<double>(r[j]) >= need[j]) {
+          atomicMin(s_mj + j, c);
+          found[j] = true;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int mm = 0;
+    for (int j = 0; j < G; ++j) mm = max(mm, s_mj[j]);
+    // The CPU's bisection never returns kmax itself (one step below at least), and every
+    // token when no threshold down to kmax 2^-32 suffices.
+    s_m = mm < kThresholds ? max(1, mm) : kBinBelow;
+  }
+  __syncthreads();
+  const int msel = s_m;
+  // The union's sums (bins <= msel) from the thread whose run holds msel.
+  if (msel >= c0 && msel < c1) {
+    unsigned long long u[V];
+#pragma unroll
+    for (int v = 0; v < V; ++v) u[v] = excl[v];
+    for (int c = c0; c <= msel; ++c) {
+#pragma unroll
+      for (int v = 0; v < V; ++v) u[v] += v < G ? s_hist[c * G + v] : s_cnt[c];
+    }
+#pragma unroll
+    for (int j = 0; j < G; ++j) s_un[j] = u[j];
+    s_count = static_cast<int>(u[G]);
+  }
+  __syncthreads();
+  const int count = s_count;
+  if (tid == 0) {
+    const bool dense = static_cast<double>(count) > p.dense_above * n;
+    p.thr[l] = dense ? kBinBelow : msel;
+    p.dense[l] = dense ? 1 : 0;
+    for (int j = 0; j < G; ++j) {
+      const size_t at = static_cast<size_t>(l) * G + j;
+      p.st_M[at] = s_M[j];
+      p.st_S[at] = s_S[j];
+      p.st_T[at] = static_cast<double>(s_tot[j]) / kFix;
+      p.st_U[at] = dense ? p.st_T[at] : static_cast<double>(s_un[j]) / kFix;
+    }
+    p.sk_n[l] = n;
+    p.ticket[l] = 0;
+  }
+}
+
+// 3. Marks: bitmap word wi of list l = the tokens of [32 wi, 32 wi + 32) in the union (c(t)
+// <= m*, or every token of a dense list), and counts[l][tile] its tile's bits for
+// bitmap_emit. grid: (tiles, L), block: kBitmapTileWords threads.
+__global__ void __launch_bounds__(kBitmapTileWords) sketch_marks_kernel(SketchParams p, uint32_t* bits, int words,
+                                                                     int tiles, int* counts) {
+  const int l = blockIdx.y, s = l / p.kv.n_kv_heads;
+  const int n = p.kv.n_tokens[s];
+  const int wi = blockIdx.x * kBitmapTileWords + threadIdx.x;
+  const int msel = p.thr[l];
+  const bool dense = p.dense[l] != 0;
+  uint32_t x = 0;
+  if (wi < words) {
+    const int t = wi * 32;
+    if (t < n) {
+      if (dense) {
+        x = n - t >= 32 ? 0xffffffffu : ((1u << (n - t)) - 1u);
+      } else {
+        const uint4* c4 = reinterpret_cast<const uint4*>(p.cbin + static_cast<size_t>(l) * p.ts + t);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          const uint4 u = c4[v];
+          const uint32_t pr[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const int b = v * 8 + k * 2;
+            if (t + b < n && static_cast<int>(pr[k] & 0xffffu) <= msel) x |= 1u << b;
+            if (t + b + 1 < n && static_cast<int>(pr[k] >> 16) <= msel) x |= 1u << (b + 1);
+          }
+        }
+      }
+    }
+    bits[static_cast<size_t>(l) * words + wi] = x;
+  }
+  const int total = block_sum<int>(__popc(x));
+  if (threadIdx.x == 0) counts[static_cast<size_t>(l) * tiles + blockIdx.x] = total;
+}
+
+// Claims after attention: claim = A / (A + T - U) in the weights' normalised units, with A =
+// exp(lse - M) / S the union's exact mass; 1 for dense lists. budget = the union's length.
+__global__ void sketch_claims_kernel(SketchParams p, const float* __restrict__ lse, const int32_t* __restrict__ len,
+                                     float* claimed, int32_t* budget) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= p.kv.n_seqs * p.n_q) return;
+  const int s = i / p.n_q, qh = i % p.n_q;
+  const int l = s * p.kv.n_kv_heads + qh / p.group, j = qh % p.group;
+  float claim = 1.0f;
+  if (p.dense[l] == 0) {
+    const size_t at = static_cast<size_t>(l) * p.group + j;
+    const double a = exp(static_cast<double>(lse[i]) - p.st_M[at]) / p.st_S[at];
+    const double rest = fmax(0.0, p.st_T[at] - p.st_U[at]);
+    claim = a + rest > 0 ? static_cast<float>(fmin(1.0, a / (a + rest))) : 0.0f;
+  }
+  claimed[i] = claim;
+  budget[i] = len[l];
+}
+
+template <class F>
+void with_group(int g, F&& f) {
+  switch (g) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    case 4: f(std::integral_constant<int, 4>()); break;
+    case 5: f(std::integral_constant<int, 5>()); break;
+    case 6: f(std::integral_constant<int, 6>()); break;
+    case 7: f(std::integral_constant<int, 7>()); break;
+    default: f(std::integral_constant<int, 8>()); break;
+  }
+}
+
+size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
+
+class SketchToppGpu final : public SparseDecoder {
+ public:
+  SketchToppGpu(const DeviceKvView& kv, int group, const SketchToppGpuOptions& o, const AttentionPlanOptions& po)
+      : SparseDecoder(kv, group, po), o_(o) {
+    CUMULUS_CHECK(o.p > 0 && o.p <= 1, "sketch_topp: p={} must be in (0, 1]", o.p);
+    CUMULUS_CHECK(o.candidate_p > 0 && o.candidate_p <= 1, "sketch_topp: candidate_p={} must be in (0, 1]",
+                  o.candidate_p);
+    CUMULUS_CHECK(o.sinks >= 0 && o.recent >= 0 && o.min_context >= 0,
+                  "sketch_topp: sinks={}, recent={} and min_context={} must be >= 0", o.sinks, o.recent,
+                  o.min_context);
+    CUMULUS_CHECK(o.dense_above >= 0 && o.dense_above <= 1, "sketch_topp: dense_above={} must be in [0, 1]",
+                  o.dense_above);
+    CUMULUS_CHECK(group >= 1 && group <= kMaxGroup, "sketch_topp: group={} must be in [1, {}] on the GPU", group,
+                  kMaxGroup);
+    CUMULUS_CHECK(o.weights_chunk >= 0 && o.weights_chunk % 512 == 0,
+                  "sketch_topp: weights_chunk={} must be a multiple of 512", o.weights_chunk);
+    CUMULUS_CHECK(o.hist_chunk >= 0 && o.hist_chunk % 512 == 0, "sketch_topp: hist_chunk={} must be a multiple of 512",
+                  o.hist_chunk);
+    Base& b = base();
+    const int d = kv.head_dim;
+    const size_t L = static_cast<size_t>(b.n_lists);
+    const size_t nt = round_up(static_cast<size_t>(std::max(1, kv.max_tokens)), kTokensPerWarpStep);
+    p_.kv = kv;
+    p_.group = group;
+    p_.n_q = b.n_q;
+    p_.ts = static_cast<int>(nt);
+    p_.codes_stride = nt / kSketchBlock * key_sketch_block_bytes(d);
+    codes_ = DeviceBuffer(L * p_.codes_stride);
+    codes_.fill_bytes(0);
+    off_ = DeviceBuffer(L * nt * sizeof(uint16_t));
+    step_ = DeviceBuffer(L * nt * sizeof(uint16_t));
+    center_ = DeviceBuffer(L * d * sizeof(float));
+    scale_ = DeviceBuffer(L * d * sizeof(float));
+    sk_n_ = DeviceBuffer(L * sizeof(int32_t));
+    sk_n_.fill_bytes(0);
+    // Planning from the bound max_tokens, each list cut into equal chunks (multiples of 512
+    // tokens) so that each pass's CTAs fit one wave of the device (as many CTAs per
+    // multiprocessor as its registers and shared memory allow): a second, partial wave
+    // measured as a tail of ~20% on the weights pass at 128K.
+    hist_smem_ = static_cast<size_t>(kBins) * (group + 1) * sizeof(uint32_t);
+    int occ1 = 1, occ2 = 1;
+    with_group(group, [&](auto g) {
+      constexpr int G = decltype(g)::value;
+      const void* k2 = reinterpret_cast<const void*>(sketch_hist_kernel<G>);
+      CUMULUS_CUDA_CHECK(cudaFuncSetAttribute(k2, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(hist_smem_)));
+      // Two CTAs per multiprocessor need more than the default carveout of shared memory.
+      CUMULUS_CUDA_CHECK(cudaFuncSetAttribute(k2, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                              static_cast<int>(cudaSharedmemCarveoutMaxShared)));
+      CUMULUS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ2, k2, kHistThreads, hist_smem_));
+      const void* k1 = kv.dtype == DType::f16 ? reinterpret_cast<const void*>(sketch_weights_kernel<G, __half>)
+                                              : reinterpret_cast<const void*>(sketch_weights_kernel<G, __nv_bfloat16>);
+      CUMULUS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ1, k1, kWeightsThreads, 0));
+    });
+    const int sms = sm_count();
+    auto plan = [&](int ctas, size_t least) {
+      const size_t per_list = std::max<size_t>(1, static_cast<size_t>(ctas) / L);
+      return static_cast<int>(std::max<size_t>(least, round_up((nt + per_list - 1) / per_list, 512)));
+    };
+    p_.chunk1 = o.weights_chunk > 0 ? o.weights_chunk : plan(std::max(1, occ1) * sms, 512);
+    // At least 8192 tokens per histogram CTA: each CTA's fixed work (zeroing its bins, the
+    // thresholds, merging its bins into the list's with global atomics) measured more than
+    // the parallelism it buys below that (128K batch 1: 29 vs 36 us with 4096).
+    p_.chunk2 = o.hist_chunk > 0 ? o.hist_chunk : plan(std::max(1, occ2) * sms, 8192);
+    p_.n_chunks1 = static_cast<int>((nt + p_.chunk1 - 1) / p_.chunk1);
+    n_chunks2_ = static_cast<int>((nt + p_.chunk2 - 1) / p_.chunk2);
+    logits_ = DeviceBuffer(L * nt * group * sizeof(int16_t));
+    gmax_ = DeviceBuffer(L * (nt / kGroupTokens) * group * sizeof(float));
+    part_m_ = DeviceBuffer(L * p_.n_chunks1 * group * sizeof(float));
+    part_s_ = DeviceBuffer(L * p_.n_chunks1 * group * sizeof(float));
+    cbin_ = DeviceBuffer(L * nt * sizeof(uint16_t));
+    hist_ = DeviceBuffer(L * kBins * ((group + 2) / 2) * sizeof(unsigned long long));
+    hist_.fill_bytes(0);
+    ticket_ = DeviceBuffer(L * sizeof(uint32_t));
+    ticket_.fill_bytes(0);
+    thr_ = DeviceBuffer(L * sizeof(int32_t));
+    dense_ = DeviceBuffer(L * sizeof(int32_t));
+    dense_.fill_bytes(0);
+    st_M_ = DeviceBuffer(L * group * sizeof(float));
+    st_S_ = DeviceBuffer(L * group * sizeof(double));
+    st_T_ = DeviceBuffer(L * group * sizeof(double));
+    st_U_ = DeviceBuffer(L * group * sizeof(double));
+    p_.codes = codes_.as<uint8_t>();
+    p_.off = off_.as<uint16_t>();
+    p_.step = step_.as<uint16_t>();
+    p_.center = center_.as<float>();
+    p_.scale = scale_.as<float>();
+    p_.sk_n = sk_n_.as<int32_t>();
+    p_.logits = logits_.as<int16_t>();
+    p_.gmax = gmax_.as<float>();
+    p_.part_m = part_m_.as<float>();
+    p_.part_s = part_s_.as<float>();
+    p_.cbin = cbin_.as<uint16_t>();
+    p_.hist = hist_.as<unsigned long long>();
+    p_.ticket = ticket_.as<uint32_t>();
+    p_.thr = thr_.as<int32_t>();
+    p_.dense = dense_.as<int32_t>();
+    p_.st_M = st_M_.as<float>();
+    p_.st_S = st_S_.as<double>();
+    p_.st_T = st_T_.as<double>();
+    p_.st_U = st_U_.as<double>();
+    p_.attn_scale = 1.0f / std::sqrt(static_cast<float>(d));
+    p_.cp = o.candidate_p;
+    p_.dense_above = o.dense_above;
+    p_.sinks = o.sinks;
+    p_.recent = o.recent;
+    p_.min_context = o.min_context;
+    p_.force_dense = o.p >= 1.0 ? 1 : 0;
+    const size_t kv_bytes = static_cast<size_t>(kv.n_seqs) * kv.n_kv_heads * kv.max_tokens * d * 2 * 2;
+    b.dense_step = o.dense_kv_bytes > 0 && kv_bytes <= o.dense_kv_bytes;
+  }
+
+  std::string name() const override { return "sketch_topp"; }
+
+  void prefill(void* stream) override {
+    const cudaStream_t st = as_stream(stream);
+    const Base& b = base();
+    const int d = b.kv.head_dim;
+    if (b.kv.dtype == DType::f16) {
+      sketch_channels_kernel<__half><<<b.n_lists, d, 0, st>>>(p_);
+      CUMULUS_CUDA_LAUNCH("sketch_channels_kernel");
+      sketch_encode_kernel<__half><<<dim3(ceil_div(p_.ts, 128), b.n_lists), 128, 0, st>>>(p_);
+    } else {
+      sketch_channels_kernel<__nv_bfloat16><<<b.n_lists, d, 0, st>>>(p_);
+      CUMULUS_CUDA_LAUNCH("sketch_channels_kernel");
+      sketch_encode_kernel<__nv_bfloat16><<<dim3(ceil_div(p_.ts, 128), b.n_lists), 128, 0, st>>>(p_);
+    }
+    CUMULUS_CUDA_LAUNCH("sketch_encode_kernel");
+    prefilled_ = true;
+  }
+
+  void select(const float* q, void* stream) override {
+    CUMULUS_CHECK(prefilled_, "sketch_topp: select() before prefill() (the sketch is built there)");
+    last_q_ = q;
+    if (base().dense_step) return;  // the cost rule: attend() runs the dense kernel
+    const cudaStream_t st = as_stream(stream);
+    launch_weights(q, st);
+    launch_hist(st);
+    launch_marks(st);
+    base().emit(st);
+  }
+
+  std::vector<std::pair<std::string, double>> phase_times(void* stream) const override {
+    // Each phase of the last select() again, alone between events, after one untimed run
+    // of it (the caches as that run left them, no flush): where the selection's time goes.
+    if (last_q_ == nullptr || base().dense_step) return {};
+    const cudaStream_t st = as_stream(stream);
+    auto* self = const_cast<SketchToppGpu*>(this);
+    std::vector<std::pair<std::string, double>> r;
+    EventTimer t;
+    auto timed = [&](const char* name, auto&& before, auto&& fn) {
+      before();
+      fn();
+      before();
+      t.start(stream);
+      fn();
+      t.stop(stream);
+      r.emplace_back(name, 1e3 * t.elapsed_ms());
+    };
+    const auto nothing = [] {};
+    timed("weights", nothing, [&] { self->launch_weights(last_q_, st); });
+    timed("hist", nothing, [&] { self->launch_hist(st); });
+    timed("marks", nothing, [&] { self->launch_marks(st); });
+    // The emit pass clears the bitmap it reads: the marks run (untimed) before each.
+    timed("emit", [&] { self->launch_marks(st); }, [&] { self->base().emit(st); });
+    return r;
+  }
+
+  const SketchParams& params() const { return p_; }
+
+ protected:
+  bool needs_lse() const override { return true; }
+  void after_attend(const float* lse, void* stream) override {
+    Base& b = base();
+    if (b.dense_step) return;  // stats() reports claim 1
+    const int rows = b.kv.n_seqs * b.n_q;
+    sketch_claims_kernel<<<ceil_div(rows, 128), 128, 0, as_stream(stream)>>>(
+        p_, lse, b.len.as<int32_t>(), b.claimed.as<float>(), b.budget.as<int32_t>());
+    CUMULUS_CUDA_LAUNCH("sketch_claims_kernel");
+  }
+
+ private:
+  void launch_weights(const float* q, cudaStream_t st) {
+    const Base& b = base();
+    with_group(b.group, [&](auto g) {
+      constexpr int G = decltype(g)::value;
+      const dim3 grid(p_.n_chunks1, b.n_lists);
+      if (b.kv.dtype == DType::f16) {
+        sketch_weights_kernel<G, __half><<<grid, kWeightsThreads, 0, st>>>(p_, q);
+      } else {
+        sketch_weights_kernel<G, __nv_bfloat16><<<grid, kWeightsThreads, 0, st>>>(p_, q);
+      }
+    });
+    CUMULUS_CUDA_LAUNCH("sketch_weights_kernel");
+  }
+  void launch_hist(cudaStream_t st) {
+    const Base& b = base();
+    with_group(b.group, [&](auto g) {
+      constexpr int G = decltype(g)::value;
+      sketch_hist_kernel<G><<<dim3(n_chunks2_, b.n_lists), kHistThreads, hist_smem_, st>>>(p_);
+    });
+    CUMULUS_CUDA_LAUNCH("sketch_hist_kernel");
+  }
+  void launch_marks(cudaStream_t st) {
+    Base& b = base();
+    const int tiles = bitmap_tiles(b.words);
+    sketch_marks_kernel<<<dim3(tiles, b.n_lists), kBitmapTileWords, 0, st>>>(p_, b.bits.as<uint32_t>(), b.words, tiles,
+                                                                           b.counts.as<int>());
+    CUMULUS_CUDA_LAUNCH("sketch_marks_kernel");
+  }
+
+  SketchToppGpuOptions o_;
+  SketchParams p_;
+  int n_chunks2_ = 1;
+  size_t hist_smem_ = 0;
+  bool prefilled_ = false;
+  const float* last_q_ = nullptr;
+  DeviceBuffer codes_, off_, step_, center_, scale_, sk_n_, logits_, gmax_, part_m_, part_s_, cbin_, hist_,
+      ticket_, thr_, dense_, st_M_, st_S_, st_T_, st_U_;
+};
+
+}  // namespace
+
+std::unique_ptr<SparseDecoder> make_sketch_topp_gpu(const DeviceKvView& kv, int group, const SketchToppGpuOptions& o,
+                                                    const AttentionPlanOptions& plan) {
+  return std::make_unique<SketchToppGpu>(kv, group, o, plan);
+}
+
+DeviceSketchCopy sketch_topp_gpu_download(const SparseDecoder& m, int seq, int h) {
+  const auto* sk = dynamic_cast<const SketchToppGpu*>(&m);
+  CUMULUS_CHECK(sk != nullptr, "sketch_topp_gpu_download: decoder '{}' is not sketch_topp", m.name());
+  const SketchParams& p = sk->params();
+  CUMULUS_CHECK(seq >= 0 && seq < p.kv.n_seqs && h >= 0 && h < p.kv.n_kv_heads,
+                "sketch_topp_gpu_download: seq={} h={} outside the batch's {} x {}", seq, h, p.kv.n_seqs,
+                p.kv.n_kv_heads);
+  device_synchronize();
+  const size_t l = static_cast<size_t>(seq) * p.kv.n_kv_heads + h;
+  const int d = p.kv.head_dim;
+  DeviceSketchCopy c;
+  int32_t n = 0;
+  memcpy_to_host(&n, p.sk_n + l, sizeof(n));
+  c.n_tokens = n;
+  const size_t blocks = (static_cast<size_t>(n) + kSketchBlock - 1) / kSketchBlock;
+  c.codes.resize(blocks * key_sketch_block_bytes(d));
+  c.offset.resize(blocks * kSketchBlock);
+  c.step.resize(blocks * kSketchBlock);
+  c.center.resize(d);
+  c.scale.resize(d);
+  if (blocks > 0) {
+    memcpy_to_host(c.codes.data(), p.codes + l * p.codes_stride, c.codes.size());
+    memcpy_to_host(c.offset.data(), p.off + l * p.ts, c.offset.size() * sizeof(uint16_t));
+    memcpy_to_host(c.step.data(), p.step + l * p.ts, c.step.size() * sizeof(uint16_t));
+  }
+  memcpy_to_host(c.center.data(), p.center + l * d, d * sizeof(float));
+  memcpy_to_host(c.scale.data(), p.scale + l * d, d * sizeof(float));
+  return c;
+}
+
+}  // namespace cumulus::cuda
