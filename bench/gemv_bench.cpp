@@ -1,13 +1,15 @@
 // Decode-projection benchmark: the quantised GEMV kernel (kernels/gemv.h) on the shapes of
 // SmolLM2-135M (Q4_1 layer matrices, the Q8_0 output head), its 576x1536 down projection
 // in every format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; compare the formats'
-// GB/s within one run) and Gemma 3 270M's FFN shapes in the formats of a Q4_K_M file,
-// against OpenBLAS sgemv on the same matrices dequantised to float32. Each shape is replicated `--copies` times (30 =
-// the model's layers) and the copies are visited in turn, so the weights stream from
-// memory as in a decode step. Reported: achieved GB/s of weight bytes (codes and scales)
-// against the machine's read bandwidth measured in the same run with the same threads,
-// and CPU time per 32 weights of the single-threaded kernel (thread CPU time: insensitive
-// to other processes taking the cores, unlike wall time).
+// GB/s within one run) and Gemma 3 270M's FFN shapes and tied head in the formats of a
+// Q4_K_M file, each with 16-bit and with 8-bit activations (the two paths of kernels/gemv.h;
+// 8 bits run VNNI byte dot products where the CPU has them), against OpenBLAS sgemv on the
+// same matrices dequantised to float32. Each shape is replicated `--copies` times (30 = the
+// model's layers) and the copies are visited in turn, so the weights stream from memory as
+// in a decode step. Reported: achieved GB/s of weight bytes (codes and scales) against the
+// machine's read bandwidth measured in the same run with the same threads, and CPU time per
+// 32 weights of the single-threaded kernel (thread CPU time: insensitive to other processes
+// taking the cores, unlike wall time).
 //
 // usage: gemv_bench [--threads 2] [--copies 30] [--reps 15] [--only TEXT] [--json FILE]
 #include <cblas.h>
@@ -24,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "cumulus/core/buffer.h"
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/file.h"
 #include "cumulus/core/thread_pool.h"
@@ -44,11 +47,12 @@ struct MatShape {
   int rows, cols;
 };
 
-// One repacked matrix with random codes and scales.
+// One repacked matrix with random codes and scales, in the storage the model's matrices use
+// (LargeVector: 2 MiB pages where a matrix spans them, model/weight_matrix.h).
 struct Matrix {
-  std::vector<uint8_t> qs;
-  std::vector<uint16_t> d, m;
-  std::vector<uint32_t> qh;
+  LargeVector<uint8_t> qs;
+  LargeVector<uint16_t> d, m;
+  LargeVector<uint32_t> qh;
   QuantMatrixView view;
   std::vector<float> f32;  // dequantised, for sgemv
 };
@@ -162,6 +166,8 @@ int main(int argc, char** argv) {
                              {"gate/up 1536x576", QuantFormat::q4_1, 1536, 576},
                              {"down 576x1536", QuantFormat::q4_1, 576, 1536},
                              {"head 49152x576 Q8_0", QuantFormat::q8_0, 49152, 576},
+                             // Gemma 3 270M's tied head (token_embd), 178 MB.
+                             {"g3 head 262144x640 Q8_0", QuantFormat::q8_0, 262144, 640},
                              // The down projection in every other format.
                              {"down 576x1536 Q4_0", QuantFormat::q4_0, 576, 1536},
                              {"down 576x1536 Q5_0", QuantFormat::q5_0, 576, 1536},
@@ -179,8 +185,13 @@ int main(int argc, char** argv) {
   nlohmann::json out;
   out["threads"] = threads;
   out["membw_gbps"] = bw.gbps_median;
-  std::printf("\n%-26s %7s %10s %9s %7s %10s %12s %10s %9s %7s\n", "shape", "copies", "quant MB", "ms", "GB/s", "of bw",
-              "cpu ns/32w", "sgemv ms", "GB/s", "speedup");
+  out["gemv_quant_activation_bits"] = cpu::gemv_quant_activation_bits();
+  std::printf("gemv_quant's activation width here: %d bits (%s)\n", cpu::gemv_quant_activation_bits(),
+              cpu::gemv_quant_activation_bits() == 8 ? "AVX-512 VNNI byte dot products" : "no VNNI: int16 products");
+  std::printf("\n%-26s %6s %8s | %-28s | %-28s | %6s | %-21s\n", "", "", "", "16-bit activations", "8-bit activations",
+              "8 vs", "OpenBLAS sgemv (f32)");
+  std::printf("%-26s %6s %8s | %7s %6s %5s %6s | %7s %6s %5s %6s | %6s | %7s %5s %7s\n", "shape", "copies", "MB", "ms", "GB/s",
+              "of bw", "cpu ns", "ms", "GB/s", "of bw", "cpu ns", "16", "ms", "GB/s", "vs best");
   for (const MatShape& s : shapes) {
     if (!only.empty() && std::string(s.name).find(only) == std::string::npos) continue;
     // The head is ~30 MB on its own: one copy streams from memory already.
@@ -193,16 +204,31 @@ int main(int argc, char** argv) {
     const double qbytes = static_cast<double>(quant_bytes(s)) * n;
     const double fbytes = static_cast<double>(s.rows) * s.cols * 4.0 * n;
     const double blocks = static_cast<double>(s.rows) * (s.cols / kQuantBlock) * n;
-    const auto [q_wall, q_cpu_unused] = time_pass([&] { for (const Matrix& m : ms) cpu::gemv_quant(m.view, x.data(), y.data(), pool); }, reps);
+    // The quantised GEMV at both activation widths (kernels/gemv.h; 8 bits: VNNI byte dot
+    // products where the CPU has them), split into tasks as cpu::gemv_quant splits them.
     QuantActivation xq;
-    const auto [s1_wall, s1_cpu] = time_pass(
-        [&] {
-          for (const Matrix& m : ms) {
-            cpu::quant_activation(x.data(), s.cols, xq);
-            cpu::gemv_quant_rows(m.view, 0, s.rows, xq, y.data());
-          }
-        },
-        reps);
+    auto gemv_at = [&](const Matrix& m, int bits) {
+      cpu::quant_activation(x.data(), s.cols, bits, xq);
+      const int per = cpu::gemv_quant_task_rows(s.rows);
+      pool.parallel_for((s.rows + per - 1) / per, [&](int64_t t, int) {
+        const int r0 = static_cast<int>(t) * per;
+        cpu::gemv_quant_rows(m.view, r0, std::min(s.rows, r0 + per), xq, y.data() + r0);
+      });
+    };
+    double q_wall[2], q_cpu[2];  // [16 bits, 8 bits]
+    for (int i = 0; i < 2; ++i) {
+      const int bits = i == 0 ? 16 : 8;
+      q_wall[i] = time_pass([&] { for (const Matrix& m : ms) gemv_at(m, bits); }, reps).first;
+      q_cpu[i] = time_pass(
+                     [&] {
+                       for (const Matrix& m : ms) {
+                         cpu::quant_activation(x.data(), s.cols, bits, xq);
+                         cpu::gemv_quant_rows(m.view, 0, s.rows, xq, y.data());
+                       }
+                     },
+                     reps)
+                     .second;
+    }
     // sgemv in the same row slices the model uses (64 rows per task).
     const auto [f_wall, f_cpu_unused] = time_pass(
         [&] {
@@ -215,27 +241,33 @@ int main(int argc, char** argv) {
           }
         },
         reps);
-    (void)q_cpu_unused;
     (void)f_cpu_unused;
-    (void)s1_wall;
-    const double q_gbps = qbytes / q_wall / 1e9, f_gbps = fbytes / f_wall / 1e9;
-    std::printf("%-26s %7d %10.1f %9.3f %7.1f %9.0f%% %12.2f %10.3f %9.1f %6.2fx\n", s.name, n, qbytes / 1e6, 1e3 * q_wall,
-                q_gbps, 100 * q_gbps / bw.gbps_median, 1e9 * s1_cpu / blocks, 1e3 * f_wall, f_gbps, f_wall / q_wall);
+    const double g16 = qbytes / q_wall[0] / 1e9, g8 = qbytes / q_wall[1] / 1e9, f_gbps = fbytes / f_wall / 1e9;
+    const double best = std::min(q_wall[0], q_wall[1]);
+    std::printf("%-26s %6d %8.1f | %7.3f %6.1f %4.0f%% %6.2f | %7.3f %6.1f %4.0f%% %6.2f | %5.2fx | %7.3f %5.1f %6.2fx\n",
+                s.name, n, qbytes / 1e6, 1e3 * q_wall[0], g16, 100 * g16 / bw.gbps_median, 1e9 * q_cpu[0] / blocks,
+                1e3 * q_wall[1], g8, 100 * g8 / bw.gbps_median, 1e9 * q_cpu[1] / blocks, q_wall[0] / q_wall[1], 1e3 * f_wall,
+                f_gbps, f_wall / best);
     out["shapes"].push_back({{"shape", s.name},
                              {"format", quant_format_name(s.format)},
                              {"rows", s.rows},
                              {"cols", s.cols},
                              {"copies", n},
                              {"quant_bytes", qbytes},
-                             {"quant_ms", 1e3 * q_wall},
-                             {"quant_gbps", q_gbps},
-                             {"single_thread_cpu_ns_per_32_weights", 1e9 * s1_cpu / blocks},
+                             {"quant16_ms", 1e3 * q_wall[0]},
+                             {"quant16_gbps", g16},
+                             {"quant16_single_thread_cpu_ns_per_32_weights", 1e9 * q_cpu[0] / blocks},
+                             {"quant8_ms", 1e3 * q_wall[1]},
+                             {"quant8_gbps", g8},
+                             {"quant8_single_thread_cpu_ns_per_32_weights", 1e9 * q_cpu[1] / blocks},
+                             {"speedup_8_over_16", q_wall[0] / q_wall[1]},
                              {"sgemv_ms", 1e3 * f_wall},
                              {"sgemv_gbps", f_gbps},
-                             {"speedup_vs_sgemv", f_wall / q_wall}});
+                             {"speedup_vs_sgemv", f_wall / best}});
   }
-  std::printf("ms: one pass over all copies with %d threads; cpu ns/32w: single-threaded kernel, thread CPU time per "
-              "32 weights; speedup: sgemv time / quantised time\n",
+  std::printf("ms: one pass over all copies with %d threads; cpu ns: single-threaded kernel, thread CPU time per 32 "
+              "weights (activation rounding included); 8 vs 16: 16-bit time / 8-bit time; vs best: sgemv time / the faster "
+              "width's time\n",
               threads);
   if (!json_path.empty()) {
     cumulus::file_write_atomic(json_path, out.dump(2) + "\n", "--json");

@@ -143,6 +143,9 @@ std::filesystem::path repo_root() { return std::filesystem::path(__FILE__).paren
 }  // namespace
 
 TEST(GemvQuant, MatchesReferenceAllSizesAndFormats) {
+  // Both activation widths through gemv_quant_rows on every target (8 bits: VNNI byte dot
+  // products on AVX3_DL, the 16-bit path on the 8-bit codes elsewhere), and gemv_quant at the
+  // width it picks for the target.
   std::mt19937 rng(2024);
   ThreadPool pool(2);
   for (QuantFormat f : kFormats) {
@@ -150,23 +153,43 @@ TEST(GemvQuant, MatchesReferenceAllSizesAndFormats) {
       for (int cols : test_cols(f)) {
         const RandomMatrix m(f, rows, cols, rng);
         const std::vector<float> x = random_x(m.cols, rng);
-        QuantActivation xq;
-        ref::quant_activation(x.data(), m.cols, xq);
-        std::vector<double> want(static_cast<size_t>(rows));
-        ref::gemv_quant(m.view(), xq, want.data());
+        QuantActivation xq[2];
+        std::vector<double> want[2];
+        for (int i = 0; i < 2; ++i) {
+          ref::quant_activation(x.data(), m.cols, i == 0 ? 16 : 8, xq[i]);
+          want[i].resize(static_cast<size_t>(rows));
+          ref::gemv_quant(m.view(), xq[i], want[i].data());
+        }
         const std::vector<double> scale = abs_dot(m.view(), x);
+        auto worst = [&](const std::vector<float>& got, const std::vector<double>& w) {
+          double e = 0.0;
+          for (int r = 0; r < rows; ++r)
+            e = std::max(e, std::fabs(got[static_cast<size_t>(r)] - w[static_cast<size_t>(r)]) / scale[static_cast<size_t>(r)]);
+          return e;
+        };
         for_each_target([&] {
+          for (int i = 0; i < 2; ++i) {
+            std::vector<float> got(static_cast<size_t>(rows), std::numeric_limits<float>::quiet_NaN());
+            cpu::gemv_quant_rows(m.view(), 0, rows, xq[i], got.data());
+            EXPECT_LE(worst(got, want[i]), kTol) << quant_format_name(f) << " rows " << rows << " cols " << m.cols << " bits "
+                                                  << xq[i].bits;
+          }
+          const int bits = cpu::gemv_quant_activation_bits();
           std::vector<float> got(static_cast<size_t>(rows), std::numeric_limits<float>::quiet_NaN());
           cpu::gemv_quant(m.view(), x.data(), got.data(), pool);
-          double worst = 0.0;
-          for (int r = 0; r < rows; ++r)
-            worst = std::max(worst, std::fabs(got[static_cast<size_t>(r)] - want[static_cast<size_t>(r)]) /
-                                        scale[static_cast<size_t>(r)]);
-          EXPECT_LE(worst, kTol) << quant_format_name(f) << " rows " << rows << " cols " << m.cols;
+          EXPECT_LE(worst(got, want[bits == 16 ? 0 : 1]), kTol) << quant_format_name(f) << " rows " << rows << " cols " << m.cols;
         });
       }
     }
   }
+}
+
+TEST(GemvQuant, ActivationWidthFollowsTheTarget) {
+  // 8 bits exactly where the dispatched target is AVX3_DL (AVX-512 VNNI).
+  for_each_target([&] {
+    const bool vnni = hwy::SupportedTargets() & HWY_AVX3_DL;
+    EXPECT_EQ(cpu::gemv_quant_activation_bits(), vnni ? 8 : 16);
+  });
 }
 
 TEST(GemvQuant, TallMatrix) {
@@ -177,7 +200,7 @@ TEST(GemvQuant, TallMatrix) {
     const RandomMatrix m(f, 4097, small_cols(f), rng);
     const std::vector<float> x = random_x(m.cols, rng);
     QuantActivation xq;
-    ref::quant_activation(x.data(), m.cols, xq);
+    ref::quant_activation(x.data(), m.cols, cpu::gemv_quant_activation_bits(), xq);
     std::vector<double> want(4097);
     ref::gemv_quant(m.view(), xq, want.data());
     const std::vector<double> scale = abs_dot(m.view(), x);
@@ -200,65 +223,97 @@ TEST(GemvQuant, BitIdenticalForAnyThreadCountAndRowGrouping) {
     cpu::gemv_quant(m.view(), x.data(), y3.data(), p3);
     EXPECT_EQ(std::memcmp(y1.data(), y2.data(), y1.size() * sizeof(float)), 0) << quant_format_name(f);
     EXPECT_EQ(std::memcmp(y1.data(), y3.data(), y1.size() * sizeof(float)), 0) << quant_format_name(f);
-    // Each row alone (the single-row path) equals the same row inside a group of four.
-    QuantActivation xq;
-    cpu::quant_activation(x.data(), m.cols, xq);
-    for (int r : {0, 1, 5, 1036}) {
-      float alone;
-      cpu::gemv_quant_rows(m.view(), r, r + 1, xq, &alone);
-      EXPECT_EQ(std::memcmp(&alone, &y1[static_cast<size_t>(r)], sizeof(float)), 0) << quant_format_name(f) << " row " << r;
+    // Each row alone (the single-row path) equals the same row inside a group of four, at
+    // both activation widths.
+    for (int bits : {16, 8}) {
+      QuantActivation xq;
+      cpu::quant_activation(x.data(), m.cols, bits, xq);
+      std::vector<float> all(1037);
+      cpu::gemv_quant_rows(m.view(), 0, 1037, xq, all.data());
+      if (bits == cpu::gemv_quant_activation_bits()) {
+        EXPECT_EQ(std::memcmp(all.data(), y1.data(), y1.size() * sizeof(float)), 0) << quant_format_name(f);
+      }
+      for (int r : {0, 1, 5, 1036}) {
+        float alone;
+        cpu::gemv_quant_rows(m.view(), r, r + 1, xq, &alone);
+        EXPECT_EQ(std::memcmp(&alone, &all[static_cast<size_t>(r)], sizeof(float)), 0)
+            << quant_format_name(f) << " bits " << bits << " row " << r;
+      }
     }
   }
 }
 
 TEST(GemvQuant, ActivationRoundingMatchesReferenceAndItsBound) {
-  // Bit-identical codes and scales on every target; |dx q - x| <= 0.506 dx per element (half
-  // a code, plus the float32 roundings of 32767 / amax and amax / 32767, each 2^-24 relative,
-  // times up to 32767 codes: < 0.006 dx), so the rounded product differs from the exact one
-  // by at most sum_b 0.506 dx_b sum |w_b|.
+  // Both widths, Q = 32767 or 127: bit-identical codes, scales and sums (and for 8 bits the
+  // int8 codes and sums of 4) on every target; |dx q - x| <= 0.506 dx per element (half a
+  // code, plus the float32 roundings of Q / amax and amax / Q, each 2^-24 relative, times up
+  // to Q codes: < 0.006 dx), so the rounded product differs from the exact one by at most
+  // sum_b 0.506 dx_b sum |w_b|.
   std::mt19937 rng(17);
-  for (int blocks : {1, 3, 17, 129}) {
-    std::vector<float> x = random_x(blocks * kQuantBlock, rng);
-    // Awkward blocks: one all zero, one with a single non-zero, one with huge values.
-    if (blocks >= 3) {
-      std::fill(x.begin() + kQuantBlock, x.begin() + 2 * kQuantBlock, 0.0f);
-      x[2 * kQuantBlock + 5] = -3.0f;
-      for (int j = 0; j < kQuantBlock; ++j) x[static_cast<size_t>(j)] *= 1e30f;
+  for (int bits : {16, 8}) {
+    const int qmax = bits == 16 ? 32767 : 127;
+    for (int blocks : {1, 3, 17, 129}) {
+      std::vector<float> x = random_x(blocks * kQuantBlock, rng);
+      // Awkward blocks: one all zero, one with a single non-zero, one with huge values.
+      if (blocks >= 3) {
+        std::fill(x.begin() + kQuantBlock, x.begin() + 2 * kQuantBlock, 0.0f);
+        x[2 * kQuantBlock + 5] = -3.0f;
+        for (int j = 0; j < kQuantBlock; ++j) x[static_cast<size_t>(j)] *= 1e30f;
+      }
+      QuantActivation want;
+      ref::quant_activation(x.data(), static_cast<int>(x.size()), bits, want);
+      EXPECT_EQ(want.bits, bits);
+      for (size_t i = 0; i < x.size(); ++i) {
+        const float dx = want.d[i / kQuantBlock];
+        ASSERT_LE(std::abs(want.q[i]), qmax);
+        ASSERT_LE(std::fabs(static_cast<double>(dx) * want.q[i] - x[i]), 0.506 * dx + 1e-30) << "element " << i;
+      }
+      if (blocks >= 3) {
+        EXPECT_EQ(want.q[2 * kQuantBlock + 5], -qmax);
+      }
+      if (bits == 8) {
+        ASSERT_EQ(want.q8.size(), x.size());
+        ASSERT_EQ(want.sum4.size(), x.size() / 4);
+        for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(want.q8[i], want.q[i]);
+        for (size_t i = 0; i < x.size() / 4; ++i)
+          ASSERT_EQ(want.sum4[i], want.q[4 * i] + want.q[4 * i + 1] + want.q[4 * i + 2] + want.q[4 * i + 3]);
+      } else {
+        EXPECT_TRUE(want.q8.empty() && want.sum4.empty());
+      }
+      for_each_target([&] {
+        QuantActivation got;
+        cpu::quant_activation(x.data(), static_cast<int>(x.size()), bits, got);
+        EXPECT_EQ(got.bits, want.bits);
+        EXPECT_EQ(got.q, want.q);
+        EXPECT_EQ(got.d, want.d);
+        EXPECT_EQ(got.sum, want.sum);
+        EXPECT_EQ(got.q8, want.q8);
+        EXPECT_EQ(got.sum4, want.sum4);
+      });
     }
-    QuantActivation want;
-    ref::quant_activation(x.data(), static_cast<int>(x.size()), want);
-    for (size_t i = 0; i < x.size(); ++i) {
-      const float dx = want.d[i / kQuantBlock];
-      ASSERT_LE(std::fabs(static_cast<double>(dx) * want.q[i] - x[i]), 0.506 * dx + 1e-30) << "element " << i;
+    // The bound on a whole product, against the exact float64 W x.
+    const RandomMatrix m(QuantFormat::q4_1, 33, 17 * kQuantBlock, rng);
+    const std::vector<float> x = random_x(m.cols, rng);
+    QuantActivation xq;
+    ref::quant_activation(x.data(), m.cols, bits, xq);
+    std::vector<double> rounded(33), deq(static_cast<size_t>(33) * m.cols);
+    ref::gemv_quant(m.view(), xq, rounded.data());
+    ref::quant_dequantize_rows(m.view(), 0, 33, deq.data());
+    for (int r = 0; r < 33; ++r) {
+      double exact = 0, bound = 0;
+      for (int j = 0; j < m.cols; ++j) {
+        const double wj = deq[static_cast<size_t>(r) * m.cols + j];
+        exact += wj * x[static_cast<size_t>(j)];
+        bound += std::fabs(wj) * 0.506 * xq.d[static_cast<size_t>(j / kQuantBlock)];
+      }
+      EXPECT_LE(std::fabs(rounded[static_cast<size_t>(r)] - exact), bound) << "bits " << bits << " row " << r;
     }
-    if (blocks >= 3) {
-      EXPECT_EQ(want.q[2 * kQuantBlock + 5], -32767);
-    }
-    for_each_target([&] {
-      QuantActivation got;
-      cpu::quant_activation(x.data(), static_cast<int>(x.size()), got);
-      EXPECT_EQ(got.q, want.q);
-      EXPECT_EQ(got.d, want.d);
-      EXPECT_EQ(got.sum, want.sum);
-    });
   }
-  // The bound on a whole product, against the exact float64 W x.
-  const RandomMatrix m(QuantFormat::q4_1, 33, 17 * kQuantBlock, rng);
-  const std::vector<float> x = random_x(m.cols, rng);
-  QuantActivation xq;
-  ref::quant_activation(x.data(), m.cols, xq);
-  std::vector<double> rounded(33), deq(static_cast<size_t>(33) * m.cols);
-  ref::gemv_quant(m.view(), xq, rounded.data());
-  ref::quant_dequantize_rows(m.view(), 0, 33, deq.data());
-  for (int r = 0; r < 33; ++r) {
-    double exact = 0, bound = 0;
-    for (int j = 0; j < m.cols; ++j) {
-      const double wj = deq[static_cast<size_t>(r) * m.cols + j];
-      exact += wj * x[static_cast<size_t>(j)];
-      bound += std::fabs(wj) * 0.506 * xq.d[static_cast<size_t>(j / kQuantBlock)];
-    }
-    EXPECT_LE(std::fabs(rounded[static_cast<size_t>(r)] - exact), bound) << "row " << r;
-  }
+  check::expect_error([] {
+    QuantActivation a;
+    const std::vector<float> x(64, 1.0f);
+    cpu::quant_activation(x.data(), 64, 12, a);
+  }, "bits=12 must be 8 or 16");
 }
 
 TEST(GemvQuant, DequantizeMatchesReference) {
@@ -295,7 +350,7 @@ TEST(GemvQuant, DequantizeMatchesReference) {
 TEST(GemvQuant, MatchesGgufPyProduct) {
   // 3-row matrices of random GGUF blocks of each format, x float32, y = W x in float64 over
   // the matrix gguf-py dequantises (tools/reference/make_quant_fixture.py). cumulus rounds
-  // x to 16-bit codes, which moves y by at most sum_j |w_j| 0.506 dx_b (see
+  // x to 16- or 8-bit codes, which moves y by at most sum_j |w_j| 0.506 dx_b (see
   // ActivationRoundingMatchesReferenceAndItsBound); on top, kTol of sum |w x| for float32.
   const auto path = repo_root() / "tests/data/quant_reference.json";
   std::ifstream in(path);
@@ -325,11 +380,12 @@ TEST(GemvQuant, MatchesGgufPyProduct) {
     }();
     const WeightMatrix w = WeightMatrix::from_ggml(t, raw, rows, cols, WeightStorage::compact, "fixture");
     ASSERT_EQ(w.quant_view().format, *f);
-    QuantActivation xq;
-    ref::quant_activation(x.data(), cols, xq);
     std::vector<double> deq(static_cast<size_t>(rows) * cols);
     ref::quant_dequantize_rows(w.quant_view(), 0, rows, deq.data());
     for_each_target([&] {
+      // The bound's dx: the activation width gemv_quant takes on this target.
+      QuantActivation xq;
+      ref::quant_activation(x.data(), cols, cpu::gemv_quant_activation_bits(), xq);
       std::vector<float> got(static_cast<size_t>(rows), std::numeric_limits<float>::quiet_NaN());
       cpu::gemv_quant(w.quant_view(), x.data(), got.data(), pool);
       for (int r = 0; r < rows; ++r) {
@@ -397,7 +453,7 @@ TEST(GemvQuant, WeightMatrixRepacksGgufBlocks) {
 
     // weight_matmul, the path the model runs: the compact matrix and the float32 one in one
     // call, 1 and 3 rows of x, on 1-3 threads. Compact = ref::gemv_quant over its view (the
-    // 16-bit activation rounding), float32 = float64 sums over the dequantised values, and
+    // activation rounding at the width the GEMV takes here), float32 = float64 sums over the dequantised values, and
     // every thread count gives the same bits.
     for (int n_rows : {1, 3}) {
       std::vector<float> x;
@@ -423,7 +479,7 @@ TEST(GemvQuant, WeightMatrixRepacksGgufBlocks) {
       for (int r = 0; r < n_rows; ++r) {
         const std::vector<float> xr(x.begin() + static_cast<ptrdiff_t>(r) * cols, x.begin() + static_cast<ptrdiff_t>(r + 1) * cols);
         QuantActivation xq;
-        ref::quant_activation(xr.data(), cols, xq);
+        ref::quant_activation(xr.data(), cols, cpu::gemv_quant_activation_bits(), xq);
         std::vector<double> wq(static_cast<size_t>(rows));
         ref::gemv_quant(w.quant_view(), xq, wq.data());
         const std::vector<double> mag = abs_dot(w.quant_view(), xr);

@@ -281,3 +281,139 @@ TEST(KvCache, BadInputNamesTheValue) {
   expect_error([&] { kv.view(5, 0); }, "layer=5");
   expect_error([&] { kv.n_tokens(2); }, "layer=2");
 }
+
+namespace {
+
+// The rows of (layer, head) tokens [t0, t1) of two caches are the same bytes, and so are the
+// whole pages from the first that starts at or after t0 (padding rows included: a kernel may
+// read those of the last page).
+void expect_same_rows(const KvCache& a, const KvCache& b, int layer, int t0, int t1, const std::string& where) {
+  for (int h = 0; h < a.shape().n_kv_heads; ++h) {
+    const PagedHeadView va = a.view(layer, h), vb = b.view(layer, h);
+    ASSERT_EQ(va.n_tokens, vb.n_tokens) << where;
+    for (int t = t0; t < t1; ++t) {
+      ASSERT_NE(va.k_pages[t >> va.page_shift], nullptr) << where << " token " << t;
+      ASSERT_EQ(std::memcmp(va.key(t), vb.key(t), va.row_bytes()), 0) << where << " token " << t;
+      ASSERT_EQ(std::memcmp(va.value(t), vb.value(t), va.row_bytes()), 0) << where << " token " << t;
+    }
+    for (int p = (t0 + va.page_size - 1) >> va.page_shift; t1 > t0 && p <= (t1 - 1) >> va.page_shift; ++p) {
+      ASSERT_EQ(std::memcmp(va.k_pages[p], vb.k_pages[p], va.page_size * va.row_bytes()), 0) << where << " page " << p;
+      ASSERT_EQ(std::memcmp(va.v_pages[p], vb.v_pages[p], va.page_size * va.row_bytes()), 0) << where << " page " << p;
+    }
+  }
+}
+
+}  // namespace
+
+TEST(KvCache, WindowLayerKeepsOnlyItsWindowBitForBit) {
+  // Layer 0 is a sliding-window layer (window 37 tokens), layer 1 keeps every token. After
+  // each append of [t0, t0 + n), the window layer holds exactly the rows a full cache holds
+  // for [t0 - 36, t0 + n) (what the chunk's rows attend), its pages wholly before that are
+  // dropped, it has no statistics, and its memory stays bounded however long the sequence.
+  const Shape s{2, 4, 2, 24};
+  for (int ps : {1, 8, 16}) {
+    std::mt19937 rng(40 + ps);
+    KvCacheOptions opt;
+    opt.page_size = ps;
+    opt.max_tokens = 4096;
+    KvCache kv(s, opt, {37, 0}), full(s, opt);
+    std::vector<float> k, v, all_k, all_v;
+    const int sizes[] = {1, 5, 40, 1, 1, 100, 3, 60, 17, 1, 256, 1, 1, 1, 30, 500, 7, 1};
+    int t0 = 0;
+    for (int n : sizes) {
+      random_kv(rng, s, n, k, v);
+      for (int l = 0; l < 2; ++l) {
+        kv.append(l, k.data(), v.data(), n);
+        full.append(l, k.data(), v.data(), n);
+      }
+      all_k.insert(all_k.end(), k.begin(), k.end());
+      all_v.insert(all_v.end(), v.begin(), v.end());
+      const int from = std::max(0, t0 - 36);
+      expect_same_rows(kv, full, 0, from, t0 + n, "ps " + std::to_string(ps) + " t0 " + std::to_string(t0));
+      for (int h = 0; h < s.n_kv_heads; ++h) {
+        const PagedHeadView w = kv.view(0, h);
+        EXPECT_EQ(w.kmin, nullptr);
+        for (int p = 0; p < from / ps; ++p) ASSERT_EQ(w.k_pages[p], nullptr) << "page " << p << " t0 " << t0;
+      }
+      EXPECT_EQ(kv.first_needed(0), std::max(0, t0 + n - 36));
+      EXPECT_EQ(kv.first_needed(1), 0);
+      t0 += n;
+    }
+    check_cache(kv, 1, all_k, all_v);  // the full layer as ever
+    // The window layer's K/V: at most the largest chunk plus the window, in pages, twice over
+    // (slabs grow by doubling), against the full layer's every token.
+    const size_t page_bytes = 2 * ((static_cast<size_t>(ps) * s.head_dim * 2 + 63) / 64 * 64) * s.n_kv_heads;
+    KvCache two_windows(s, opt, {37, 37}), two_full(s, opt);
+    random_kv(rng, s, 3000, k, v);
+    for (int l = 0; l < 2; ++l)
+      for (int t = 0; t < 3000; t += 100)
+        for (KvCache* c : {&two_windows, &two_full})
+          c->append(l, k.data() + static_cast<size_t>(t) * 48, v.data() + static_cast<size_t>(t) * 48, 100);
+    EXPECT_LE(two_windows.bytes_allocated(), 2 * 2 * (static_cast<size_t>((36 + 100) / ps) + 2) * page_bytes) << "ps " << ps;
+    EXPECT_LT(two_windows.bytes_allocated() * 10, two_full.bytes_allocated()) << "ps " << ps;
+  }
+}
+
+TEST(KvCache, WindowPinKeepsWhatTruncateReturnsTo) {
+  // A prompt of 50 tokens, pinned, then 100 decoded one at a time: truncate(50) returns to
+  // the prompt's window and later appends equal a cache that never decoded; without the pin
+  // the tokens are gone and truncate says so.
+  const Shape s{1, 4, 2, 24};
+  KvCacheOptions opt;
+  opt.page_size = 8;
+  std::mt19937 rng(9);
+  std::vector<float> pk, pv, dk, dv, mk, mv;
+  random_kv(rng, s, 50, pk, pv);
+  random_kv(rng, s, 100, dk, dv);
+  random_kv(rng, s, 12, mk, mv);
+  const size_t row = static_cast<size_t>(s.n_kv_heads) * s.head_dim;
+  for (bool pin : {true, false}) {
+    KvCache kv(s, opt, {20}), fresh(s, opt, {20});
+    kv.append(0, pk.data(), pv.data(), 50);
+    fresh.append(0, pk.data(), pv.data(), 50);
+    if (pin) kv.pin_window(50);
+    for (int i = 0; i < 100; ++i) kv.append(0, dk.data() + i * row, dv.data() + i * row, 1);
+    if (!pin) {
+      expect_error([&] { kv.truncate(50); }, "truncate(n=50): layer 0 keeps only its window of 20 tokens and dropped token 31");
+      expect_error([&] { kv.pin_window(50); }, "pin_window(n=50): layer 0 (window 20) dropped token 31 already");
+      continue;
+    }
+    // The pinned pages and the current window's: bounded, not the 150 tokens'.
+    int live = 0;
+    for (int p = 0; p < kv.view(0, 0).n_pages(); ++p) live += kv.view(0, 0).k_pages[p] != nullptr;
+    EXPECT_LE(live, 2 * (20 / 8 + 2));
+    kv.truncate(50);
+    expect_same_rows(kv, fresh, 0, 31, 50, "after truncate");
+    kv.append(0, mk.data(), mv.data(), 12);
+    fresh.append(0, mk.data(), mv.data(), 12);
+    expect_same_rows(kv, fresh, 0, 43, 62, "after truncate and 12 more");
+    std::vector<float> out(24);
+    expect_error([&] { kv.key_f32(0, 0, 3, out.data()); }, "t=3: layer 0 keeps only its window of 20 tokens");
+  }
+}
+
+TEST(KvCache, WindowAppendDroppedThenTheWindow) {
+  // What a KV snapshot restore does: the tokens before the window counted, not stored,
+  // then the window's rows; afterwards the layer equals one that appended everything.
+  const Shape s{1, 4, 2, 24};
+  KvCacheOptions opt;
+  opt.page_size = 16;
+  std::mt19937 rng(12);
+  std::vector<float> k, v, mk, mv;
+  random_kv(rng, s, 300, k, v);
+  random_kv(rng, s, 5, mk, mv);
+  const size_t row = static_cast<size_t>(s.n_kv_heads) * s.head_dim;
+  KvCache a(s, opt, {20}), b(s, opt, {20});
+  a.append(0, k.data(), v.data(), 300);
+  b.append_dropped(0, 281);
+  b.append(0, k.data() + 281 * row, v.data() + 281 * row, 19);
+  EXPECT_EQ(b.n_tokens(0), 300);
+  EXPECT_EQ(b.first_needed(0), 281);
+  a.append(0, mk.data(), mv.data(), 5);
+  b.append(0, mk.data(), mv.data(), 5);
+  expect_same_rows(a, b, 0, 286, 305, "restored");
+  KvCache f(s, KvCacheOptions{});
+  expect_error([&] { f.append_dropped(0, 3); }, "append_dropped(layer=0): the layer keeps every token (no window)");
+  expect_error([&] { KvCache kv(s, {}, {20, 0}); }, "layer_window has 2 entries for 1 layers");
+  expect_error([&] { KvCache kv(s, {}, {-1}); }, "layer_window[0]=-1 must be >= 0");
+}

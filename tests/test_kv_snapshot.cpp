@@ -440,7 +440,9 @@ TEST_F(KvSnapshotTest, BadFilesNameTheFieldAndValues) {
     SCOPED_TRACE(cut);
     check(std::vector<uint8_t>(bytes.begin(), bytes.begin() + cut), {fmt::format("{} bytes is less than", cut)});
   }
-  for (size_t cut : {size_t{136}, n / 2, n - 1}) {
+  check(std::vector<uint8_t>(bytes.begin(), bytes.begin() + 136),
+        {"the file has 136 bytes", "before the layers' first tokens end", "truncated"});
+  for (size_t cut : {size_t{300}, n / 2, n - 1}) {
     SCOPED_TRACE(cut);
     check(std::vector<uint8_t>(bytes.begin(), bytes.begin() + cut),
           {fmt::format("the file has {} bytes", cut), fmt::format("implies {} bytes", n), "truncated", "n_tokens=21"});
@@ -466,10 +468,10 @@ TEST_F(KvSnapshotTest, BadFilesNameTheFieldAndValues) {
     b[0] = 'X';
     check(b, {"magic is 0x58", "not a cumulus KV snapshot"});
     b = bytes;
-    poke<uint32_t>(b, 8, 2);
-    check(b, {"version=2 is not supported", "version 1"});
+    poke<uint32_t>(b, 8, 3);
+    check(b, {"version=3 is not supported", "versions 1 and 2"});
     fix_checksum(b);
-    check(b, {"version=2 is not supported"});
+    check(b, {"version=3 is not supported"});
   }
   // Fields out of range, and sizes claimed far beyond the file: refused before allocating.
   {
@@ -498,10 +500,25 @@ TEST_F(KvSnapshotTest, BadFilesNameTheFieldAndValues) {
     check(b, {"reserved header byte 100"});
   }
   // Values no writer makes, behind a valid checksum.
+  uint32_t setup_bytes = 0;
+  std::memcpy(&setup_bytes, bytes.data() + 56, 4);
+  const size_t first_at = (128 + setup_bytes + 63) / 64 * 64;  // version 2: u32 per layer
+  const size_t tokens_at = (first_at + 4 * 5 + 63) / 64 * 64;   // stories260K: 5 layers
   {
-    uint32_t setup_bytes = 0;
-    std::memcpy(&setup_bytes, bytes.data() + 56, 4);
-    const size_t tokens_at = (128 + setup_bytes + 63) / 64 * 64;
+    std::vector<uint8_t> b = bytes;
+    poke<uint32_t>(b, first_at + 4 * 2, 22);  // layer 2 from token 22 of 21
+    fix_checksum(b);
+    check(b, {"first_token[2]=22 must be in [0, n_tokens=21]"});
+    b = bytes;
+    poke<uint32_t>(b, first_at + 4 * 2, 5);  // layer 2 from token 5: 5 rows fewer than the file has
+    fix_checksum(b);
+    check(b, {"implies", "extra bytes"});
+    b = bytes;
+    b[first_at + 4 * 5] = 1;  // padding after the first tokens
+    fix_checksum(b);
+    check(b, {fmt::format("padding byte {} is 0x01", first_at + 20)});
+  }
+  {
     std::vector<uint8_t> b = bytes;
     poke<int32_t>(b, tokens_at + 4 * 3, 512);
     fix_checksum(b);
@@ -518,6 +535,23 @@ TEST_F(KvSnapshotTest, BadFilesNameTheFieldAndValues) {
   // Not a file.
   expect_error([&] { KvSnapshot::open(dir_.string()); }, {dir_.string(), "directory"});
   expect_error([&] { KvSnapshot::open(path("missing.kvsnap")); }, {"missing.kvsnap"});
+
+  // A version 1 file (the same without the first tokens: every layer from token 0) loads
+  // and gives what the version 2 file gives.
+  {
+    std::vector<uint8_t> v1(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(first_at));
+    v1.insert(v1.end(), bytes.begin() + static_cast<std::ptrdiff_t>(tokens_at), bytes.end());
+    poke<uint32_t>(v1, 8, 1);
+    fix_checksum(v1);
+    write_bytes(path("v1.kvsnap"), v1);
+    Session s1(w, {}), s2(w, {});
+    const std::vector<float> l1 = s1.kv_load(KvSnapshot::open(path("v1.kvsnap")), id);
+    const std::vector<float> l2 = s2.kv_load(KvSnapshot::open(good), id);
+    EXPECT_TRUE(same_bits(l1, l2));
+    expect_same_cache(s1.kv(), s2.kv());
+    const auto a1 = decode_greedy(s1, l1, 6), a2 = decode_greedy(s2, l2, 6);
+    for (size_t i = 0; i < a1.size(); ++i) EXPECT_TRUE(same_bits(a1[i], a2[i])) << "version 1, step " << i;
+  }
 
   // After all that, the session loads the good file and decodes like a prefilled one.
   const std::vector<float> l1 = target.kv_load(KvSnapshot::open(good), id);

@@ -1,8 +1,10 @@
 // The gemma3 architecture (issue 18 part 1): the loader's config and errors on small
 // synthetic GGUF files, the sliding-window layers (prefill, decode and chunking agree; the
 // window changes logits exactly where it should), methods running on the global layers
-// only, and the real Gemma 3 270M Q4_K_M (layer pattern, deterministic greedy text). The
-// golden comparison with llama.cpp on the real file is tests/test_model_gemma3_logits.cpp.
+// only, the local layers' cache holding only their window (decode, restart_decode and KV
+// snapshots bit-identical to a cache of every token), and the real Gemma 3 270M Q4_K_M
+// (layer pattern, deterministic greedy text, the window cache at 700 tokens). The golden
+// comparison with llama.cpp on the real file is tests/test_model_gemma3_logits.cpp.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,12 +15,16 @@
 #include <filesystem>
 #include <functional>
 #include <string>
+#include <unistd.h>
 #include <vector>
 
 #include "cumulus/core/error.h"
+#include "cumulus/kv/kv_snapshot.h"
 #include "cumulus/model/gguf.h"
 #include "cumulus/model/model_weights.h"
 #include "cumulus/model/session.h"
+#include "cumulus/model/model_identity.h"
+#include "cumulus/model/text.h"
 #include "cumulus/model/tokenizer.h"
 #include "fixtures.h"
 #include "test_model_gguf_writer.h"
@@ -119,6 +125,63 @@ std::vector<int32_t> small_tokens(int n) {
   std::vector<int32_t> t(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) t[static_cast<size_t>(i)] = (i * 7 + 3) % 12;
   return t;
+}
+
+// Decodes `tokens` (teacher-forced) in both sessions; every step's logits must be the same bits.
+void expect_same_decode(Session& a, Session& b, std::span<const int32_t> tokens, const std::string& where) {
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const std::vector<float> la = a.decode(tokens[i]);
+    const std::vector<float>& lb = b.decode(tokens[i]);
+    ASSERT_EQ(la, lb) << where << ", decode step " << i;
+  }
+}
+
+// The window cache against a cache of every token, on one model and prompt: prefill (in
+// chunks of `chunk`), decode, restart_decode and decode again, a KV snapshot loaded into a
+// fresh window session; every logit the same bits. Returns the two caches' bytes after the
+// first decode run.
+std::pair<size_t, size_t> expect_window_cache_equal(const ModelWeights& w, std::span<const int32_t> prompt,
+                                                     std::span<const int32_t> next, int chunk, int page_size) {
+  SessionOptions o;
+  o.prefill_chunk = chunk;
+  o.kv.page_size = page_size;
+  o.max_tokens = static_cast<int>(prompt.size() + next.size());
+  SessionOptions full_o = o;
+  full_o.kv_window = false;
+  Session win(w, o), full(w, full_o);
+  const std::string where = "page size " + std::to_string(page_size);
+  EXPECT_EQ(win.prefill(prompt), full.prefill(prompt)) << where;
+  expect_same_decode(win, full, next, where);
+  const std::pair<size_t, size_t> bytes{win.kv().bytes_allocated(), full.kv().bytes_allocated()};
+  // The local layers dropped what their window left behind; the global ones did not.
+  for (int l = 0; l < w.config.n_layers; ++l)
+    EXPECT_EQ(win.kv().window(l), w.config.is_local(l) ? w.config.sliding_window : 0) << "layer " << l;
+  win.restart_decode("dense");
+  full.restart_decode("dense");
+  expect_same_decode(win, full, next.first(next.size() / 2), where + ", after restart_decode");
+  // A snapshot of the window session (the local layers' last window only) decodes as the
+  // cache of every token did.
+  const std::string file =
+      (fs::temp_directory_path() / ("cumulus_gemma3_window_" + std::to_string(::getpid()) + ".kvsnap")).string();
+  const uint64_t id = 1234;
+  win.kv_save(file, id);
+  const KvSnapshot snap = KvSnapshot::open(file);
+  for (int l = 0; l < w.config.n_layers; ++l)
+    EXPECT_EQ(snap.info().first_token[static_cast<size_t>(l)],
+              w.config.is_local(l) ? std::max(0, static_cast<int>(prompt.size()) - w.config.sliding_window + 1) : 0);
+  Session loaded(w, o), fresh(w, full_o);
+  EXPECT_EQ(loaded.kv_load(snap, id), fresh.prefill(prompt)) << where;
+  expect_same_decode(loaded, fresh, next, where + ", after kv_load");
+  // Into a session that keeps every token, the snapshot lacks the local layers' early tokens.
+  Session keeps_all(w, full_o);
+  try {
+    keeps_all.kv_load(snap, id);
+    ADD_FAILURE() << "a window snapshot loaded into a cache of every token";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("holds tokens from"), std::string::npos) << e.what();
+  }
+  fs::remove(file);
+  return bytes;
 }
 
 double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
@@ -304,4 +367,39 @@ TEST(Gemma3, RealModelConfigAndDeterministicGreedy) {
   EXPECT_GE(letters, text.size() * 9 / 10) << text;
   EXPECT_LT(std::count(a.begin(), a.end(), a[0]), 6) << text;
   EXPECT_EQ(greedy(1), a);  // deterministic across runs and thread counts
+}
+
+TEST(Gemma3, WindowCacheDecodesAsACacheOfEveryToken) {
+  // Window 4 over 40 prompt tokens and 30 decoded, prefill chunks of 7; pages of 2 (pages
+  // drop as the window moves) and of 16 (larger than the window).
+  const ModelWeights w = small_gemma3();
+  const std::vector<int32_t> t = small_tokens(70);
+  const std::span<const int32_t> all(t);
+  for (int ps : {2, 16}) {
+    const auto [win, full] = expect_window_cache_equal(w, all.first(40), all.subspan(40), 7, ps);
+    EXPECT_LT(win, full) << "page size " << ps;
+  }
+}
+
+TEST(Gemma3, RealModelWindowCacheDecodesAsACacheOfEveryToken) {
+  // The real model: 700 tokens of Pride and Prejudice (past the 512-token window), 8
+  // decoded; the 15 local layers keep their window (and a prefill chunk) instead of 708.
+#ifdef CUMULUS_SANITIZED
+  GTEST_SKIP() << "three 700-token prefills of the 270M model skipped under the sanitizers (the small model's test covers the same paths)";
+#endif
+  if (!fs::exists(gemma3_gguf()))
+    CUMULUS_FIXTURE_MISSING(gemma3_gguf() << " missing: run scripts/fetch-model.sh gemma3-270m");
+  const fs::path book = cumulus::test::shared_dir() / "data/text/pg1342_pride_and_prejudice.txt";
+  if (!fs::exists(book)) CUMULUS_FIXTURE_MISSING(book << " missing");
+  const GgufFile f = GgufFile::open(gemma3_gguf().string());
+  const ModelWeights w = model_weights_from_gguf(f);
+  const auto tok = tokenizer_from_gguf(f);
+  std::vector<int32_t> ids = tok->encode(text_strip_gutenberg(text_read_file(book.string())).substr(0, 8000), true);
+  ASSERT_GE(ids.size(), 708u);
+  ids.resize(708);
+  const std::span<const int32_t> all(ids);
+  const auto [win, full] = expect_window_cache_equal(w, all.first(700), all.subspan(700), 256, 16);
+  std::printf("  KV cache after 708 tokens: %.1f MB with the local layers' windows, %.1f MB with every token\n",
+              win / 1e6, full / 1e6);
+  EXPECT_LT(win, full);
 }

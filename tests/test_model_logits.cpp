@@ -38,6 +38,7 @@
 #include <numeric>
 #include <vector>
 
+#include "cumulus/kernels/gemv.h"
 #include "cumulus/model/gguf.h"
 #include "cumulus/model/model_weights.h"
 #include "cumulus/model/session.h"
@@ -126,11 +127,16 @@ TEST(SmolLM2, LogitsMatchLlamaCpp) {
   EXPECT_LE(sum_abs / n_compared, kMeanAbsDiff);
 }
 
-// The compact weights (GEMV on the quantised blocks with 16-bit activation codes) against
-// the same weights dequantised to float32 (OpenBLAS sgemv on float32 activations): the
-// only difference is the activation rounding (kernels/gemv.h) and summation order, so the
-// logits of decode steps agree far more closely than either engine agrees with the other
-// (llama.cpp's 8-bit activations: ~0.3, see above).
+// The compact weights (GEMV on the quantised blocks with 8- or 16-bit activation codes)
+// against the same weights dequantised to float32 (OpenBLAS sgemv on float32 activations):
+// the only difference is the activation rounding (kernels/gemv.h) and summation order. With
+// 16-bit codes the logits of decode steps agree far more closely than either engine agrees
+// with the other (max 0.012 over the whole vocabulary); 8-bit codes (AVX-512 VNNI) round as
+// llama.cpp's activations do, and move the logits about as far as the two engines differ
+// (seen 2026-11-26 over 64 steps: centered max 0.49 over float32's top-20 (0.91 with the
+// step's common shift), mean 0.15 over the whole vocabulary; the bounds sit 1.5x above, far
+// below a wrong code, scale or block). Top-1 must agree wherever float32's margin exceeds
+// what the bounds let a pair of logits move (twice the centered bound).
 TEST(SmolLM2, CompactWeightsMatchFloat32Weights) {
 #ifdef CUMULUS_SANITIZED
   GTEST_SKIP() << "float32 copy of the model (540 MB) skipped under the sanitizers";
@@ -147,13 +153,41 @@ TEST(SmolLM2, CompactWeightsMatchFloat32Weights) {
   const std::span<const int32_t> prompt = std::span<const int32_t>(ids).first(64);
   a.prefill(prompt);
   b.prefill(prompt);
-  double worst = 0;
-  for (int p = 64; p < 96; ++p) {
+  const int bits = cpu::gemv_quant_activation_bits();
+  constexpr double kMaxAbsDiff16 = 0.05;  // 16-bit codes: over the whole vocabulary
+  constexpr double kMaxCenteredDiff8 = 0.75, kMeanAbsDiff8 = 0.25;  // 8-bit codes
+  double worst = 0, worst_top = 0, worst_centered = 0, sum = 0;
+  int top1_checked = 0;
+  size_t n = 0;
+  constexpr int kSteps = 64;
+  for (int p = 64; p < 64 + kSteps; ++p) {
     const std::vector<float>& la = a.decode(ids[static_cast<size_t>(p)]);
     const std::vector<float>& lb = b.decode(ids[static_cast<size_t>(p)]);
     for (size_t i = 0; i < la.size(); ++i) worst = std::max(worst, std::fabs(static_cast<double>(la[i]) - lb[i]));
-    EXPECT_EQ(cumulus::test::golden_top_ids(la, 1), cumulus::test::golden_top_ids(lb, 1)) << "position " << p;
+    for (size_t i = 0; i < la.size(); ++i) sum += std::fabs(static_cast<double>(la[i]) - lb[i]), ++n;
+    // Over float32's top-20: the largest difference, and the largest once the step's mean
+    // difference is removed (what the softmax and the ranking see).
+    const std::vector<int> top20 = cumulus::test::golden_top_ids(lb, 20);
+    double mean = 0;
+    for (int i : top20) mean += (static_cast<double>(la[i]) - lb[i]) / 20;
+    for (int i : top20) {
+      worst_top = std::max(worst_top, std::fabs(static_cast<double>(la[i]) - lb[i]));
+      worst_centered = std::max(worst_centered, std::fabs(static_cast<double>(la[i]) - lb[i] - mean));
+    }
+    const double margin = static_cast<double>(lb[static_cast<size_t>(top20[0])]) - lb[static_cast<size_t>(top20[1])];
+    if (margin > 2 * (bits == 16 ? kMaxAbsDiff16 : kMaxCenteredDiff8)) {
+      ++top1_checked;
+      EXPECT_EQ(cumulus::test::golden_top_ids(la, 1)[0], top20[0]) << "position " << p << ", float32 margin " << margin;
+    }
   }
-  std::printf("  compact vs float32 weights, 32 decode steps: max |logit diff| %.5f\n", worst);
-  EXPECT_LE(worst, 0.05);
+  std::printf("  compact vs float32 weights, %d decode steps (%d-bit activations): max |logit diff| %.5f, over the "
+              "top-20 %.5f (centered %.5f), mean %.5f; top-1 checked at %d steps\n",
+              kSteps, bits, worst, worst_top, worst_centered, sum / static_cast<double>(n), top1_checked);
+  EXPECT_GE(top1_checked, kSteps / 5);
+  if (bits == 16) {
+    EXPECT_LE(worst, kMaxAbsDiff16);
+  } else {
+    EXPECT_LE(worst_centered, kMaxCenteredDiff8);
+    EXPECT_LE(sum / static_cast<double>(n), kMeanAbsDiff8);
+  }
 }

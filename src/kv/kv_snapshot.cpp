@@ -9,6 +9,7 @@
 //   36  u32      head_dim        40  u32  vocab_size    44  u32  page_size
 //   48  u32      n_tokens        52  u32  prompt_q_rows 56  u32  setup_bytes
 //   60  u8[68]   reserved, zero
+// Version 2 adds, after the setup text, the first token of each layer's K/V (u32 per layer).
 // Every size below is a product of these fields; each field is bounded first so that the
 // products cannot overflow 64 bits, and the total must equal the file's size before any
 // section is touched.
@@ -19,6 +20,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -46,20 +48,31 @@ uint32_t dtype_code(DType t) {
   return 0xffffffffu;
 }
 
-// Byte offsets of the sections for a header's fields (checked by check_fields first).
+// Byte offsets of the sections for a header's fields (checked by check_fields first) and,
+// for version 2, the layers' first tokens (each in [0, n_tokens]).
 struct Layout {
-  size_t tokens = 0, logits = 0, prompt_q = 0, kv = 0, layer_kv = 0, total = 0;
+  size_t first = 0, tokens = 0, logits = 0, prompt_q = 0, kv = 0, total = 0;
+  std::vector<size_t> layer_kv;  // [n_layers] offset of each layer's K
 };
 
-Layout layout_of(const KvSnapshotInfo& i) {
+// The first token of layer l (version 1: every layer from 0).
+int first_of(const KvSnapshotInfo& i, int l) { return i.first_token.empty() ? 0 : i.first_token[static_cast<size_t>(l)]; }
+
+Layout layout_of(const KvSnapshotInfo& i, uint32_t version) {
   Layout l;
-  l.tokens = align_up(kHeaderBytes + i.setup.size());
+  l.first = align_up(kHeaderBytes + i.setup.size());
+  l.tokens = version >= 2 ? align_up(l.first + 4 * static_cast<size_t>(i.n_layers)) : l.first;
   l.logits = align_up(l.tokens + 4 * static_cast<size_t>(i.n_tokens));
   l.prompt_q = align_up(l.logits + 4 * static_cast<size_t>(i.vocab_size));
   const size_t q = 4 * static_cast<size_t>(i.n_layers) * i.prompt_q_rows * i.n_heads * i.head_dim;
   l.kv = align_up(l.prompt_q + q);
-  l.layer_kv = 2 * static_cast<size_t>(i.n_tokens) * i.n_kv_heads * i.head_dim * dtype_size(i.dtype);
-  l.total = l.kv + static_cast<size_t>(i.n_layers) * l.layer_kv + kChecksumBytes;
+  const size_t row = static_cast<size_t>(i.n_kv_heads) * i.head_dim * dtype_size(i.dtype);
+  size_t at = l.kv;
+  for (int layer = 0; layer < i.n_layers; ++layer) {
+    l.layer_kv.push_back(at);
+    at += 2 * static_cast<size_t>(i.n_tokens - first_of(i, layer)) * row;
+  }
+  l.total = at + kChecksumBytes;
   return l;
 }
 
@@ -163,6 +176,20 @@ void kv_snapshot_write(const std::string& path, const KvSnapshotInfo& info, std:
   for (int l = 0; l < s.n_layers; ++l)
     CUMULUS_CHECK(kv.n_tokens(l) >= info.n_tokens, "KV snapshot '{}': n_tokens={} but layer {} caches {} tokens", path,
                   info.n_tokens, l, kv.n_tokens(l));
+  // What each layer's next query after the prompt reads: a window layer's last w - 1 tokens.
+  KvSnapshotInfo out = info;
+  out.first_token.assign(static_cast<size_t>(s.n_layers), 0);
+  for (int l = 0; l < s.n_layers; ++l) {
+    const int w = kv.window(l);
+    if (w == 0) continue;
+    const int first = std::max(0, info.n_tokens - w + 1);
+    out.first_token[static_cast<size_t>(l)] = first;
+    const PagedHeadView v = kv.view(l, 0);
+    for (int t = first; t < info.n_tokens; ++t)
+      CUMULUS_CHECK(v.k_pages[t >> v.page_shift] != nullptr,
+                    "KV snapshot '{}': layer {} (window {}) no longer holds token {} of the prompt's last window", path,
+                    l, w, t);
+  }
   CUMULUS_CHECK(tokens.size() == static_cast<size_t>(info.n_tokens), "KV snapshot '{}': {} tokens given, n_tokens={}",
                 path, tokens.size(), info.n_tokens);
   for (size_t t = 0; t < tokens.size(); ++t)
@@ -180,7 +207,7 @@ void kv_snapshot_write(const std::string& path, const KvSnapshotInfo& info, std:
                   "KV snapshot '{}': layer {} has {} prompt-query floats, prompt_q_rows={} needs {}", path, l,
                   prompt_q[l].size(), info.prompt_q_rows, q_per_layer);
 
-  const Layout lay = layout_of(info);
+  const Layout lay = layout_of(out, kKvSnapshotVersion);
   file_write_atomic_stream(path, "KV snapshot", [&](const FileAppend& append) {
     // Bytes go through `buf` (flushed at 4 MiB) so the checksum and the writes see large pieces.
     std::string buf;
@@ -215,6 +242,12 @@ void kv_snapshot_write(const std::string& path, const KvSnapshotInfo& info, std:
     for (size_t f = 0; f < std::size(fields); ++f) store<uint32_t>(header + 24 + 4 * f, fields[f]);
     put(header, kHeaderBytes);
     put(info.setup.data(), info.setup.size());
+    pad_to(lay.first);
+    for (int f : out.first_token) {
+      uint8_t word[4];
+      store<uint32_t>(word, static_cast<uint32_t>(f));
+      put(word, 4);
+    }
     pad_to(lay.tokens);
     put(tokens.data(), tokens.size_bytes());
     pad_to(lay.logits);
@@ -222,13 +255,13 @@ void kv_snapshot_write(const std::string& path, const KvSnapshotInfo& info, std:
     pad_to(lay.prompt_q);
     for (int l = 0; l < info.n_layers; ++l) put(prompt_q[l].data(), q_per_layer * sizeof(float));
     pad_to(lay.kv);
-    // Per layer, K then V, token-major [n_tokens][n_kv_heads][head_dim] (what append takes).
+    // Per layer, K then V, token-major [n_tokens - first][n_kv_heads][head_dim] (what append takes).
     for (int l = 0; l < info.n_layers; ++l) {
       std::vector<PagedHeadView> views;
       for (int hd = 0; hd < info.n_kv_heads; ++hd) views.push_back(kv.view(l, hd));
       const size_t row = views[0].row_bytes();
       for (bool keys : {true, false})
-        for (int t = 0; t < info.n_tokens; ++t)
+        for (int t = out.first_token[static_cast<size_t>(l)]; t < info.n_tokens; ++t)
           for (const PagedHeadView& v : views) put(keys ? v.key(t) : v.value(t), row);
     }
     flush();
@@ -292,8 +325,8 @@ KvSnapshot KvSnapshot::open(const std::string& path) {
     CUMULUS_FAIL("KV snapshot '{}': magic is 0x{}, not \"CUMKVSNP\": not a cumulus KV snapshot", path, got);
   }
   const uint32_t version = load<uint32_t>(b + 8);
-  CUMULUS_CHECK(version == kKvSnapshotVersion,
-                "KV snapshot '{}': version={} is not supported (this build reads version {})", path, version,
+  CUMULUS_CHECK(version == 1 || version == kKvSnapshotVersion,
+                "KV snapshot '{}': version={} is not supported (this build reads versions 1 and {})", path, version,
                 kKvSnapshotVersion);
   const uint32_t dt = load<uint32_t>(b + 12);
   CUMULUS_CHECK(dt <= 2, "KV snapshot '{}': dtype={} must be 0 (f32), 1 (f16) or 2 (bf16)", path, dt);
@@ -319,11 +352,27 @@ KvSnapshot KvSnapshot::open(const std::string& path) {
   for (size_t j = 60; j < kHeaderBytes; ++j)
     CUMULUS_CHECK(b[j] == 0, "KV snapshot '{}': reserved header byte {} is 0x{:02x}, must be 0", path, j, b[j]);
 
-  // The size the fields imply, against the file's: nothing is read beyond this point
-  // unless they agree.
+  // Version 2: the layers' first tokens, read once the file is known to hold them.
   KvSnapshotInfo sized = i;
   sized.setup.assign(setup_bytes, ' ');
-  const Layout lay = layout_of(sized);
+  if (version >= 2) {
+    const size_t first_at = align_up(kHeaderBytes + setup_bytes);
+    const size_t need = first_at + 4 * static_cast<size_t>(i.n_layers) + kChecksumBytes;
+    CUMULUS_CHECK(size >= need,
+                  "KV snapshot '{}': the file has {} bytes, less than the {} its header (n_layers={}, setup_bytes={}) "
+                  "needs before the layers' first tokens end (truncated)",
+                  path, size, need, i.n_layers, setup_bytes);
+    for (int l = 0; l < i.n_layers; ++l) {
+      const uint32_t f0 = load<uint32_t>(b + first_at + 4 * static_cast<size_t>(l));
+      CUMULUS_CHECK(f0 <= static_cast<uint32_t>(i.n_tokens), "KV snapshot '{}': first_token[{}]={} must be in [0, n_tokens={}]",
+                    path, l, f0, i.n_tokens);
+      i.first_token.push_back(static_cast<int>(f0));
+    }
+    sized.first_token = i.first_token;
+  }
+  // The size the fields imply, against the file's: nothing is read beyond this point
+  // unless they agree.
+  const Layout lay = layout_of(sized, version);
   CUMULUS_CHECK(lay.total == size,
                 "KV snapshot '{}': the file has {} bytes but its header (n_layers={}, n_heads={}, n_kv_heads={}, "
                 "head_dim={}, vocab_size={}, dtype={}, n_tokens={}, prompt_q_rows={}, setup_bytes={}) implies {} "
@@ -341,12 +390,15 @@ KvSnapshot KvSnapshot::open(const std::string& path) {
   // something else: every value is checked as if it could be anything.
   i.setup.assign(reinterpret_cast<const char*>(b + kHeaderBytes), setup_bytes);
   check_setup_text(path, i.setup);
+  const size_t first_end = version >= 2 ? lay.first + 4 * static_cast<size_t>(i.n_layers) : lay.first;
   for (size_t j = kHeaderBytes + setup_bytes; j < lay.tokens; ++j)
-    CUMULUS_CHECK(b[j] == 0, "KV snapshot '{}': padding byte {} is 0x{:02x}, must be 0", path, j, b[j]);
+    CUMULUS_CHECK(b[j] == 0 || (j >= lay.first && j < first_end), "KV snapshot '{}': padding byte {} is 0x{:02x}, must be 0",
+                  path, j, b[j]);
+  if (i.first_token.empty()) i.first_token.assign(static_cast<size_t>(i.n_layers), 0);  // version 1
   s.off_tokens_ = lay.tokens;
   s.off_logits_ = lay.logits;
   s.off_prompt_q_ = lay.prompt_q;
-  s.off_kv_ = lay.kv;
+  s.off_kv_ = lay.layer_kv;
   const std::span<const int32_t> tokens = s.tokens();
   for (size_t t = 0; t < tokens.size(); ++t)
     CUMULUS_CHECK(tokens[t] >= 0 && tokens[t] < i.vocab_size,
@@ -358,12 +410,13 @@ KvSnapshot KvSnapshot::open(const std::string& path) {
     const std::span<const float> q = s.prompt_q(l);
     if (const size_t j = first_non_finite(q.data(), DType::f32, q.size()); j < q.size())
       CUMULUS_FAIL("KV snapshot '{}': prompt query value {} of layer {} is {}, not finite", path, j, l, q[j]);
-    const size_t n = static_cast<size_t>(i.n_tokens) * i.n_kv_heads * i.head_dim;
+    const int first = i.first_token[static_cast<size_t>(l)];
+    const size_t n = static_cast<size_t>(i.n_tokens - first) * i.n_kv_heads * i.head_dim;
     for (bool keys : {true, false}) {
       const void* data = keys ? s.keys(l) : s.values(l);
       if (const size_t j = first_non_finite(data, i.dtype, n); j < n)
         CUMULUS_FAIL("KV snapshot '{}': {}[layer={}][token={}][head={}][dim={}] is {}, not finite", path,
-                     keys ? "k" : "v", l, j / (static_cast<size_t>(i.n_kv_heads) * i.head_dim),
+                     keys ? "k" : "v", l, first + j / (static_cast<size_t>(i.n_kv_heads) * i.head_dim),
                      j / i.head_dim % i.n_kv_heads, j % i.head_dim, dtype_load(data, i.dtype, j));
     }
   }
@@ -386,12 +439,12 @@ std::span<const float> KvSnapshot::prompt_q(int layer) const {
 
 const void* KvSnapshot::keys(int layer) const {
   CUMULUS_CHECK(layer >= 0 && layer < info_.n_layers, "layer={} out of range [0, {})", layer, info_.n_layers);
-  const size_t half = static_cast<size_t>(info_.n_tokens) * info_.n_kv_heads * info_.head_dim * dtype_size(info_.dtype);
-  return base_ + off_kv_ + 2 * half * layer;
+  return base_ + off_kv_[static_cast<size_t>(layer)];
 }
 
 const void* KvSnapshot::values(int layer) const {
-  const size_t half = static_cast<size_t>(info_.n_tokens) * info_.n_kv_heads * info_.head_dim * dtype_size(info_.dtype);
+  const size_t rows = static_cast<size_t>(info_.n_tokens - info_.first_token[static_cast<size_t>(layer)]);
+  const size_t half = rows * info_.n_kv_heads * info_.head_dim * dtype_size(info_.dtype);
   return static_cast<const uint8_t*>(keys(layer)) + half;
 }
 
@@ -427,7 +480,26 @@ void KvSnapshot::restore(KvCache& kv) const {
   CUMULUS_CHECK(info_.n_tokens <= kv.options().max_tokens,
                 "KV snapshot '{}': n_tokens={} exceeds the cache's capacity of {} tokens", path_, info_.n_tokens,
                 kv.options().max_tokens);
-  for (int l = 0; l < s.n_layers; ++l) kv.append_stored(l, keys(l), values(l), info_.n_tokens);
+  // Each layer from the first token its next query reads: a window layer of `kv` counts the
+  // tokens before it as dropped. The file must hold them all.
+  const size_t row = static_cast<size_t>(info_.n_kv_heads) * info_.head_dim * dtype_size(info_.dtype);
+  std::vector<int> need(static_cast<size_t>(s.n_layers));
+  for (int l = 0; l < s.n_layers; ++l) {
+    const int w = kv.window(l);
+    need[static_cast<size_t>(l)] = w > 0 ? std::max(0, info_.n_tokens - w + 1) : 0;
+    const int first = info_.first_token[static_cast<size_t>(l)];
+    CUMULUS_CHECK(first <= need[static_cast<size_t>(l)],
+                  "KV snapshot '{}': layer {} holds tokens from {} on, but this cache reads the layer from token {} "
+                  "(a sliding-window snapshot into a cache that keeps every token?)",
+                  path_, l, first, need[static_cast<size_t>(l)]);
+  }
+  for (int l = 0; l < s.n_layers; ++l) {
+    const int from = need[static_cast<size_t>(l)], skip = from - info_.first_token[static_cast<size_t>(l)];
+    if (from > 0) kv.append_dropped(l, from);
+    if (info_.n_tokens > from)
+      kv.append_stored(l, static_cast<const uint8_t*>(keys(l)) + skip * row, static_cast<const uint8_t*>(values(l)) + skip * row,
+                       info_.n_tokens - from);
+  }
 }
 
 }  // namespace cumulus

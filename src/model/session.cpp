@@ -90,11 +90,20 @@ Session::Session(const ModelWeights& weights, const SessionOptions& options)
       opt_(options),
       registry_(options.registry != nullptr ? *options.registry : Registry::builtin()),
       pool_(options.n_threads),
-      kv_(weights.config.shape(), [&] {
-        KvCacheOptions kvo = options.kv;
-        kvo.max_tokens = options.max_tokens > 0 ? options.max_tokens : weights.config.context_length;
-        return kvo;
-      }()) {
+      kv_(weights.config.shape(),
+          [&] {
+            KvCacheOptions kvo = options.kv;
+            kvo.max_tokens = options.max_tokens > 0 ? options.max_tokens : weights.config.context_length;
+            return kvo;
+          }(),
+          [&] {
+            // A local layer's queries read their window only: its cache keeps only that.
+            std::vector<int> window;
+            if (options.kv_window && !weights.config.layer_local.empty())
+              for (int l = 0; l < weights.config.n_layers; ++l)
+                window.push_back(weights.config.is_local(l) ? std::max(1, weights.config.sliding_window) : 0);
+            return window;
+          }()) {
   const ModelConfig& c = w_.config;
   CUMULUS_CHECK(opt_.prefill_chunk >= 1 && opt_.prefill_chunk <= 65536, "prefill_chunk={} must be in [1, 65536]",
                 opt_.prefill_chunk);
@@ -134,6 +143,9 @@ const std::vector<float>& Session::prefill(std::span<const int32_t> tokens) {
     forward(tokens.subspan(i, n), false);
   }
   prefill_workspace_.reset();
+  // The local layers keep the prompt's last window through decoding, for restart_decode
+  // and kv_save.
+  kv_.pin_window(prompt_end_);
   prompt_tokens_.insert(prompt_tokens_.end(), tokens.begin(), tokens.end());
   prompt_logits_ = logits_;
   return logits_;
@@ -161,6 +173,7 @@ const std::vector<float>& Session::kv_load(const KvSnapshot& snap, uint64_t mode
                 "SessionOptions::keep_prompt_queries >= {})",
                 snap.path(), got.prompt_q_rows, method_->name(), rows, rows);
   snap.restore(kv_);
+  kv_.pin_window(got.n_tokens);
   pos_ = prompt_end_ = got.n_tokens;
   prompt_q_rows_ = rows;
   const ModelConfig& c = w_.config;

@@ -152,14 +152,15 @@ void weight_matmul(ThreadPool& pool, const float* x, int n_rows, std::span<const
     const int per = w.quantized() && n_rows == 1 ? cpu::gemv_quant_task_rows(w.rows()) : kSliceRows;
     for (int r0 = 0; r0 < w.rows(); r0 += per) tasks.push_back({static_cast<int>(o), r0, std::min(per, w.rows() - r0)});
   }
-  // Decode: x rounded to 16-bit codes once for all quantised products (kernels/gemv.h).
+  // Decode: x rounded to codes once for all quantised products, 8 or 16 bits as the GEMV
+  // takes them on this CPU (kernels/gemv.h).
   // The caller's thread's buffer, reached by the workers through the pointer (a
   // thread_local named inside the task would be each worker's own).
   thread_local QuantActivation tl_xq;
   const QuantActivation* xq = &tl_xq;
   bool any_quant = false;
   for (const MatmulOut& o : outs) any_quant = any_quant || o.w->quantized();
-  if (n_rows == 1 && any_quant) cpu::quant_activation(x, outs[0].w->cols(), tl_xq);
+  if (n_rows == 1 && any_quant) cpu::quant_activation(x, outs[0].w->cols(), cpu::gemv_quant_activation_bits(), tl_xq);
   pool.parallel_for(static_cast<int64_t>(tasks.size()), [&](int64_t t, int) {
     const Task& task = tasks[static_cast<size_t>(t)];
     const WeightMatrix& w = *outs[static_cast<size_t>(task.out)].w;

@@ -155,6 +155,7 @@ struct BenchRun {
   double prefill_s = 0, index_s = 0, decode_s = 0;  // index_s: the decode method's index build
   DecodeProfile profile;  // per decode step (divided by steps)
   double decode_bytes = 0;  // bytes read per decode step: weights + mean K/V
+  size_t kv_cache_bytes = 0;  // the KV cache's memory after the last decode step
 };
 
 double median(std::vector<double> v) {
@@ -180,6 +181,7 @@ BenchRun bench_one(const ModelWeights& w, const std::vector<int32_t>& source, co
   std::vector<double> pre, idx, dec;
   std::vector<DecodeProfile> profs;
   double kv_bytes = 0;
+  size_t kv_cache_bytes = 0;
   for (int rep = 0; rep < o.repetitions; ++rep) {
     SessionOptions so = session_options(o, spec.method, spec.params);
     so.max_tokens = context + o.bench_decode;
@@ -198,9 +200,15 @@ BenchRun bench_one(const ModelWeights& w, const std::vector<int32_t>& source, co
     idx.push_back(std::chrono::duration<double>(t1 - tb).count());
     dec.push_back(std::chrono::duration<double>(t2 - t1).count());
     profs.push_back(s.profile());
-    // Dense K/V bytes per step at the mean depth, all layers (the method may read less).
-    kv_bytes = static_cast<double>(s.kv().bytes_per_token_head()) * w.config.n_kv_heads * w.config.n_layers *
-               (context + 0.5 * (o.bench_decode + 1)) * s.summary().mean_kv_fraction();
+    // K/V bytes per step at the mean depth: the tokens each layer reads (a sliding-window
+    // layer its window; the others the method's share of every token).
+    const double depth = context + 0.5 * (o.bench_decode + 1);
+    double tokens = 0;
+    for (int l = 0; l < w.config.n_layers; ++l)
+      tokens += w.config.is_local(l) ? std::min<double>(depth, w.config.sliding_window)
+                                     : depth * s.summary().mean_kv_fraction();
+    kv_bytes = static_cast<double>(s.kv().bytes_per_token_head()) * w.config.n_kv_heads * tokens;
+    kv_cache_bytes = s.kv().bytes_allocated();
   }
   BenchRun r;
   r.method = spec.label;
@@ -220,6 +228,7 @@ BenchRun bench_one(const ModelWeights& w, const std::vector<int32_t>& source, co
     p.*f /= n;
   r.profile = p;
   r.decode_bytes = decode_weight_bytes(w) + kv_bytes;
+  r.kv_cache_bytes = kv_cache_bytes;
   return r;
 }
 
@@ -270,8 +279,8 @@ void run_bench(const ModelWeights& w, const std::vector<int32_t>& source, const 
              "decode step / time per step\n",
              o.bench_decode, o.bench_decode - 1);
   for (const BenchRun& r : runs)
-    fmt::print("profile {} @{}: {} (sum {:.3f} ms)\n", r.method, r.context, profile_line(r.profile),
-               1e3 * r.profile.total());
+    fmt::print("profile {} @{}: {} (sum {:.3f} ms); KV cache {:.1f} MB\n", r.method, r.context, profile_line(r.profile),
+               1e3 * r.profile.total(), r.kv_cache_bytes / 1e6);
 
   if (!o.json.empty()) {
     nlohmann::json j;
@@ -295,6 +304,7 @@ void run_bench(const ModelWeights& w, const std::vector<int32_t>& source, const 
                            {"decode_s", r.decode_s},
                            {"decode_tok_s", r.decode_tokens / r.decode_s},
                            {"decode_bytes_per_token", r.decode_bytes},
+                           {"kv_cache_bytes", r.kv_cache_bytes},
                            {"decode_gbps", r.decode_bytes / per / 1e9},
                            {"profile_ms_per_token",
                             {{"qkv", 1e3 * p.qkv},

@@ -145,6 +145,7 @@ void run_trace(const TraceOptions& o) {
   SessionOptions so;
   so.n_threads = o.threads;
   so.kv.dtype = DType::f16;
+  so.kv_window = false;  // a recorded layer is recorded whole, a local one too
   so.max_tokens = o.prompt_tokens + o.steps;
   so.on_decode_query = [&](int layer, int position, const float* q) {
     const int step = position - o.prompt_tokens;

@@ -1,7 +1,8 @@
 // libFuzzer target for the KV snapshot reader (src/kv/kv_snapshot.cpp): magic, version, every
 // header field and its bounds, the file's size against what the fields imply, the checksum,
 // the setup text, token ids, finite logits, queries, keys and values; then, for a snapshot
-// that opens, its check against its own info and its restore into a cache of its shape.
+// that opens, its check against its own info and its restore into a cache of its shape (with
+// the sliding windows its version 2 first tokens imply, then without).
 // Any outcome but a cumulus::Error or success is a bug, and so is memory beyond libFuzzer's
 // -rss_limit_mb (nothing may be allocated from a size the file merely claims).
 //
@@ -38,6 +39,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const uint64_t cache_bytes =
         2 * static_cast<uint64_t>(i.n_layers) * i.n_kv_heads * pages * i.page_size * i.head_dim * 4;
     if (cache_bytes > (uint64_t{64} << 20)) return 0;
+    // A cache whose sliding-window layers read what the file holds (a layer from token f > 0:
+    // window n_tokens - f + 1), then one that keeps every token (which a file with such a
+    // layer must refuse).
+    std::vector<int> window;
+    for (int f : i.first_token) window.push_back(f > 0 ? i.n_tokens - f + 1 : 0);
+    KvCache windowed(Shape{i.n_layers, i.n_heads, i.n_kv_heads, i.head_dim},
+                     {.page_size = i.page_size, .dtype = i.dtype, .max_tokens = i.n_tokens}, window);
+    snap.restore(windowed);
     KvCache kv(Shape{i.n_layers, i.n_heads, i.n_kv_heads, i.head_dim},
                {.page_size = i.page_size, .dtype = i.dtype, .max_tokens = i.n_tokens});
     snap.restore(kv);

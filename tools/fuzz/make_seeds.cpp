@@ -178,15 +178,17 @@ std::vector<uint8_t> trace(int n_q, int n_kv, int d, int prompt, int steps, cons
 
 // A KV snapshot (docs/kv_snapshot.md) with random finite K/V in `dtype` (0 f32, 1 f16,
 // 2 bf16), written from the format's description; `flag` is the fuzzer's first byte (odd:
-// it rewrites the checksum itself).
+// it rewrites the checksum itself). Version 2 with `first` (one per layer): each layer's
+// K/V from that token on.
 std::vector<uint8_t> kv_snapshot(uint8_t flag, uint32_t dtype, uint32_t layers, uint32_t heads, uint32_t kv_heads,
-                                 uint32_t head_dim, uint32_t vocab, uint32_t page, uint32_t tokens, uint32_t rows) {
+                                 uint32_t head_dim, uint32_t vocab, uint32_t page, uint32_t tokens, uint32_t rows,
+                                 const std::vector<uint32_t>& first = {}) {
   std::mt19937 rng(dtype * 31 + layers * 7 + tokens);
   const std::string setup = "weights=F32 prefill=dense";
   std::vector<uint8_t> b(128, 0);
   auto u32 = [&](size_t at, uint32_t v) { std::memcpy(b.data() + at, &v, 4); };
   std::memcpy(b.data(), "CUMKVSNP", 8);
-  u32(8, 1);
+  u32(8, first.empty() ? 1 : 2);
   u32(12, dtype);
   const uint64_t model_id = 0x0123456789abcdefull;
   std::memcpy(b.data() + 16, &model_id, 8);
@@ -197,6 +199,10 @@ std::vector<uint8_t> kv_snapshot(uint8_t flag, uint32_t dtype, uint32_t layers, 
   auto append = [&](const std::vector<uint8_t>& v) { b.insert(b.end(), v.begin(), v.end()); };
   b.insert(b.end(), setup.begin(), setup.end());
   pad();
+  if (!first.empty()) {
+    for (uint32_t f : first) b.insert(b.end(), reinterpret_cast<const uint8_t*>(&f), reinterpret_cast<const uint8_t*>(&f) + 4);
+    pad();
+  }
   for (uint32_t t = 0; t < tokens; ++t) {
     const uint32_t id = rng() % vocab;
     b.insert(b.end(), reinterpret_cast<const uint8_t*>(&id), reinterpret_cast<const uint8_t*>(&id) + 4);
@@ -206,9 +212,9 @@ std::vector<uint8_t> kv_snapshot(uint8_t flag, uint32_t dtype, uint32_t layers, 
   pad();
   append(random_bytes(rng, 4 * static_cast<size_t>(layers) * rows * heads * head_dim, true));
   pad();
-  const size_t half = static_cast<size_t>(tokens) * kv_heads * head_dim;
   for (uint32_t l = 0; l < layers; ++l)
     for (int kv = 0; kv < 2; ++kv) {
+      const size_t half = static_cast<size_t>(tokens - (first.empty() ? 0 : first[l])) * kv_heads * head_dim;
       if (dtype == 0) {
         append(random_bytes(rng, 4 * half, true));
       } else if (dtype == 1) {
@@ -287,6 +293,9 @@ int main(int argc, char** argv) {
     write(kv_snapshot(0, 1, 2, 4, 2, 8, 16, 4, 5, 2));
     write(kv_snapshot(1, 2, 1, 2, 1, 16, 8, 1, 3, 0));
     write(kv_snapshot(1, 0, 3, 3, 3, 8, 4, 16, 17, 17));
+    // Version 2: a layer of every token and sliding-window layers that kept their last 3 and 1.
+    write(kv_snapshot(1, 1, 3, 4, 2, 8, 16, 4, 9, 2, {0, 7, 9}));
+    write(kv_snapshot(1, 2, 2, 2, 1, 16, 8, 2, 5, 0, {0, 0}));
     // A header claiming far more than follows (the reader must refuse it before reading
     // it): a realistic shape, cut after 4 KiB.
     std::vector<uint8_t> cut = kv_snapshot(1, 1, 4, 8, 2, 64, 64, 16, 40, 4);

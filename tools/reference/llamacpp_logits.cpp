@@ -8,11 +8,13 @@
 // Usage: llamacpp_logits MODEL TOKENS_FILE POSITIONS TOP_K THREADS [GREEDY]
 //   TOKENS_FILE: whitespace-separated token ids; POSITIONS: comma-separated indices into them.
 //   GREEDY > 0: then decodes GREEDY tokens greedily (argmax, one token per llama_decode) after
-//   the last token and prints {"logits": [...], "greedy": [ids]} instead of the bare array.
+//   the last token and prints {"logits": [...], "greedy": [ids], "greedy_margin": [top-1 logit
+//   minus top-2 logit at each greedy step]} instead of the bare array.
 //        llamacpp_logits --tokenize MODEL TEXT_FILE
 //   prints llama.cpp's token ids of the file's text (special tokens as the model's
 //   add_bos_token says, no parsing of special-token text) as a JSON array.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -136,10 +138,15 @@ int main(int argc, char** argv) {
     std::printf(",\n\"greedy\": [");
     const float* logits = llama_get_logits_ith(ctx, n - 1);
     llama_batch one = llama_batch_init(1, 0, 1);
+    std::vector<double> margins;
     for (int g = 0; g < greedy; ++g) {
       int best = 0;
       for (int v = 1; v < n_vocab; ++v)
         if (logits[v] > logits[best]) best = v;
+      float second = -INFINITY;
+      for (int v = 0; v < n_vocab; ++v)
+        if (v != best) second = std::max(second, logits[v]);
+      margins.push_back(static_cast<double>(logits[best]) - second);
       std::printf("%s%d", g ? ", " : "", best);
       one.token[0] = best;
       one.pos[0] = n + g;
@@ -151,6 +158,8 @@ int main(int argc, char** argv) {
       logits = llama_get_logits_ith(ctx, 0);
       if (!logits) die("no logits (greedy)");
     }
+    std::printf("],\n\"greedy_margin\": [");
+    for (size_t g = 0; g < margins.size(); ++g) std::printf("%s%.9g", g ? ", " : "", margins[g]);
     std::printf("]}");
     llama_batch_free(one);
   }

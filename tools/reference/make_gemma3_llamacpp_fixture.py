@@ -3,7 +3,8 @@
 Gemma 3 270M Q4_K_M GGUF (issue 18 part 3) for the opening of Pride and Prejudice (Project
 Gutenberg header stripped), at least 4096 tokens: the top-20 (token id, logit) at 12
 positions (both sides of the 512-token sliding window among them) and the 32-token greedy
-continuation after the whole excerpt.
+continuation after the whole excerpt, with llama.cpp's top-1 margin (top-1 minus top-2
+logit) at each of its steps.
 
 The token ids come from llama.cpp's own tokenizer on the same GGUF (`llamacpp_logits
 --tokenize`, BOS added as the file's add_bos_token says); the test
@@ -104,6 +105,7 @@ def main():
         "top_k": TOP_K,
         "logits": out["logits"],
         "greedy": out["greedy"],
+        "greedy_margin": out["greedy_margin"],
     }
     json.dump(fixture, sys.stdout, ensure_ascii=False, indent=None, separators=(",", ":"))
     sys.stdout.write("\n")

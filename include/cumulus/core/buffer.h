@@ -41,4 +41,21 @@ using AlignedVector = std::vector<T, AlignedAllocator<T>>;
 // Throws std::bad_alloc.
 void* alloc_large(size_t bytes);
 
+// std::vector storage through alloc_large: large read-mostly arrays that a decode step
+// streams through (the quantised weights, model/weight_matrix.h).
+template <class T>
+struct LargeAllocator {
+  using value_type = T;
+  LargeAllocator() = default;
+  template <class U>
+  LargeAllocator(const LargeAllocator<U>&) noexcept {}
+  T* allocate(size_t n) { return static_cast<T*>(alloc_large(n * sizeof(T))); }
+  void deallocate(T* p, size_t) noexcept { std::free(p); }
+  template <class U>
+  bool operator==(const LargeAllocator<U>&) const noexcept { return true; }
+};
+
+template <class T>
+using LargeVector = std::vector<T, LargeAllocator<T>>;
+
 }  // namespace cumulus

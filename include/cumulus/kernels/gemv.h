@@ -4,15 +4,18 @@
 // Backends share signatures: ref:: (scalar, float64, never optimised) and cpu:: (Highway
 // SIMD with runtime dispatch). Block layouts are in model/quant.h.
 //
-// Activations: x [cols] is rounded once per product to 16-bit integers per block of 32
-// (QuantActivation): q_j = round(x_j * 32767 / amax_b) (nearest even), dx_b = amax_b / 32767,
-// amax_b = max_j |x_j| over the block. Products of 4- to 8-bit weight codes with 16-bit
-// activation codes are then exact integer multiply-adds (pmaddwd), twice the throughput of
-// widening both to float32. The rounding changes each x_j by about dx_b / 2 = amax_b *
-// 2^-16 at most (llama.cpp rounds activations to 8 bits: 256x coarser); everything after it is
-// exact integer arithmetic per scale group (16 or 32 weights sharing one scale) and float32
-// across groups. Every weight format's scale groups lie inside one activation block of 32.
-// The contract of both backends is y = W (dx q), with W dequantised exactly.
+// Activations: x [cols] is rounded once per product to integer codes per block of 32
+// (QuantActivation), 16 or 8 bits: q_j = round(x_j * Q / amax_b) (nearest even), dx_b =
+// amax_b / Q, amax_b = max_j |x_j| over the block, Q = 32767 (16 bits) or 127 (8 bits). Products
+// of 4- to 8-bit weight codes with the codes are then exact integer multiply-adds, per scale
+// group (16 or 32 weights sharing one scale), and float32 across groups. Every weight format's
+// scale groups lie inside one activation block of 32. The contract of both backends is
+// y = W (dx q), with W dequantised exactly, for either width.
+// 16 bits (pmaddwd: int16 x int16, twice the throughput of widening both to float32) change
+// each x_j by about dx_b / 2 = amax_b * 2^-16 at most; 8 bits (vpdpbusd: u8 x s8 in groups of
+// 4, AVX-512 VNNI, as llama.cpp's Q8_0/Q8_1 activations) by amax_b / 254, 129x coarser, for
+// about half the instructions per weight. cpu::gemv_quant takes 8 bits where the dispatched
+// target has VNNI (AVX3_DL), else 16 (cpu::gemv_quant_activation_bits).
 //
 // Weight layout, two kinds:
 // Repacked (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; struct of arrays, built once at load from the
@@ -74,18 +77,24 @@ struct QuantMatrixView {
 // multiple of the format's block; rows >= 1); throws Error naming the bad value.
 void quant_matrix_validate(const QuantMatrixView& w);
 
-// x [cols] rounded to 16-bit codes per block of 32 (see the top of this file). Arrays
-// indexed by block are padded with zeros to a multiple of 16 entries.
+// x [cols] rounded to codes per block of 32 (see the top of this file). Arrays indexed by
+// block are padded with zeros to a multiple of 16 entries.
 struct QuantActivation {
   int cols = 0;
+  int bits = 16;           // 16: codes in [-32767, 32767]; 8: in [-127, 127]
   std::vector<int16_t> q;  // [cols]
-  std::vector<float> d;    // [blocks, padded] dx_b = amax_b / 32767 (0 for an all-zero block)
-  std::vector<float> sum;  // [blocks, padded] dx_b * sum_j q_j (the Q4_1 min term's factor)
+  std::vector<float> d;    // [blocks, padded] dx_b = amax_b / Q (0 for an all-zero block)
+  std::vector<float> sum;  // [blocks, padded] dx_b * sum_j q_j (the min terms' factor)
+  // bits == 8 only (empty otherwise), for byte dot products: the codes as int8, and the sum
+  // of each 4 consecutive codes (what vpdpbusd adds into one int32 lane).
+  std::vector<int8_t> q8;      // [cols]
+  std::vector<int32_t> sum4;   // [cols / 4]
 };
 
 namespace ref {
-// The rounding of x, scalar, float32 operations exactly as documented above.
-void quant_activation(const float* x, int cols, QuantActivation& a);
+// The rounding of x to `bits` (16 or 8) bits, scalar, float32 operations exactly as
+// documented above.
+void quant_activation(const float* x, int cols, int bits, QuantActivation& a);
 // y [rows] = W (dx q): every weight dequantised and every product summed in float64.
 void gemv_quant(const QuantMatrixView& w, const QuantActivation& x, double* y);
 // out [row_end - row_begin][cols] = W rows [row_begin, row_end), float64: every weight from
@@ -96,13 +105,19 @@ void quant_dequantize_rows(const QuantMatrixView& w, int row_begin, int row_end,
 
 namespace cpu {
 // The rounding of x (SIMD); bit-identical to ref::quant_activation.
-void quant_activation(const float* x, int cols, QuantActivation& a);
-// y [rows] = W x, x [cols] float32 (rounded by quant_activation first). Rows are split
+void quant_activation(const float* x, int cols, int bits, QuantActivation& a);
+// The activation width gemv_quant uses on this CPU: 8 where the dispatched target has
+// AVX-512 VNNI (Highway's AVX3_DL), else 16.
+int gemv_quant_activation_bits();
+// y [rows] = W x, x [cols] float32 (rounded by quant_activation to
+// gemv_quant_activation_bits() first). Rows are split
 // into tasks by the matrix shape alone and every row is computed by the same instruction
 // sequence wherever it falls, so y is bit-identical for any thread count.
 void gemv_quant(const QuantMatrixView& w, const float* x, float* y, ThreadPool& pool);
-// The single-threaded core: y [row_end - row_begin] = rows [row_begin, row_end) of W x.
-// No checks (callers validated the view and x.cols == w.cols).
+// The single-threaded core: y [row_end - row_begin] = rows [row_begin, row_end) of W x,
+// x of either width (8 bits: VNNI byte dot products where the target has them, else the
+// 16-bit path on the 8-bit codes, which gives the same integer sums). No checks (callers
+// validated the view and x.cols == w.cols).
 void gemv_quant_rows(const QuantMatrixView& w, int row_begin, int row_end, const QuantActivation& x, float* y);
 // out [row_end - row_begin][cols] = W rows [row_begin, row_end) dequantised to float32
 // (for the prefill GEMM, which multiplies a slice at a time). No checks.

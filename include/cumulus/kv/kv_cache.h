@@ -4,6 +4,17 @@
 // in the storage dtype (f16 by default). Every append keeps each page's key min, max and
 // mean current (float32, over the page's valid tokens, computed from the stored keys so
 // that Quest's bound holds exactly for what the kernels read).
+//
+// Sliding-window layers (the constructor's layer_window, Gemma 3's local layers) keep only the
+// pages their queries can still read: the query at position p reads tokens (p - w, p], so
+// before tokens [t0, t0 + n) are appended, every page whose tokens all lie before t0 - w + 1
+// is dropped and its memory taken by the next page the layer needs (a ring of whole pages,
+// at most ceil((w - 1 + n) / page_size) + 1 live per head while the chunk is attended).
+// pin_window(n) keeps the tokens the query at n reads from the cache ([n - w + 1, n)) through
+// later appends, so that truncate(n) can return to n (a Session pins its prompt's end for
+// restart_decode). Logical page and token numbers stay those of the whole sequence: a
+// window layer's view has the same page table, with nullptr for dropped pages, and no page
+// statistics (kmin, kmax, kmean are nullptr: no decode method runs on such a layer).
 #pragma once
 
 #include <cstdint>
@@ -24,7 +35,10 @@ struct KvCacheOptions {
 
 class KvCache {
  public:
-  KvCache(const Shape& shape, const KvCacheOptions& options = {});
+  // layer_window [n_layers]: 0 keeps every token of the layer; w >= 1 marks a sliding-window
+  // layer whose queries read their last w tokens only (see above). Empty: every layer keeps
+  // every token.
+  KvCache(const Shape& shape, const KvCacheOptions& options = {}, std::vector<int> layer_window = {});
   ~KvCache();
   KvCache(KvCache&&) noexcept;
   KvCache& operator=(KvCache&&) noexcept;
@@ -47,14 +61,35 @@ class KvCache {
   // leaves them. Non-finite values throw, before anything is written.
   void append_stored(int layer, const void* k, const void* v, int n);
 
+  // A sliding-window layer: appends n tokens that its queries will never read (the start of
+  // a KV snapshot that kept only the window): counted, not stored. The caller appends the
+  // tokens the next query reads before any query runs. Throws for a layer that keeps every
+  // token.
+  void append_dropped(int layer, int n);
+
   // Drops every token of every layer (keeps allocated pages for reuse).
   void clear();
 
   // Keeps the first n tokens of every layer and drops the rest (keeps allocated pages).
   // The statistics of a page cut short are recomputed from its remaining keys and its
   // dropped rows read back as zero, exactly as if only n tokens had been appended.
-  // Throws when a layer holds fewer than n tokens.
+  // Throws when a layer holds fewer than n tokens, or when a sliding-window layer no longer
+  // holds the tokens a query at n reads ([n - w + 1, n): keep them with pin_window(n)).
   void truncate(int n);
+
+  // Sliding-window layers keep the tokens [n - w + 1, n) through later appends (one pin at
+  // a time; n = 0 releases it). Throws when a layer already dropped some of them.
+  void pin_window(int n);
+
+  // The layer's window w (0: it keeps every token).
+  int window(int layer) const;
+  // The first token whose K/V the layer holds for the query at position n_tokens(layer):
+  // 0, or n_tokens - w + 1 for a sliding-window layer (never below 0).
+  int first_needed(int layer) const;
+
+  // Bytes of memory the cache holds: K/V pages allocated (in use or free for reuse) and
+  // the page statistics.
+  size_t bytes_allocated() const;
 
   // Changes whenever `layer` loses tokens (truncate, clear), never on append: what a method
   // that keeps per-token state (an index, a sketch) compares to know its tokens are the
@@ -62,10 +97,11 @@ class KvCache {
   uint64_t generation(int layer) const;
 
   // Read-only view of one (layer, kv head) for the kernels. Valid until the next append
-  // or clear.
+  // or clear. A sliding-window layer's view: dropped pages are nullptr, no statistics.
   PagedHeadView view(int layer, int kv_head) const;
 
-  // Token t of (layer, kv_head) converted to float32. out: [head_dim].
+  // Token t of (layer, kv_head) converted to float32. out: [head_dim]. Throws for a token a
+  // sliding-window layer dropped.
   void key_f32(int layer, int kv_head, int t, float* out) const;
   void value_f32(int layer, int kv_head, int t, float* out) const;
 
@@ -78,12 +114,23 @@ class KvCache {
   void append_rows(int layer, const void* k, const void* v, int n, bool raw);
   HeadStore& head(int layer, int kv_head);
   const HeadStore& head(int layer, int kv_head) const;
+  // Sliding-window layer: drops the pages whose tokens all lie before `keep_from`, except
+  // the pinned ones (pages below window_first_page_ are dropped already, or pinned).
+  void drop_window_pages(int layer, int keep_from);
+  // The page table entry p of a window layer's head, taken from its free pages (zeroed) or
+  // a new slab.
+  void window_page_acquire(HeadStore& s, int p);
+  void window_page_release(HeadStore& s, int p);
+  bool pinned_page(int layer, int p) const;
 
   Shape shape_;
   KvCacheOptions options_;
   std::vector<int> n_tokens_;                      // [n_layers]
   std::vector<uint64_t> generation_;               // [n_layers] tokens-lost events
   std::vector<std::unique_ptr<HeadStore>> heads_;  // [n_layers * n_kv_heads]
+  std::vector<int> window_;                        // [n_layers] 0 or w
+  std::vector<int> window_first_page_;             // [n_layers] window layers: pages below are dropped or pinned
+  int pin_ = 0;                                    // pin_window's n (0: none)
 };
 
 }  // namespace cumulus

@@ -6,11 +6,14 @@
 // File (little-endian; every section starts at a multiple of 64 bytes, zero padded):
 //   header [128]   magic "CUMKVSNP", version, model id, shapes, dtype, counts
 //   setup          [setup_bytes] text: how the cache was made besides the model
+//   first          uint32 [n_layers] (version 2) the first token of each layer's K/V below:
+//                  0, or for a sliding-window layer the first its next query reads
 //   tokens         int32 [n_tokens]
 //   logits         float32 [vocab_size]
 //   prompt_q       float32 [n_layers][prompt_q_rows][n_heads][head_dim]
-//   kv             per layer: K [n_tokens][n_kv_heads][head_dim], V the same, in dtype
+//   kv             per layer: K [n_tokens - first][n_kv_heads][head_dim], V the same, in dtype
 //   checksum       uint64 FNV-1a 64 of every byte before it
+// Version 1 files (no `first`: every layer from token 0) are read as well.
 //
 // Reading maps the file and checks all of it (magic, version, each field's range, the
 // file's size against what the fields imply, the checksum, finite values, token ids)
@@ -29,7 +32,7 @@
 
 namespace cumulus {
 
-inline constexpr uint32_t kKvSnapshotVersion = 1;
+inline constexpr uint32_t kKvSnapshotVersion = 2;  // written; versions 1 and 2 are read
 // Prompt queries a saving run keeps at least, so that a method that learns from them
 // (lfps, s = 32 by default) can start from the snapshot.
 inline constexpr int kKvSnapshotPromptQueries = 64;
@@ -44,6 +47,9 @@ struct KvSnapshotInfo {
   DType dtype = DType::f16;
   int n_tokens = 0;       // prompt tokens cached in every layer
   int prompt_q_rows = 0;  // the prompt's last queries kept per layer
+  // [n_layers] the first token whose K/V the file holds per layer (read from the file; the
+  // writer takes it from the cache: 0, or n_tokens - w + 1 for a window-w layer).
+  std::vector<int> first_token{};
 };
 
 // FNV-1a 64, continued from `h` (start with kFnv1a64Basis): the snapshot's checksum.
@@ -51,10 +57,12 @@ inline constexpr uint64_t kFnv1a64Basis = 14695981039346656037ull;
 uint64_t fnv1a64(const void* data, size_t n, uint64_t h = kFnv1a64Basis);
 
 // Writes a snapshot of `kv` to `path` atomically (core/file.h): the first info.n_tokens
-// tokens of every layer, with the prompt's tokens [n_tokens], logits [vocab_size] and per
-// layer its last queries prompt_q[layer] [prompt_q_rows][n_heads][head_dim]. The shape,
-// page size and dtype fields of `info` must match `kv`. Throws Error for inconsistent sizes
-// or a failing write (the previous file, if any, is then unchanged).
+// tokens of every layer (of a sliding-window layer, those of them the query at n_tokens
+// reads: [n_tokens - w + 1, n_tokens)), with the prompt's tokens [n_tokens], logits
+// [vocab_size] and per layer its last queries prompt_q[layer] [prompt_q_rows][n_heads]
+// [head_dim]. The shape, page size and dtype fields of `info` must match `kv` (its
+// first_token is ignored). Throws Error for inconsistent sizes, a window layer that dropped
+// those tokens, or a failing write (the previous file, if any, is then unchanged).
 void kv_snapshot_write(const std::string& path, const KvSnapshotInfo& info, std::span<const int32_t> tokens,
                        std::span<const float> logits, const std::vector<std::vector<float>>& prompt_q,
                        const KvCache& kv);
@@ -81,7 +89,8 @@ class KvSnapshot {
   std::span<const float> logits() const;    // [vocab_size]
   // [prompt_q_rows][n_heads][head_dim] of `layer`.
   std::span<const float> prompt_q(int layer) const;
-  // [n_tokens][n_kv_heads][head_dim] of `layer` in info().dtype.
+  // [n_tokens - info().first_token[layer]][n_kv_heads][head_dim] of `layer` in info().dtype:
+  // its tokens from first_token on.
   const void* keys(int layer) const;
   const void* values(int layer) const;
 
@@ -90,8 +99,11 @@ class KvSnapshot {
   // page_size and dtype must be equal (n_tokens and prompt_q_rows are not compared).
   void check(const KvSnapshotInfo& expect) const;
   // Appends every layer's n_tokens tokens to `kv`, which must be empty and of the
-  // snapshot's shape, page size and dtype: afterwards it is bit for bit the cache that was
-  // saved, its per-page key statistics included.
+  // snapshot's shape, page size and dtype: afterwards it holds bit for bit what the cache
+  // that was saved held for the query at n_tokens, its per-page key statistics included (a
+  // sliding-window layer of `kv` gets the tokens before its window counted, not stored).
+  // Throws when a layer of `kv` reads tokens the file does not hold (a sliding-window
+  // snapshot into a cache that keeps every token).
   void restore(KvCache& kv) const;
 
  private:
@@ -103,7 +115,8 @@ class KvSnapshot {
   size_t size_ = 0;
   uint64_t checksum_ = 0;
   KvSnapshotInfo info_;
-  size_t off_tokens_ = 0, off_logits_ = 0, off_prompt_q_ = 0, off_kv_ = 0;
+  size_t off_tokens_ = 0, off_logits_ = 0, off_prompt_q_ = 0;
+  std::vector<size_t> off_kv_;  // [n_layers] each layer's K, then its V
 };
 
 }  // namespace cumulus

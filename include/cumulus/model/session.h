@@ -16,8 +16,10 @@
 //   logits [vocab] = RMSNorm(x_last) * output_norm, times the classifier (soft-capped
 //   when the model has a final_logit_softcapping)
 // Local (sliding-window) layers of gemma3 attend their window densely, in prefill and
-// decode alike; the session's decode and prefill methods run on the global layers only,
-// and AttentionSummary / last_step() hold only those layers' statistics.
+// decode alike, and the cache keeps only their window (pinned at the prompt's end, so
+// restart_decode and kv_save find the prompt's last window); the session's decode and
+// prefill methods run on the global layers only, and AttentionSummary / last_step() hold
+// only those layers' statistics.
 // Prefill attention goes through the session's prefill method (dense causal flash attention
 // by default, or flexprefill), in chunks of the size the method asks for
 // (PrefillMethod::chunk_tokens: prefill_chunk for dense, the whole prompt for flexprefill);
@@ -54,6 +56,10 @@ struct SessionOptions {
   std::string prefill_method = "dense";         // prefill method (from `registry`, kind prefill)
   std::map<std::string, std::string> prefill_params;  // its parameters
   KvCacheOptions kv;                            // page size, storage dtype
+  // Sliding-window (local) layers keep only the tokens their queries read (kv_cache.h;
+  // docs/model.md); false: every layer keeps every token (`cumulus trace`, which records
+  // whole layers).
+  bool kv_window = true;
   int n_threads = 2;
   int prefill_chunk = 256;                      // tokens per prefill forward (GEMM rows), unless
                                                 // the prefill method asks for another size

@@ -17,8 +17,12 @@
 // 8 from the codes in int16 (exact).
 //
 // Rows go in groups of kGroupRows sharing the activation loads (and giving four rows' FMA
-// chains to interleave); a row left over is computed alone by the same instruction
-// sequence, so every row's result depends on nothing but that row and x.
+// chains to interleave), except Q8_0's, which go one at a time (kGemvGroupRows); a row left
+// over is computed alone by the same instruction sequence, so every row's result depends on
+// nothing but that row and x.
+//
+// With 8-bit activation codes on AVX3_DL (AVX-512 VNNI) the same structure runs on byte dot
+// products (vnni_* below): one vpdpbusd per 32 weights instead of widening and pmaddwd.
 //
 // Q5_0 and Q5_1 are repacked like Q4_0/Q4_1 plus a u32 of bit-4s per block, merged into
 // the codes per 16 lanes (gemv_codes_q5_bit4).
@@ -37,6 +41,9 @@
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/cache_control.h>
 #include <hwy/highway.h>
+#if HWY_ARCH_X86
+#include <immintrin.h>  // the AVX3_DL path's byte dot products
+#endif
 
 #include <algorithm>
 #include <cstring>
@@ -60,6 +67,19 @@ HWY_BEFORE_NAMESPACE();
 namespace cumulus::cpu::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 namespace {
+
+// Functions of the 8-bit (VNNI) path, on AVX3_DL: Highway's AVX3_DL target string enables
+// AVX-VNNI (VEX-encoded vpdpbusd on 128/256-bit vectors), which Zen 4 lacks although it has
+// AVX-512 VNNI: with both enabled the compiler emits the VEX form, an illegal instruction
+// there. These functions add avx512vnni and remove avxvnni, so their byte dot products are
+// EVEX-encoded. They use intrinsics only: a Highway op carries the target string with
+// avxvnni and cannot be inlined into a function without it.
+#undef CUMULUS_VNNI_ATTR
+#if HWY_TARGET == HWY_AVX3_DL
+#define CUMULUS_VNNI_ATTR __attribute__((target("avx512vnni,no-avxvnni")))
+#else
+#define CUMULUS_VNNI_ATTR
+#endif
 
 // int16 lanes: at most 16, so the 16 codes of a 4-bit block half fill whole vectors.
 using DI16 = hn::CappedTag<int16_t, 16>;
@@ -169,7 +189,9 @@ HWY_INLINE void gemv_group(const QuantMatrixView& w, int r0, const QuantActivati
   for (int r = 0; r < R; ++r) acc[r] = hn::Zero(df);
   const size_t row_bytes = static_cast<size_t>(nb) * qb;
   const uint8_t* q0 = w.qs + static_cast<size_t>(r0) * row_bytes;
-  const bool prefetch = r0 + (kPrefetchGroups + 1) * R <= w.rows;  // stay inside the matrix
+  // A group's R rows are R streams, prefetched below; one row alone is one stream, left to
+  // the hardware prefetcher.
+  const bool prefetch = R > 1 && r0 + (kPrefetchGroups + 1) * R <= w.rows;  // stay inside the matrix
   const int16_t* xq = x.q.data();
   for (int b = 0; b < nb; ++b) {
     // The R rows are R streams row_bytes apart, which the hardware prefetcher follows
@@ -216,16 +238,26 @@ HWY_INLINE void gemv_group(const QuantMatrixView& w, int r0, const QuantActivati
   }
 }
 
+// Rows per group. Q8_0 goes one row at a time: its rows are twice the bytes of the 4-bit
+// formats', and Gemma 3's 262144x640 head read at 20-22 GB/s one row at a time (a single
+// stream, which the hardware prefetcher follows; weights in 2 MiB pages) against ~10 GB/s in
+// groups of 2 to 8 with the prefetch in gemv_group (Zen 4; docs/performance-log.md,
+// 2026-11-26). For the 4-bit formats the two orders measured within noise, and they keep the
+// groups (which share the activation loads). The 8-bit path below uses the same choice.
+template <QuantFormat F>
+constexpr int kGemvGroupRows = F == QuantFormat::q8_0 ? 1 : kGroupRows;
+
 template <QuantFormat F>
 void gemv_rows_format(const QuantMatrixView& w, int row_begin, int row_end, const QuantActivation& x, float* y) {
+  constexpr int kR = kGemvGroupRows<F>;
   const int ss = gemv_pad16(quant_scale_stride(w.cols));
   thread_local std::vector<float> scr;
-  const size_t need = static_cast<size_t>(2 * kGroupRows * ss);
+  const size_t need = static_cast<size_t>(2 * kR * ss);
   if (scr.size() < need) scr.resize(need);
   // Scratch past the scale stride stays zero (only [0, stride) of each row is written).
   std::fill(scr.begin(), scr.begin() + static_cast<std::ptrdiff_t>(need), 0.0f);
   int r = row_begin;
-  for (; r + kGroupRows <= row_end; r += kGroupRows) gemv_group<F, kGroupRows>(w, r, x, scr.data(), y + (r - row_begin));
+  for (; r + kR <= row_end; r += kR) gemv_group<F, kR>(w, r, x, scr.data(), y + (r - row_begin));
   for (; r < row_end; ++r) gemv_group<F, 1>(w, r, x, scr.data(), y + (r - row_begin));
 }
 
@@ -560,10 +592,248 @@ void dequantize_rows_verbatim(const QuantMatrixView& w, int row_begin, int row_e
   }
 }
 
+#if HWY_TARGET == HWY_AVX3_DL
+// ---- 8-bit activations: byte dot products (AVX-512 VNNI, the AVX3_DL target) ----
+//
+// Highway 1.0.3 has no byte dot product, so this path is written with intrinsics on
+// 256-bit vectors: one vector is one activation block of 32 codes (x.q8), in element order,
+// and one vpdpbusd multiplies 32 weight codes, as unsigned bytes, by the 32 signed activation
+// codes and adds each 4 neighbouring products into one of 8 int32 lanes: exact, and about
+// half the instructions of the 16-bit path per weight (Zen 4 runs a 512-bit op as two
+// 256-bit halves, so wider vectors would only add shuffles). Per 32 weights of a row:
+//   sum_j c_j q_j = dpbusd(bias, u, q),  u = c + offset as an unsigned byte,
+//   bias (lane i) = -offset * (q_4i + ... + q_4i+3)  (from x.sum4, shared by all rows)
+// with offset 128 for Q8_0 (its signed codes xor 0x80), 8 for Q4_0, 16 for Q5_0 and 32 for
+// Q6_K (their stored codes are already code + offset), 0 for the formats with mins (Q4_1,
+// Q5_1, Q4_K, Q5_K, whose min term is a dot product with x.sum once per row, as on the 16-bit
+// path). Then one conversion to float and one FMA by the group's scale times dx. The
+// integer sums are those of the 16-bit path on the same codes; only the float32 order of
+// the scale products differs.
+
+template <QuantFormat F>
+constexpr int kVnniOffsetShift = F == QuantFormat::q8_0   ? 7
+                                 : F == QuantFormat::q4_0 ? 3
+                                 : F == QuantFormat::q5_0 ? 4
+                                 : F == QuantFormat::q6_k ? 5
+                                                          : -1;  // no offset
+
+CUMULUS_VNNI_ATTR HWY_INLINE __m256i vnni_dot(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
+
+// The bias of 32 activation codes (x.sum4 [8] at s4) for offset 2^shift.
+template <int kShift>
+CUMULUS_VNNI_ATTR HWY_INLINE __m256i vnni_bias(const int32_t* s4) {
+  if constexpr (kShift < 0) return _mm256_setzero_si256();
+  else
+    return _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s4))), kShift);
+}
+
+CUMULUS_VNNI_ATTR HWY_INLINE float vnni_sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+CUMULUS_VNNI_ATTR HWY_INLINE __m256 vnni_f16x8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// The 32 codes of a repacked block as unsigned bytes in element order: Q8_0's int8 codes
+// xor 0x80; a 4-bit block's 16 bytes in both halves, shifted right by 0 (low nibbles:
+// elements 0-15) or 4 (high nibbles: 16-31) per 16-bit lane and masked; Q5_x's u32 of bit 4s
+// is the byte mask of the 16 added (bit j: element j).
+template <QuantFormat F>
+CUMULUS_VNNI_ATTR HWY_INLINE __m256i vnni_codes(const uint8_t* qs, uint32_t qh) {
+  if constexpr (F == QuantFormat::q8_0) {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)), _mm256_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    const __m256i shift = _mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+    __m256i c = _mm256_and_si256(_mm256_srlv_epi16(v, shift), _mm256_set1_epi8(0x0F));
+    if constexpr (kIsQ5<F>) c = _mm256_mask_add_epi8(c, static_cast<__mmask32>(qh), c, _mm256_set1_epi8(16));
+    (void)qh;
+    return c;
+  }
+}
+
+// Repacked formats, rows [r0, r0 + R) (the 16-bit path's gemv_group, with byte codes).
+// scr: float scratch of 2 * R * pad16(stride).
+template <QuantFormat F, int R>
+CUMULUS_VNNI_ATTR void vnni_group(const QuantMatrixView& w, int r0, const QuantActivation& x, float* HWY_RESTRICT scr,
+                                  float* HWY_RESTRICT y) {
+  const int nb = w.cols / kQuantBlock;
+  const int stride = quant_scale_stride(w.cols);
+  const int ss = gemv_pad16(stride);
+  const size_t qb = static_cast<size_t>(quant_block_bytes(F));
+  float* dscr = scr;                                // [R][ss] d_b dx_b
+  float* mscr = scr + static_cast<size_t>(R) * ss;  // [R][ss] m_b
+  for (int r = 0; r < R; ++r) {
+    const size_t row = static_cast<size_t>(r0 + r) * stride;
+    for (int i = 0; i < stride; i += 8) {
+      _mm256_storeu_ps(dscr + static_cast<size_t>(r) * ss + i, _mm256_mul_ps(vnni_f16x8(w.d + row + i), _mm256_loadu_ps(x.d.data() + i)));
+      if constexpr (kHasMin<F>) _mm256_storeu_ps(mscr + static_cast<size_t>(r) * ss + i, vnni_f16x8(w.m + row + i));
+    }
+  }
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const size_t row_bytes = static_cast<size_t>(nb) * qb;
+  const uint8_t* q0 = w.qs + static_cast<size_t>(r0) * row_bytes;
+  // Groups of several rows (several streams): the same prefetch as gemv_group, once per
+  // cache line of each stream, kPrefetchGroups groups ahead. One row alone is one stream,
+  // left to the hardware prefetcher.
+  const bool prefetch = R > 1 && r0 + (kPrefetchGroups + 1) * R <= w.rows;  // stay inside the matrix
+  for (int b = 0; b < nb; ++b) {
+    if (prefetch && (static_cast<size_t>(b) * qb) % 64 == 0)
+      for (int r = 0; r < R; ++r) __builtin_prefetch(q0 + static_cast<size_t>(kPrefetchGroups * R + r) * row_bytes + static_cast<size_t>(b) * qb);
+    if constexpr (kIsQ5<F>)
+      if (prefetch && b % 16 == 0)
+        for (int r = 0; r < R; ++r) __builtin_prefetch(w.qh + static_cast<size_t>(r0 + kPrefetchGroups * R + r) * nb + b);
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q8.data() + static_cast<size_t>(b) * kQuantBlock));
+    const __m256i bias = vnni_bias<kVnniOffsetShift<F>>(x.sum4.data() + static_cast<size_t>(b) * 8);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* qs = q0 + static_cast<size_t>(r) * row_bytes + static_cast<size_t>(b) * qb;
+      const uint32_t qh = kIsQ5<F> ? w.qh[static_cast<size_t>(r0 + r) * nb + b] : 0u;
+      const __m256i s = vnni_dot(bias, vnni_codes<F>(qs, qh), xv);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dscr[static_cast<size_t>(r) * ss + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if constexpr (kHasMin<F>) {
+      // Entries past nb are zero in both arrays (zero f16 padding, zero activation padding).
+      const float* m = mscr + static_cast<size_t>(r) * ss;
+      __m256 t = _mm256_setzero_ps();
+      for (int i = 0; i < ss; i += 8) t = _mm256_fmadd_ps(_mm256_loadu_ps(m + i), _mm256_loadu_ps(x.sum.data() + i), t);
+      acc[r] = _mm256_add_ps(acc[r], t);
+    }
+    y[r] = vnni_sum8(acc[r]);
+  }
+}
+
+template <QuantFormat F>
+CUMULUS_VNNI_ATTR void vnni_rows_repacked(const QuantMatrixView& w, int row_begin, int row_end, const QuantActivation& x, float* y) {
+  constexpr int kR = kGemvGroupRows<F>;  // as on the 16-bit path
+  const int ss = gemv_pad16(quant_scale_stride(w.cols));
+  thread_local std::vector<float> scr;
+  const size_t need = static_cast<size_t>(2 * kR * ss);
+  if (scr.size() < need) scr.resize(need);
+  std::fill(scr.begin(), scr.begin() + static_cast<std::ptrdiff_t>(need), 0.0f);
+  int r = row_begin;
+  for (; r + kR <= row_end; r += kR) vnni_group<F, kR>(w, r, x, scr.data(), y + (r - row_begin));
+  for (; r < row_end; ++r) vnni_group<F, 1>(w, r, x, scr.data(), y + (r - row_begin));
+}
+
+// Q4_K and Q5_K, one 256-weight block (layout at walk_k45): sub-blocks 2g and 2g + 1 are the
+// low and high nibbles of the same 32 bytes, each against its 32 activation codes in element
+// order; Q5_K's bit 4 of sub-block s is bit s of the 32 qh bytes (a byte mask). acc0 and acc1
+// take the even and odd sub-blocks, macc the mins (dmin m_s) times dx_s sum q_s.
+template <QuantFormat F>
+CUMULUS_VNNI_ATTR HWY_INLINE void vnni_block_k45(const uint8_t* blk, const int8_t* xq, const float* dx, const float* xsum,
+                                                 __m256& acc0, __m256& acc1, __m256& macc) {
+  constexpr bool kFive = F == QuantFormat::q5_k;
+  uint32_t wd[3];
+  std::memcpy(wd, blk + 4, 12);
+  const uint32_t packed[4] = {wd[0] & 0x3F3F3F3Fu, (wd[2] & 0x0F0F0F0Fu) | ((wd[0] >> 2) & 0x30303030u),
+                              wd[1] & 0x3F3F3F3Fu, ((wd[2] >> 4) & 0x0F0F0F0Fu) | ((wd[1] >> 2) & 0x30303030u)};
+  __m128i sc_m;  // sc_0..7, m_0..7
+  std::memcpy(&sc_m, packed, 16);
+  const __m256 d = _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(blk[0] | blk[1] << 8))));
+  const __m256 dmin = _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(blk[2] | blk[3] << 8))));
+  alignas(32) float scale[8];  // d sc_s dx_s
+  _mm256_store_ps(scale, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc_m)), d), _mm256_loadu_ps(dx)));
+  const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sc_m, 8))), dmin);
+  macc = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xsum), macc);
+  const uint8_t* qs = blk + (kFive ? 48 : 16);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+  __m256i h = _mm256_setzero_si256();
+  if constexpr (kFive) h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+  for (int g = 0; g < 4; ++g) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * g));
+    __m256i lo = _mm256_and_si256(a, m4), hi = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
+    if constexpr (kFive) {
+      lo = _mm256_mask_add_epi8(lo, _mm256_test_epi8_mask(h, _mm256_set1_epi8(static_cast<char>(1 << (2 * g)))), lo, sixteen);
+      hi = _mm256_mask_add_epi8(hi, _mm256_test_epi8_mask(h, _mm256_set1_epi8(static_cast<char>(1 << (2 * g + 1)))), hi, sixteen);
+    }
+    const __m256i s0 = vnni_dot(_mm256_setzero_si256(), lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * g)));
+    const __m256i s1 = vnni_dot(_mm256_setzero_si256(), hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * g + 32)));
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(scale[2 * g]), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(scale[2 * g + 1]), acc1);
+  }
+}
+
+// Q6_K, one 256-weight block (layout at walk_q6k): quarter k of half h (32 weights, one
+// activation block, two scale groups of 16) is the low (k < 2) or high nibbles of
+// ql[64 h + 32 (k % 2) + l] with bits 2k, 2k + 1 of qh[32 h + l] on top, offset 32. A vpdpbusd
+// lane covers 4 weights of one group: lanes 0-3 take group 2k of the half, 4-7 group 2k + 1,
+// so their scales (d sc_g dx) are permuted into that pattern from the half's 8.
+CUMULUS_VNNI_ATTR HWY_INLINE void vnni_block_q6k(const uint8_t* blk, const int8_t* xq, const float* dx, const int32_t* s4,
+                                                 __m256& acc0, __m256& acc1) {
+  const __m256 d = _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(blk[208] | blk[209] << 8))));
+  const __m256 dxv = _mm256_loadu_ps(dx);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  for (int h = 0; h < 2; ++h) {
+    // The half's 8 group scales; group g of the block uses dx[g / 2].
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 192 + 8 * h))));
+    const __m256i dx_idx = _mm256_setr_epi32(4 * h, 4 * h, 4 * h + 1, 4 * h + 1, 4 * h + 2, 4 * h + 2, 4 * h + 3, 4 * h + 3);
+    const __m256 g8 = _mm256_mul_ps(_mm256_mul_ps(sc, d), _mm256_permutevar8x32_ps(dxv, dx_idx));
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));       // k = 0 (low), 2 (high)
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));  // k = 1, 3
+    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    const __m256i codes[4] = {
+        _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(t, 4), m30)),
+        _mm256_or_si256(_mm256_and_si256(b, m4), _mm256_and_si256(_mm256_slli_epi16(t, 2), m30)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(t, m30)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4), _mm256_and_si256(_mm256_srli_epi16(t, 2), m30))};
+    for (int k = 0; k < 4; ++k) {
+      const int e0 = 128 * h + 32 * k;
+      const __m256i s = vnni_dot(vnni_bias<kVnniOffsetShift<QuantFormat::q6_k>>(s4 + e0 / 4), codes[k],
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + e0)));
+      const __m256 scale = _mm256_permutevar8x32_ps(g8, _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1));
+      __m256& acc = k % 2 ? acc1 : acc0;
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
+    }
+  }
+}
+
+// The verbatim formats, one row at a time (as gemv_rows_verbatim).
+template <QuantFormat F>
+CUMULUS_VNNI_ATTR void vnni_rows_verbatim(const QuantMatrixView& w, int row_begin, int row_end, const QuantActivation& x, float* y) {
+  constexpr int kBlock = kVerbatimBlock;
+  const int nb = w.cols / kBlock;
+  const size_t tb = static_cast<size_t>(quant_block_bytes(F));
+  const size_t row_bytes = static_cast<size_t>(nb) * tb;
+  for (int r = row_begin; r < row_end; ++r) {
+    const uint8_t* row = w.qs + static_cast<size_t>(r) * row_bytes;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+      const size_t e = static_cast<size_t>(b) * kBlock;
+      const uint8_t* blk = row + static_cast<size_t>(b) * tb;
+      if constexpr (F == QuantFormat::q6_k)
+        vnni_block_q6k(blk, x.q8.data() + e, x.d.data() + e / kQuantBlock, x.sum4.data() + e / 4, acc0, acc1);
+      else
+        vnni_block_k45<F>(blk, x.q8.data() + e, x.d.data() + e / kQuantBlock, x.sum.data() + e / kQuantBlock, acc0, acc1, macc);
+    }
+    y[r - row_begin] = vnni_sum8(_mm256_sub_ps(_mm256_add_ps(acc0, acc1), macc));
+  }
+}
+
+void vnni_rows(const QuantMatrixView& w, int row_begin, int row_end, const QuantActivation& x, float* y) {
+  switch (w.format) {
+    case QuantFormat::q4_0: return vnni_rows_repacked<QuantFormat::q4_0>(w, row_begin, row_end, x, y);
+    case QuantFormat::q4_1: return vnni_rows_repacked<QuantFormat::q4_1>(w, row_begin, row_end, x, y);
+    case QuantFormat::q8_0: return vnni_rows_repacked<QuantFormat::q8_0>(w, row_begin, row_end, x, y);
+    case QuantFormat::q5_0: return vnni_rows_repacked<QuantFormat::q5_0>(w, row_begin, row_end, x, y);
+    case QuantFormat::q5_1: return vnni_rows_repacked<QuantFormat::q5_1>(w, row_begin, row_end, x, y);
+    case QuantFormat::q4_k: return vnni_rows_verbatim<QuantFormat::q4_k>(w, row_begin, row_end, x, y);
+    case QuantFormat::q5_k: return vnni_rows_verbatim<QuantFormat::q5_k>(w, row_begin, row_end, x, y);
+    case QuantFormat::q6_k: return vnni_rows_verbatim<QuantFormat::q6_k>(w, row_begin, row_end, x, y);
+  }
+}
+#endif  // HWY_TARGET == HWY_AVX3_DL
+
 // Activation rounding, exactly as ref::quant_activation: per block, amax by a max over
-// lanes, inv = 32767 / amax (scalar), q = nearest-even(x * inv) (float multiply, then
-// cvtps2dq), dx = amax / 32767, sum = dx * (integer sum of q).
-void quant_activation_block(const float* xb, int16_t* q, float* d, float* sum) {
+// lanes, inv = qmax / amax (scalar; qmax = 32767 or 127), q = nearest-even(x * inv) (float
+// multiply, then cvtps2dq), dx = amax / qmax, sum = dx * (integer sum of q).
+void quant_activation_block(const float* xb, float qmax, int16_t* q, float* d, float* sum) {
   const DX dx;
   const hn::Rebind<int32_t, DX> d32;
   const hn::Rebind<int16_t, DX> d16;
@@ -571,31 +841,54 @@ void quant_activation_block(const float* xb, int16_t* q, float* d, float* sum) {
   auto mx = hn::Zero(dx);
   for (size_t j = 0; j < kQuantBlock; j += N) mx = hn::Max(mx, hn::Abs(hn::LoadU(dx, xb + j)));
   const float amax = hn::GetLane(hn::MaxOfLanes(dx, mx));
-  const auto inv = hn::Set(dx, amax > 0.0f ? 32767.0f / amax : 0.0f);
+  const auto inv = hn::Set(dx, amax > 0.0f ? qmax / amax : 0.0f);
   auto isum = hn::Zero(d32);
   for (size_t j = 0; j < kQuantBlock; j += N) {
     const auto qi = hn::NearestInt(hn::Mul(hn::LoadU(dx, xb + j), inv));
     isum = hn::Add(isum, qi);
     hn::StoreU(hn::DemoteTo(d16, qi), d16, q + j);
   }
-  *d = amax / 32767.0f;
+  *d = amax / qmax;
   *sum = *d * static_cast<float>(hn::GetLane(hn::SumOfLanes(d32, isum)));
+}
+
+// An 8-bit activation's codes as int8 and their sums of 4 (QuantActivation::q8, sum4);
+// nothing for 16 bits. Plain loops (exact integers), vectorised by the compiler: on AVX3_DL
+// under CUMULUS_VNNI_ATTR, so that no AVX-VNNI (VEX) instruction can come of them.
+CUMULUS_VNNI_ATTR void quant_activation_bytes(QuantActivation& a) {
+  a.q8.clear();
+  a.sum4.clear();
+  if (a.bits != 8) return;
+  const size_t n = static_cast<size_t>(a.cols);
+  a.q8.resize(n);
+  a.sum4.resize(n / 4);
+  const int16_t* q = a.q.data();
+  for (size_t j = 0; j < n; ++j) a.q8[j] = static_cast<int8_t>(q[j]);  // |q| <= 127
+  for (size_t i = 0; i < n / 4; ++i) a.sum4[i] = q[4 * i] + q[4 * i + 1] + q[4 * i + 2] + q[4 * i + 3];
 }
 
 }  // namespace
 
-void quant_activation_impl(const float* x, int cols, QuantActivation& a) {
+void quant_activation_impl(const float* x, int cols, int bits, QuantActivation& a) {
   const int nb = cols / kQuantBlock;
+  const float qmax = bits == 8 ? 127.0f : 32767.0f;
   a.cols = cols;
+  a.bits = bits;
   a.q.resize(static_cast<size_t>(cols));
   a.d.assign(static_cast<size_t>(gemv_pad16(nb)), 0.0f);
   a.sum.assign(static_cast<size_t>(gemv_pad16(nb)), 0.0f);
   for (int b = 0; b < nb; ++b)
-    quant_activation_block(x + static_cast<size_t>(b) * kQuantBlock, a.q.data() + static_cast<size_t>(b) * kQuantBlock,
+    quant_activation_block(x + static_cast<size_t>(b) * kQuantBlock, qmax, a.q.data() + static_cast<size_t>(b) * kQuantBlock,
                            &a.d[static_cast<size_t>(b)], &a.sum[static_cast<size_t>(b)]);
+  quant_activation_bytes(a);
 }
 
+int gemv_quant_activation_bits_impl() { return HWY_TARGET == HWY_AVX3_DL ? 8 : 16; }
+
 void gemv_quant_rows_impl(const QuantMatrixView& w, int row_begin, int row_end, const QuantActivation& x, float* y) {
+#if HWY_TARGET == HWY_AVX3_DL
+  if (x.bits == 8) return vnni_rows(w, row_begin, row_end, x, y);
+#endif
   switch (w.format) {
     case QuantFormat::q4_0: return gemv_rows_format<QuantFormat::q4_0>(w, row_begin, row_end, x, y);
     case QuantFormat::q4_1: return gemv_rows_format<QuantFormat::q4_1>(w, row_begin, row_end, x, y);
@@ -628,14 +921,18 @@ HWY_AFTER_NAMESPACE();
 namespace cumulus::cpu {
 
 HWY_EXPORT(quant_activation_impl);
+HWY_EXPORT(gemv_quant_activation_bits_impl);
 HWY_EXPORT(gemv_quant_rows_impl);
 HWY_EXPORT(quant_dequantize_rows_impl);
 
-void quant_activation(const float* x, int cols, QuantActivation& a) {
+void quant_activation(const float* x, int cols, int bits, QuantActivation& a) {
   CUMULUS_CHECK(cols >= kQuantBlock && cols % kQuantBlock == 0, "quant_activation: cols={} must be a positive multiple of {}",
                 cols, kQuantBlock);
-  HWY_DYNAMIC_DISPATCH(quant_activation_impl)(x, cols, a);
+  CUMULUS_CHECK(bits == 8 || bits == 16, "quant_activation: bits={} must be 8 or 16", bits);
+  HWY_DYNAMIC_DISPATCH(quant_activation_impl)(x, cols, bits, a);
 }
+
+int gemv_quant_activation_bits() { return HWY_DYNAMIC_DISPATCH(gemv_quant_activation_bits_impl)(); }
 
 void gemv_quant_rows(const QuantMatrixView& w, int row_begin, int row_end, const QuantActivation& x, float* y) {
   HWY_DYNAMIC_DISPATCH(gemv_quant_rows_impl)(w, row_begin, row_end, x, y);
@@ -658,7 +955,7 @@ void gemv_quant(const QuantMatrixView& w, const float* x, float* y, ThreadPool& 
   // thread_local inside the task would name each worker's own, empty one).
   thread_local QuantActivation tl_a;
   const QuantActivation* a = &tl_a;
-  quant_activation(x, w.cols, tl_a);
+  quant_activation(x, w.cols, gemv_quant_activation_bits(), tl_a);
   const int per = gemv_quant_task_rows(w.rows);
   pool.parallel_for((w.rows + per - 1) / per, [&](int64_t t, int) {
     const int r0 = static_cast<int>(t) * per;

@@ -186,12 +186,15 @@ void quant_dequantize_rows(const QuantMatrixView& w, int row_begin, int row_end,
   }
 }
 
-void quant_activation(const float* x, int cols, QuantActivation& a) {
+void quant_activation(const float* x, int cols, int bits, QuantActivation& a) {
   CUMULUS_CHECK(cols >= kQuantBlock && cols % kQuantBlock == 0, "quant_activation: cols={} must be a positive multiple of {}",
                 cols, kQuantBlock);
+  CUMULUS_CHECK(bits == 8 || bits == 16, "quant_activation: bits={} must be 8 or 16", bits);
+  const float qmax = bits == 8 ? 127.0f : 32767.0f;
   const int nb = cols / kQuantBlock;
   const size_t padded = static_cast<size_t>((nb + 15) & ~15);
   a.cols = cols;
+  a.bits = bits;
   a.q.assign(static_cast<size_t>(cols), 0);
   a.d.assign(padded, 0.0f);
   a.sum.assign(padded, 0.0f);
@@ -199,7 +202,7 @@ void quant_activation(const float* x, int cols, QuantActivation& a) {
     const float* xb = x + static_cast<size_t>(b) * kQuantBlock;
     float amax = 0.0f;
     for (int j = 0; j < kQuantBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    const float inv = amax > 0.0f ? qmax / amax : 0.0f;
     int32_t isum = 0;
     for (int j = 0; j < kQuantBlock; ++j) {
       const float prod = xb[j] * inv;  // one float32 rounding, then nearest even
@@ -207,8 +210,18 @@ void quant_activation(const float* x, int cols, QuantActivation& a) {
       a.q[static_cast<size_t>(b) * kQuantBlock + j] = q;
       isum += q;
     }
-    a.d[static_cast<size_t>(b)] = amax / 32767.0f;
+    a.d[static_cast<size_t>(b)] = amax / qmax;
     a.sum[static_cast<size_t>(b)] = a.d[static_cast<size_t>(b)] * static_cast<float>(isum);
+  }
+  a.q8.clear();
+  a.sum4.clear();
+  if (bits == 8) {
+    a.q8.resize(static_cast<size_t>(cols));
+    a.sum4.assign(static_cast<size_t>(cols / 4), 0);
+    for (int j = 0; j < cols; ++j) {
+      a.q8[static_cast<size_t>(j)] = static_cast<int8_t>(a.q[static_cast<size_t>(j)]);
+      a.sum4[static_cast<size_t>(j / 4)] += a.q[static_cast<size_t>(j)];
+    }
   }
 }
 
