@@ -186,8 +186,8 @@ int main(int argc, char** argv) {
   out["threads"] = threads;
   out["membw_gbps"] = bw.gbps_median;
   out["gemv_quant_activation_bits"] = cpu::gemv_quant_activation_bits();
-  std::printf("gemv_quant's activation width here: %d bits (%s)\n", cpu::gemv_quant_activation_bits(),
-              cpu::gemv_quant_activation_bits() == 8 ? "AVX-512 VNNI byte dot products" : "no VNNI: int16 products");
+  std::printf("gemv_quant's activation width: %d bits (8-bit rows below use VNNI byte dot products where the CPU has "
+              "them)\n", cpu::gemv_quant_activation_bits());
   std::printf("\n%-26s %6s %8s | %-28s | %-28s | %6s | %-21s\n", "", "", "", "16-bit activations", "8-bit activations",
               "8 vs", "OpenBLAS sgemv (f32)");
   std::printf("%-26s %6s %8s | %7s %6s %5s %6s | %7s %6s %5s %6s | %6s | %7s %5s %7s\n", "shape", "copies", "MB", "ms", "GB/s",

@@ -5,16 +5,16 @@
 // tools/reference/make_gemma3_llamacpp_fixture.py with the llama.cpp that llama-cpp-python
 // 0.3.36 vendors). cumulus must first tokenise the excerpt to exactly llama.cpp's ids (BOS
 // included), then reproduce the logits through the prefill path at every position and the
-// decode path at the last two, then the greedy continuation (teacher-forced, below).
+// decode path at the last two, then the greedy continuation.
 //
 // Tolerance: as for SmolLM2 (tests/test_model_logits.cpp), llama.cpp rounds activations to
 // 8 bits before its integer dot products and rounds attention to f16, cumulus does not;
 // the bounds below are checked over llama.cpp's top-20 ids and sit ~1.5x above what this
 // test measures (printed; 2026-11-25: max 0.60, centered max 0.37, mean 0.16, top-1
 // agrees at all 12 positions, overlap >= 18/20, greedy identical; 2026-11-26 with 8-bit
-// activations on AVX-512 VNNI: max 0.71, centered max 0.42, mean 0.16, top-1 agrees at all 12,
-// overlap >= 18/20, greedy checked teacher-forced as below), far below what a wrong RoPE
-// layout, norm, window or scale gives (whole units).
+// activations, which the runtime does not use: max 0.71, centered max 0.42, mean 0.16, top-1
+// at all 12, overlap >= 18/20, the greedy continuation off at its 9th token), far below what
+// a wrong RoPE layout, norm, window or scale gives (whole units).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -111,34 +111,29 @@ TEST(Gemma3, LogitsAndGreedyMatchLlamaCpp) {
         n_compared += static_cast<int>(it->second->top.size());
       }
     }
-    // The greedy continuation, teacher-forced: cumulus decodes llama.cpp's greedy tokens one
-    // at a time and must pick llama.cpp's token wherever llama.cpp's own top-1 margin (top-1
-    // minus top-2 logit, in the fixture) exceeds 2 kMaxCenteredDiff: the difference of two
-    // logits moves by at most twice the centered difference, so only nearer ties may flip.
-    // Free-running equality is fragile here: llama.cpp's margin is under 0.2 at 5 of its 32
-    // steps (0.038 at the 10th), and llama.cpp's own attention paths already disagree on
-    // the 4th token (docs/model.md). cumulus with 16-bit activations happened to follow all
-    // 32; with 8-bit activations it takes another 9th token (margin 0.184 in llama.cpp,
-    // 0.003 in cumulus).
+    // The greedy continuation (issue 18's requirement): cumulus's own 32 greedy tokens equal
+    // llama.cpp's, with the 16-bit activations the runtime uses (kernels/gemv.h; 8-bit codes
+    // took another 9th token at a near tie: margin 0.184 in llama.cpp, 0.003 in cumulus).
+    // Fragile by nature: llama.cpp's own top-1 margin (in the fixture) is under 0.2 at 5 of
+    // its 32 steps, and its own attention paths disagree on the 4th (docs/model.md); at a
+    // divergence the test prints llama.cpp's margin there.
     const std::vector<double> want_margin = fx.at("greedy_margin").get<std::vector<double>>();
     ASSERT_EQ(want_margin.size(), want_greedy.size());
-    constexpr double kClearMargin = 2 * kMaxCenteredDiff;
-    int agree = 0, checked = 0, checked_agree = 0;
+    std::vector<int32_t> greedy;
+    double min_margin = 1e9;
+    size_t min_at = 0;
     for (size_t i = 0; i < want_greedy.size(); ++i) {
-      const int top1 = cumulus::test::golden_top_ids(logits, 1)[0];
-      agree += top1 == want_greedy[i];
-      if (want_margin[i] > kClearMargin) {
-        ++checked;
-        checked_agree += top1 == want_greedy[i];
-        EXPECT_EQ(top1, want_greedy[i]) << "greedy step " << i << ", llama.cpp's margin " << want_margin[i];
-      }
-      logits = s.decode(want_greedy[i]);
+      const std::vector<int> top2 = cumulus::test::golden_top_ids(logits, 2);
+      if (logits[top2[0]] - logits[top2[1]] < min_margin) min_margin = logits[top2[0]] - logits[top2[1]], min_at = i;
+      if (greedy.size() == i && top2[0] != want_greedy[i])
+        std::printf("  greedy: first divergence at token %zu (llama.cpp's margin there %.3f)\n", i, want_margin[i]);
+      greedy.push_back(top2[0]);
+      logits = s.decode(top2[0]);
     }
-    std::printf("  greedy (llama.cpp): '%s'\n", tok->decode(want_greedy).c_str());
-    std::printf("  greedy, teacher-forced: cumulus's top-1 is llama.cpp's token at %d of %zu steps, %d of the %d where "
-                "llama.cpp's margin > %.1f\n",
-                agree, want_greedy.size(), checked_agree, checked, kClearMargin);
-    EXPECT_GE(checked, 16) << "the fixture's greedy steps are mostly near ties: the check says little";
+    std::printf("  greedy: smallest top-1 margin %.3f at token %zu\n", min_margin, min_at);
+    std::printf("  greedy (cumulus):   '%s'\n  greedy (llama.cpp): '%s'\n", tok->decode(greedy).c_str(),
+                tok->decode(want_greedy).c_str());
+    EXPECT_EQ(greedy, want_greedy);
 #endif
   }
   std::printf("  mean |diff| over all %d compared logits: %.4f\n", n_compared, sum_abs / n_compared);

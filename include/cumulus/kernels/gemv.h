@@ -14,8 +14,13 @@
 // 16 bits (pmaddwd: int16 x int16, twice the throughput of widening both to float32) change
 // each x_j by about dx_b / 2 = amax_b * 2^-16 at most; 8 bits (vpdpbusd: u8 x s8 in groups of
 // 4, AVX-512 VNNI, as llama.cpp's Q8_0/Q8_1 activations) by amax_b / 254, 129x coarser, for
-// about half the instructions per weight. cpu::gemv_quant takes 8 bits where the dispatched
-// target has VNNI (AVX3_DL), else 16 (cpu::gemv_quant_activation_bits).
+// about half the instructions per weight. cpu::gemv_quant and the model runtime take 16 bits
+// (cpu::gemv_quant_activation_bits): 8-bit codes measured no faster in the model (Gemma 3 at
+// 32K: the head, MLP and Q/K/V times within noise of the 16-bit path, docs/model.md) and
+// moved SmolLM2's logits 40x further from float32 weights (max 0.49 against 0.012). They
+// stay available: quant_activation(x, cols, 8, a), then gemv_quant_rows (vpdpbusd where the
+// dispatched target has VNNI, Highway's AVX3_DL; else the 16-bit products on the 8-bit
+// codes, the same integer sums).
 //
 // Weight layout, two kinds:
 // Repacked (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; struct of arrays, built once at load from the
@@ -106,8 +111,8 @@ void quant_dequantize_rows(const QuantMatrixView& w, int row_begin, int row_end,
 namespace cpu {
 // The rounding of x (SIMD); bit-identical to ref::quant_activation.
 void quant_activation(const float* x, int cols, int bits, QuantActivation& a);
-// The activation width gemv_quant uses on this CPU: 8 where the dispatched target has
-// AVX-512 VNNI (Highway's AVX3_DL), else 16.
+// The activation width gemv_quant and the model runtime use: 16 (see the top of this file
+// for why not 8 where VNNI is there).
 int gemv_quant_activation_bits();
 // y [rows] = W x, x [cols] float32 (rounded by quant_activation to
 // gemv_quant_activation_bits() first). Rows are split

@@ -883,7 +883,6 @@ void quant_activation_impl(const float* x, int cols, int bits, QuantActivation& 
   quant_activation_bytes(a);
 }
 
-int gemv_quant_activation_bits_impl() { return HWY_TARGET == HWY_AVX3_DL ? 8 : 16; }
 
 void gemv_quant_rows_impl(const QuantMatrixView& w, int row_begin, int row_end, const QuantActivation& x, float* y) {
 #if HWY_TARGET == HWY_AVX3_DL
@@ -921,7 +920,6 @@ HWY_AFTER_NAMESPACE();
 namespace cumulus::cpu {
 
 HWY_EXPORT(quant_activation_impl);
-HWY_EXPORT(gemv_quant_activation_bits_impl);
 HWY_EXPORT(gemv_quant_rows_impl);
 HWY_EXPORT(quant_dequantize_rows_impl);
 
@@ -932,7 +930,7 @@ void quant_activation(const float* x, int cols, int bits, QuantActivation& a) {
   HWY_DYNAMIC_DISPATCH(quant_activation_impl)(x, cols, bits, a);
 }
 
-int gemv_quant_activation_bits() { return HWY_DYNAMIC_DISPATCH(gemv_quant_activation_bits_impl)(); }
+int gemv_quant_activation_bits() { return 16; }
 
 void gemv_quant_rows(const QuantMatrixView& w, int row_begin, int row_end, const QuantActivation& x, float* y) {
   HWY_DYNAMIC_DISPATCH(gemv_quant_rows_impl)(w, row_begin, row_end, x, y);
