@@ -7,8 +7,13 @@
 // every sequence read per step) / the device-to-device copy bandwidth (read + write)
 // measured in the same run. Every (context, batch) that fits the device's free memory;
 // the others are listed with the memory they need. Prints a table, writes JSON.
+// --methods runs the decode methods of the runtime the same way (each entry a registry name,
+// with parameters as name:key=value:key=value), after their index build over the random
+// cache (timed apart), with the share of the K/V they read and their tokens per head-step.
+// Random keys and queries are not real attention: the sparse rows measure what the
+// pipelines cost at the sparsity they find here, not what a real model gains.
 //   cuda_model_bench [--contexts 8192,32768,131072] [--batches 1,4,16] [--steps 20]
-//                    [--json PATH] [--layers N]
+//                    [--json PATH] [--layers N] [--methods dense,sketch_topp:gpu_dense_mib=0]
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -51,6 +56,18 @@ double copy_gbps() {
   return median(g);
 }
 
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> v;
+  size_t b = 0;
+  while (b <= s.size()) {
+    size_t e = s.find(sep, b);
+    if (e == std::string::npos) e = s.size();
+    v.push_back(s.substr(b, e - b));
+    b = e + 1;
+  }
+  return v;
+}
+
 std::vector<int> parse_list(const std::string& s) {
   std::vector<int> v;
   size_t b = 0;
@@ -69,6 +86,7 @@ int main(int argc, char** argv) try {
   std::vector<int> contexts{8192, 32768, 131072}, batches{1, 4, 16};
   int steps = 20, layers = 32;
   std::string json_path;
+  std::vector<std::string> methods{"dense"};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -80,7 +98,8 @@ int main(int argc, char** argv) try {
     else if (a == "--steps") steps = std::stoi(next());
     else if (a == "--layers") layers = std::stoi(next());
     else if (a == "--json") json_path = next();
-    else CUMULUS_FAIL("unknown argument '{}' (--contexts, --steps, --layers, --json)", a);
+    else if (a == "--methods") methods = split(next(), ',');
+    else CUMULUS_FAIL("unknown argument '{}' (--contexts, --batches, --steps, --layers, --json, --methods)", a);
   }
   CUMULUS_CHECK(steps >= 1 && layers >= 1, "--steps={} and --layers={} must be >= 1", steps, layers);
   if (!cuda::device_available()) {
@@ -101,25 +120,38 @@ int main(int argc, char** argv) try {
   c.tied_output = false;
   const std::string dev = cuda_device_summary();
   const double bw = copy_gbps();
-  fmt::print("device: {}\nllama3-8b shape, {} layers, random f16 weights, dense, kv f16\n", dev, layers);
+  fmt::print("device: {}\nllama3-8b shape, {} layers, random f16 weights, kv f16\n", dev, layers);
   fmt::print("device-to-device copy: {:.0f} GB/s (read + write, median of 20 x 1 GiB)\n\n", bw);
-  fmt::print("{:>8} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8}\n", "context", "batch", "ms/step", "tok/s",
-             "GB/step", "floor ms", "floor t/s", "of floor");
+  fmt::print("{:<16} {:>8} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8}\n", "method", "context",
+             "batch", "ms/step", "tok/s", "GB/step", "floor ms", "floor t/s", "of floor", "kv read", "index s",
+             "vs dense");
   json report = {{"device", dev}, {"copy_gbps", bw}, {"layers", layers}, {"steps", steps}, {"runs", json::array()}};
   for (int batch : batches)
   for (int ctx : contexts) {
+    double dense_ms = 0;
+    for (const std::string& entry : methods) {
     SessionOptions o;
     o.max_tokens = ctx + steps + 4;
+    const std::vector<std::string> parts = split(entry, ':');
+    o.method = parts[0];
+    for (size_t i = 1; i < parts.size(); ++i) {
+      const size_t eq = parts[i].find('=');
+      CUMULUS_CHECK(eq != std::string::npos && eq > 0, "--methods entry '{}': '{}' is not key=value", entry, parts[i]);
+      o.params[parts[i].substr(0, eq)] = parts[i].substr(eq + 1);
+    }
     c.context_length = o.max_tokens;
     try {
       cuda_runner_check(c, o, batch);
     } catch (const Error& e) {
-      fmt::print("{:>8} {:>6}  does not fit: {}\n", ctx, batch, e.what());
-      report["runs"].push_back({{"context", ctx}, {"batch", batch}, {"skipped", e.what()}});
+      fmt::print("{:<16} {:>8} {:>6}  not run: {}\n", entry, ctx, batch, e.what());
+      report["runs"].push_back({{"method", entry}, {"context", ctx}, {"batch", batch}, {"skipped", e.what()}});
       continue;
     }
     auto r = model_runner_cuda_random(c, o, 1234, batch);
     r->fill_random_context(ctx, 99);
+    const auto ti = std::chrono::steady_clock::now();
+    r->build_indexes();
+    const double index_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - ti).count();
     std::vector<int32_t> toks(batch, 1);
     for (int i = 0; i < 3; ++i) toks = r->decode_batch(toks);  // warm-up (the first captures the graph)
     std::vector<double> ms;
@@ -129,15 +161,21 @@ int main(int argc, char** argv) try {
       ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     }
     const double step = median(ms);
+    if (o.method == "dense" && o.params.empty()) dense_ms = step;
     // Bytes a step reads: every weight matrix and the classifier once, and every sequence's
-    // K/V at the mean depth.
+    // K/V at the mean depth, times the share the method read (dense: 1).
+    const AttentionSummary sum = r->summary();
+    const double kv_share = sum.mean_kv_fraction();
     const double depth = ctx + 3 + 0.5 * (steps + 1);
-    const double bytes =
-        static_cast<double>(r->decode_weight_bytes()) + static_cast<double>(batch) * depth * r->kv_bytes_per_token();
+    const double bytes = static_cast<double>(r->decode_weight_bytes()) +
+                         kv_share * static_cast<double>(batch) * depth * r->kv_bytes_per_token();
     const double floor_ms = bytes / (bw * 1e9) * 1e3;
-    fmt::print("{:>8} {:>6} {:>10.3f} {:>10.1f} {:>10.2f} {:>10.3f} {:>10.1f} {:>7.1f}%\n", ctx, batch, step,
-               1e3 * batch / step, bytes / 1e9, floor_ms, 1e3 * batch / floor_ms, 100 * floor_ms / step);
-    report["runs"].push_back({{"context", ctx},
+    fmt::print("{:<16} {:>8} {:>6} {:>10.3f} {:>10.1f} {:>10.2f} {:>10.3f} {:>10.1f} {:>7.1f}% {:>7.1f}% {:>8.3f} {:>8}\n",
+               entry, ctx, batch, step, 1e3 * batch / step, bytes / 1e9, floor_ms, 1e3 * batch / floor_ms,
+               100 * floor_ms / step, 100 * kv_share, index_s,
+               dense_ms > 0 ? fmt::format("{:.2f}x", dense_ms / step) : "-");
+    report["runs"].push_back({{"method", entry},
+                              {"context", ctx},
                               {"batch", batch},
                               {"ms_per_step_median", step},
                               {"ms_samples", ms},
@@ -146,11 +184,18 @@ int main(int argc, char** argv) try {
                               {"weight_bytes", r->decode_weight_bytes()},
                               {"kv_bytes_per_token", r->kv_bytes_per_token()},
                               {"floor_ms", floor_ms},
-                              {"pct_of_floor", 100 * floor_ms / step}});
+                              {"pct_of_floor", 100 * floor_ms / step},
+                              {"kv_fraction", kv_share},
+                              {"tokens_per_head_step", sum.mean_tokens()},
+                              {"mean_claimed", sum.claimed_count ? sum.mean_claimed() : -1.0},
+                              {"index_s", index_s},
+                              {"vs_dense", dense_ms > 0 ? dense_ms / step : 0.0}});
+    }
   }
   fmt::print("\nms/step: median of {} greedy decode steps of the whole batch (wall clock, each waits for its ids); "
-             "tok/s: batch / step; floor: (weight bytes + every sequence's K/V bytes at the mean depth) / copy "
-             "bandwidth\n",
+             "tok/s: batch / step; floor: (weight bytes + the K/V bytes read: every sequence's at the mean depth times "
+             "kv read, the method's mean share) / copy bandwidth; index s: the method's index build (tactic's "
+             "k-means, sketch_topp's sketch) over the random cache; vs dense: the dense row's ms over this row's\n",
              steps);
   if (!json_path.empty()) std::ofstream(json_path) << report.dump(2) << "\n";
   return 0;

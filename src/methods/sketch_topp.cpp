@@ -462,7 +462,15 @@ void register_sketch_topp(Registry& r) {
                      .default_value = "0.5",
                      .help = "a kv head whose union exceeds this share of its tokens attends densely",
                      .min = 0.0,
-                     .max = 1.0}},
+                     .max = 1.0},
+                    {.name = "gpu_dense_mib",
+                     .type = ParamType::kInt,
+                     .default_value = "256",
+                     .help = "--device cuda only (the CPU ignores it): a layer whose batch K/V is at most this many MiB "
+                             "attends densely, its selection's fixed launches costing more than the bytes they save "
+                             "(docs/cuda.md); 0: never",
+                     .min = 0,
+                     .max = 1 << 30}},
          .make_decode = [](const Shape& s, const Params& p) {
            SketchToppOptions o;
            o.p = p.get_double("p");

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 
@@ -103,6 +104,58 @@ void report(const char* name, const Comparison& c) {
   if (c.top1_agree != c.positions) std::printf("[ model ]   smallest margin there %.3e\n", c.min_margin_at_disagreement);
 }
 
+// llama3's head layout (head_dim 128, GQA 4:1, RoPE theta 500000) at a size whose CPU run is
+// quick: 2 layers, dim 1024, 8 query heads over 2 kv heads, ffn 2816, vocab 2048; weights
+// f16-exact, queries and keys scaled up so attention is far from uniform.
+ModelWeights llama3_shaped_random(int context, std::mt19937& rng) {
+  ModelConfig c;
+  c.architecture = "llama";
+  c.n_layers = 2;
+  c.n_heads = 8;
+  c.n_kv_heads = 2;
+  c.head_dim = 128;
+  c.rope_dim = 128;
+  c.dim = 1024;
+  c.hidden_dim = 2816;
+  c.vocab_size = 2048;
+  c.context_length = context;
+  c.rope_theta = 500000.0f;
+  c.tied_output = false;
+  auto matrix = [&](int rows, int cols, float sd) {
+    std::normal_distribution<float> nd(0.0f, sd);
+    std::vector<float> f(static_cast<size_t>(rows) * cols);
+    for (float& x : f) x = dtype_round(nd(rng), DType::f16);
+    return WeightMatrix::from_f32(std::move(f), rows, cols);
+  };
+  auto norm = [&](int n) {
+    std::uniform_real_distribution<float> u(0.8f, 1.2f);
+    std::vector<float> g(n);
+    for (float& x : g) x = u(rng);
+    return g;
+  };
+  ModelWeights w;
+  w.config = c;
+  const float s_in = 1.0f / std::sqrt(static_cast<float>(c.dim));
+  w.token_embd = matrix(c.vocab_size, c.dim, 1.0f);
+  w.output = matrix(c.vocab_size, c.dim, 4.0f * s_in);
+  w.output_norm = norm(c.dim);
+  for (int l = 0; l < c.n_layers; ++l) {
+    LayerWeights L;
+    L.attn_norm = norm(c.dim);
+    L.ffn_norm = norm(c.dim);
+    // Queries and keys scaled up so attention is far from uniform.
+    L.wq = matrix(c.n_heads * c.head_dim, c.dim, 3.0f * s_in);
+    L.wk = matrix(c.n_kv_heads * c.head_dim, c.dim, 3.0f * s_in);
+    L.wv = matrix(c.n_kv_heads * c.head_dim, c.dim, s_in);
+    L.wo = matrix(c.dim, c.n_heads * c.head_dim, s_in);
+    L.w_gate = matrix(c.hidden_dim, c.dim, s_in);
+    L.w_up = matrix(c.hidden_dim, c.dim, s_in);
+    L.w_down = matrix(c.dim, c.hidden_dim, 1.0f / std::sqrt(static_cast<float>(c.hidden_dim)));
+    w.layers.push_back(std::move(L));
+  }
+  return w;
+}
+
 class CudaStories260K : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -166,7 +219,7 @@ TEST_F(CudaStories260K, RestartDecodeRepeatsTheContinuation) {
   gpu->restart_decode("dense", {});
   EXPECT_EQ(gpu->position(), 100);
   for (int i = 0; i < 20; ++i) EXPECT_EQ(gpu->decode(ids[100 + i]), first[i]) << "step " << i;
-  EXPECT_THROW(gpu->restart_decode("tactic", {}), Error);
+  EXPECT_THROW(gpu->restart_decode("tactic", {}), Error);  // head_dim 8: not in the GPU pipelines
   // The decode step replayed as a CUDA graph (the default) equals it launched kernel by
   // kernel (CUMULUS_CUDA_GRAPHS=0), bit for bit.
   ::setenv("CUMULUS_CUDA_GRAPHS", "0", 1);
@@ -178,54 +231,9 @@ TEST_F(CudaStories260K, RestartDecodeRepeatsTheContinuation) {
 
 TEST(CudaModel, Llama3ShapedRandomWeightsMatchTheCpu) {
   CUMULUS_REQUIRE_GPU();
-  // llama3's head layout (head_dim 128, GQA 4:1, RoPE theta 500000) at a size whose CPU run
-  // is quick: 2 layers, dim 1024, 8 query heads over 2 kv heads, ffn 2816, vocab 2048.
-  ModelConfig c;
-  c.architecture = "llama";
-  c.n_layers = 2;
-  c.n_heads = 8;
-  c.n_kv_heads = 2;
-  c.head_dim = 128;
-  c.rope_dim = 128;
-  c.dim = 1024;
-  c.hidden_dim = 2816;
-  c.vocab_size = 2048;
-  c.context_length = 1100;
-  c.rope_theta = 500000.0f;
-  c.tied_output = false;
   std::mt19937 rng(7);
-  auto matrix = [&](int rows, int cols, float sd) {
-    std::normal_distribution<float> nd(0.0f, sd);
-    std::vector<float> f(static_cast<size_t>(rows) * cols);
-    for (float& x : f) x = dtype_round(nd(rng), DType::f16);
-    return WeightMatrix::from_f32(std::move(f), rows, cols);
-  };
-  auto norm = [&](int n) {
-    std::uniform_real_distribution<float> u(0.8f, 1.2f);
-    std::vector<float> g(n);
-    for (float& x : g) x = u(rng);
-    return g;
-  };
-  ModelWeights w;
-  w.config = c;
-  const float s_in = 1.0f / std::sqrt(static_cast<float>(c.dim));
-  w.token_embd = matrix(c.vocab_size, c.dim, 1.0f);
-  w.output = matrix(c.vocab_size, c.dim, 4.0f * s_in);
-  w.output_norm = norm(c.dim);
-  for (int l = 0; l < c.n_layers; ++l) {
-    LayerWeights L;
-    L.attn_norm = norm(c.dim);
-    L.ffn_norm = norm(c.dim);
-    // Queries and keys scaled up so attention is far from uniform.
-    L.wq = matrix(c.n_heads * c.head_dim, c.dim, 3.0f * s_in);
-    L.wk = matrix(c.n_kv_heads * c.head_dim, c.dim, 3.0f * s_in);
-    L.wv = matrix(c.n_kv_heads * c.head_dim, c.dim, s_in);
-    L.wo = matrix(c.dim, c.n_heads * c.head_dim, s_in);
-    L.w_gate = matrix(c.hidden_dim, c.dim, s_in);
-    L.w_up = matrix(c.hidden_dim, c.dim, s_in);
-    L.w_down = matrix(c.dim, c.hidden_dim, 1.0f / std::sqrt(static_cast<float>(c.hidden_dim)));
-    w.layers.push_back(std::move(L));
-  }
+  const ModelWeights w = llama3_shaped_random(1100, rng);
+  const ModelConfig& c = w.config;
   std::uniform_int_distribution<int32_t> id(0, c.vocab_size - 1);
   std::vector<int32_t> prompt(1000), forced(32);
   for (auto& t : prompt) t = id(rng);
@@ -248,6 +256,149 @@ TEST(CudaModel, Llama3ShapedRandomWeightsMatchTheCpu) {
   report("llama3-shaped random: GPU without a graph vs GPU with one", cg);
   EXPECT_EQ(cg.top1_agree, cg.positions);
   EXPECT_LT(cg.max_abs, 1e-3 * cg.max_logit);
+}
+
+// Every decode method of the GPU runtime through the runner (model/cuda_runner.h,
+// src/model/cuda/decode_methods.h) against the same method in the CPU Session, on the same
+// f16 weights, a 2000-token prompt (above sketch_topp's min_context) and 24 teacher-forced
+// steps. The selections are twins up to the Jaccard the kernel tests check, and q, k, v
+// differ by the GPU's f16 activations; on this random model (sharp attention: a few dozen
+// tokens per head) a token more or less in a set moves the logits far, so the logits are
+// judged against dense attention: the GPU method's largest |logit - dense logit| within
+// twice the CPU method's plus 5% of the largest logit (the GPU-vs-CPU margin of the dense
+// test). The statistics are the wiring's check: head-steps and claim counts equal, mean
+// claim within 0.01, mean tokens per head-step and K/V share within 5% (sketch_topp: the
+// GPU does no rounds, so its tokens within 10% and claims within 0.03, below the CPU's).
+// Then the run launched kernel by kernel (CUMULUS_CUDA_GRAPHS=0) equals the graph's replay
+// within 1e-3 of the largest logit: a method's step reads every count from the device, so
+// a captured step stays right as tokens are appended. tactic with recluster_interval=8
+// clusters the cache again twice in the run (the GPU clusters the whole cache, the CPU the
+// new segment: its tokens are not compared).
+TEST(CudaModel, DecodeMethodsMatchTheCpuThroughTheRunner) {
+  CUMULUS_REQUIRE_GPU();
+  std::mt19937 rng(11);
+  const ModelWeights w = llama3_shaped_random(2100, rng);
+  const ModelConfig& c = w.config;
+  std::uniform_int_distribution<int32_t> id(0, c.vocab_size - 1);
+  std::vector<int32_t> prompt(2000), forced(24);
+  for (auto& t : prompt) t = id(rng);
+  for (auto& t : forced) t = id(rng);
+  // Logits after the prefill and after each teacher-forced step.
+  auto logits_of = [&](ModelRunner& r) {
+    std::vector<std::vector<float>> v{r.prefill(prompt)};
+    for (int32_t t : forced) v.push_back(r.decode(t));
+    return v;
+  };
+  // Largest |a - b| over every position, and the positions whose argmax agree.
+  auto compare = [](const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+    double d = 0;
+    int agree = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      for (size_t j = 0; j < a[i].size(); ++j) d = std::max(d, static_cast<double>(std::fabs(a[i][j] - b[i][j])));
+      agree += argmax(a[i]) == argmax(b[i]);
+    }
+    return std::make_pair(d, agree);
+  };
+  SessionOptions od;
+  od.n_threads = 4;
+  const auto dense = logits_of(*model_runner_cpu(w, od));
+  double max_logit = 0;
+  for (const auto& v : dense)
+    for (float x : v) max_logit = std::max(max_logit, static_cast<double>(std::fabs(x)));
+  struct Case {
+    std::string method;
+    std::map<std::string, std::string> params;
+    double tokens_tol, claim_tol;  // tokens_tol 0: not compared
+  };
+  const std::vector<Case> cases{
+      {"sketch_topp", {{"gpu_dense_mib", "0"}}, 0.10, 0.03},
+      {"sketch_topp", {{"gpu_dense_mib", "0"}, {"rest", "none"}}, 0.10, 0.03},
+      {"tactic", {{"sinks", "4"}}, 0.05, 0.01},
+      {"tactic", {{"recluster_interval", "8"}}, 0, 0.01},
+      {"psa", {}, 0.05, 0.01},
+      {"quest", {{"budget", "256"}, {"dense_layers", "1"}}, 0.05, 0.01},
+      {"oracle_topp", {}, 0.05, 0.01},
+  };
+  for (const Case& k : cases) {
+    std::string label = k.method;
+    for (const auto& [key, v] : k.params) label += " " + key + "=" + v;
+    SessionOptions o = od;
+    o.method = k.method;
+    o.params = k.params;
+    auto gpu = model_runner_cuda(w, o);
+    auto cpu = model_runner_cpu(w, o);
+    const auto lg = logits_of(*gpu), lc = logits_of(*cpu);
+    const AttentionSummary gs = gpu->summary(), cs = cpu->summary();
+    const auto [e_gpu, a_gpu] = compare(lg, dense);
+    const auto [e_cpu, a_cpu] = compare(lc, dense);
+    const auto [e_twin, a_twin] = compare(lg, lc);
+    std::printf("[ model ] %s: max |logit - dense| GPU %.3f CPU %.3f (max |logit| %.2f), top-1 = dense at %d/%zu and "
+                "%d/%zu; GPU vs CPU %.3f, top-1 %d/%zu\n",
+                label.c_str(), e_gpu, e_cpu, max_logit, a_gpu, lg.size(), a_cpu, lg.size(), e_twin, a_twin, lg.size());
+    std::printf("[ model ]   tokens per head-step GPU %.1f CPU %.1f (of ~%zu), K/V read %.3f vs %.3f, mean claim %.4f "
+                "(%lld) vs %.4f (%lld)\n",
+                gs.mean_tokens(), cs.mean_tokens(), prompt.size() + forced.size() / 2, gs.mean_kv_fraction(),
+                cs.mean_kv_fraction(), gs.mean_claimed(), static_cast<long long>(gs.claimed_count), cs.mean_claimed(),
+                static_cast<long long>(cs.claimed_count));
+    EXPECT_LE(e_gpu, 2 * e_cpu + 0.05 * max_logit) << label;
+    EXPECT_EQ(gs.head_steps, cs.head_steps) << label;
+    EXPECT_EQ(gs.claimed_count, cs.claimed_count) << label;
+    EXPECT_NEAR(gs.mean_claimed(), cs.mean_claimed(), k.claim_tol) << label;
+    if (k.tokens_tol > 0) {
+      EXPECT_NEAR(gs.mean_tokens(), cs.mean_tokens(), k.tokens_tol * cs.mean_tokens()) << label;
+      EXPECT_NEAR(gs.mean_kv_fraction(), cs.mean_kv_fraction(), k.tokens_tol * cs.mean_kv_fraction()) << label;
+    }
+    // Sparse for real: fewer tokens than dense (quest's dense layer included).
+    EXPECT_LT(gs.mean_tokens(), 0.9 * (prompt.size() + forced.size() / 2)) << label;
+    ::setenv("CUMULUS_CUDA_GRAPHS", "0", 1);
+    auto direct = model_runner_cuda(w, o);
+    ::unsetenv("CUMULUS_CUDA_GRAPHS");
+    const Comparison cg = compare_runs(*direct, *model_runner_cuda(w, o), prompt, forced);
+    report((label + ": GPU without a graph vs GPU with one").c_str(), cg);
+    EXPECT_EQ(cg.top1_agree, cg.positions) << label;
+    EXPECT_LT(cg.max_abs, 1e-3 * cg.max_logit) << label;
+  }
+}
+
+// restart_decode switches the method: dense for 8 steps, then sketch_topp from the prompt,
+// equals a runner that decodes with sketch_topp from the start (the sketch is built again
+// over the truncated cache); back to dense repeats the dense steps. A method the GPU does
+// not run, or a value its GPU pipeline does not implement, is an Error that leaves the
+// runner as it was.
+TEST(CudaModel, RestartDecodeSwitchesTheMethod) {
+  CUMULUS_REQUIRE_GPU();
+  std::mt19937 rng(13);
+  const ModelWeights w = llama3_shaped_random(1600, rng);
+  std::uniform_int_distribution<int32_t> id(0, w.config.vocab_size - 1);
+  std::vector<int32_t> prompt(1500), forced(8);
+  for (auto& t : prompt) t = id(rng);
+  for (auto& t : forced) t = id(rng);
+  const std::map<std::string, std::string> sk{{"gpu_dense_mib", "0"}};
+  SessionOptions o;
+  auto gpu = model_runner_cuda(w, o);
+  gpu->prefill(prompt);
+  std::vector<std::vector<float>> dense;
+  for (int32_t t : forced) dense.push_back(gpu->decode(t));
+  gpu->restart_decode("sketch_topp", sk);
+  std::vector<std::vector<float>> sparse;
+  for (int32_t t : forced) sparse.push_back(gpu->decode(t));
+  EXPECT_LT(gpu->summary().mean_kv_fraction(), 0.9);
+  SessionOptions os = o;
+  os.method = "sketch_topp";
+  os.params = sk;
+  auto fresh = model_runner_cuda(w, os);
+  fresh->prefill(prompt);
+  for (size_t i = 0; i < forced.size(); ++i) {
+    const std::vector<float>& f = fresh->decode(forced[i]);
+    double d = 0;
+    for (size_t j = 0; j < f.size(); ++j) d = std::max(d, static_cast<double>(std::fabs(f[j] - sparse[i][j])));
+    EXPECT_LT(d, 1e-3) << "step " << i;
+  }
+  EXPECT_THROW(gpu->restart_decode("lfps", {}), Error);                    // not on the GPU
+  EXPECT_THROW(gpu->restart_decode("psa", {{"stop", "certified"}}), Error);  // not in its GPU pipeline
+  EXPECT_THROW(gpu->restart_decode("sketch_topp", {{"p", "2"}}), Error);   // out of range
+  gpu->restart_decode("dense", {});
+  for (size_t i = 0; i < forced.size(); ++i) EXPECT_EQ(gpu->decode(forced[i]), dense[i]) << "step " << i;
 }
 
 TEST(CudaModel, BatchedDecodeMatchesSingleSequence) {

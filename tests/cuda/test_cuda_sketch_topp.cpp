@@ -11,6 +11,7 @@
 //     sequences). The GPU does no rounds: the workloads are ones where the CPU's rounds do
 //     not trigger (checked: every CPU claim >= p), and the GPU claims must reach p too;
 //   - p = 1 and contexts up to min_context attend densely (claim 1, output = dense);
+//   - rest_mean (the CPU's rest=mean) mixes the mean value row into the output by the claim;
 //   - a step captured in a CUDA graph and replayed gives the same lists and claims as the
 //     step launched directly (no host synchronisation inside; deterministic).
 #include <fmt/format.h>
@@ -240,6 +241,63 @@ CpuRun run_cpu(const Shape& sh, const KvCache& kv, const float* q, double p, Thr
 }
 
 }  // namespace
+
+// rest_mean (the CPU's rest=mean, the runtime's default) mixes the mean value row of all
+// the list's tokens into each sparse head's output: o = w o_U + (1 - w) vbar with w the
+// head's claim, A / (A + T - U). Checked against the same step with rest_mean off, for a
+// batch whose tokens past the prompt were appended after prefill() (their value rows join
+// the sums at select()), vbar in float64 from the host's caches.
+TEST(CudaSketchTopp, RestMeanMixesInTheMeanValueRow) {
+  CUMULUS_REQUIRE_GPU();
+  std::mt19937 rng(53);
+  for (DType dt : {DType::f16, DType::bf16}) {
+    const int n_kv = 2, d = 128, group = 4, nq = n_kv * group;
+    const std::vector<int> n = {3000, 2100}, prompt = {2500, 1500};
+    std::vector<KvCache> seqs;
+    for (int x : n) seqs.push_back(random_cache(n_kv, d, x, dt, 16, rng));
+    cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload(views_of(seqs));
+    dev.set_n_tokens(prompt);
+    cuda::SketchToppGpuOptions o;
+    o.dense_kv_bytes = 0;
+    auto none = cuda::make_sketch_topp_gpu(dev.view(), group, o);
+    o.rest_mean = true;
+    auto mean = cuda::make_sketch_topp_gpu(dev.view(), group, o);
+    none->prefill();
+    mean->prefill();
+    dev.set_n_tokens(n);
+    // Queries scaled up so the heads are sparse (claims below 1).
+    const auto q = random_vec(n.size() * nq * d, rng, 3.0f);
+    cuda::DeviceBuffer qd = cuda::to_device(q);
+    const int rows = static_cast<int>(n.size()) * nq;
+    const GpuRun a = run_gpu(*none, rows, d, static_cast<int>(n.size()) * n_kv, qd);
+    const GpuRun b = run_gpu(*mean, rows, d, static_cast<int>(n.size()) * n_kv, qd);
+    EXPECT_EQ(a.lists, b.lists);
+    EXPECT_EQ(a.stats.claimed, b.stats.claimed);
+    int mixed = 0;
+    double worst = 0;
+    for (size_t s = 0; s < n.size(); ++s)
+      for (int h = 0; h < n_kv; ++h) {
+        std::vector<double> vbar(d, 0.0);
+        const PagedHeadView v = seqs[s].view(0, h);
+        for (int t = 0; t < n[s]; ++t)
+          for (int c = 0; c < d; ++c) vbar[c] += dtype_load(v.value(t), dt, c);
+        for (double& x : vbar) x /= n[s];
+        for (int j = 0; j < group; ++j) {
+          const size_t r = s * nq + h * group + j;
+          const double w = a.stats.claimed[r];
+          mixed += w < 1.0;
+          std::vector<float> want(d);
+          for (int c = 0; c < d; ++c) want[c] = static_cast<float>(w * a.out[r * d + c] + (1 - w) * vbar[c]);
+          const double e = norm_err(b.out.data() + r * d, want.data(), d);
+          worst = std::max(worst, e);
+          EXPECT_LT(e, 1e-5) << "seq " << s << " head " << h * group + j << " claim " << w;
+        }
+      }
+    EXPECT_GT(mixed, 0) << "no head left tokens out: the check is empty";
+    std::printf("sketch_topp rest_mean %s: %d of %d heads mix in the mean value row, worst rel err %.2e\n",
+                dt == DType::f16 ? "f16" : "bf16", mixed, rows, worst);
+  }
+}
 
 // The GPU twin against the CPU method on the synthetic workload, in three shapes and both
 // 16-bit types: a batch of 3 copies of one cache (query steps 0, 1, 2), and a batch of two

@@ -318,17 +318,19 @@ void run_bench(const ModelWeights& w, const std::vector<int32_t>& source, const 
   }
 }
 
-// --bench --device cuda: prefill and decode tokens/s of the GPU runtime at each context (no
-// per-op profile; the GPU's bandwidth reference is bench/cuda_model_bench's). Each timed call
-// waits for its logits, as generation does.
+// --bench --device cuda: prefill, index build and decode tokens/s of the GPU runtime at each
+// context, with the decode method's K/V share and tokens per head-step (no per-op profile;
+// the GPU's bandwidth reference is bench/cuda_model_bench's). Each timed call waits for its
+// logits, as generation does.
 void run_bench_device(const ModelWeights& w, const std::vector<int32_t>& source, const std::vector<MethodSpec>& specs,
                       const GenerateOptions& o) {
   CUMULUS_CHECK(!source.empty(), "--bench: the prompt is empty");
   std::string device;
   struct Row {
-    std::string method;
+    std::string method, base;
     int context;
-    double prefill_s, decode_s;
+    double prefill_s, index_s, decode_s;
+    AttentionSummary summary;
   };
   std::vector<Row> rows;
   for (const auto& spec : specs)
@@ -336,7 +338,8 @@ void run_bench_device(const ModelWeights& w, const std::vector<int32_t>& source,
       fmt::print(stderr, "bench: {} at context {} on {} ...\n", spec.label, context, o.device);
       std::vector<int32_t> prompt(static_cast<size_t>(context));
       for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = source[i % source.size()];
-      std::vector<double> pre, dec;
+      std::vector<double> pre, idx, dec;
+      AttentionSummary summary;
       for (int rep = 0; rep < o.repetitions; ++rep) {
         SessionOptions so = session_options(o, spec.method, spec.params);
         so.max_tokens = context + o.bench_decode;
@@ -346,21 +349,38 @@ void run_bench_device(const ModelWeights& w, const std::vector<int32_t>& source,
         using clock = std::chrono::steady_clock;
         const auto t0 = clock::now();
         const std::vector<float>* logits = &r->prefill(prompt);
+        const auto tb = clock::now();
+        r->build_indexes();
         const auto t1 = clock::now();
         for (int i = 0; i < o.bench_decode; ++i) logits = &r->decode(greedy.sample(*logits));
         const auto t2 = clock::now();
-        pre.push_back(std::chrono::duration<double>(t1 - t0).count());
+        pre.push_back(std::chrono::duration<double>(tb - t0).count());
+        idx.push_back(std::chrono::duration<double>(t1 - tb).count());
         dec.push_back(std::chrono::duration<double>(t2 - t1).count());
+        summary = r->summary();
       }
-      rows.push_back({spec.label, context, median(pre), median(dec)});
+      rows.push_back({spec.label, spec.method, context, median(pre), median(idx), median(dec), summary});
     }
   fmt::print("model {}: {} layers, dim {}, on {}\n", o.model, w.config.n_layers, w.config.dim, device);
-  fmt::print("\n{:<12} {:>8} {:>12} {:>12} {:>10}\n", "method", "context", "prefill t/s", "decode t/s", "ms/token");
-  for (const Row& r : rows)
-    fmt::print("{:<12} {:>8} {:>12.1f} {:>12.1f} {:>10.3f}\n", r.method, r.context, r.context / r.prefill_s,
-               o.bench_decode / r.decode_s, 1e3 * r.decode_s / o.bench_decode);
-  fmt::print("decode: {} tokens after prefilling `context` tokens (median of {} runs; the first decode captures the "
-             "step as a CUDA graph)\n",
+  // Decode speed against the dense row of the same context, when the run has one.
+  auto dense_s = [&](int context) {
+    for (const Row& r : rows)
+      if (r.base == "dense" && r.context == context) return r.decode_s;
+    return 0.0;
+  };
+  fmt::print("\n{:<14} {:>8} {:>12} {:>8} {:>12} {:>10} {:>9} {:>8} {:>9} {:>8}\n", "method", "context", "prefill t/s",
+             "index", "decode t/s", "ms/token", "vs dense", "kv read", "tokens", "claimed");
+  for (const Row& r : rows) {
+    const double d = dense_s(r.context);
+    const AttentionSummary& s = r.summary;
+    fmt::print("{:<14} {:>8} {:>12.1f} {:>7.3f}s {:>12.1f} {:>10.3f} {:>9} {:>7.1f}% {:>9.0f} {:>8}\n", r.method,
+               r.context, r.context / r.prefill_s, r.index_s, o.bench_decode / r.decode_s,
+               1e3 * r.decode_s / o.bench_decode, d > 0 ? fmt::format("{:.2f}x", d / r.decode_s) : "-",
+               100 * s.mean_kv_fraction(), s.mean_tokens(), s.claimed_count ? fmt::format("{:.3f}", s.mean_claimed()) : "-");
+  }
+  fmt::print("decode: {} tokens after prefilling `context` tokens and building the method's index (median of {} runs; "
+             "the first decode captures the step as a CUDA graph); kv read: mean share of the dense K/V bytes read per "
+             "decode step; tokens: mean tokens attended per head-step (the last run)\n",
              o.bench_decode, o.repetitions);
   if (!o.json.empty()) {
     nlohmann::json j;
@@ -372,6 +392,10 @@ void run_bench_device(const ModelWeights& w, const std::vector<int32_t>& source,
                            {"context", r.context},
                            {"prefill_s", r.prefill_s},
                            {"prefill_tok_s", r.context / r.prefill_s},
+                           {"index_s", r.index_s},
+                           {"kv_fraction", r.summary.mean_kv_fraction()},
+                           {"tokens_per_head_step", r.summary.mean_tokens()},
+                           {"mean_claimed", r.summary.claimed_count ? r.summary.mean_claimed() : -1.0},
                            {"decode_tokens", o.bench_decode},
                            {"decode_s", r.decode_s},
                            {"decode_tok_s", o.bench_decode / r.decode_s}});
@@ -536,7 +560,8 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--temperature", o->temperature, "0 = greedy")->capture_default_str();
   cmd->add_option("--top-p", o->top_p, "nucleus sampling")->capture_default_str();
   cmd->add_option("--seed", o->seed, "sampling seed")->check(seed_check())->capture_default_str();
-  cmd->add_option("--device", o->device, "cpu or cuda (a CUDA build with a GPU; dense attention; --bench too)")
+  cmd->add_option("--device", o->device, "cpu or cuda (a CUDA build with a GPU; decode methods dense, sketch_topp, tactic, psa, quest, oracle_topp; "
+                  "--bench too)")
       ->capture_default_str();
   cmd->add_flag("--eval", o->eval, "also measure the true mass of every attended set (slower)");
   cmd->add_flag("--quiet", o->quiet, "do not print the generated text");

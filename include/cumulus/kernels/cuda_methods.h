@@ -53,6 +53,18 @@ class SparseDecoder {
   const int32_t* list_len() const;
   int list_stride() const;
   SparseStepStats stats(void* stream = nullptr) const;
+  // The last step's statistics added to acc[4] on the device, with no host wait (a decode
+  // step captured in a CUDA graph keeps it): acc[0] += tokens attended summed over query
+  // heads (each its kv head's list), acc[1] += the claims of query heads that make one,
+  // acc[2] += their count, acc[3] += the share of the cached K/V read, summed over the
+  // batch's sequences. The model runtime's AttentionSummary comes from these.
+  void accumulate_stats(double* acc, void* stream = nullptr) const;
+  // Bytes per cached token of one kv head that a step's selection reads besides the K/V
+  // rows of its lists, as the CPU method counts them (sketch_topp: the sketch; oracle_topp:
+  // every key; quest, psa: page metadata; tactic: the centroids, its exactly scored tail
+  // left out); 0 for a step the cost rule sends to dense attention. accumulate_stats adds
+  // it to the K/V share.
+  virtual double select_bytes_per_token() const { return 0; }
   // Benchmarks: mean microseconds of the phases of the last select() over the batch's query
   // heads, where the method records them (tactic with record_phases); else empty.
   // Synchronises.
@@ -69,11 +81,13 @@ class SparseDecoder {
   SparseDecoder(const DeviceKvView& kv, int group, const AttentionPlanOptions& plan);
   Base& base() const { return *base_; }
   // Methods whose claims come from the attention's log-sum-exp (sketch_topp) enqueue their
-  // claims here, at the end of attend(); lse is never null (attend() supplies its own
-  // buffer when the caller passes none and needs_lse() is true).
+  // claims here, at the end of attend(), and may adjust the output (sketch_topp's
+  // rest=mean); lse is never null (attend() supplies its own buffer when the caller passes
+  // none and needs_lse() is true).
   virtual bool needs_lse() const { return false; }
-  virtual void after_attend(const float* lse, void* stream) {
+  virtual void after_attend(const float* lse, float* out, void* stream) {
     (void)lse;
+    (void)out;
     (void)stream;
   }
 
@@ -161,6 +175,13 @@ struct SketchToppGpuOptions {
   int recent = 64;
   int min_context = 1024;    // contexts of at most this many tokens attend densely
   double dense_above = 0.5;  // a kv head whose union exceeds this share of its tokens attends densely
+  // The tokens not read: true (the CPU method's default, rest=mean) adds their estimated
+  // mass times the head's mean value row to the output, o = (A o_U + R vbar) / (A + R),
+  // the claim unchanged; false (rest=none) leaves them out. The value sums are kept per
+  // (sequence, kv head) on the device: all tokens at prefill(), the appended ones at each
+  // select(). Default false here: the kernel benchmark and the twin tests time and check
+  // the selection; the model runtime passes the registry's value.
+  bool rest_mean = false;
   // GPU only, a cost rule of the whole step: when the batch's K/V (every sequence at the
   // view's max_tokens, K and V) is at most this many bytes, select() enqueues nothing and
   // attend() runs the dense kernel (claims 1). A step's selection costs a few fixed

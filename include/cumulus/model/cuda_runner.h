@@ -1,6 +1,9 @@
 // The model runtime on the GPU (src/model/cuda, docs/cuda.md "Model runtime"): a Llama
 // forward pass with the weights on the device in f16, cuBLAS for the products, the KV cache
-// of every layer in a DeviceKvCache filled on the device, dense attention. Built only with
+// of every layer in a DeviceKvCache filled on the device, and decode attention through the
+// session's decode method: dense, or one of the GPU pipelines of kernels/cuda_methods.h
+// (sketch_topp, tactic, psa, quest, oracle_topp) built from the registry's parameters
+// (src/model/cuda/decode_methods.h). Built only with
 // CUMULUS_CUDA=ON (the library cumulus_model_cuda); plain C++, no CUDA type in sight.
 #pragma once
 
@@ -24,8 +27,9 @@ namespace cumulus {
 size_t cuda_runner_bytes(const ModelConfig& config, const SessionOptions& options, int n_seqs = 1);
 
 // Throws Error naming the reason when a CUDA runner cannot run this model with these options:
-// no CUDA device; an architecture or feature not on the GPU yet (gemma3); a decode or
-// prefill method other than dense, or eval mode ("not yet on cuda"); a KV dtype other than
+// no CUDA device; an architecture or feature not on the GPU yet (gemma3); a decode method
+// not on the GPU or a parameter value its GPU pipeline does not implement, a prefill method
+// other than dense, or eval mode ("not yet on cuda"); a KV dtype other than
 // f16/bf16; or a context whose memory (cuda_runner_bytes) exceeds the device's free memory
 // (the error gives both). Reads no weights: commands call it before loading the model.
 void cuda_runner_check(const ModelConfig& config, const SessionOptions& options, int n_seqs = 1);

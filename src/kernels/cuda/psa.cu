@@ -313,6 +313,10 @@ class PsaGpu final : public SparseDecoder {
     }
   }
   std::string name() const override { return "psa"; }
+  double select_bytes_per_token() const override {  // kmean, or kmin and kmax, float32 per page
+    return (o_.criticality == PageScoreKind::kMean ? 1.0 : 2.0) * base().kv.head_dim * sizeof(float) /
+           base().kv.page_size;
+  }
 
   void select(const float* q, void* stream) override {
     Base& b = base();

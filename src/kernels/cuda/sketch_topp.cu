@@ -25,7 +25,10 @@
 //   3. marks (one launch): bitmap words c(t) <= m and per-tile counts; 4. the compaction's
 //      emit pass (sparse_decoder's bitmap_emit) into sorted per-kv-head lists.
 // Then the shared sparse attention kernel, and the claims from its log-sum-exp:
-//   claim_j = A_j / (A_j + T_j - U_j),  A_j = exp(lse_j - M_j) / S_j  (normalised units).
+//   claim_j = A_j / (A_j + T_j - U_j),  A_j = exp(lse_j - M_j) / S_j  (normalised units);
+// with rest_mean (the CPU's rest=mean) the same kernel mixes the mean value row of the
+// list's tokens into the output, o_j = w o_j + (1 - w) vsum / n with w = A_j / (A_j + T_j - U_j)
+// (the value sums in float64: all tokens at prefill, the appended ones at each step).
 // Deviation from the CPU (docs/cuda.md): no rounds; a head whose claim falls short of p
 // keeps its union.
 #include <algorithm>
@@ -86,6 +89,8 @@ struct SketchParams {
   double* st_S = nullptr;               // [L][G] sum of exp(s - M)
   double* st_T = nullptr;               // [L][G] sum of the normalised weights (~1)
   double* st_U = nullptr;               // [L][G] ... over the union
+  double* vsum = nullptr;               // [L][head_dim] sum of the value rows of tokens [0, vs_n) (rest_mean)
+  int32_t* vs_n = nullptr;              // [L]
   // Options:
   float attn_scale = 0;
   double cp = 0.92, dense_above = 0.5;
@@ -208,6 +213,60 @@ __global__ void sketch_encode_kernel(SketchParams p) {
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t < n) sketch_encode_token<T>(p, l, s, h, t);
   if (blockIdx.x == 0 && threadIdx.x == 0) p.sk_n[l] = n;
+}
+
+// Prefill: the value rows of every token summed per list in float64 (vsum zeroed before),
+// a chunk of kVsumChunk tokens per CTA added with atomics; vs_n = n. grid: (chunks, L),
+// block: head_dim.
+constexpr int kVsumChunk = 1024;
+template <class T>
+__global__ void sketch_vsum_prefill_kernel(SketchParams p) {
+  const int l = blockIdx.y, s = l / p.kv.n_kv_heads, h = l % p.kv.n_kv_heads;
+  const int d = p.kv.head_dim, c = threadIdx.x;
+  const int n = p.kv.n_tokens[s];
+  const int t0 = blockIdx.x * kVsumChunk, t1 = min(n, t0 + kVsumChunk);
+  if (blockIdx.x == 0 && c == 0) p.vs_n[l] = n;
+  if (t0 >= t1) return;
+  const int32_t* pt = p.kv.page_table + (static_cast<size_t>(s) * p.kv.n_kv_heads + h) * p.kv.max_pages;
+  const T* v = static_cast<const T*>(p.kv.v);
+  double sum = 0;
+#pragma unroll 8
+  for (int t = t0; t < t1; ++t) {
+    const int page = __ldg(pt + (t >> p.kv.page_shift));
+    sum += static_cast<double>(to_float(v[(static_cast<size_t>(page) * p.kv.page_size + (t & (p.kv.page_size - 1))) * d + c]));
+  }
+  atomicAdd(p.vsum + static_cast<size_t>(l) * d + c, sum);
+}
+
+// A step: the value rows of tokens [vs_n, n) (appended since the last step) added to the
+// list's sums in token order (deterministic); vs_n = n. grid: L, block: head_dim.
+template <class T>
+__global__ void sketch_vsum_kernel(SketchParams p) {
+  const int l = blockIdx.x, s = l / p.kv.n_kv_heads, h = l % p.kv.n_kv_heads;
+  const int d = p.kv.head_dim, c = threadIdx.x;
+  const int n = p.kv.n_tokens[s], t_begin = p.vs_n[l];
+  const int32_t* pt = p.kv.page_table + (static_cast<size_t>(s) * p.kv.n_kv_heads + h) * p.kv.max_pages;
+  const T* v = static_cast<const T*>(p.kv.v);
+  double sum = p.vsum[static_cast<size_t>(l) * d + c];
+  constexpr int kBatch = 16;  // loads in flight before the ordered adds
+  for (int t0 = t_begin; t0 < n; t0 += kBatch) {
+    float x[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int t = t0 + i;
+      x[i] = 0.0f;
+      if (t < n) {
+        const int page = __ldg(pt + (t >> p.kv.page_shift));
+        x[i] = to_float(v[(static_cast<size_t>(page) * p.kv.page_size + (t & (p.kv.page_size - 1))) * d + c]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i)
+      if (t0 + i < n) sum += static_cast<double>(x[i]);
+  }
+  p.vsum[static_cast<size_t>(l) * d + c] = sum;
+  __syncthreads();  // every thread has read vs_n
+  if (c == 0) p.vs_n[l] = n;
 }
 
 // ---- a step -------------------------------------------------------------------------------
@@ -694,21 +753,35 @@ __global__ void __launch_bounds__(kBitmapTileWords) sketch_marks_kernel(SketchPa
 
 // Claims after attention: claim = A / (A + T - U) in the weights' normalised units, with A =
 // exp(lse - M) / S the union's exact mass; 1 for dense lists. budget = the union's length.
-__global__ void sketch_claims_kernel(SketchParams p, const float* __restrict__ lse, const int32_t* __restrict__ len,
-                                     float* claimed, int32_t* budget) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= p.kv.n_seqs * p.n_q) return;
+// With out (rest_mean), o = w o + (1 - w) vsum / n, w = A / (A + T - U), for sparse lists.
+// grid: n_seqs * n_q (one query head each), block: kClaimsThreads (the output's channels).
+constexpr int kClaimsThreads = 64;
+__global__ void __launch_bounds__(kClaimsThreads) sketch_claims_kernel(SketchParams p, const float* __restrict__ lse,
+                                                                       const int32_t* __restrict__ len, float* claimed,
+                                                                       int32_t* budget, float* out) {
+  const int i = blockIdx.x;
   const int s = i / p.n_q, qh = i % p.n_q;
   const int l = s * p.kv.n_kv_heads + qh / p.group, j = qh % p.group;
+  const bool sparse = p.dense[l] == 0;
+  double w = 1.0;
   float claim = 1.0f;
-  if (p.dense[l] == 0) {
+  if (sparse) {
     const size_t at = static_cast<size_t>(l) * p.group + j;
     const double a = exp(static_cast<double>(lse[i]) - p.st_M[at]) / p.st_S[at];
     const double rest = fmax(0.0, p.st_T[at] - p.st_U[at]);
-    claim = a + rest > 0 ? static_cast<float>(fmin(1.0, a / (a + rest))) : 0.0f;
+    w = a + rest > 0 ? a / (a + rest) : 1.0;
+    claim = a + rest > 0 ? static_cast<float>(fmin(1.0, w)) : 0.0f;
   }
-  claimed[i] = claim;
-  budget[i] = len[l];
+  if (threadIdx.x == 0) {
+    claimed[i] = claim;
+    budget[i] = len[l];
+  }
+  if (out == nullptr || !sparse) return;
+  const int d = p.kv.head_dim;
+  const double wr = (1.0 - w) / static_cast<double>(max(1, p.kv.n_tokens[s]));
+  float* o = out + static_cast<size_t>(i) * d;
+  const double* vs = p.vsum + static_cast<size_t>(l) * d;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) o[c] = static_cast<float>(w * o[c] + wr * vs[c]);
 }
 
 template <class F>
@@ -809,6 +882,12 @@ class SketchToppGpu final : public SparseDecoder {
     st_S_ = DeviceBuffer(L * group * sizeof(double));
     st_T_ = DeviceBuffer(L * group * sizeof(double));
     st_U_ = DeviceBuffer(L * group * sizeof(double));
+    if (o.rest_mean) {
+      vsum_ = DeviceBuffer(L * d * sizeof(double));
+      vs_n_ = DeviceBuffer(L * sizeof(int32_t));
+      p_.vsum = vsum_.as<double>();
+      p_.vs_n = vs_n_.as<int32_t>();
+    }
     p_.codes = codes_.as<uint8_t>();
     p_.off = off_.as<uint16_t>();
     p_.step = step_.as<uint16_t>();
@@ -840,6 +919,9 @@ class SketchToppGpu final : public SparseDecoder {
   }
 
   std::string name() const override { return "sketch_topp"; }
+  double select_bytes_per_token() const override {  // codes, f16 offset and step
+    return base().dense_step ? 0.0 : static_cast<double>(key_sketch_token_bytes(base().kv.head_dim));
+  }
 
   void prefill(void* stream) override {
     const cudaStream_t st = as_stream(stream);
@@ -855,6 +937,16 @@ class SketchToppGpu final : public SparseDecoder {
       sketch_encode_kernel<__nv_bfloat16><<<dim3(ceil_div(p_.ts, 128), b.n_lists), 128, 0, st>>>(p_);
     }
     CUMULUS_CUDA_LAUNCH("sketch_encode_kernel");
+    if (o_.rest_mean) {
+      CUMULUS_CUDA_CHECK(cudaMemsetAsync(vsum_.data(), 0, vsum_.size(), st));
+      const dim3 grid(ceil_div(std::max(1, b.kv.max_tokens), kVsumChunk), b.n_lists);
+      if (b.kv.dtype == DType::f16) {
+        sketch_vsum_prefill_kernel<__half><<<grid, d, 0, st>>>(p_);
+      } else {
+        sketch_vsum_prefill_kernel<__nv_bfloat16><<<grid, d, 0, st>>>(p_);
+      }
+      CUMULUS_CUDA_LAUNCH("sketch_vsum_prefill_kernel");
+    }
     prefilled_ = true;
   }
 
@@ -863,6 +955,7 @@ class SketchToppGpu final : public SparseDecoder {
     last_q_ = q;
     if (base().dense_step) return;  // the cost rule: attend() runs the dense kernel
     const cudaStream_t st = as_stream(stream);
+    if (o_.rest_mean) launch_vsum(st);  // the tokens appended since the last step
     launch_weights(q, st);
     launch_hist(st);
     launch_marks(st);
@@ -899,12 +992,12 @@ class SketchToppGpu final : public SparseDecoder {
 
  protected:
   bool needs_lse() const override { return true; }
-  void after_attend(const float* lse, void* stream) override {
+  void after_attend(const float* lse, float* out, void* stream) override {
     Base& b = base();
     if (b.dense_step) return;  // stats() reports claim 1
     const int rows = b.kv.n_seqs * b.n_q;
-    sketch_claims_kernel<<<ceil_div(rows, 128), 128, 0, as_stream(stream)>>>(
-        p_, lse, b.len.as<int32_t>(), b.claimed.as<float>(), b.budget.as<int32_t>());
+    sketch_claims_kernel<<<rows, kClaimsThreads, 0, as_stream(stream)>>>(
+        p_, lse, b.len.as<int32_t>(), b.claimed.as<float>(), b.budget.as<int32_t>(), o_.rest_mean ? out : nullptr);
     CUMULUS_CUDA_LAUNCH("sketch_claims_kernel");
   }
 
@@ -921,6 +1014,15 @@ class SketchToppGpu final : public SparseDecoder {
       }
     });
     CUMULUS_CUDA_LAUNCH("sketch_weights_kernel");
+  }
+  void launch_vsum(cudaStream_t st) {
+    const Base& b = base();
+    if (b.kv.dtype == DType::f16) {
+      sketch_vsum_kernel<__half><<<b.n_lists, b.kv.head_dim, 0, st>>>(p_);
+    } else {
+      sketch_vsum_kernel<__nv_bfloat16><<<b.n_lists, b.kv.head_dim, 0, st>>>(p_);
+    }
+    CUMULUS_CUDA_LAUNCH("sketch_vsum_kernel");
   }
   void launch_hist(cudaStream_t st) {
     const Base& b = base();
@@ -945,7 +1047,7 @@ class SketchToppGpu final : public SparseDecoder {
   bool prefilled_ = false;
   const float* last_q_ = nullptr;
   DeviceBuffer codes_, off_, step_, center_, scale_, sk_n_, logits_, gmax_, part_m_, part_s_, cbin_, hist_,
-      ticket_, thr_, dense_, st_M_, st_S_, st_T_, st_U_;
+      ticket_, thr_, dense_, st_M_, st_S_, st_T_, st_U_, vsum_, vs_n_;
 };
 
 }  // namespace

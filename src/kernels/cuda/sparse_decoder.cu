@@ -50,12 +50,61 @@ void SparseDecoder::attend(const float* q, float* out, float* lse, const float* 
   a.lse_ref = lse_ref;
   a.mass = mass;
   attention_decode(a, *b.plan, stream);
-  if (needs_lse()) after_attend(lse, stream);
+  if (needs_lse()) after_attend(lse, out, stream);
 }
 
 const int32_t* SparseDecoder::list_idx() const { return base_->idx.as<int32_t>(); }
 const int32_t* SparseDecoder::list_len() const { return base_->len.as<int32_t>(); }
 int SparseDecoder::list_stride() const { return base_->stride; }
+
+namespace {
+
+// One CTA: the step's sums (accumulate_stats) reduced in a fixed order, added to acc by
+// thread 0. len and claimed null: a dense step (every token, claim 1).
+constexpr int kStatsThreads = 256;
+__global__ void __launch_bounds__(kStatsThreads)
+    stats_accumulate_kernel(const int32_t* __restrict__ len, const int32_t* __restrict__ n_tokens,
+                            const float* __restrict__ claimed, int n_seqs, int n_kv, int group, double extra,
+                            double* acc) {
+  __shared__ double red[4][kStatsThreads];
+  double v[4] = {0, 0, 0, 0};
+  for (int i = threadIdx.x; i < n_seqs * n_kv; i += kStatsThreads) {
+    const int n = n_tokens[i / n_kv];
+    const int l = len != nullptr ? len[i] : n;
+    v[0] += static_cast<double>(l) * group;
+    v[3] += n > 0 ? (static_cast<double>(l) / n + extra) / n_kv : 0.0;
+  }
+  for (int r = threadIdx.x; r < n_seqs * n_kv * group; r += kStatsThreads) {
+    const float c = claimed != nullptr ? claimed[r] : 1.0f;
+    if (!isnan(c)) {
+      v[1] += c;
+      v[2] += 1;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) red[k][threadIdx.x] = v[k];
+  __syncthreads();
+  for (int w = kStatsThreads / 2; w > 0; w >>= 1) {
+    if (static_cast<int>(threadIdx.x) < w)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) red[k][threadIdx.x] += red[k][threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) acc[k] += red[k][0];
+}
+
+}  // namespace
+
+void SparseDecoder::accumulate_stats(double* acc, void* stream) const {
+  const Base& b = *base_;
+  const bool dense = b.dense_step;
+  stats_accumulate_kernel<<<1, kStatsThreads, 0, as_stream(stream)>>>(
+      dense ? nullptr : b.len.as<int32_t>(), b.kv.n_tokens, dense ? nullptr : b.claimed.as<float>(), b.kv.n_seqs,
+      b.kv.n_kv_heads, b.group, select_bytes_per_token() / (2.0 * b.kv.head_dim * dtype_size(b.kv.dtype)), acc);
+  CUMULUS_CUDA_LAUNCH("stats_accumulate_kernel");
+}
 
 SparseStepStats SparseDecoder::stats(void* stream) const {
   CUMULUS_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
@@ -174,6 +223,9 @@ class QuestGpu final : public SparseDecoder {
     n_chosen_ = DeviceBuffer(rows * sizeof(int32_t));
   }
   std::string name() const override { return "quest"; }
+  double select_bytes_per_token() const override {  // kmin and kmax, float32 per page
+    return 2.0 * base().kv.head_dim * sizeof(float) / base().kv.page_size;
+  }
   void select(const float* q, void* stream) override {
     Base& b = base();
     const cudaStream_t s = as_stream(stream);
@@ -208,6 +260,9 @@ class OracleToppGpu final : public SparseDecoder {
     n_chosen_ = DeviceBuffer(rows * sizeof(int32_t));
   }
   std::string name() const override { return "oracle_topp"; }
+  double select_bytes_per_token() const override {  // every key
+    return static_cast<double>(base().kv.head_dim) * dtype_size(base().kv.dtype);
+  }
   void select(const float* q, void* stream) override {
     Base& b = base();
     const cudaStream_t s = as_stream(stream);

@@ -1061,6 +1061,9 @@ class TacticGpu final : public SparseDecoder {
     }
   }
   std::string name() const override { return "tactic"; }
+  double select_bytes_per_token() const override {  // the centroids (float32, one per cluster_size tokens)
+    return static_cast<double>(base().kv.head_dim) * sizeof(float) / o_.cluster_size;
+  }
 
   std::vector<std::pair<std::string, double>> phase_times(void* stream) const override {
     if (phase_.data() == nullptr) return {};

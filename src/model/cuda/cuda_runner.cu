@@ -28,8 +28,11 @@
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/cuda.h"
 #include "cumulus/kernels/cuda_prefill.h"
+#include "cumulus/kernels/cuda_methods.h"
 #include "cumulus/methods/method.h"
+#include "cumulus/methods/registry.h"
 #include "cumulus/model/cuda_runner.h"
+#include "decode_methods.h"
 #include "forward_kernels.cuh"
 #include "kernels/cuda/cuda_util.cuh"
 
@@ -117,9 +120,10 @@ class CudaRunner final : public CudaModelRunner {
   const std::vector<float>& prefill(std::span<const int32_t> tokens) override;
   const std::vector<float>& decode(int32_t token) override;
   void restart_decode(const std::string& method, const std::map<std::string, std::string>& params) override;
+  void build_indexes() override;
   int position() const override { return pos_; }
   int capacity() const override { return capacity_; }
-  AttentionSummary summary() const override { return summary_; }
+  AttentionSummary summary() const override;
   PrefillStats prefill_stats() const override { return {}; }
   std::string device() const override { return "cuda: " + cuda_device_summary(); }
   void fill_random_context(int n, uint64_t seed) override;
@@ -149,6 +153,15 @@ class CudaRunner final : public CudaModelRunner {
   void enqueue_forward(int n, bool decode_mode, bool greedy = false);
   // Replays (captures first) the decode step of one token per sequence.
   void decode_step(std::optional<cuda::Graph>& graph, bool greedy);
+  // The summary's host part of the decode step just run.
+  void count_step();
+  // The decode method's decoders, one per layer (nullptr: the layer attends densely).
+  void make_decoders();
+  // Before a decode step: the decoders' indexes over the cache (their prefill(): tactic's
+  // k-means, sketch_topp's sketch) built if nobody has, and tactic's clusters built again
+  // every recluster_interval decoded tokens (the captured steps are dropped: a rebuilt
+  // index may move its buffers).
+  void prepare_decode();
 
   SessionOptions opt_;
   ModelConfig c_;
@@ -172,7 +185,18 @@ class CudaRunner final : public CudaModelRunner {
   int32_t* ids_host_ = nullptr;    // page-locked [n_seqs_]
   std::vector<float> logits_;
   int pos_ = 0, capacity_ = 0, prompt_end_ = 0;
+  // The decode method (SessionOptions::method and params, or restart_decode's).
+  const Registry* registry_ = nullptr;
+  std::string method_;
+  std::map<std::string, std::string> params_;
+  cuda::model::CudaDecodePlan mplan_;
+  std::vector<std::unique_ptr<cuda::SparseDecoder>> dec_;  // [n_layers]
+  bool indexed_ = false;
+  int indexed_at_ = 0;  // position of the last index build
+  // The summary: dense layers' head-steps counted here, the decoders' statistics summed on
+  // the device (SparseDecoder::accumulate_stats into stats_acc_, 4 doubles).
   AttentionSummary summary_;
+  DeviceBuffer stats_acc_;
 };
 
 void CudaRunner::load(const ModelWeights& w) {
@@ -283,6 +307,59 @@ CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o, int n_seqs
   CUMULUS_CUDA_CHECK(cudaMallocHost(&logits_host_, static_cast<size_t>(c_.vocab_size) * sizeof(float)));
   CUMULUS_CUDA_CHECK(cudaMallocHost(&ids_host_, n_seqs_ * sizeof(int32_t)));
   logits_.resize(c_.vocab_size);
+  registry_ = o.registry != nullptr ? o.registry : &Registry::builtin();
+  method_ = o.method;
+  params_ = o.params;
+  stats_acc_ = DeviceBuffer(4 * sizeof(double));
+  stats_acc_.fill_bytes(0);
+  make_decoders();
+}
+
+void CudaRunner::make_decoders() {
+  dec_.clear();
+  mplan_ = cuda::model::cuda_decode_plan(*registry_, method_, params_);
+  for (int l = 0; l < c_.n_layers; ++l)
+    dec_.push_back(
+        cuda::model::make_cuda_decoder(*registry_, method_, params_, kv_[l].view(), c_.shape().group(), l));
+  indexed_ = false;
+  decode_graph_.reset();  // a captured step holds the old decoders
+  batch_graph_.reset();
+}
+
+void CudaRunner::build_indexes() {
+  if (indexed_) return;
+  for (auto& d : dec_)
+    if (d) d->prefill(st_);
+  stream_.synchronize();
+  for (auto& d : dec_)
+    if (d) d->check(st_);
+  indexed_ = true;
+  indexed_at_ = pos_;
+}
+
+void CudaRunner::prepare_decode() {
+  if (!indexed_) {
+    build_indexes();
+  } else if (mplan_.recluster_interval > 0 && pos_ - indexed_at_ >= mplan_.recluster_interval) {
+    // tactic: the CPU clusters each new segment of recluster_interval tokens and adds it to
+    // the index; the GPU pipeline clusters the whole cache again (docs/cuda.md).
+    indexed_ = false;
+    build_indexes();
+    decode_graph_.reset();
+    batch_graph_.reset();
+  }
+}
+
+AttentionSummary CudaRunner::summary() const {
+  AttentionSummary s = summary_;
+  double acc[4];
+  stream_.synchronize();
+  cuda::memcpy_to_host(acc, stats_acc_.data(), sizeof(acc));
+  s.tokens_sum += acc[0];
+  s.claimed_sum += acc[1];
+  s.claimed_count += static_cast<int64_t>(acc[2]);
+  s.kv_fraction_sum += acc[3] / n_seqs_;
+  return s;
 }
 
 CudaRunner::~CudaRunner() {
@@ -319,6 +396,7 @@ const std::vector<float>& CudaRunner::decode(int32_t token) {
   CUMULUS_CHECK(token >= 0 && token < c_.vocab_size, "token id {} at position {} is outside the vocabulary [0, {})",
                 token, pos_, c_.vocab_size);
   CUMULUS_CHECK(n_seqs_ == 1, "decode(token) of a runner of {} sequences: use decode_batch", n_seqs_);
+  prepare_decode();
   if (use_graph_) {
     tok_host_[0] = token;  // the graph's first node copies it from here
     decode_step(decode_graph_, false);
@@ -327,12 +405,22 @@ const std::vector<float>& CudaRunner::decode(int32_t token) {
     const int32_t t[1] = {token};
     forward(t, true);
   }
-  // Dense attention: every head-step reads the whole cache.
-  summary_.head_steps += static_cast<int64_t>(c_.n_layers) * c_.n_heads;
-  summary_.tokens_sum += static_cast<double>(pos_) * c_.n_layers * c_.n_heads;
-  summary_.kv_fraction_sum += c_.n_layers;
-  summary_.layer_steps += c_.n_layers;
+  count_step();
   return logits_;
+}
+
+void CudaRunner::count_step() {
+  // Every head-step of the step (pos_ is past it); the dense layers' here (every token,
+  // claim 1, as the CPU's dense attention), the decoders' on the device.
+  int dense_layers = 0;
+  for (const auto& d : dec_) dense_layers += d ? 0 : 1;
+  const int64_t dense_heads = static_cast<int64_t>(dense_layers) * c_.n_heads * n_seqs_;
+  summary_.head_steps += static_cast<int64_t>(c_.n_layers) * c_.n_heads * n_seqs_;
+  summary_.layer_steps += c_.n_layers;
+  summary_.tokens_sum += static_cast<double>(pos_) * dense_heads;
+  summary_.kv_fraction_sum += dense_layers;
+  summary_.claimed_sum += static_cast<double>(dense_heads);
+  summary_.claimed_count += dense_heads;
 }
 
 void CudaRunner::decode_step(std::optional<cuda::Graph>& graph, bool greedy) {
@@ -357,16 +445,18 @@ std::vector<int32_t> CudaRunner::decode_batch(std::span<const int32_t> tokens) {
   CUMULUS_CHECK(pos_ + 1 <= capacity_, "decode at position {} exceeds the context of {} tokens", pos_, capacity_);
   for (int32_t t : tokens)
     CUMULUS_CHECK(t >= 0 && t < c_.vocab_size, "token id {} is outside the vocabulary [0, {})", t, c_.vocab_size);
+  prepare_decode();
   std::copy(tokens.begin(), tokens.end(), tok_host_);
   decode_step(batch_graph_, true);
+  count_step();
   return std::vector<int32_t>(ids_host_, ids_host_ + n_seqs_);
 }
 
 void CudaRunner::restart_decode(const std::string& method, const std::map<std::string, std::string>& params) {
   CUMULUS_CHECK(prompt_end_ > 0, "restart_decode(method={}) before a prefill: there is no prompt to restart from",
                 method);
-  CUMULUS_CHECK(method == "dense" && params.empty(),
-                "restart_decode(method={}): decode method '{}' is not yet on cuda (dense only)", method, method);
+  cuda::model::cuda_decode_method_check(*registry_, method, params, c_.shape());
+  stream_.synchronize();
   for (cuda::DeviceKvCache& kv : kv_)
     for (int s = 0; s < n_seqs_; ++s) {
       kv.truncate(s, prompt_end_);
@@ -374,6 +464,10 @@ void CudaRunner::restart_decode(const std::string& method, const std::map<std::s
     }
   pos_ = prompt_end_;
   summary_ = {};
+  stats_acc_.fill_bytes(0);
+  method_ = method;
+  params_ = params;
+  make_decoders();
 }
 
 void CudaRunner::forward(std::span<const int32_t> tokens, bool decode_mode) {
@@ -426,7 +520,13 @@ void CudaRunner::enqueue_forward(int n, bool decode_mode, bool greedy) {
     cuda::model::rope(q, n, c.n_heads, c.head_dim, c.rope_dim, pos0, decode_mode, c.rope_theta, st_);
     cuda::model::rope(k, n, c.n_kv_heads, c.head_dim, c.rope_dim, pos0, decode_mode, c.rope_theta, st_);
     kv.append(k, v, decode_mode ? 1 : n, st_);
-    if (decode_mode && plan_) {
+    if (decode_mode && dec_[l]) {
+      cuda::SparseDecoder& d = *dec_[l];
+      d.select(q, st_);
+      d.attend(q, att_.as<float>(), lse_.as<float>(), nullptr, nullptr, st_);
+      d.accumulate_stats(stats_acc_.as<double>(), st_);
+      cuda::model::to_half(att_.as<float>(), static_cast<size_t>(n) * qd, att16, st_);
+    } else if (decode_mode && plan_) {
       cuda::DeviceDecodeArgs a;
       a.kv = kv.view();
       a.group = c.shape().group();
@@ -503,7 +603,8 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs
   CUMULUS_CHECK(c.rope_dim == c.head_dim && c.head_dim % 2 == 0 && c.head_dim <= 256,
                 "--device cuda: head_dim={} rope_dim={} not supported (even head_dim <= 256, rope_dim == head_dim)",
                 c.head_dim, c.rope_dim);
-  CUMULUS_CHECK(o.method == "dense", "--device cuda: decode method '{}' is not yet on cuda (dense only)", o.method);
+  cuda::model::cuda_decode_method_check(o.registry != nullptr ? *o.registry : Registry::builtin(), o.method, o.params,
+                                        c.shape());
   CUMULUS_CHECK(o.prefill_method == "dense", "--device cuda: prefill method '{}' is not yet on cuda (dense only)",
                 o.prefill_method);
   CUMULUS_CHECK(!o.eval, "--device cuda: eval mode (true mass) is not yet on cuda");

@@ -1,0 +1,109 @@
+// The registry's decode methods on the GPU (decode_methods.h). Each GPU pipeline takes the
+// CPU method's parameters under the same names; where the GPU pipeline implements less
+// (docs/cuda.md "Decode methods in the model runtime"), a non-default value of that
+// parameter is refused rather than ignored.
+#include <fmt/format.h>
+
+#include "core/check.h"
+#include "cumulus/kernels/cuda.h"
+#include "decode_methods.h"
+
+namespace cumulus::cuda::model {
+namespace {
+
+const char* const kGpuMethods[] = {"dense", "sketch_topp", "tactic", "psa", "quest", "oracle_topp"};
+
+bool on_gpu(const std::string& method) {
+  for (const char* m : kGpuMethods)
+    if (method == m) return true;
+  return false;
+}
+
+}  // namespace
+
+std::string cuda_decode_method_names() {
+  std::string s;
+  for (const char* m : kGpuMethods) s += (s.empty() ? "" : ", ") + std::string(m);
+  return s;
+}
+
+void cuda_decode_method_check(const Registry& registry, const std::string& method,
+                              const std::map<std::string, std::string>& params, const Shape& shape) {
+  const MethodInfo& info = registry.find(method);  // unknown: Error listing the known ones
+  CUMULUS_CHECK(info.make_decode != nullptr, "--device cuda: '{}' is not a decode method", method);
+  CUMULUS_CHECK(on_gpu(method), "--device cuda: decode method '{}' is not yet on cuda (on cuda: {})", method,
+                cuda_decode_method_names());
+  CUMULUS_CHECK(method == "dense" || head_dim_supported_cuda(shape.head_dim),
+                "--device cuda: decode method '{}' needs head_dim 64, 128 or 256 on the GPU, not {}", method,
+                shape.head_dim);
+  (void)registry.make(method, shape, params);  // the CPU method's checks of every value
+  const Params p = registry.parse(method, params);
+  if (method == "tactic") {
+    CUMULUS_CHECK(p.get_string("mode") == "fit",
+                  "--device cuda: tactic mode='{}' is not on cuda (the GPU pipeline implements mode=fit)",
+                  p.get_string("mode"));
+  } else if (method == "psa") {
+    CUMULUS_CHECK(p.get_string("stop") == "estimate",
+                  "--device cuda: psa stop='{}' is not on cuda (the GPU pipeline implements stop=estimate)",
+                  p.get_string("stop"));
+  }
+}
+
+CudaDecodePlan cuda_decode_plan(const Registry& registry, const std::string& method,
+                                const std::map<std::string, std::string>& params) {
+  CudaDecodePlan plan;
+  if (method == "dense") return plan;
+  const Params p = registry.parse(method, params);
+  if (method == "quest") plan.dense_layers = p.get_int("dense_layers");
+  if (method == "tactic") plan.recluster_interval = p.get_int("recluster_interval");
+  return plan;
+}
+
+std::unique_ptr<SparseDecoder> make_cuda_decoder(const Registry& registry, const std::string& method,
+                                                 const std::map<std::string, std::string>& params,
+                                                 const DeviceKvView& kv, int group, int layer) {
+  if (method == "dense") return nullptr;
+  const Params p = registry.parse(method, params);
+  if (method == "sketch_topp") {
+    SketchToppGpuOptions o;
+    o.p = p.get_double("p");
+    o.candidate_p = p.get_double("candidate_p");
+    o.sinks = p.get_int("sinks");
+    o.recent = p.get_int("recent");
+    o.min_context = p.get_int("min_context");
+    o.dense_above = p.get_double("dense_above");
+    o.rest_mean = p.get_string("rest") == "mean";
+    o.dense_kv_bytes = static_cast<size_t>(p.get_int("gpu_dense_mib")) << 20;
+    return make_sketch_topp_gpu(kv, group, o);
+  }
+  if (method == "tactic") {
+    TacticGpuOptions o;
+    o.p = p.get_double("p");
+    o.cluster_size = p.get_int("cluster_size");
+    o.max_iter = p.get_int("max_iter");
+    o.init_ratio = p.get_double("init_ratio");
+    o.window = p.get_int("window");
+    o.p1 = p.get_double("p1");
+    o.p2 = p.get_double("p2");
+    o.sinks = p.get_int("sinks");
+    o.recent = p.get_int("recent");
+    o.seed = static_cast<uint32_t>(p.get_int("seed"));
+    o.layer = layer;
+    return make_tactic_gpu(kv, group, o);
+  }
+  if (method == "psa") {
+    PsaGpuOptions o;
+    o.threshold = p.get_double("threshold");
+    o.microbatch = p.get_int("microbatch");
+    o.criticality = p.get_string("criticality") == "mean" ? PageScoreKind::kMean : PageScoreKind::kBound;
+    return make_psa_gpu(kv, group, o);
+  }
+  if (method == "quest") {
+    if (layer < p.get_int("dense_layers")) return nullptr;
+    return make_quest_gpu(kv, group, p.get_int("budget"));
+  }
+  if (method == "oracle_topp") return make_oracle_topp_gpu(kv, group, p.get_double("p"));
+  CUMULUS_FAIL("--device cuda: decode method '{}' is not yet on cuda (on cuda: {})", method, cuda_decode_method_names());
+}
+
+}  // namespace cumulus::cuda::model

@@ -1,0 +1,39 @@
+// The decode methods of the CUDA runtime (issue 16): the registry's methods whose GPU
+// pipelines exist (kernels/cuda_methods.h), built from the registry's parameters, so a name
+// and its key=value parameters mean the same on either device. Checked before any work: an
+// unknown method or parameter, a bad value (the CPU method's own checks run), a method not
+// on the GPU, or a parameter value the GPU pipeline does not implement is an Error naming it.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "cumulus/core/shape.h"
+#include "cumulus/kernels/cuda_methods.h"
+#include "cumulus/methods/registry.h"
+
+namespace cumulus::cuda::model {
+
+// The decode methods the CUDA runtime runs ("dense" and the GPU pipelines), for messages.
+std::string cuda_decode_method_names();
+
+// Throws Error as above. `shape` is the model's (the CPU method is constructed once to run
+// its parameter checks).
+void cuda_decode_method_check(const Registry& registry, const std::string& method,
+                              const std::map<std::string, std::string>& params, const Shape& shape);
+
+// What a method needs from the runtime besides its decoder.
+struct CudaDecodePlan {
+  int dense_layers = 0;        // quest's dense_layers: the first layers attend every token
+  int recluster_interval = 0;  // tactic: decoded tokens after which the cache is clustered again (0: never)
+};
+CudaDecodePlan cuda_decode_plan(const Registry& registry, const std::string& method,
+                                const std::map<std::string, std::string>& params);
+
+// The decoder of one layer (nullptr: dense attention, for "dense" and quest's dense layers).
+std::unique_ptr<cuda::SparseDecoder> make_cuda_decoder(const Registry& registry, const std::string& method,
+                                                       const std::map<std::string, std::string>& params,
+                                                       const cuda::DeviceKvView& kv, int group, int layer);
+
+}  // namespace cumulus::cuda::model
