@@ -1,5 +1,6 @@
 // GPU prefill benchmark (issue 7, docs/cuda.md "Prefill"): one layer of the llama3-8b shape
-// (32 query heads, 8 kv heads, head_dim 128, f16) prefilled from position 0 at each context:
+// (32 query heads, 8 kv heads, head_dim 128, f16; --shape picks another, e.g. gemma3-270m:
+// 4 query heads, 1 kv head, head_dim 256) prefilled from position 0 at each context:
 //   dense        our causal flash-style tensor-core kernel
 //   flexprefill  the probe on the device (lse of the last block by the dense kernel, the
 //                column/diagonal projection, block means), the download of its results, the
@@ -20,6 +21,7 @@
 //
 // usage: cuda_prefill_bench [--contexts 32768,131072] [--iters 5] [--warmup 1] [--json FILE]
 //          [--gamma 0.9] [--tau 0.1] [--block 128] [--min-budget 1024] [--threads 0]
+//          [--shape llama3-8b | gemma3-270m | Q_HEADS,KV_HEADS,HEAD_DIM]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -45,7 +47,25 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-constexpr int kHq = 32, kHkv = 8, kD = 128;
+// One layer's attention shape; head_dim 64, 128 or 256 (the kernels' instantiations).
+struct BenchShape {
+  std::string name;
+  int hq, hkv, dim;
+};
+
+BenchShape parse_shape(const std::string& s) {
+  if (s == "llama3-8b") return {s, 32, 8, 128};
+  if (s == "gemma3-270m") return {s, 4, 1, 256};
+  BenchShape b{s, 0, 0, 0};
+  if (std::sscanf(s.c_str(), "%d,%d,%d", &b.hq, &b.hkv, &b.dim) != 3 || b.hq < 1 || b.hkv < 1 || b.hq % b.hkv != 0) {
+    std::fprintf(stderr,
+                 "--shape %s: want llama3-8b, gemma3-270m or Q_HEADS,KV_HEADS,HEAD_DIM (Q_HEADS a multiple of "
+                 "KV_HEADS)\n",
+                 s.c_str());
+    std::exit(2);
+  }
+  return b;
+}
 
 template <class Fn>
 void parallel(int64_t n, int threads, Fn&& fn) {
@@ -62,23 +82,24 @@ struct Prompt {
   std::vector<uint16_t> q, k, v;  // head-major f16
 };
 
-Prompt make_prompt(int n, int threads) {
-  const bench::PromptShape shape{kHkv, kHq / kHkv, kD};
+Prompt make_prompt(const BenchShape& sh, int n, int threads) {
+  const int hq = sh.hq, hkv = sh.hkv, dim = sh.dim;
+  const bench::PromptShape shape{hkv, hq / hkv, dim};
   Prompt p;
   p.n = n;
-  p.q.resize(static_cast<size_t>(kHq) * n * kD);
-  p.k.resize(static_cast<size_t>(kHkv) * n * kD);
+  p.q.resize(static_cast<size_t>(hq) * n * dim);
+  p.k.resize(static_cast<size_t>(hkv) * n * dim);
   p.v.resize(p.k.size());
-  parallel(static_cast<int64_t>(kHkv) * n, threads, [&](int64_t row) {
+  parallel(static_cast<int64_t>(hkv) * n, threads, [&](int64_t row) {
     const int h = static_cast<int>(row / n), t = static_cast<int>(row % n);
-    for (int j = 0; j < kD; ++j) {
-      p.k[static_cast<size_t>(row) * kD + j] = f32_to_f16(bench::prompt_key(shape, h, t, j));
-      p.v[static_cast<size_t>(row) * kD + j] = f32_to_f16(bench::prompt_value(shape, h, t, j));
+    for (int j = 0; j < dim; ++j) {
+      p.k[static_cast<size_t>(row) * dim + j] = f32_to_f16(bench::prompt_key(shape, h, t, j));
+      p.v[static_cast<size_t>(row) * dim + j] = f32_to_f16(bench::prompt_value(shape, h, t, j));
     }
   });
-  parallel(static_cast<int64_t>(kHq) * n, threads, [&](int64_t row) {
+  parallel(static_cast<int64_t>(hq) * n, threads, [&](int64_t row) {
     const int qh = static_cast<int>(row / n), t = static_cast<int>(row % n);
-    for (int j = 0; j < kD; ++j) p.q[static_cast<size_t>(row) * kD + j] = f32_to_f16(bench::prompt_query(shape, qh, t, j));
+    for (int j = 0; j < dim; ++j) p.q[static_cast<size_t>(row) * dim + j] = f32_to_f16(bench::prompt_query(shape, qh, t, j));
   });
   return p;
 }
@@ -89,25 +110,26 @@ double median(std::vector<double> v) {
 }
 
 // float64 attention of row i of query head qh over keys [0, i].
-void reference_row(const Prompt& p, int qh, int i, std::vector<double>& out) {
-  const int h = qh / (kHq / kHkv);
-  const uint16_t* q = &p.q[(static_cast<size_t>(qh) * p.n + i) * kD];
+void reference_row(const BenchShape& sh, const Prompt& p, int qh, int i, std::vector<double>& out) {
+  const int hq = sh.hq, hkv = sh.hkv, dim = sh.dim;
+  const int h = qh / (hq / hkv);
+  const uint16_t* q = &p.q[(static_cast<size_t>(qh) * p.n + i) * dim];
   std::vector<double> s(static_cast<size_t>(i) + 1);
   double m = -INFINITY;
   for (int j = 0; j <= i; ++j) {
-    const uint16_t* k = &p.k[(static_cast<size_t>(h) * p.n + j) * kD];
+    const uint16_t* k = &p.k[(static_cast<size_t>(h) * p.n + j) * dim];
     double d = 0;
-    for (int x = 0; x < kD; ++x) d += static_cast<double>(f16_to_f32(q[x])) * f16_to_f32(k[x]);
-    s[j] = d / std::sqrt(static_cast<double>(kD));
+    for (int x = 0; x < dim; ++x) d += static_cast<double>(f16_to_f32(q[x])) * f16_to_f32(k[x]);
+    s[j] = d / std::sqrt(static_cast<double>(dim));
     m = std::max(m, s[j]);
   }
-  out.assign(kD, 0.0);
+  out.assign(dim, 0.0);
   double l = 0;
   for (int j = 0; j <= i; ++j) {
     const double w = std::exp(s[j] - m);
     l += w;
-    const uint16_t* v = &p.v[(static_cast<size_t>(h) * p.n + j) * kD];
-    for (int x = 0; x < kD; ++x) out[x] += w * f16_to_f32(v[x]);
+    const uint16_t* v = &p.v[(static_cast<size_t>(h) * p.n + j) * dim];
+    for (int x = 0; x < dim; ++x) out[x] += w * f16_to_f32(v[x]);
   }
   for (double& x : out) x /= l;
 }
@@ -146,6 +168,7 @@ int main(int argc, char** argv) {
   int iters = 5, warmup = 1, threads = 0;
   std::string json_path = "cuda_prefill_bench.json";
   flexprefill::Config cfg;
+  BenchShape shape = parse_shape("llama3-8b");
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -164,6 +187,7 @@ int main(int argc, char** argv) {
     else if (a == "--block") cfg.block_size = std::stoi(next());
     else if (a == "--min-budget") cfg.min_budget = std::stoi(next());
     else if (a == "--threads") threads = std::stoi(next());
+    else if (a == "--shape") shape = parse_shape(next());
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
@@ -174,13 +198,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "no CUDA device\n");
     return 1;
   }
+  const int hq = shape.hq, hkv = shape.hkv, dim = shape.dim;
   const cuda::DeviceInfo dev = cuda::device_info();
-  std::printf("%s (cc %d.%d, %d SMs), %d host threads; llama3-8b shape %d/%d heads, d %d, f16\n", dev.name.c_str(),
-              dev.cc_major, dev.cc_minor, dev.sm_count, threads, kHq, kHkv, kD);
+  std::printf("%s (cc %d.%d, %d SMs), %d host threads; %s shape %d/%d heads, d %d, f16\n", dev.name.c_str(),
+              dev.cc_major, dev.cc_minor, dev.sm_count, threads, shape.name.c_str(), hq, hkv, dim);
   ThreadPool pool(threads);
   nlohmann::json report;
   report["device"] = dev.name;
-  report["shape"] = {{"n_q_heads", kHq}, {"n_kv_heads", kHkv}, {"head_dim", kD}, {"dtype", "f16"}};
+  report["shape"] = {{"name", shape.name}, {"n_q_heads", hq}, {"n_kv_heads", hkv}, {"head_dim", dim}, {"dtype", "f16"}};
   report["config"] = {{"gamma", cfg.gamma}, {"tau", cfg.tau}, {"block_size", cfg.block_size},
                       {"min_budget", cfg.min_budget}, {"max_budget", cfg.max_budget}};
   report["iters"] = iters;
@@ -190,7 +215,7 @@ int main(int argc, char** argv) {
   cuda::Stream stream;
   for (const int n : contexts) {
     const auto tg = Clock::now();
-    const Prompt pr = make_prompt(n, threads);
+    const Prompt pr = make_prompt(shape, n, threads);
     const double gen_s = std::chrono::duration<double>(Clock::now() - tg).count();
     cuda::DeviceBuffer dq = cuda::to_device(pr.q), dk = cuda::to_device(pr.k), dv = cuda::to_device(pr.v);
     cuda::DeviceBuffer dout(pr.q.size() * 2);
@@ -200,12 +225,12 @@ int main(int argc, char** argv) {
     a.v = dv.data();
     a.out = dout.data();
     a.n = n;
-    a.n_q_heads = kHq;
-    a.n_kv_heads = kHkv;
-    a.head_dim = kD;
-    a.scale = 1.0f / std::sqrt(static_cast<float>(kD));
-    const double causal_pairs = static_cast<double>(n) * (n + 1) / 2.0 * kHq;
-    const double dense_flops = 4.0 * kD * causal_pairs;
+    a.n_q_heads = hq;
+    a.n_kv_heads = hkv;
+    a.head_dim = dim;
+    a.scale = 1.0f / std::sqrt(static_cast<float>(dim));
+    const double causal_pairs = static_cast<double>(n) * (n + 1) / 2.0 * hq;
+    const double dense_flops = 4.0 * dim * causal_pairs;
 
     // Dense: check sampled rows against float64, then time.
     dout.fill_bytes(0xff);
@@ -216,12 +241,12 @@ int main(int argc, char** argv) {
     {
       const int rows[] = {0, 1, 63, 64, n / 3, n / 2 + 17, n - 2, n - 1};
       std::vector<double> ref;
-      for (int qh : {0, 13, 31})
+      for (int qh : {0, hq * 13 / 32, hq - 1})  // 0, 13, 31 at 32 heads
         for (int i : rows) {
-          reference_row(pr, qh, i, ref);
+          reference_row(shape, pr, qh, i, ref);
           double num = 0, den = 0;
-          for (int x = 0; x < kD; ++x) {
-            const double g = f16_to_f32(o_dense[(static_cast<size_t>(qh) * n + i) * kD + x]);
+          for (int x = 0; x < dim; ++x) {
+            const double g = f16_to_f32(o_dense[(static_cast<size_t>(qh) * n + i) * dim + x]);
             num += (g - ref[x]) * (g - ref[x]);
             den += ref[x] * ref[x];
           }
@@ -243,7 +268,7 @@ int main(int argc, char** argv) {
                 dense_ok ? "" : "  CHECK FAILED");
 
     // FlexPrefill.
-    cuda::FlexPrefillProbe probe(n, kHq, kHkv, kD, cfg.block_size);
+    cuda::FlexPrefillProbe probe(n, hq, hkv, dim, cfg.block_size);
     std::vector<double> t_probe, t_down, t_select, t_upload, t_attn, t_total;
     BlockSparseLayout lay;
     std::vector<flexprefill::HeadSelection> heads;
@@ -287,14 +312,14 @@ int main(int argc, char** argv) {
     // Computed (head, query block, key block) triples over causal ones; pairs in listed blocks.
     const int B = cfg.block_size, nqb = (n + B - 1) / B;
     double sparse_pairs = 0;
-    for (int qh = 0; qh < kHq; ++qh)
+    for (int qh = 0; qh < hq; ++qh)
       for (int r = 0; r < nqb; ++r)
         for (int32_t c : lay.list(qh, r)) {
           const double rows = std::min(n, (r + 1) * B) - r * B;
           const double cols = std::min(n, (c + 1) * B) - c * B;
           sparse_pairs += c < r ? rows * cols : rows * (rows + 1) / 2;
         }
-    const double causal_blocks = static_cast<double>(nqb) * (nqb + 1) / 2.0 * kHq;
+    const double causal_blocks = static_cast<double>(nqb) * (nqb + 1) / 2.0 * hq;
     const double share = static_cast<double>(lay.blocks.size()) / causal_blocks;
     int n_qa = 0, n_vs = 0, n_dense = 0;
     for (const auto& h : heads) {
@@ -304,7 +329,7 @@ int main(int argc, char** argv) {
     }
     const double total_ms = median(t_total);
     std::printf("%7d %-12s %10.2f %9.1f %8.2f %8.2f %8.2f %8.2f %7.1f %8.1e   x%.2f vs dense; heads qa/vs/dense %d/%d/%d\n",
-                n, "flexprefill", total_ms, 4.0 * kD * sparse_pairs / median(t_attn) * 1e-9, median(t_probe),
+                n, "flexprefill", total_ms, 4.0 * dim * sparse_pairs / median(t_attn) * 1e-9, median(t_probe),
                 median(t_select), median(t_down) + median(t_upload), median(t_attn), 100.0 * share, err,
                 dense_ms / total_ms, n_qa, n_vs, n_dense);
     report["runs"].push_back({{"context", n},
@@ -319,7 +344,7 @@ int main(int argc, char** argv) {
                                 {"ms_select_host", median(t_select)},
                                 {"ms_upload", median(t_upload)},
                                 {"ms_attention", median(t_attn)},
-                                {"attention_tflops_effective", 4.0 * kD * sparse_pairs / median(t_attn) * 1e-9},
+                                {"attention_tflops_effective", 4.0 * dim * sparse_pairs / median(t_attn) * 1e-9},
                                 {"block_share", share},
                                 {"pair_share", sparse_pairs / causal_pairs},
                                 {"err_vs_dense", err},

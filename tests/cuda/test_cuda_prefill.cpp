@@ -3,13 +3,16 @@
 // sparse attention over random layouts (the reference is dense attention with the
 // equivalent mask, tests/test_prefill.cpp checks that), FlexPrefill's device probe against
 // ref::attention_prefill_projection, and the device+host selection against the CPU method's
-// float64 selection. Outputs are poisoned (NaN) before each run. Skips without a GPU.
+// float64 selection. Each at head_dim 64 and 128, and at 256 in Gemma 3's attention shape
+// (4 query heads, 1 kv head) on ragged prompts. Outputs are poisoned (NaN) before each run.
+// Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cuda_test_util.h"
@@ -168,7 +171,9 @@ TEST(CudaPrefill, DenseMatchesReference) {
   };
   const Case cases[] = {{1, 1, 1, 64},   {3, 2, 3, 128}, {15, 1, 4, 64},  {16, 2, 1, 128}, {17, 1, 8, 128},
                         {63, 3, 1, 64},  {64, 1, 2, 128}, {65, 2, 2, 64},  {255, 1, 4, 128}, {1000, 2, 3, 64},
-                        {4097, 1, 2, 128}};
+                        {4097, 1, 2, 128},
+                        // head_dim 256: one key tile (no prefetch), GQA 2, Gemma 3's 4:1 ragged
+                        {1, 1, 4, 256},  {65, 2, 2, 256}, {1000, 1, 4, 256}};
   for (const Case& c : cases) {
     Problem pb(c.n, c.n_kv, c.group, c.dim, rng);
     cuda::attention_prefill_dense(pb.dargs());
@@ -188,7 +193,9 @@ TEST(CudaPrefill, BlockSparseMatchesMaskedReference) {
     int n, n_kv, group, dim, block;
   };
   const Case cases[] = {{1, 1, 1, 64, 64},    {17, 1, 3, 128, 64},  {129, 2, 2, 64, 64}, {255, 1, 4, 128, 128},
-                        {300, 2, 1, 128, 192}, {1000, 1, 3, 64, 128}, {2049, 2, 2, 128, 128}};
+                        {300, 2, 1, 128, 192}, {1000, 1, 3, 64, 128}, {2049, 2, 2, 128, 128},
+                        // head_dim 256 in Gemma 3's shape
+                        {777, 1, 4, 256, 128}, {1000, 1, 4, 256, 192}};
   for (const Case& c : cases) {
     Problem pb(c.n, c.n_kv, c.group, c.dim, rng);
     const BlockSparseLayout lay = random_layout(c.n, pb.nq(), c.block, rng);
@@ -198,19 +205,26 @@ TEST(CudaPrefill, BlockSparseMatchesMaskedReference) {
 }
 
 // Every causal block listed: the sparse kernel walks the dense kernel's tiles in the same
-// order, so the results are identical bit for bit.
+// order, so the results are identical bit for bit (head_dim 128, and 256 in Gemma 3's shape).
 TEST(CudaPrefill, EveryCausalBlockIsBitIdenticalToDense) {
   CUMULUS_REQUIRE_GPU();
   std::mt19937 rng(73);
-  Problem pb(777, 2, 2, 128, rng);
-  cuda::attention_prefill_dense(pb.dargs());
-  cuda::device_synchronize();
-  const std::vector<uint16_t> dense = cuda::to_host<uint16_t>(pb.dout, pb.q.size());
-  const cuda::DeviceBlockLayout dl = cuda::DeviceBlockLayout::upload(block_sparse_layout_causal(0, 777, pb.nq(), 128), 777);
-  cuda::attention_prefill_block_sparse(pb.dargs(), dl);
-  cuda::device_synchronize();
-  const std::vector<uint16_t> sparse = cuda::to_host<uint16_t>(pb.dout, pb.q.size());
-  EXPECT_TRUE(dense == sparse);
+  struct Case {
+    int n_kv, group, dim;
+  };
+  for (const Case& c : {Case{2, 2, 128}, Case{1, 4, 256}}) {
+    SCOPED_TRACE(testing::Message() << "dim=" << c.dim);
+    Problem pb(777, c.n_kv, c.group, c.dim, rng);
+    cuda::attention_prefill_dense(pb.dargs());
+    cuda::device_synchronize();
+    const std::vector<uint16_t> dense = cuda::to_host<uint16_t>(pb.dout, pb.q.size());
+    const cuda::DeviceBlockLayout dl =
+        cuda::DeviceBlockLayout::upload(block_sparse_layout_causal(0, 777, pb.nq(), 128), 777);
+    cuda::attention_prefill_block_sparse(pb.dargs(), dl);
+    cuda::device_synchronize();
+    const std::vector<uint16_t> sparse = cuda::to_host<uint16_t>(pb.dout, pb.q.size());
+    EXPECT_TRUE(dense == sparse);
+  }
 }
 
 // The device probe against ref::attention_prefill_projection (float64) and the host means;
@@ -221,7 +235,10 @@ TEST(CudaPrefill, FlexPrefillProbeAndSelectionMatchCpu) {
   struct Case {
     int n, n_kv, group, dim, block;
   };
-  const Case cases[] = {{200, 1, 2, 64, 64}, {1500, 2, 2, 128, 128}, {3001, 1, 3, 64, 128}};
+  // head_dim 256 at block_size 128: 128 probe rows, 193 KB of shared memory (an H100's 227 KB
+  // opt-in holds it, an A100's 163 KB does not; block_size 64 fits both).
+  const Case cases[] = {{200, 1, 2, 64, 64},  {1500, 2, 2, 128, 128}, {3001, 1, 3, 64, 128},
+                        {777, 1, 4, 256, 64}, {1000, 1, 4, 256, 128}};
   for (const Case& c : cases) {
     SCOPED_TRACE(testing::Message() << "n=" << c.n << " dim=" << c.dim << " block=" << c.block);
     Problem pb(c.n, c.n_kv, c.group, c.dim, rng);
@@ -300,6 +317,11 @@ TEST(CudaPrefill, BadInputIsAnError) {
   cuda::DevicePrefillArgs a = pb.dargs();
   a.head_dim = 96;
   EXPECT_THROW(cuda::attention_prefill_dense(a), Error);
+  try {
+    cuda::attention_prefill_dense(a);
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("(64, 128, 256)"), std::string::npos) << e.what();
+  }
   a = pb.dargs();
   a.n_kv_heads = 2;
   a.n_q_heads = 3;  // not a multiple of the kv heads
@@ -310,6 +332,8 @@ TEST(CudaPrefill, BadInputIsAnError) {
   EXPECT_THROW(cuda::DeviceBlockLayout::upload(block_sparse_layout_causal(0, 100, 2, 96), 100), Error);
   const cuda::DeviceBlockLayout other = cuda::DeviceBlockLayout::upload(block_sparse_layout_causal(0, 100, 4, 64), 100);
   EXPECT_THROW(cuda::attention_prefill_block_sparse(pb.dargs(), other), Error);
-  // 4096 probe rows of head_dim 128 do not fit in shared memory.
+  // 4096 probe rows of head_dim 128, or 256 rows of head_dim 256, do not fit in shared memory.
   EXPECT_THROW(cuda::FlexPrefillProbe(5000, 2, 1, 128, 4096), Error);
+  EXPECT_THROW(cuda::FlexPrefillProbe(5000, 4, 1, 256, 256), Error);
+  EXPECT_THROW(cuda::FlexPrefillProbe(5000, 4, 1, 96, 64), Error);
 }

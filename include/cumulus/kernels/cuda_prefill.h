@@ -10,7 +10,9 @@
 // Kernels: flash-style (FlashAttention-2 order: a CTA owns 64 query rows, streams 64-key tiles
 // through shared memory with cp.async, online softmax in registers), scores and P.V on
 // tensor cores (mma.sync m16n8k16, f16 operands, float32 accumulation; P rounded to f16 as
-// FlashAttention does). Plain C++ header: no CUDA header (DESIGN.md).
+// FlashAttention does). At head_dim 256 Q stays in shared memory (its fragments reloaded per
+// k-step) and K, V have one buffer each, so O's 256 columns fit in registers without spills
+// (prefill.cu's file comment). Plain C++ header: no CUDA header (DESIGN.md).
 #pragma once
 
 #include <cstdint>
@@ -28,7 +30,7 @@ struct HeadSelection;
 
 namespace cumulus::cuda {
 
-// Device pointers; head_dim 64 or 128.
+// Device pointers; head_dim 64, 128 or 256.
 //   lse: optional [n_q_heads][n] float32, log sum_j exp(scale q_i.k_j) (natural log) over
 //        the attended keys; -inf (and out = 0) for a row that attends nothing
 struct DevicePrefillArgs {

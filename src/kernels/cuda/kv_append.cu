@@ -95,7 +95,7 @@ void check_create(int n_seqs, int n_kv_heads, int head_dim, DType dtype, int pag
   CUMULUS_CHECK(n_seqs >= 1 && n_kv_heads >= 1, "DeviceKvCache::create: n_seqs={} and n_kv_heads={} must be >= 1",
                 n_seqs, n_kv_heads);
   CUMULUS_CHECK(head_dim >= 1 && head_dim <= 1024,
-                "DeviceKvCache::create: head_dim={} must be in [1, 1024] (the attention kernels need 64 or 128)",
+                "DeviceKvCache::create: head_dim={} must be in [1, 1024] (the attention kernels need 64, 128 or 256)",
                 head_dim);
   CUMULUS_CHECK(dtype == DType::f16 || dtype == DType::bf16,
                 "DeviceKvCache::create: dtype={} is not supported on the GPU (f16, bf16)", dtype_name(dtype));

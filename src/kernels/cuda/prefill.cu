@@ -18,6 +18,20 @@
 // Since tiles are 64-aligned and the query tile is too, every walked tile holds key
 // tile_start <= every row of the CTA, so no row sees an all-masked tile except through an
 // empty list (handled: l = 0 gives out 0, lse -inf).
+//
+// Head dim 256 (Gemma 3) changes two things (`kQInSmem`, D > 128); 64 and 128 compile to the
+// code above. Per thread the 64 x 256 CTA would hold Q's fragments (64 registers), the O
+// accumulator (128 floats) and S (32 floats): over the 255-register limit. Of the two ways
+// down, splitting O's columns over CTAs (gridDim.z = 2, each CTA computing the full S for its
+// 128 output columns) keeps Q in registers but computes S twice, 1.5x the tensor-core work of
+// the tile; we take the other, FlashAttention-2's for large head dims: Q stays in shared memory
+// and each 16-dim k-step of S = Q K^T reloads its A fragment (one more ldmatrix.x4 per four
+// of K), so no work is repeated and O keeps all 256 columns (128 floats per thread). Shared
+// memory: Q, K and V tiles of 32 KB each would be 160 KB with two (K, V) stages, one CTA per
+// SM; instead K and V have one buffer each and their loads interleave with the two products
+// (FlashAttention-2's order): K(t+1) is fetched while softmax and P V(t) run, V(t+1) while
+// S(t+1) does. 96 KB per CTA, so 2 CTAs (8 warps) share an SM, as at 128 (80 KB). ptxas
+// (sm_90a): 245 registers dense, 251 sparse, no spills (128: 206 / 210; 64: 142 / 153).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -39,9 +53,15 @@ template <int D>
 __host__ __device__ constexpr int tile_bytes() {
   return kTile * D * 2;
 }
+// Head dims above 128 keep Q in shared memory and K, V single-buffered (file comment).
+template <int D>
+__host__ __device__ constexpr bool q_in_smem() {
+  return D > 128;
+}
 template <int D>
 __host__ __device__ constexpr int attn_smem_bytes() {
-  return 5 * tile_bytes<D>();  // Q + 2 stages of (K, V)
+  return q_in_smem<D>() ? 3 * tile_bytes<D>()   // Q + K + V
+                        : 5 * tile_bytes<D>();  // Q + 2 stages of (K, V)
 }
 
 struct PrefillParams {
@@ -117,6 +137,7 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
 
 template <int D, bool kSparse>
 __global__ void __launch_bounds__(kThreads, 2) prefill_attn_kernel(PrefillParams p) {
+  constexpr bool kQInSmem = q_in_smem<D>();
   extern __shared__ __align__(128) unsigned char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int qt = p.first_q_tile + (p.n_q_tiles - 1 - static_cast<int>(blockIdx.y));  // heaviest first
@@ -130,7 +151,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attn_kernel(PrefillParams
 
   const uint32_t sQ = smem_u32(smem);
   const uint32_t sK0 = sQ + tile_bytes<D>(), sV0 = sQ + 2 * tile_bytes<D>();
-  constexpr uint32_t kStage = 2 * tile_bytes<D>();
+  constexpr uint32_t kStage = kQInSmem ? 0 : 2 * tile_bytes<D>();  // one stage at D > 128
 
   // The key tiles this CTA walks.
   int n_iter;
@@ -153,6 +174,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attn_kernel(PrefillParams
   if (n_iter > 0) {
     const int t0 = tile_of(0) * kTile;
     load_tile<D>(sK0, K, t0, n);
+    if constexpr (kQInSmem) cp_async_commit();  // Q and K(0), then V(0) on its own
     load_tile<D>(sV0, V, t0, n);
   }
   cp_async_commit();
@@ -161,12 +183,14 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attn_kernel(PrefillParams
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  uint32_t qf[D / 16][4];
+  uint32_t qf[kQInSmem ? 1 : D / 16][4];  // D > 128: the current k-step's only
   const int row_lo = q0 + warp * 16 + (lane >> 2);  // rows of c0,c1 (c2,c3: + 8)
 
   for (int it = 0; it < n_iter; ++it) {
     const int kt = tile_of(it);
-    if (it + 1 < n_iter) {
+    if constexpr (kQInSmem) {
+      cp_async_wait<1>();  // Q and K(it) have landed; V(it) may be in flight
+    } else if (it + 1 < n_iter) {
       const int t1 = tile_of(it + 1) * kTile;
       const uint32_t st = ((it + 1) & 1) * kStage;
       load_tile<D>(sK0 + st, K, t1, n);
@@ -177,9 +201,11 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attn_kernel(PrefillParams
       cp_async_wait<0>();
     }
     __syncthreads();
-    if (it == 0) {
+    if constexpr (!kQInSmem) {
+      if (it == 0) {
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) ldsm_x4(qf[kk], sQ + swz<D>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+        for (int kk = 0; kk < D / 16; ++kk) ldsm_x4(qf[kk], sQ + swz<D>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+      }
     }
     const uint32_t sK = sK0 + (it & 1) * kStage, sV = sV0 + (it & 1) * kStage;
 
@@ -189,12 +215,21 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attn_kernel(PrefillParams
     for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
+      if constexpr (kQInSmem) ldsm_x4(qf[0], sQ + swz<D>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+      const uint32_t(&a)[4] = qf[kQInSmem ? 0 : kk];
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         uint32_t b[4];
         ldsm_x4(b, sK + swz<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
-        mma16816(s[2 * np], qf[kk], b[0], b[1]);
-        mma16816(s[2 * np + 1], qf[kk], b[2], b[3]);
+        mma16816(s[2 * np], a, b[0], b[1]);
+        mma16816(s[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+    if constexpr (kQInSmem) {
+      __syncthreads();  // every warp has read K(it): its buffer takes K(it + 1)
+      if (it + 1 < n_iter) {
+        load_tile<D>(sK0, K, tile_of(it + 1) * kTile, n);
+        cp_async_commit();
       }
     }
 
@@ -243,6 +278,15 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attn_kernel(PrefillParams
       pf[j >> 1][(j & 1) * 2 + 1] = pack_half2(p2, p3);
     }
 
+    if constexpr (kQInSmem) {
+      if (it + 1 < n_iter) {
+        cp_async_wait<1>();  // V(it); K(it + 1) may be in flight
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+    }
+
     // O += P V: 4 k-steps of 16 keys, D / 8 n-tiles of 8 dims.
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
@@ -255,6 +299,12 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attn_kernel(PrefillParams
       }
     }
     __syncthreads();  // this stage is refilled by the next iteration's prefetch
+    if constexpr (kQInSmem) {
+      if (it + 1 < n_iter) {
+        load_tile<D>(sV0, V, tile_of(it + 1) * kTile, n);
+        cp_async_commit();
+      }
+    }
   }
   cp_async_wait<0>();
 
@@ -317,8 +367,10 @@ template <bool kSparse>
 void dispatch_attn(const PrefillParams& p, int head_dim, int n_q_heads, cudaStream_t s) {
   if (head_dim == 64) {
     launch_attn<64, kSparse>(p, n_q_heads, s);
-  } else {
+  } else if (head_dim == 128) {
     launch_attn<128, kSparse>(p, n_q_heads, s);
+  } else {
+    launch_attn<256, kSparse>(p, n_q_heads, s);
   }
 }
 
@@ -392,6 +444,23 @@ __global__ void __launch_bounds__(kProbeThreads) probe_projection_kernel(const _
         sred[kj] + sred[kProbeKeys + kj] + sred[2 * kProbeKeys + kj] + sred[3 * kProbeKeys + kj];
 }
 
+// Shared memory of probe_projection_kernel for L rows of head_dim D (bytes).
+size_t probe_smem_bytes(int L, int D) {
+  return (static_cast<size_t>(L) * D + kProbeKeys * (D + 1) + 4 * kProbeKeys) * 4;
+}
+
+template <int D>
+void launch_probe(const __half* q, const __half* k, int n, int n_q_heads, int L, int group, float scale,
+                  const float* lse, int lse_stride, float* vertical, float* slash, cudaStream_t s) {
+  const size_t smem = probe_smem_bytes(L, D);
+  CUMULUS_CUDA_CHECK(cudaFuncSetAttribute(probe_projection_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+  const dim3 grid(static_cast<unsigned>((n + kProbeKeys - 1) / kProbeKeys), static_cast<unsigned>(n_q_heads));
+  probe_projection_kernel<D><<<grid, kProbeThreads, smem, s>>>(q, k, n, L, group, scale, lse, lse_stride, vertical,
+                                                               slash);
+  CUMULUS_CUDA_LAUNCH("probe_projection_kernel");
+}
+
 // Mean of rows [row0 + b * B, min(n, row0 + (b + 1) * B)) of head blockIdx.y of a
 // [heads][n][D] matrix (blockIdx.x = b), one thread per dimension, float32 sums in row order.
 //   out: [heads][gridDim.x][D]
@@ -411,8 +480,8 @@ void DevicePrefillArgs::validate(const char* fn) const {
   if (q == nullptr || k == nullptr || v == nullptr || out == nullptr)
     throw Error(fmt::format("{}: q, k, v and out must be non-null device pointers", fn));
   if (n < 1) throw Error(fmt::format("{}: n={} must be >= 1", fn, n));
-  if (head_dim != 64 && head_dim != 128)
-    throw Error(fmt::format("{}: head_dim={} is not built for the CUDA prefill kernels (64, 128)", fn, head_dim));
+  if (head_dim != 64 && head_dim != 128 && head_dim != 256)
+    throw Error(fmt::format("{}: head_dim={} is not built for the CUDA prefill kernels (64, 128, 256)", fn, head_dim));
   if (n_kv_heads < 1 || n_q_heads < 1 || n_q_heads % n_kv_heads != 0)
     throw Error(fmt::format("{}: n_q_heads={} must be a positive multiple of n_kv_heads={}", fn, n_q_heads,
                             n_kv_heads));
@@ -488,15 +557,22 @@ FlexPrefillProbe::FlexPrefillProbe(int n_, int n_q_heads_, int n_kv_heads_, int 
   if (n < 1 || block_size < 1 || n_q_heads < 1 || n_kv_heads < 1)
     throw Error(fmt::format("FlexPrefillProbe: n={}, block_size={}, heads {}/{} must be >= 1", n, block_size,
                             n_q_heads, n_kv_heads));
-  // The projection kernel holds the L probe rows in shared memory as float32.
-  const size_t psmem = (static_cast<size_t>(n_rows) * head_dim + kProbeKeys * (head_dim + 1) + 4 * kProbeKeys) * 4;
+  if (head_dim != 64 && head_dim != 128 && head_dim != 256)
+    throw Error(fmt::format("FlexPrefillProbe: head_dim={} is not built for the CUDA prefill kernels (64, 128, 256)",
+                            head_dim));
+  // The projection kernel holds the L probe rows in shared memory as float32: L * head_dim * 4
+  // bytes plus a 64-key tile (at 256, block_size 128 takes 193 KB, under an H100's 227 KB).
+  const size_t psmem = probe_smem_bytes(n_rows, head_dim);
   int dev = 0, optin = 0;
   CUMULUS_CUDA_CHECK(cudaGetDevice(&dev));
   CUMULUS_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  if (psmem > static_cast<size_t>(optin))
+  if (psmem > static_cast<size_t>(optin)) {
+    const size_t avail = static_cast<size_t>(optin), fixed = probe_smem_bytes(0, head_dim);
+    const size_t max_rows = avail > fixed ? (avail - fixed) / (4 * static_cast<size_t>(head_dim)) : 0;
     throw Error(fmt::format("FlexPrefillProbe: block_size={} gives {} probe rows of head_dim {}: {} bytes of shared "
-                            "memory, the device allows {}",
-                            block_size, n_rows, head_dim, psmem, optin));
+                            "memory, the device allows {} (at most {} rows)",
+                            block_size, n_rows, head_dim, psmem, optin, max_rows));
+  }
   const size_t nq = static_cast<size_t>(n_q_heads);
   vertical_ = DeviceBuffer(nq * n * 4);
   slash_ = DeviceBuffer(nq * n * 4);
@@ -529,23 +605,18 @@ void FlexPrefillProbe::run(const DevicePrefillArgs& a, void* stream) {
   // 2. projection: the probe row i's lse sits at lse_[qh * (n - row0) + (n - L - row0) + i].
   CUMULUS_CUDA_CHECK(cudaMemsetAsync(slash_.data(), 0, slash_.size(), s));
   const int group = n_q_heads / n_kv_heads;
-  const dim3 pgrid(static_cast<unsigned>((n + kProbeKeys - 1) / kProbeKeys), static_cast<unsigned>(n_q_heads));
-  const size_t psmem = (static_cast<size_t>(L) * head_dim + kProbeKeys * (head_dim + 1) + 4 * kProbeKeys) * 4;
   const float* lse_rows = lse_.as<float>() + (n - L - row0);
   const auto* qp = static_cast<const __half*>(a.q);
   const auto* kp = static_cast<const __half*>(a.k);
+  float* vp = vertical_.as<float>();
+  float* sp = slash_.as<float>();
   if (head_dim == 64) {
-    CUMULUS_CUDA_CHECK(cudaFuncSetAttribute(probe_projection_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(psmem)));
-    probe_projection_kernel<64><<<pgrid, kProbeThreads, psmem, s>>>(qp, kp, n, L, group, a.scale, lse_rows, n - row0,
-                                                                    vertical_.as<float>(), slash_.as<float>());
+    launch_probe<64>(qp, kp, n, n_q_heads, L, group, a.scale, lse_rows, n - row0, vp, sp, s);
+  } else if (head_dim == 128) {
+    launch_probe<128>(qp, kp, n, n_q_heads, L, group, a.scale, lse_rows, n - row0, vp, sp, s);
   } else {
-    CUMULUS_CUDA_CHECK(cudaFuncSetAttribute(probe_projection_kernel<128>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(psmem)));
-    probe_projection_kernel<128><<<pgrid, kProbeThreads, psmem, s>>>(qp, kp, n, L, group, a.scale, lse_rows, n - row0,
-                                                                     vertical_.as<float>(), slash_.as<float>());
+    launch_probe<256>(qp, kp, n, n_q_heads, L, group, a.scale, lse_rows, n - row0, vp, sp, s);
   }
-  CUMULUS_CUDA_LAUNCH("probe_projection_kernel");
   // 3. block means of K and Q, and the mean of the probe rows [n - L, n).
   block_mean_kernel<<<dim3(static_cast<unsigned>(n_blocks), static_cast<unsigned>(n_kv_heads)), head_dim, 0, s>>>(
       kp, n, head_dim, 0, block_size, kmean_.as<float>());

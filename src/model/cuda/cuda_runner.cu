@@ -5,9 +5,9 @@
 //              q, k, v f32 = xn W^T (cuBLAS GemmEx: f16 in, f32 accumulate and out)
 //              RoPE on q and k at the positions the layer's cache holds (read on the device)
 //              k, v appended to the layer's DeviceKvCache (rounded to f16 there)
-//              attention: decode (C = 1) through attention_decode (head_dim 64/128) or the
-//              generic rows kernel; prefill from position 0 through attention_prefill_dense
-//              (head_dim 64/128), else the rows kernel
+//              attention: decode (C = 1) through attention_decode (head_dim 64/128/256) or
+//              the generic rows kernel; prefill from position 0 through
+//              attention_prefill_dense (head_dim 64/128/256), else the rows kernel
 //              x += att Wo^T (the residual is the GEMM's beta = 1)
 //              xn = RMSNorm(x) * ffn_norm; act f16 = silu(xn Wg^T) * (xn Wu^T); x += act Wd^T
 //   logits [vocab] f32 = RMSNorm(x_last) * output_norm, times the classifier
@@ -171,7 +171,7 @@ class CudaRunner final : public CudaModelRunner {
   DeviceBuffer embd_, out_w_, out_norm_;
   std::vector<Layer> layers_;
   std::vector<cuda::DeviceKvCache> kv_;
-  std::unique_ptr<cuda::AttentionPlan> plan_;  // attention_decode, head_dim 64/128
+  std::unique_ptr<cuda::AttentionPlan> plan_;  // attention_decode, head_dim 64/128/256
   DeviceBuffer blas_ws_;                       // cuBLAS workspace (no allocation while capturing)
   // The decode step as one CUDA graph, captured at the first decode (CUMULUS_CUDA_GRAPHS=0:
   // launched kernel by kernel instead).
@@ -278,8 +278,8 @@ CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o, int n_seqs
   }
   if (cuda::head_dim_supported_cuda(c_.head_dim))
     plan_ = std::make_unique<cuda::AttentionPlan>(kv_[0].view(), c_.shape().group());
-  CUMULUS_CHECK(n_seqs_ == 1 || plan_ != nullptr, "a batch of {} sequences needs head_dim 64 or 128, not {}", n_seqs_,
-                c_.head_dim);
+  CUMULUS_CHECK(n_seqs_ == 1 || plan_ != nullptr, "a batch of {} sequences needs head_dim 64, 128 or 256, not {}",
+                n_seqs_, c_.head_dim);
   // Scratch for rows_ rows.
   const size_t r = rows_, qd = static_cast<size_t>(c_.n_heads) * c_.head_dim,
                kvd = static_cast<size_t>(c_.n_kv_heads) * c_.head_dim;
