@@ -267,8 +267,12 @@ TEST(CudaModel, Llama3ShapedRandomWeightsMatchTheCpu) {
 // judged against dense attention: the GPU method's largest |logit - dense logit| within
 // twice the CPU method's plus 5% of the largest logit (the GPU-vs-CPU margin of the dense
 // test). The statistics are the wiring's check: head-steps and claim counts equal, mean
-// claim within 0.01, mean tokens per head-step and K/V share within 5% (sketch_topp: the
-// GPU does no rounds, so its tokens within 10% and claims within 0.03, below the CPU's).
+// claim within 0.01, mean tokens per head-step and K/V share within 5%. Two deviations of
+// the GPU pipelines (docs/cuda.md) loosen this where they act: sketch_topp does no rounds
+// on the GPU, so heads whose claim falls short of p keep their union (tokens within 10%,
+// claims within 0.03, and its logits within three times the CPU's distance from dense:
+// measured 4.67 against 1.79 on this model, 2026-11-26); tactic's K/V share leaves out its
+// exactly scored keys on the GPU (at most the CPU's, at least 70% of it).
 // Then the run launched kernel by kernel (CUMULUS_CUDA_GRAPHS=0) equals the graph's replay
 // within 1e-3 of the largest logit: a method's step reads every count from the device, so
 // a captured step stays right as tokens are appended. tactic with recluster_interval=8
@@ -309,12 +313,14 @@ TEST(CudaModel, DecodeMethodsMatchTheCpuThroughTheRunner) {
     std::string method;
     std::map<std::string, std::string> params;
     double tokens_tol, claim_tol;  // tokens_tol 0: not compared
+    double logit_factor = 2;
+    bool kv_lower_bound = false;  // the GPU's K/V share in [0.7, 1] of the CPU's
   };
   const std::vector<Case> cases{
-      {"sketch_topp", {{"gpu_dense_mib", "0"}}, 0.10, 0.03},
-      {"sketch_topp", {{"gpu_dense_mib", "0"}, {"rest", "none"}}, 0.10, 0.03},
-      {"tactic", {{"sinks", "4"}}, 0.05, 0.01},
-      {"tactic", {{"recluster_interval", "8"}}, 0, 0.01},
+      {"sketch_topp", {{"gpu_dense_mib", "0"}}, 0.10, 0.03, 3},
+      {"sketch_topp", {{"gpu_dense_mib", "0"}, {"rest", "none"}}, 0.10, 0.03, 3},
+      {"tactic", {{"sinks", "4"}}, 0.05, 0.01, 2, true},
+      {"tactic", {{"recluster_interval", "8"}}, 0, 0.01, 2, true},
       {"psa", {}, 0.05, 0.01},
       {"quest", {{"budget", "256"}, {"dense_layers", "1"}}, 0.05, 0.01},
       {"oracle_topp", {}, 0.05, 0.01},
@@ -340,13 +346,18 @@ TEST(CudaModel, DecodeMethodsMatchTheCpuThroughTheRunner) {
                 gs.mean_tokens(), cs.mean_tokens(), prompt.size() + forced.size() / 2, gs.mean_kv_fraction(),
                 cs.mean_kv_fraction(), gs.mean_claimed(), static_cast<long long>(gs.claimed_count), cs.mean_claimed(),
                 static_cast<long long>(cs.claimed_count));
-    EXPECT_LE(e_gpu, 2 * e_cpu + 0.05 * max_logit) << label;
+    EXPECT_LE(e_gpu, k.logit_factor * e_cpu + 0.05 * max_logit) << label;
     EXPECT_EQ(gs.head_steps, cs.head_steps) << label;
     EXPECT_EQ(gs.claimed_count, cs.claimed_count) << label;
     EXPECT_NEAR(gs.mean_claimed(), cs.mean_claimed(), k.claim_tol) << label;
     if (k.tokens_tol > 0) {
       EXPECT_NEAR(gs.mean_tokens(), cs.mean_tokens(), k.tokens_tol * cs.mean_tokens()) << label;
-      EXPECT_NEAR(gs.mean_kv_fraction(), cs.mean_kv_fraction(), k.tokens_tol * cs.mean_kv_fraction()) << label;
+    }
+    if (k.kv_lower_bound) {
+      EXPECT_LE(gs.mean_kv_fraction(), cs.mean_kv_fraction()) << label;
+      EXPECT_GE(gs.mean_kv_fraction(), 0.7 * cs.mean_kv_fraction()) << label;
+    } else {
+      EXPECT_NEAR(gs.mean_kv_fraction(), cs.mean_kv_fraction(), 0.05 * cs.mean_kv_fraction()) << label;
     }
     // Sparse for real: fewer tokens than dense (quest's dense layer included).
     EXPECT_LT(gs.mean_tokens(), 0.9 * (prompt.size() + forced.size() / 2)) << label;

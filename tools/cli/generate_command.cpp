@@ -78,6 +78,7 @@ struct RunResult {
   std::string method;
   int prompt_len = 0, generated = 0;
   double prefill_s = 0, index_s = 0, decode_s = 0;  // index_s: the decode method's index build
+  bool loaded = false;  // prefill_s is the time of --kv-load (no prefill ran)
   AttentionSummary summary;
   PrefillStats prefill_stats;
 };
@@ -107,7 +108,7 @@ RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector
                 "prompt of {} tokens + --max-tokens {} exceeds the model's context of {} tokens", prompt.size(),
                 o.max_tokens, s.capacity());
   Sampler sampler({.temperature = o.temperature, .top_p = o.top_p, .seed = o.seed});
-  RunResult r{spec.label, static_cast<int>(prompt.size()), 0, 0, 0, 0, {}, {}};
+  RunResult r{spec.label, static_cast<int>(prompt.size()), 0, 0, 0, 0, kvs.load != nullptr, {}, {}};
 
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
@@ -519,8 +520,10 @@ void run_generate(const GenerateOptions& o) {
   for (const auto& r : results) {
     const auto& s = r.summary;
     const double tps = decode_tps(r);
-    fmt::print("{:<14} {:>7} {:>8.2f}s {:>10.1f} {:>7.2f}s {:>7} {:>10.1f} {:>9} {:>9.1f}% {:>9.0f} {:>9}\n", r.method,
-               r.prompt_len, r.prefill_s, r.prompt_len / r.prefill_s, r.index_s, r.generated, tps,
+    fmt::print("{:<14} {:>7} {:>8.2f}s {:>10} {:>7.2f}s {:>7} {:>10.1f} {:>9} {:>9.1f}% {:>9.0f} {:>9}\n", r.method,
+               r.prompt_len, r.prefill_s,
+               r.loaded ? std::string("kv-load") : fmt::format("{:.1f}", r.prompt_len / r.prefill_s), r.index_s,
+               r.generated, tps,
                dense_tps > 0 && tps > 0 ? fmt::format("{:.2f}x", tps / dense_tps) : "-", 100 * s.mean_kv_fraction(),
                s.mean_tokens(), s.claimed_count ? fmt::format("{:.3f}", s.mean_claimed()) : "-");
     if (s.true_count) fmt::print("{:<14} true mass {:.3f} (eval mode)\n", "", s.mean_true());
@@ -529,6 +532,8 @@ void run_generate(const GenerateOptions& o) {
       fmt::print("{:<14} prefill {}: {:.1f}% of causal blocks, heads query-aware/vertical-slash/dense {}/{}/{}\n", "",
                  o.prefill, 100 * ps.block_share(), ps.heads_query_aware, ps.heads_vertical_slash, ps.heads_dense);
   }
+  if (kvs.load)
+    fmt::print("prefill: the time --kv-load took to read the prompt's cache (no prefill ran; tok/s: kv-load)\n");
   fmt::print("index: the decode method's index build over the prompt, after the prefill (tactic's k-means; 0 for "
              "dense); vs dense: decode tok/s over the dense run's in this process; kv read: mean share of the dense "
              "K/V bytes read per decode step; tokens: mean tokens attended per head-step; claimed: mean mass the "
