@@ -12,8 +12,13 @@
 // cache (timed apart), with the share of the K/V they read and their tokens per head-step.
 // Random keys and queries are not real attention: the sparse rows measure what the
 // pipelines cost at the sparsity they find here, not what a real model gains.
+// --prefill N (default 32768, 0: none) first times a prefill of N random tokens in one chunk
+// and in chunks of 2048 (the tuned causal prefill kernel for attention, each chunk after
+// the first over the keys cached before it; cuBLAS for the products) and compares the FLOP
+// rate with cuBLAS's on the prefill's largest product shape in the same run.
 //   cuda_model_bench [--contexts 8192,32768,131072] [--batches 1,4,16] [--steps 20]
 //                    [--json PATH] [--layers N] [--methods dense,sketch_topp:gpu_dense_mib=0]
+//                    [--prefill 32768]
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -80,11 +85,50 @@ std::vector<int> parse_list(const std::string& s) {
   return v;
 }
 
+// Prefill of n random tokens in one chunk, batch 1, dense attention: seconds, tokens/s and
+// TFLOP/s (2 flops per weight per token for the layer products, 2 n^2 d per query head for
+// causal attention, QK^T and PV; the head's one row left out) against cuBLAS's TFLOP/s on
+// the gate/up product's shape with n rows, measured right after.
+json prefill_bench(ModelConfig c, int n, int chunk) {
+  SessionOptions o;
+  o.max_tokens = n + 1;
+  o.prefill_chunk = chunk;
+  c.context_length = n + 1;
+  try {
+    cuda_runner_check(c, o, 1);
+  } catch (const Error& e) {
+    fmt::print("prefill {} in chunks of {}: does not fit: {}\n", n, chunk, e.what());
+    return {{"tokens", n}, {"chunk", chunk}, {"skipped", e.what()}};
+  }
+  std::vector<int32_t> toks(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) toks[i] = (i * 7919) % c.vocab_size;
+  double s = 0;
+  {
+    auto r = model_runner_cuda_random(c, o, 4321, 1);
+    const auto t0 = std::chrono::steady_clock::now();
+    r->prefill(toks);
+    s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  const double d = c.head_dim, dim = c.dim, qd = c.n_heads * d, kvd = c.n_kv_heads * d;
+  const double layer_weights = qd * dim + 2 * kvd * dim + dim * qd + 3.0 * c.hidden_dim * dim;
+  const double linear = 2.0 * n * layer_weights * c.n_layers;
+  const double attention = 2.0 * static_cast<double>(n) * n * d * c.n_heads * c.n_layers;
+  const double tflops = (linear + attention) / s / 1e12;
+  const double blas = cuda_gemm_tflops(c.hidden_dim, c.dim, n);
+  fmt::print("prefill {} tokens in chunks of {}: {:.3f} s, {:.0f} tokens/s, {:.1f} TFLOP/s ({:.2f} PFLOP: products "
+             "{:.2f}, attention {:.2f}); cuBLAS {}x{} f16 GEMM with {} rows: {:.1f} TFLOP/s; prefill at {:.1f}% of it\n",
+             n, chunk, s, n / s, tflops, (linear + attention) / 1e15, linear / 1e15, attention / 1e15, c.hidden_dim, c.dim,
+             n, blas, 100 * tflops / blas);
+  return {{"tokens", n},          {"chunk", chunk},        {"seconds", s},          {"tokens_per_s", n / s},
+          {"tflops", tflops},     {"flops_products", linear}, {"flops_attention", attention},
+          {"cublas_tflops", blas}, {"fraction_of_cublas", tflops / blas}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
   std::vector<int> contexts{8192, 32768, 131072}, batches{1, 4, 16};
-  int steps = 20, layers = 32;
+  int steps = 20, layers = 32, prefill_n = 32768;
   std::string json_path;
   std::vector<std::string> methods{"dense"};
   for (int i = 1; i < argc; ++i) {
@@ -99,9 +143,11 @@ int main(int argc, char** argv) try {
     else if (a == "--layers") layers = std::stoi(next());
     else if (a == "--json") json_path = next();
     else if (a == "--methods") methods = split(next(), ',');
+    else if (a == "--prefill") prefill_n = std::stoi(next());
     else CUMULUS_FAIL("unknown argument '{}' (--contexts, --batches, --steps, --layers, --json, --methods)", a);
   }
   CUMULUS_CHECK(steps >= 1 && layers >= 1, "--steps={} and --layers={} must be >= 1", steps, layers);
+  CUMULUS_CHECK(prefill_n >= 0, "--prefill={} must be >= 0", prefill_n);
   if (!cuda::device_available()) {
     std::fprintf(stderr, "cuda_model_bench: no CUDA device\n");
     return 1;
@@ -122,10 +168,15 @@ int main(int argc, char** argv) try {
   const double bw = copy_gbps();
   fmt::print("device: {}\nllama3-8b shape, {} layers, random f16 weights, kv f16\n", dev, layers);
   fmt::print("device-to-device copy: {:.0f} GB/s (read + write, median of 20 x 1 GiB)\n\n", bw);
+  json prefill_prev = json::array();
+  if (prefill_n > 0)
+    for (int chunk : {prefill_n, 2048}) prefill_prev.push_back(prefill_bench(c, prefill_n, chunk));
+  fmt::print("\n");
   fmt::print("{:<16} {:>8} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8}\n", "method", "context",
              "batch", "ms/step", "tok/s", "GB/step", "floor ms", "floor t/s", "of floor", "kv read", "index s",
              "vs dense");
   json report = {{"device", dev}, {"copy_gbps", bw}, {"layers", layers}, {"steps", steps}, {"runs", json::array()}};
+  if (!prefill_prev.empty()) report["prefill"] = prefill_prev;
   for (int batch : batches)
   for (int ctx : contexts) {
     double dense_ms = 0;

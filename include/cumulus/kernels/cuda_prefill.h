@@ -44,6 +44,10 @@ struct DevicePrefillArgs {
   int n_kv_heads = 0;
   int head_dim = 0;
   float scale = 0.0f;
+  // attention_prefill_dense only: the queries are rows [q_first, n) of the sequence (q and
+  // out hold n - q_first rows per head; k and v all n rows), so a prompt can be prefilled
+  // in chunks against the keys cached before each chunk. A multiple of 64.
+  int q_first = 0;
 
   // Throws Error naming the first bad field.
   void validate(const char* fn) const;

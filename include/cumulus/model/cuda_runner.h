@@ -61,6 +61,12 @@ std::unique_ptr<CudaModelRunner> model_runner_cuda(const ModelWeights& weights, 
 std::unique_ptr<CudaModelRunner> model_runner_cuda_random(const ModelConfig& config, const SessionOptions& options,
                                                           uint64_t seed, int n_seqs = 1);
 
+// cuBLAS's rate on the runner's product, y [n][rows] f32 = x [n][cols] f16 W^T (W f16
+// [rows][cols]), in TFLOP/s (2 rows cols n per product): the median of `iters` timed
+// products after 2 warm-ups, on random data (benchmarks: the GEMM rate a prefill is judged
+// against).
+double cuda_gemm_tflops(int rows, int cols, int n, int iters = 10);
+
 // "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs, 79.2 GiB)" or the reason there is none.
 std::string cuda_device_summary();
 

@@ -65,7 +65,7 @@ __host__ __device__ constexpr int attn_smem_bytes() {
 }
 
 struct PrefillParams {
-  const __half* q;  // [n_q_heads][n][D]
+  const __half* q;  // [n_q_heads][n - q_row0][D]: rows q_row0 .. n - 1
   const __half* k;  // [n_kv][n][D]
   const __half* v;
   __half* out;      // [n_q_heads][out_rows][D], row i at out_row (i - out_row0)
@@ -73,6 +73,7 @@ struct PrefillParams {
   int n, group;
   int first_q_tile, n_q_tiles;  // query tiles [first_q_tile, first_q_tile + n_q_tiles)
   int out_row0, out_rows;
+  int q_row0;  // the first row q holds (DevicePrefillArgs::q_first; the probe: 0)
   float qscale;  // scale * log2(e)
   // sparse only
   const int32_t* offsets;  // [n_q_heads * n_q_blocks + 1]
@@ -144,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attn_kernel(PrefillParams
   const int qh = blockIdx.x;
   const int kvh = qh / p.group;
   const int n = p.n;
-  const __half* Q = p.q + static_cast<size_t>(qh) * n * D;
+  const __half* Q = p.q + static_cast<size_t>(qh) * (n - p.q_row0) * D;
   const __half* K = p.k + static_cast<size_t>(kvh) * n * D;
   const __half* V = p.v + static_cast<size_t>(kvh) * n * D;
   const int q0 = qt * kTile;
@@ -170,7 +171,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attn_kernel(PrefillParams
   }
   auto tile_of = [&](int i) { return kSparse ? list[i / tpb] * tpb + i % tpb : i; };
 
-  load_tile<D>(sQ, Q, q0, n);
+  load_tile<D>(sQ, Q, q0 - p.q_row0, n - p.q_row0);
   if (n_iter > 0) {
     const int t0 = tile_of(0) * kTile;
     load_tile<D>(sK0, K, t0, n);
@@ -355,10 +356,11 @@ PrefillParams base_params(const DevicePrefillArgs& a) {
   p.lse = a.lse;
   p.n = a.n;
   p.group = a.n_q_heads / a.n_kv_heads;
-  p.n_q_tiles = (a.n + kTile - 1) / kTile;
-  p.first_q_tile = 0;
-  p.out_row0 = 0;
-  p.out_rows = a.n;
+  p.first_q_tile = a.q_first / kTile;
+  p.n_q_tiles = (a.n + kTile - 1) / kTile - p.first_q_tile;
+  p.q_row0 = a.q_first;
+  p.out_row0 = a.q_first;
+  p.out_rows = a.n - a.q_first;
   p.qscale = a.scale * kLog2e;
   return p;
 }
@@ -486,6 +488,8 @@ void DevicePrefillArgs::validate(const char* fn) const {
     throw Error(fmt::format("{}: n_q_heads={} must be a positive multiple of n_kv_heads={}", fn, n_q_heads,
                             n_kv_heads));
   if (!(scale > 0.0f) || !std::isfinite(scale)) throw Error(fmt::format("{}: scale={} must be finite and > 0", fn, scale));
+  if (q_first < 0 || q_first >= n || q_first % kTile != 0)
+    throw Error(fmt::format("{}: q_first={} must be a multiple of {} in [0, n={})", fn, q_first, kTile, n));
   if (n > 65535 * kTile)  // query tiles are the grid's y dimension
     throw Error(fmt::format("{}: n={} exceeds the kernel's {} tokens", fn, n, 65535 * kTile));
 }
@@ -534,6 +538,7 @@ void attention_prefill_dense(const DevicePrefillArgs& a, void* stream) {
 void attention_prefill_block_sparse(const DevicePrefillArgs& a, const DeviceBlockLayout& layout, void* stream) {
   const char* fn = "cuda::attention_prefill_block_sparse";
   a.validate(fn);
+  if (a.q_first != 0) throw Error(fmt::format("{}: q_first={} must be 0 (the whole prompt)", fn, a.q_first));
   const int nqb = (a.n + layout.block_size() - 1) / std::max(1, layout.block_size());
   if (layout.offsets() == nullptr || layout.n_q_heads() != a.n_q_heads || layout.n_q_blocks() != nqb)
     throw Error(fmt::format("{}: layout of {} query heads x {} query blocks does not match n={}, n_q_heads={}", fn,
@@ -588,6 +593,7 @@ FlexPrefillProbe::FlexPrefillProbe(int n_, int n_q_heads_, int n_kv_heads_, int 
 void FlexPrefillProbe::run(const DevicePrefillArgs& a, void* stream) {
   const char* fn = "FlexPrefillProbe::run";
   a.validate(fn);
+  if (a.q_first != 0) throw Error(fmt::format("{}: q_first={} must be 0 (the whole prompt)", fn, a.q_first));
   if (a.n != n || a.n_q_heads != n_q_heads || a.n_kv_heads != n_kv_heads || a.head_dim != head_dim)
     throw Error(fmt::format("{}: args (n={}, heads {}/{}, head_dim {}) differ from the probe's ({}, {}/{}, {})", fn,
                             a.n, a.n_q_heads, a.n_kv_heads, a.head_dim, n, n_q_heads, n_kv_heads, head_dim));

@@ -5,9 +5,10 @@
 //              q, k, v f32 = xn W^T (cuBLAS GemmEx: f16 in, f32 accumulate and out)
 //              RoPE on q and k at the positions the layer's cache holds (read on the device)
 //              k, v appended to the layer's DeviceKvCache (rounded to f16 there)
-//              attention: decode (C = 1) through attention_decode (head_dim 64/128/256) or
-//              the generic rows kernel; prefill from position 0 through
-//              attention_prefill_dense (head_dim 64/128/256), else the rows kernel
+//              attention: decode (C = 1) through the decode method (dense: attention_decode,
+//              head_dim 64/128/256) or the generic rows kernel; a prefill chunk starting at
+//              a multiple of 64 through attention_prefill_dense (head_dim 64/128/256; after
+//              the first chunk over the cached keys gathered head-major), else the rows kernel
 //              x += att Wo^T (the residual is the GEMM's beta = 1)
 //              xn = RMSNorm(x) * ffn_norm; act f16 = silu(xn Wg^T) * (xn Wu^T); x += act Wd^T
 //   logits [vocab] f32 = RMSNorm(x_last) * output_norm, times the classifier
@@ -54,8 +55,11 @@ int context_of(const ModelConfig& c, const SessionOptions& o) {
 }
 
 // Rows of the prefill chunk the scratch is sized for.
+// A multiple of 64 from 64 up, so every chunk of a prompt starts where the tuned prefill
+// kernel can take it.
 int chunk_of(const ModelConfig& c, const SessionOptions& o) {
-  return std::max(1, std::min(std::max(o.prefill_chunk, 2048), context_of(c, o)));
+  const int ch = std::max(1, std::min(std::max(o.prefill_chunk, 2048), context_of(c, o)));
+  return ch >= 64 ? ch - ch % 64 : ch;
 }
 
 size_t weight_elems(const ModelConfig& c) {
@@ -65,11 +69,12 @@ size_t weight_elems(const ModelConfig& c) {
   return c.n_layers * layer + static_cast<size_t>(c.vocab_size) * dim * (c.tied_output ? 1 : 2);
 }
 
-size_t scratch_bytes(const ModelConfig& c, int rows) {
+size_t scratch_bytes(const ModelConfig& c, int rows, int capacity) {
   const size_t r = rows, qd = static_cast<size_t>(c.n_heads) * c.head_dim,
                kvd = static_cast<size_t>(c.n_kv_heads) * c.head_dim;
   const size_t f32 = r * (c.dim + qd + 2 * kvd + 2 * static_cast<size_t>(c.hidden_dim) + qd) + c.vocab_size + qd;
-  const size_t f16 = r * (c.dim + qd + c.hidden_dim) + 4 * r * qd;  // xn, att, act; head-major q, k, v, o
+  // xn, att, act; head-major q and o of a chunk, k and v of every token up to the chunk's end
+  const size_t f16 = r * (c.dim + qd + c.hidden_dim) + 2 * r * qd + 2 * std::max<size_t>(r, capacity) * kvd;
   return 4 * f32 + 2 * f16 + 4 * r;
 }
 
@@ -299,8 +304,11 @@ CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o, int n_seqs
   ids_ = DeviceBuffer(n_seqs_ * sizeof(int32_t));
   if (plan_) {
     qh_ = DeviceBuffer(r * qd * sizeof(__half));
-    kh_ = DeviceBuffer(r * kvd * sizeof(__half));
-    vh_ = DeviceBuffer(r * kvd * sizeof(__half));
+    // k and v of every token up to a chunk's end: a chunk after the first attends the keys
+    // cached before it through the same kernel (DevicePrefillArgs::q_first).
+    const size_t kv_rows = std::max<size_t>(r, static_cast<size_t>(capacity_));
+    kh_ = DeviceBuffer(kv_rows * kvd * sizeof(__half));
+    vh_ = DeviceBuffer(kv_rows * kvd * sizeof(__half));
     oh_ = DeviceBuffer(r * qd * sizeof(__half));
   }
   CUMULUS_CUDA_CHECK(cudaMallocHost(&tok_host_, r * sizeof(int32_t)));
@@ -500,9 +508,11 @@ void CudaRunner::enqueue_forward(int n, bool decode_mode, bool greedy) {
   float* up = stacked ? gate + c.hidden_dim : up_.as<float>();
   __half* att16 = att16_.as<__half>();
   cuda::model::embed(tok_.as<int32_t>(), n, embd_.as<__half>(), c.dim, c.embedding_scale, x, st_);
-  // The tuned prefill kernel attends a chunk that starts at position 0 (causal within it);
-  // later chunks take the rows kernel over the cache.
-  const bool prefill_first = !decode_mode && plan_ && pos_ == 0;
+  // The tuned prefill kernel attends a chunk that starts at a multiple of 64 (the first, and
+  // every later chunk of a prompt fed in one prefill call: chunks are multiples of 2048),
+  // causal within the chunk, over the keys cached before it; other chunks (a prompt fed in
+  // pieces of other sizes) take the rows kernel over the cache.
+  const bool prefill_tuned = !decode_mode && plan_ && pos_ % 64 == 0;
   for (int l = 0; l < c.n_layers; ++l) {
     const Layer& L = layers_[l];
     cuda::DeviceKvCache& kv = kv_[l];
@@ -536,16 +546,21 @@ void CudaRunner::enqueue_forward(int n, bool decode_mode, bool greedy) {
       a.lse = lse_.as<float>();
       cuda::attention_decode(a, *plan_, st_);
       cuda::model::to_half(att_.as<float>(), static_cast<size_t>(n) * qd, att16, st_);
-    } else if (prefill_first) {
+    } else if (prefill_tuned) {
       cuda::model::to_head_major(q, n, c.n_heads, c.head_dim, qh_.as<__half>(), st_);
-      cuda::model::to_head_major(k, n, c.n_kv_heads, c.head_dim, kh_.as<__half>(), st_);
-      cuda::model::to_head_major(v, n, c.n_kv_heads, c.head_dim, vh_.as<__half>(), st_);
+      if (pos_ == 0) {
+        cuda::model::to_head_major(k, n, c.n_kv_heads, c.head_dim, kh_.as<__half>(), st_);
+        cuda::model::to_head_major(v, n, c.n_kv_heads, c.head_dim, vh_.as<__half>(), st_);
+      } else {  // the cache holds the earlier chunks and this one
+        cuda::model::cache_to_head_major(kv.view(), pos_ + n, kh_.as<__half>(), vh_.as<__half>(), st_);
+      }
       cuda::DevicePrefillArgs a;
       a.q = qh_.data();
       a.k = kh_.data();
       a.v = vh_.data();
       a.out = oh_.data();
-      a.n = n;
+      a.n = pos_ + n;
+      a.q_first = pos_;
       a.n_q_heads = c.n_heads;
       a.n_kv_heads = c.n_kv_heads;
       a.head_dim = c.head_dim;
@@ -588,7 +603,7 @@ size_t cuda_runner_bytes(const ModelConfig& c, const SessionOptions& o, int n_se
   const size_t kv =
       cuda::DeviceKvCache::create_bytes(n_seqs, c.n_kv_heads, c.head_dim, o.kv.dtype, o.kv.page_size, ctx);
   const size_t norms = (2 * static_cast<size_t>(c.n_layers) + 1) * c.dim * sizeof(float);
-  return weight_elems(c) * 2 + norms + c.n_layers * kv + scratch_bytes(c, std::max(chunk_of(c, o), n_seqs)) +
+  return weight_elems(c) * 2 + norms + c.n_layers * kv + scratch_bytes(c, std::max(chunk_of(c, o), n_seqs), ctx) +
          static_cast<size_t>(n_seqs) * c.vocab_size * sizeof(float);
 }
 
@@ -633,6 +648,40 @@ std::unique_ptr<CudaModelRunner> model_runner_cuda_random(const ModelConfig& con
   auto r = std::make_unique<CudaRunner>(config, options, n_seqs);
   r->randomize(seed);
   return r;
+}
+
+double cuda_gemm_tflops(int rows, int cols, int n, int iters) {
+  CUMULUS_CHECK(rows >= 1 && cols >= 1 && n >= 1 && iters >= 1, "cuda_gemm_tflops: rows={} cols={} n={} iters={}",
+                rows, cols, n, iters);
+  cuda::Stream stream;
+  const cudaStream_t st = cuda::as_stream(stream.handle());
+  cublasHandle_t h = nullptr;
+  CUMULUS_CUBLAS_CHECK(cublasCreate(&h));
+  struct Destroy {
+    cublasHandle_t h;
+    ~Destroy() { cublasDestroy(h); }
+  } destroy{h};
+  CUMULUS_CUBLAS_CHECK(cublasSetStream(h, st));
+  DeviceBuffer ws(size_t{32} << 20);
+  CUMULUS_CUBLAS_CHECK(cublasSetWorkspace(h, ws.data(), ws.size()));
+  DeviceBuffer w(static_cast<size_t>(rows) * cols * sizeof(__half)), x(static_cast<size_t>(n) * cols * sizeof(__half)),
+      y(static_cast<size_t>(n) * rows * sizeof(float));
+  cuda::model::fill_uniform(w.as<__half>(), static_cast<size_t>(rows) * cols, 0.05f, 1, st);
+  cuda::model::fill_uniform(x.as<__half>(), static_cast<size_t>(n) * cols, 1.0f, 2, st);
+  const float alpha = 1.0f, beta = 0.0f;
+  cuda::EventTimer t;
+  std::vector<double> ms;
+  for (int i = 0; i < iters + 2; ++i) {
+    t.start(stream.handle());
+    CUMULUS_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, w.data(), CUDA_R_16F, cols,
+                                      x.data(), CUDA_R_16F, cols, &beta, y.data(), CUDA_R_32F, rows, CUBLAS_COMPUTE_32F,
+                                      CUBLAS_GEMM_DEFAULT));
+    t.stop(stream.handle());
+    if (i >= 2) ms.push_back(t.elapsed_ms());
+  }
+  std::sort(ms.begin(), ms.end());
+  const double med = ms[ms.size() / 2];
+  return 2.0 * rows * cols * static_cast<double>(n) / (med * 1e-3) / 1e12;
 }
 
 std::string cuda_device_summary() {

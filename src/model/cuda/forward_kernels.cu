@@ -91,6 +91,20 @@ __global__ void from_head_major_kernel(const __half* x, int n, int heads, int d,
   for (int j = threadIdx.x; j < d; j += blockDim.x) dst[j] = src[j];
 }
 
+template <class T>
+__global__ void cache_to_head_major_kernel(DeviceKvView kv, int n, __half* k, __half* v) {
+  const int t = blockIdx.x, h = blockIdx.y, d = kv.head_dim;
+  const int page = kv.page_table[static_cast<size_t>(h) * kv.max_pages + (t >> kv.page_shift)];
+  const size_t src = (static_cast<size_t>(page) * kv.page_size + (t & (kv.page_size - 1))) * d;
+  const size_t dst = (static_cast<size_t>(h) * n + t) * d;
+  const T* ks = static_cast<const T*>(kv.k) + src;
+  const T* vs = static_cast<const T*>(kv.v) + src;
+  for (int j = threadIdx.x; j < d; j += blockDim.x) {
+    k[dst + j] = __float2half_rn(to_float(ks[j]));
+    v[dst + j] = __float2half_rn(to_float(vs[j]));
+  }
+}
+
 // Grid (n_q_heads, n), kRowThreads threads: tiles of kRowThreads keys, one score per
 // thread, then each thread accumulates the output dimensions j = t, t + kRowThreads.
 constexpr int kRowThreads = 128;
@@ -219,6 +233,16 @@ void to_head_major(const float* x, int n, int heads, int d, __half* out, cudaStr
 void from_head_major(const __half* x, int n, int heads, int d, __half* out, cudaStream_t st) {
   from_head_major_kernel<<<dim3(n, heads), 128, 0, st>>>(x, n, heads, d, out);
   CUMULUS_CUDA_LAUNCH("from_head_major_kernel");
+}
+
+void cache_to_head_major(const DeviceKvView& kv, int n, __half* k, __half* v, cudaStream_t st) {
+  const dim3 grid(n, kv.n_kv_heads);
+  if (kv.dtype == DType::f16) {
+    cache_to_head_major_kernel<__half><<<grid, 128, 0, st>>>(kv, n, k, v);
+  } else {
+    cache_to_head_major_kernel<__nv_bfloat16><<<grid, 128, 0, st>>>(kv, n, k, v);
+  }
+  CUMULUS_CUDA_LAUNCH("cache_to_head_major_kernel");
 }
 
 void attention_rows(const DeviceKvView& kv, int n, int n_q_heads, float scale, const float* q, __half* out,

@@ -37,6 +37,10 @@ void to_half(const float* x, size_t n, __half* out, cudaStream_t st);
 void to_head_major(const float* x, int n, int heads, int d, __half* out, cudaStream_t st);
 // x [heads][n][d] f16 -> out [n][heads][d] f16.
 void from_head_major(const __half* x, int n, int heads, int d, __half* out, cudaStream_t st);
+// Tokens [0, n) of sequence 0 of a paged cache -> k, v [n_kv_heads][n][head_dim] f16 (the
+// prefill kernel's layout; a bf16 cache is converted), for a prefill chunk that attends
+// the keys cached before it.
+void cache_to_head_major(const DeviceKvView& kv, int n, __half* k, __half* v, cudaStream_t st);
 
 // Causal attention of n rows of queries q [n][n_q_heads][head_dim] float32 over sequence 0
 // of `kv` (which already holds them: row i sits at position n_tokens - n + i and attends
