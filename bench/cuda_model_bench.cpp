@@ -43,24 +43,6 @@ double median(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
-// Device-to-device copy of 1 GiB, read + write bytes counted, median of 20 after 3 warm-ups.
-double copy_gbps() {
-  const size_t bytes = size_t{1} << 30;
-  cuda::Stream st;
-  cuda::DeviceBuffer a(bytes), b(bytes);
-  cuda::memset_async(a.data(), 1, bytes, st.handle());
-  cuda::EventTimer t;
-  std::vector<double> g;
-  for (int i = 0; i < 23; ++i) {
-    t.start(st.handle());
-    cuda::memcpy_device_async(b.data(), a.data(), bytes, st.handle());
-    t.stop(st.handle());
-    const double ms = t.elapsed_ms();
-    if (i >= 3) g.push_back(2.0 * bytes / (ms * 1e-3) / 1e9);
-  }
-  return median(g);
-}
-
 std::vector<std::string> split(const std::string& s, char sep) {
   std::vector<std::string> v;
   size_t b = 0;
@@ -165,7 +147,7 @@ int main(int argc, char** argv) try {
   c.rope_theta = 500000.0f;
   c.tied_output = false;
   const std::string dev = cuda_device_summary();
-  const double bw = copy_gbps();
+  const double bw = cuda_copy_gbps();
   fmt::print("device: {}\nllama3-8b shape, {} layers, random f16 weights, kv f16\n", dev, layers);
   fmt::print("device-to-device copy: {:.0f} GB/s (read + write, median of 20 x 1 GiB)\n\n", bw);
   json prefill_prev = json::array();

@@ -116,6 +116,13 @@ TEST_F(Cli, DeviceCudaWithoutBackendOrGpuIsRejected) {
   const bool named = r.output.find("--device cuda: this build of cumulus has no CUDA backend") != std::string::npos ||
                      r.output.find("--device cuda: no CUDA device is available") != std::string::npos;
   EXPECT_TRUE(named) << r.output;
+  // The same for `bench --device cuda`, before the workload is built.
+  expect_rejected("bench --device tpu", "--device=tpu must be cpu or cuda");
+  const CliResult b = cli_run("bench --device cuda --context 4096 --steps 1");
+  EXPECT_NE(b.code, 0) << b.output;
+  EXPECT_TRUE(b.output.find("--device cuda: this build of cumulus has no CUDA backend") != std::string::npos ||
+              b.output.find("--device cuda: no CUDA device is available") != std::string::npos)
+      << b.output;
 }
 
 // Defect 3: a directory is not a text, a prompt, a tokenizer or a model.

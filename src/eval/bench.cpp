@@ -29,7 +29,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int kPromptQueryRows = 16;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -284,13 +283,20 @@ std::string bench_table(const BenchReport& rep) {
                    "(+{} warm-up), {} threads\n",
                    o.shape, s.n_q_heads, s.n_kv_heads, s.head_dim, o.context, dtype_name(o.dtype), o.steps, o.repeats,
                    o.warmup, o.threads);
-  t += fmt::format("machine:  {} ({} logical CPUs), load average {:.2f}, {}\n", rep.machine.cpu,
-                   rep.machine.logical_cpus, rep.machine.load_average, rep.machine.date);
-  t += fmt::format("memory:   read bandwidth {:.1f} GB/s (best median of plain and prefetching sums, {} passes, {} MiB, {} threads); LLC {} MiB; {}\n",
-                   rep.membw.gbps_median, rep.membw.gbps.size(), rep.membw.bytes >> 20, rep.membw.threads,
-                   rep.llc_bytes >> 20,
-                   rep.evict_bytes > 0 ? fmt::format("{} MiB swept before each timed step", rep.evict_bytes >> 20)
-                                       : std::string("warm caches"));
+  if (!rep.device.empty()) {
+    t += fmt::format("device:   {}, {}\n", rep.device, rep.machine.date);
+    t += fmt::format("memory:   device-to-device copy {:.0f} GB/s (read + write, median of 20 x 1 GiB); {} MiB written "
+                     "before each timed step to flush the L2\n",
+                     rep.membw.gbps_median, rep.evict_bytes >> 20);
+  } else {
+    t += fmt::format("machine:  {} ({} logical CPUs), load average {:.2f}, {}\n", rep.machine.cpu,
+                     rep.machine.logical_cpus, rep.machine.load_average, rep.machine.date);
+    t += fmt::format("memory:   read bandwidth {:.1f} GB/s (best median of plain and prefetching sums, {} passes, {} MiB, {} threads); LLC {} MiB; {}\n",
+                     rep.membw.gbps_median, rep.membw.gbps.size(), rep.membw.bytes >> 20, rep.membw.threads,
+                     rep.llc_bytes >> 20,
+                     rep.evict_bytes > 0 ? fmt::format("{} MiB swept before each timed step", rep.evict_bytes >> 20)
+                                         : std::string("warm caches"));
+  }
   t += fmt::format("workload: seed {}, concentration {}; {} sinks hold {:.1f}% of the mass, the last {} tokens "
                    "{:.1f}%; top-p {} needs {:.2f}% of tokens (p10 {:.2f}%, p50 {:.2f}%, p90 {:.2f}%)\n\n",
                    o.seed, o.concentration, rep.n_sinks, 100 * p.sink_mass, rep.recent_window, 100 * p.recent_mass,
@@ -325,6 +331,7 @@ std::string bench_json(const BenchReport& rep) {
   const BenchOptions& o = rep.options;
   const AttentionProfile& p = rep.profile;
   json j;
+  if (!rep.device.empty()) j["device"] = {{"name", rep.device}, {"copy_bandwidth_gbps", rep.membw.gbps_median}};
   j["machine"] = {{"cpu", rep.machine.cpu},
                   {"logical_cpus", rep.machine.logical_cpus},
                   {"threads", o.threads},

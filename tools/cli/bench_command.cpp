@@ -26,6 +26,7 @@ struct BenchArgs {
   std::string json;
   int membw_mib = 1024;
   int evict_mib = -1;  // -1: BenchOptions' default (2 x LLC)
+  std::string device = "cpu";
 };
 
 // "method.key=value" -> o.params[method][key] = value
@@ -48,9 +49,10 @@ void bench_command_run(const BenchArgs& a) {
   CUMULUS_CHECK(a.evict_mib >= -1 && a.evict_mib <= 16384, "--evict-mib={} must be in [0, 16384]", a.evict_mib);
   if (a.evict_mib >= 0) o.evict_bytes = static_cast<size_t>(a.evict_mib) << 20;
   // Every option and the output path before the benchmark starts.
+  CUMULUS_CHECK(a.device == "cpu" || a.device == "cuda", "--device={} must be cpu or cuda", a.device);
   o.validate();
   if (!a.json.empty() && a.json != "-") file_check_output(a.json, "--json");
-  const BenchReport rep = bench_run(o, stderr);
+  const BenchReport rep = a.device == "cuda" ? bench_run_cuda(o, stderr) : bench_run(o, stderr);
   const std::string table = bench_table(rep);
   if (a.json == "-") {
     fmt::print(stderr, "\n{}", table);
@@ -92,6 +94,10 @@ void add_bench_command(CLI::App& app) {
                   "MiB swept before each timed step to start it from cold caches (0: warm; default 2 x LLC, "
                   "64..1024)");
   cmd->add_option("--json", args->json, "Also write the JSON report to this path ('-': JSON to stdout, table to stderr)");
+  cmd->add_option("--device", args->device,
+                  "cpu, or cuda: the GPU pipelines (dense, sketch_topp, tactic, psa, quest, oracle_topp) on the same "
+                  "workload, timed between CUDA events with the L2 flushed, against the copy bandwidth")
+      ->capture_default_str();
   cmd->callback([args] { bench_command_run(*args); });
 }
 

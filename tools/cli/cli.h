@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "cumulus/eval/bench.h"
 #include "cumulus/model/model_weights.h"
 #include "cumulus/model/runner.h"
 
@@ -34,6 +35,9 @@ void device_check(const std::string& device, const ModelConfig& config, const Se
 std::unique_ptr<ModelRunner> runner_make(const std::string& device, const ModelWeights& weights,
                                          const SessionOptions& options);
 std::string device_line();
+// `cumulus bench --device cuda` (bench_cuda.cpp): the synthetic benchmark's methods on the
+// GPU pipelines, the CPU run's report; an Error naming the reason in a build without CUDA.
+BenchReport bench_run_cuda(const BenchOptions& options, std::FILE* log);
 
 // --threads takes one range in every subcommand.
 inline constexpr int kThreadsMax = 256;

@@ -25,6 +25,10 @@
 
 namespace cumulus {
 
+// The workload's first queries stand for the prompt's last positions (methods that learn
+// from the prompt's own attention get them in on_prefill); the decoded steps follow.
+inline constexpr int kPromptQueryRows = 16;
+
 struct BenchOptions {
   std::string shape = "llama3-8b";   // shape_preset name
   int context = 32768;               // tokens cached, [4096, 131072]
@@ -88,6 +92,9 @@ struct BenchMachine {
 
 struct BenchReport {
   BenchOptions options;
+  // --device cuda (tools/cli/bench_cuda.cpp): the GPU's name, and membw.gbps_median is its
+  // device-to-device copy bandwidth (read + write); empty: the CPU run described above.
+  std::string device;
   Shape shape;
   BenchMachine machine;
   MemBwResult membw;

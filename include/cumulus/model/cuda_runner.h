@@ -67,6 +67,11 @@ std::unique_ptr<CudaModelRunner> model_runner_cuda_random(const ModelConfig& con
 // against).
 double cuda_gemm_tflops(int rows, int cols, int n, int iters = 10);
 
+// Device-to-device copy bandwidth in GB/s, read + write bytes counted: the median of 20
+// copies of `bytes` after 3 warm-ups (benchmarks: the bandwidth a decode step is judged
+// against).
+double cuda_copy_gbps(size_t bytes = size_t{1} << 30);
+
 // "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs, 79.2 GiB)" or the reason there is none.
 std::string cuda_device_summary();
 

@@ -684,6 +684,24 @@ double cuda_gemm_tflops(int rows, int cols, int n, int iters) {
   return 2.0 * rows * cols * static_cast<double>(n) / (med * 1e-3) / 1e12;
 }
 
+double cuda_copy_gbps(size_t bytes) {
+  CUMULUS_CHECK(bytes >= (size_t{1} << 20), "cuda_copy_gbps: bytes={} must be at least 1 MiB", bytes);
+  cuda::Stream st;
+  DeviceBuffer a(bytes), b(bytes);
+  cuda::memset_async(a.data(), 1, bytes, st.handle());
+  cuda::EventTimer t;
+  std::vector<double> g;
+  for (int i = 0; i < 23; ++i) {
+    t.start(st.handle());
+    cuda::memcpy_device_async(b.data(), a.data(), bytes, st.handle());
+    t.stop(st.handle());
+    const double ms = t.elapsed_ms();
+    if (i >= 3) g.push_back(2.0 * static_cast<double>(bytes) / (ms * 1e-3) / 1e9);
+  }
+  std::sort(g.begin(), g.end());
+  return g[g.size() / 2];
+}
+
 std::string cuda_device_summary() {
   if (!cuda::device_available()) return "no CUDA device available";
   const cuda::DeviceInfo d = cuda::device_info();

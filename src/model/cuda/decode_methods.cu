@@ -13,13 +13,13 @@ namespace {
 
 const char* const kGpuMethods[] = {"dense", "sketch_topp", "tactic", "psa", "quest", "oracle_topp"};
 
-bool on_gpu(const std::string& method) {
+}  // namespace
+
+bool cuda_decode_method_supported(const std::string& method) {
   for (const char* m : kGpuMethods)
     if (method == m) return true;
   return false;
 }
-
-}  // namespace
 
 std::string cuda_decode_method_names() {
   std::string s;
@@ -31,7 +31,7 @@ void cuda_decode_method_check(const Registry& registry, const std::string& metho
                               const std::map<std::string, std::string>& params, const Shape& shape) {
   const MethodInfo& info = registry.find(method);  // unknown: Error listing the known ones
   CUMULUS_CHECK(info.make_decode != nullptr, "--device cuda: '{}' is not a decode method", method);
-  CUMULUS_CHECK(on_gpu(method), "--device cuda: decode method '{}' is not yet on cuda (on cuda: {})", method,
+  CUMULUS_CHECK(cuda_decode_method_supported(method), "--device cuda: decode method '{}' is not yet on cuda (on cuda: {})", method,
                 cuda_decode_method_names());
   CUMULUS_CHECK(method == "dense" || head_dim_supported_cuda(shape.head_dim),
                 "--device cuda: decode method '{}' needs head_dim 64, 128 or 256 on the GPU, not {}", method,

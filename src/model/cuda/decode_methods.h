@@ -17,6 +17,7 @@ namespace cumulus::cuda::model {
 
 // The decode methods the CUDA runtime runs ("dense" and the GPU pipelines), for messages.
 std::string cuda_decode_method_names();
+bool cuda_decode_method_supported(const std::string& method);
 
 // Throws Error as above. `shape` is the model's (the CPU method is constructed once to run
 // its parameter checks).

@@ -1,0 +1,273 @@
+// `cumulus bench --device cuda` (issue 16 part 4): the CPU benchmark's workload and table on
+// the GPU. The synthetic workload (eval/synthetic.h, the same seeds and defaults as the CPU
+// run) is uploaded to a DeviceKvCache of one sequence; each decode method runs as the model
+// runtime runs it (src/model/cuda/decode_methods.h: the registry's names and parameters, the
+// GPU pipelines of kernels/cuda_methods.h; dense is attention_decode).
+//   accuracy pass: select + attend with the dense log-sum-exp as reference, so the kernel
+//     returns each query head's true mass over what it read; ||o - o_dense|| / ||o_dense||
+//     against our dense output; tokens and claims from SparseDecoder::stats();
+//   timing passes: each step (select + attend of every head of one layer) between CUDA
+//     events, after a memset of twice the L2 that flushes it, median over repeats;
+//   K/V bytes read: the lists' rows plus the selection's own reads
+//     (SparseDecoder::select_bytes_per_token), as the CPU methods count them;
+//   ref: the device-to-device copy bandwidth (read + write) measured in the same run.
+// The table and JSON are the CPU run's (eval/bench.h; BenchReport::device set).
+#include "cli.h"
+#include "cumulus/core/error.h"
+#include "cumulus/eval/bench.h"
+
+#ifdef CUMULUS_HAVE_CUDA
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+
+#include "cumulus/core/thread_pool.h"
+#include "cumulus/eval/synthetic.h"
+#include "cumulus/kernels/attention.h"
+#include "cumulus/kernels/cuda.h"
+#include "cumulus/kernels/cuda_methods.h"
+#include "cumulus/kv/kv_cache.h"
+#include "cumulus/methods/registry.h"
+#include "cumulus/model/cuda_runner.h"
+#include "model/cuda/decode_methods.h"
+#endif
+
+namespace cumulus::cli {
+
+#ifndef CUMULUS_HAVE_CUDA
+
+BenchReport bench_run_cuda(const BenchOptions&, std::FILE*) {
+  CUMULUS_FAIL("--device cuda: this build of cumulus has no CUDA backend (configure with -DCUMULUS_CUDA=ON, the "
+               "`cuda` preset)");
+}
+
+#else
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double median(std::vector<double> x) {
+  std::sort(x.begin(), x.end());
+  return x.size() % 2 ? x[x.size() / 2] : 0.5 * (x[x.size() / 2 - 1] + x[x.size() / 2]);
+}
+
+void log_line(std::FILE* log, const std::string& s) {
+  if (log != nullptr) {
+    fmt::print(log, "{}\n", s);
+    std::fflush(log);
+  }
+}
+
+// The methods of a --device cuda run: the listed ones, or every method with a GPU pipeline;
+// dense first.
+std::vector<std::string> method_names(const BenchOptions& o) {
+  std::vector<std::string> names{"dense"};
+  std::vector<std::string> listed = o.methods;
+  if (listed.empty()) {
+    for (const MethodInfo& m : Registry::builtin().list())
+      if (m.make_decode != nullptr && cuda::model::cuda_decode_method_supported(m.name))
+        listed.push_back(m.name);
+  }
+  for (const std::string& m : listed)
+    if (std::find(names.begin(), names.end(), m) == names.end()) names.push_back(m);
+  return names;
+}
+
+}  // namespace
+
+BenchReport bench_run_cuda(const BenchOptions& o, std::FILE* log) {
+  const auto t_start = Clock::now();
+  o.validate();
+  CUMULUS_CHECK(cuda::device_available(), "--device cuda: no CUDA device is available (no GPU, or no driver that this "
+                                          "build's CUDA runtime can use)");
+  CUMULUS_CHECK(o.dtype == DType::f16 || o.dtype == DType::bf16,
+                "--device cuda: --dtype {} is not supported on the GPU (f16, bf16)", dtype_name(o.dtype));
+  BenchReport rep;
+  rep.options = o;
+  rep.shape = shape_preset(o.shape);
+  rep.machine = bench_machine();
+  rep.device = cuda_device_summary();
+  const Shape& s = rep.shape;
+  const Registry& reg = Registry::builtin();
+  const std::vector<std::string> names = method_names(o);
+  auto overrides_of = [&](const std::string& name) {
+    const auto it = o.params.find(name);
+    return it == o.params.end() ? std::map<std::string, std::string>{} : it->second;
+  };
+  for (const std::string& name : names) cuda::model::cuda_decode_method_check(reg, name, overrides_of(name), s);
+
+  rep.membw.gbps_median = cuda_copy_gbps();
+  log_line(log, fmt::format("{}: copy bandwidth {:.0f} GB/s", rep.device, rep.membw.gbps_median));
+
+  ThreadPool pool(o.threads);
+  const auto t_gen = Clock::now();
+  KvCacheOptions kvo;
+  kvo.dtype = o.dtype;
+  kvo.max_tokens = o.context;
+  KvCache kv(s, kvo);
+  SyntheticOptions so;
+  so.shape = s;
+  so.n_tokens = o.context;
+  so.n_steps = kPromptQueryRows + o.steps;  // as the CPU run: the same queries are decoded
+  so.seed = o.seed;
+  so.concentration = o.concentration;
+  const SyntheticWorkload w = synthetic_generate(so, kv, pool);
+  rep.generate_s = std::chrono::duration<double>(Clock::now() - t_gen).count();
+  rep.n_sinks = so.n_sinks;
+  rep.recent_window = so.recent_window;
+  rep.profile = attention_profile(kv, w, 0, 0.9, pool);
+  log_line(log, fmt::format("workload: {} tokens x {} steps in {:.1f} s", o.context, o.steps, rep.generate_s));
+
+  std::vector<PagedHeadView> heads;
+  for (int h = 0; h < s.n_kv_heads; ++h) heads.push_back(kv.view(0, h));
+  const cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload({heads});
+  const cuda::DeviceKvView view = dev.view();
+  const int n_q = s.n_q_heads, d = s.head_dim, group = s.group();
+  const size_t q_step = static_cast<size_t>(n_q) * d;
+  std::vector<float> q_host;
+  for (int step = 0; step < o.steps; ++step) {
+    const float* q = w.query(0, kPromptQueryRows + step);
+    q_host.insert(q_host.end(), q, q + q_step);
+  }
+  const cuda::DeviceBuffer q = cuda::to_device(q_host);
+  const float* qd = q.as<float>();
+  cuda::Stream stream;
+  void* st = stream.handle();
+  const cuda::DeviceInfo di = cuda::device_info();
+  rep.evict_bytes = std::max<size_t>(2 * di.l2_bytes, size_t{64} << 20);
+  cuda::DeviceBuffer flush(rep.evict_bytes);
+  const double row_bytes = static_cast<double>(d) * dtype_size(o.dtype);
+  rep.dense_bytes_per_step = static_cast<double>(o.context) * s.n_kv_heads * 2 * row_bytes;
+
+  // Dense: outputs and log-sum-exps of every step, the references of the accuracy pass.
+  cuda::AttentionPlan plan(view, group);
+  cuda::DeviceBuffer out_d(o.steps * q_step * sizeof(float)), lse_d(static_cast<size_t>(o.steps) * n_q * sizeof(float));
+  cuda::DeviceBuffer out(q_step * sizeof(float)), lse(n_q * sizeof(float)), mass(n_q * sizeof(float));
+  auto dense_step = [&](int step, float* o_ptr, float* l_ptr) {
+    cuda::DeviceDecodeArgs a;
+    a.kv = view;
+    a.group = group;
+    a.scale = attention_scale(d);
+    a.q = qd + step * q_step;
+    a.out = o_ptr;
+    a.lse = l_ptr;
+    cuda::attention_decode(a, plan, st);
+  };
+  for (int step = 0; step < o.steps; ++step)
+    dense_step(step, out_d.as<float>() + step * q_step, lse_d.as<float>() + static_cast<size_t>(step) * n_q);
+  plan.check(st);
+  const std::vector<float> dense_out = cuda::to_host<float>(out_d, o.steps * q_step);
+
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  cuda::EventTimer timer;
+  for (const std::string& name : names) {
+    BenchMethodResult r;
+    r.method = name;
+    const std::map<std::string, std::string> overrides = overrides_of(name);
+    r.params = reg.parse(name, overrides).values();
+    std::unique_ptr<cuda::SparseDecoder> dec = cuda::model::make_cuda_decoder(reg, name, overrides, view, group, 0);
+    const auto t_pre = Clock::now();
+    if (dec) {
+      dec->prefill(st);
+      stream.synchronize();
+    }
+    r.prefill_ms = std::chrono::duration<double>(Clock::now() - t_pre).count() * 1e3;
+
+    // Accuracy pass.
+    const double target = name == "dense" ? nan : [&] {
+      const std::string& tp = reg.find(name).target_param;
+      return tp.empty() ? nan : std::stod(r.params.at(tp));
+    }();
+    double tokens = 0, bytes = 0, mass_sum = 0, claimed = 0, err = 0;
+    int n_reached = 0;
+    bool claims = true;
+    r.mass_true_min = std::numeric_limits<double>::infinity();
+    for (int step = 0; step < o.steps; ++step) {
+      const float* q_s = qd + step * q_step;
+      std::vector<int> kv_tokens(s.n_kv_heads, o.context);
+      std::vector<float> claim(n_q, 1.0f), m(n_q, 1.0f);
+      if (dec) {
+        dec->select(q_s, st);
+        dec->attend(q_s, out.as<float>(), lse.as<float>(), lse_d.as<float>() + static_cast<size_t>(step) * n_q,
+                    mass.as<float>(), st);
+        dec->check(st);
+        const cuda::SparseStepStats ss = dec->stats(st);
+        kv_tokens = ss.tokens;
+        claim = ss.claimed;
+        m = cuda::to_host<float>(mass, n_q);
+      } else {
+        dense_step(step, out.as<float>(), lse.as<float>());
+      }
+      const std::vector<float> o_host = cuda::to_host<float>(out, q_step);
+      double step_tokens = 0;
+      for (int h = 0; h < s.n_kv_heads; ++h) step_tokens += kv_tokens[h];
+      bytes += step_tokens * 2 * row_bytes + (dec ? dec->select_bytes_per_token() * o.context * s.n_kv_heads : 0.0);
+      for (int qh = 0; qh < n_q; ++qh) {
+        tokens += kv_tokens[qh / group];
+        double e2 = 0, n2 = 0;
+        for (int i = 0; i < d; ++i) {
+          const double ref = dense_out[step * q_step + static_cast<size_t>(qh) * d + i];
+          const double diff = o_host[static_cast<size_t>(qh) * d + i] - ref;
+          e2 += diff * diff;
+          n2 += ref * ref;
+        }
+        const double rel = std::sqrt(e2) / std::max(std::sqrt(n2), 1e-30);
+        err += rel;
+        r.rel_err_max = std::max(r.rel_err_max, rel);
+        mass_sum += m[qh];
+        r.mass_true_min = std::min(r.mass_true_min, static_cast<double>(m[qh]));
+        n_reached += m[qh] >= target ? 1 : 0;
+        if (std::isnan(claim[qh])) claims = false;
+        claimed += claim[qh];
+      }
+    }
+    const double head_steps = static_cast<double>(o.steps) * n_q;
+    r.tokens_attended = tokens / head_steps;
+    r.token_fraction = r.tokens_attended / o.context;
+    r.bytes_per_step = bytes / o.steps;
+    r.bytes_fraction = r.bytes_per_step / rep.dense_bytes_per_step;
+    r.mass_true = mass_sum / head_steps;
+    r.reached_p = std::isnan(target) ? nan : n_reached / head_steps;
+    r.mass_claimed = claims ? claimed / head_steps : nan;
+    r.rel_err = err / head_steps;
+
+    // Timing passes.
+    for (int pass = 0; pass < o.warmup + o.repeats; ++pass) {
+      double total = 0;
+      for (int step = 0; step < o.steps; ++step) {
+        cuda::memset_async(flush.data(), (pass + step) & 0xff, flush.size(), st);
+        const float* q_s = qd + step * q_step;
+        timer.start(st);
+        if (dec) {
+          dec->select(q_s, st);
+          dec->attend(q_s, out.as<float>(), lse.as<float>(), nullptr, nullptr, st);
+        } else {
+          dense_step(step, out.as<float>(), lse.as<float>());
+        }
+        timer.stop(st);
+        total += timer.elapsed_ms();
+      }
+      if (pass >= o.warmup) r.ms.push_back(total / o.steps);
+    }
+    if (dec) dec->check(st);
+    r.ms_median = median(r.ms);
+    r.ms_min = *std::min_element(r.ms.begin(), r.ms.end());
+    r.gbps = r.bytes_per_step / (r.ms_median * 1e-3) * 1e-9;
+    r.bw_ref_gbps = rep.membw.gbps_median;
+    r.bw_fraction = r.gbps / r.bw_ref_gbps;
+    log_line(log, fmt::format("{}: index {:.1f} ms, {:.4f} ms/step", name, r.prefill_ms, r.ms_median));
+    rep.methods.push_back(std::move(r));
+  }
+  const double dense_ms = rep.methods.front().ms_median;
+  for (auto& r : rep.methods) r.speedup = dense_ms / r.ms_median;
+  rep.total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
+  return rep;
+}
+
+#endif
+
+}  // namespace cumulus::cli
