@@ -319,9 +319,11 @@ std::string bench_table(const BenchReport& rep) {
     if (!r.params.empty()) t += fmt::format("  {:<12} {}\n", r.method, params_commas(r.params));
   t += "\nmass: true softmax mass of the attended set (mean over step x query head); claimed: the method's own\n"
        "claim (- = none); >=P: share of step x query head whose true mass reaches the method's target (- = none); rel err: ||o - o_dense|| / ||o_dense||; ms/step: median over repeats of one decode\n"
-       "step (all heads of one layer), caches swept before each; GB/s: K/V bytes read / time; ref: read\n"
-       "bandwidth measured just before and just after the method's timing (the larger); %bw: GB/s / ref;\n"
-       "prefill ms: on_prefill (index build) once, not in ms/step.\n";
+       "step (all heads of one layer), caches swept before each; GB/s: K/V bytes read / time; ref: ";
+  t += rep.device.empty() ? "read\nbandwidth measured just before and just after the method's timing (the larger); %bw: GB/s / ref;\n"
+                            "prefill ms: on_prefill (index build) once, not in ms/step.\n"
+                          : "the\ndevice-to-device copy bandwidth; %bw: GB/s / ref; prefill ms: the GPU pipeline's index build "
+                            "(prefill()) once,\nnot in ms/step; ms/step: select + attend between CUDA events.\n";
   t += fmt::format("total {:.1f} s (workload {:.1f} s)\n", rep.total_s, rep.generate_s);
   return t;
 }

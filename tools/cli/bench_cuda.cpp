@@ -202,6 +202,7 @@ BenchReport bench_run_cuda(const BenchOptions& o, std::FILE* log) {
       } else {
         dense_step(step, out.as<float>(), lse.as<float>());
       }
+      stream.synchronize();  // the copies below run on another stream
       const std::vector<float> o_host = cuda::to_host<float>(out, q_step);
       double step_tokens = 0;
       for (int h = 0; h < s.n_kv_heads; ++h) step_tokens += kv_tokens[h];
