@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cumulus/kernels/cuda.h"
+#include "cumulus/kernels/tactic.h"
 
 namespace cumulus::cuda {
 
@@ -99,19 +100,9 @@ class SparseDecoder {
 // ranked by q . centroid, the exactly scored head and windows of the unpacked list, the
 // a/x + b fit, the budget reaching P, the group's union, plus the dense tail. The ranking
 // and the marks run as docs/cuda.md describes (the variants kept for benchmarks are
-// src/kernels/cuda/bench_options.h's).
-struct TacticGpuOptions {
-  double p = 0.9;
-  int cluster_size = 16;
-  int max_iter = 10;
-  double init_ratio = 0.02;
-  int window = 64;
-  double p1 = 0.1, p2 = 0.6;
-  // Ours, default 0 = the paper (as the CPU method's parameters of the same names): the
-  // first `sinks` and the last `recent` clustered tokens leave the ranked list and join the
-  // dense tail (always attended, scored exactly, counted in the estimate's total).
-  int sinks = 0, recent = 0;
-  uint32_t seed = 0;
+// src/kernels/cuda/bench_options.h's). The parameters are the CPU method's (kernels/tactic.h:
+// p, cluster_size, max_iter, init_ratio, window, p1, p2, sinks, recent, seed), plus:
+struct TacticGpuOptions : TacticOptions {
   int layer = 0;  // seeds the k-means initial sample as on the CPU (seed, layer, kv head, 0)
 };
 std::unique_ptr<SparseDecoder> make_tactic_gpu(const DeviceKvView& kv, int group, const TacticGpuOptions& o,

@@ -26,48 +26,16 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
-#include <random>
 
 #include "bench_options.h"
 #include "cuda_internal.cuh"
 #include "cumulus/kernels/cuda_methods.h"
+#include "kernels/tactic_rules.h"
 
 #include <cub/block/block_radix_sort.cuh>
 
 namespace cumulus::cuda {
 namespace {
-
-// Exactly scored list positions of Algorithm 1 for a list of L entries (the CPU rule,
-// src/methods/tactic.cpp): [0, N) and the windows [b1, e1), [b2, e2); every position when
-// the windows overlap each other or the head (short lists).
-struct TacticWindows {
-  int N = 0, b1 = 0, e1 = 0, b2 = 0, e2 = 0, n_exact = 0;
-  bool exact_all = true;
-};
-
-__host__ __device__ inline TacticWindows tactic_windows(int L, double init_ratio, int window, double p1, double p2) {
-  TacticWindows w;
-  if (L <= 0) return w;
-  w.N = static_cast<int>(ceil(init_ratio * L));
-  w.N = w.N < 1 ? 1 : (w.N > L ? L : w.N);
-  const int hi = L - window > 0 ? L - window : 0;
-  auto at = [&](double p, int& b, int& e) {
-    b = static_cast<int>(p * L) - window / 2;
-    b = b < 0 ? 0 : (b > hi ? hi : b);
-    e = b + window < L ? b + window : L;
-  };
-  at(p1, w.b1, w.e1);
-  at(p2, w.b2, w.e2);
-  w.exact_all = w.e1 > w.b2 || w.b1 < w.N || w.N >= L;
-  w.n_exact = w.exact_all ? L : w.N + (w.e1 - w.b1) + (w.e2 - w.b2);
-  return w;
-}
-
-__device__ __forceinline__ int tactic_position(const TacticWindows& w, int u) {
-  if (w.exact_all || u < w.N) return u;
-  if (u < w.N + (w.e1 - w.b1)) return w.b1 + (u - w.N);
-  return w.b2 + (u - w.N - (w.e1 - w.b1));
-}
 
 struct TacticParams {
   DeviceKvView kv;
@@ -994,7 +962,7 @@ class TacticGpu final : public SparseDecoder {
                     "tactic: replica_of[{}]={} must name an earlier sequence that is its own source", s, rep[s]);
     const Base& b = base();
     const int n_lists = b.n_lists, rows = kv.n_seqs * b.n_q, mt = std::max(1, kv.max_tokens);
-    kc_max_ = std::max(1, std::min(mt, (mt + o.cluster_size - 1) / o.cluster_size));
+    kc_max_ = std::max(1, tactic_cluster_count(mt, o.cluster_size));
     max_exact_ = 1;
     for (int L = 1; L <= mt; ++L)
       max_exact_ = std::max(max_exact_, tactic_windows(L, o.init_ratio, o.window, o.p1, o.p2).n_exact);
@@ -1247,7 +1215,7 @@ class TacticGpu final : public SparseDecoder {
     if (n <= 0) return 0;
     const DeviceKvView& kv = base().kv;
     const int D = kv.head_dim, list = seq * kv.n_kv_heads + h;
-    const int k = std::min(n, (n + o_.cluster_size - 1) / o_.cluster_size);
+    const int k = tactic_cluster_count(n, o_.cluster_size);
     DeviceBuffer x(static_cast<size_t>(n) * D * sizeof(float));
     const int blocks = ceil_div(static_cast<int64_t>(n) * D, 256);
     if (kv.dtype == DType::f16)
@@ -1256,11 +1224,8 @@ class TacticGpu final : public SparseDecoder {
       gather_keys_kernel<__nv_bfloat16><<<blocks, 256, 0, s>>>(kv, seq, h, n, x.as<float>());
     CUMULUS_CUDA_LAUNCH("gather_keys_kernel");
     // The CPU's initial sample: seeded by (seed, layer, kv head, segment start 0).
-    std::seed_seq seq_seed{o_.seed, static_cast<uint32_t>(o_.layer), static_cast<uint32_t>(h), 0u};
-    std::mt19937 rng(seq_seed);
-    std::vector<int32_t> perm(n);
-    for (int i = 0; i < n; ++i) perm[i] = i;
-    for (int i = 0; i < k; ++i) std::swap(perm[i], perm[i + static_cast<int>(rng() % static_cast<uint32_t>(n - i))]);
+    std::vector<int32_t> perm;
+    tactic_initial_sample(o_.seed, o_.layer, h, 0, n, k, perm);
     perm.resize(k);
     DeviceBuffer init = to_device(perm);
     DeviceBuffer cent(static_cast<size_t>(k) * D * sizeof(float));
