@@ -51,6 +51,7 @@
 #include "cumulus/kernels/cuda_methods.h"
 #include "cumulus/methods/method.h"
 #include "cumulus/kv/kv_cache.h"
+#include "kernels/cuda/bench_options.h"
 
 using namespace cumulus;
 using json = nlohmann::json;
@@ -107,9 +108,15 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-// One --dense-plans spec ("tc8/c2/m65536") as plan options.
-cuda::AttentionPlanOptions plan_spec(const std::string& spec) {
+// One --dense-plans spec ("tc8/c2/m65536") as plan options, public and bench-only.
+struct PlanSpec {
   cuda::AttentionPlanOptions po;
+  cuda::AttentionPlanBenchOptions bench;
+};
+
+PlanSpec plan_spec(const std::string& spec) {
+  PlanSpec out;
+  cuda::AttentionPlanOptions& po = out.po;
   const std::vector<std::string> parts = [&] {
     std::vector<std::string> r;
     std::stringstream ss(spec);
@@ -132,12 +139,12 @@ cuda::AttentionPlanOptions plan_spec(const std::string& spec) {
       case 'c': po.ctas_per_sm = v; break;
       case 'm': po.max_chunk = v; break;
       case 'n': po.min_chunk = v; break;
-      case 's': po.steal = v != 0; break;
+      case 's': out.bench.steal = v != 0; break;
       case 'p': po.l2_prefetch = v; break;
       default: CUMULUS_FAIL("--dense-plans: field '{}' in '{}' must start with c, m, n, s or p", parts[i], spec);
     }
   }
-  return po;
+  return out;
 }
 
 double median(std::vector<double> x) {
@@ -247,7 +254,7 @@ struct Problem {
 // 1e-4 is reported and not chosen.
 json run_dense(const Problem& pb, const std::vector<std::string>& specs, cuda::Stream& st, Timer& timer,
                cuda::DeviceBuffer& out, cuda::DeviceBuffer& lse, double copy_gbps, const std::vector<float>& ref_out0,
-               double& best_us, cuda::AttentionPlanOptions& best_opts) {
+               double& best_us, PlanSpec& best_opts) {
   json variants = json::array();
   best_us = 1e300;
   json best;
@@ -255,11 +262,13 @@ json run_dense(const Problem& pb, const std::vector<std::string>& specs, cuda::S
   const size_t n_out = static_cast<size_t>(kv.n_seqs) * kv.n_kv_heads * pb.group * kv.head_dim;
   std::vector<float> reference;
   for (const std::string& spec : specs) {
-    const cuda::AttentionPlanOptions po = plan_spec(spec);
+    const PlanSpec ps = plan_spec(spec);
+    const cuda::AttentionPlanOptions& po = ps.po;
     json v = {{"plan", spec}, {"warps", po.warps}, {"tensor_cores", po.tensor_cores}, {"ctas_per_sm", po.ctas_per_sm},
               {"max_chunk", po.max_chunk}, {"min_chunk", po.min_chunk}};
     try {
       cuda::AttentionPlan plan(kv, pb.group, po);
+      cuda::attention_plan_set_bench(plan, ps.bench);
       v["warps_run"] = plan.warps();  // fewer than asked where the rings do not fit (head_dim 256)
       v["tensor_cores_run"] = plan.tensor_cores();  // false at head_dim 256
       cuda::DeviceDecodeArgs a;
@@ -292,7 +301,7 @@ json run_dense(const Problem& pb, const std::vector<std::string>& specs, cuda::S
       const double gbps = pb.dense_bytes / (med * 1e-6) / 1e9;
       v.update({{"us_median", med}, {"us_samples", us}, {"gbps", gbps}, {"pct_copy", 100.0 * gbps / copy_gbps},
                 {"err_vs_ref_seq0", err}, {"err_vs_simt", err_simt}, {"valid", err <= 1e-4}});
-      if (err <= 1e-4 && med < best_us) best_us = med, best = v, best_opts = po;
+      if (err <= 1e-4 && med < best_us) best_us = med, best = v, best_opts = ps;
     } catch (const std::exception& e) {
       v["error"] = e.what();
     }
@@ -300,9 +309,10 @@ json run_dense(const Problem& pb, const std::vector<std::string>& specs, cuda::S
   }
   // Leave the outputs of the best valid plan in out/lse (the reference for accuracy), with
   // its CTA timeline: when the CTAs end relative to the earliest start.
-  best_opts.timeline = true;
-  cuda::AttentionPlan plan(kv, pb.group, best_opts);
-  best_opts.timeline = false;
+  best_opts.po.timeline = true;
+  cuda::AttentionPlan plan(kv, pb.group, best_opts.po);
+  cuda::attention_plan_set_bench(plan, best_opts.bench);
+  best_opts.po.timeline = false;
   cuda::DeviceDecodeArgs a;
   a.kv = kv;
   a.group = pb.group;
@@ -321,7 +331,7 @@ json run_dense(const Problem& pb, const std::vector<std::string>& specs, cuda::S
 // tactic (the paper), tactic_split (the ranking as a radix sort and a positions kernel),
 // tactic_s4 (the attention sinks in the dense tail: sinks=4, docs/methods.md), tactic_cmarks
 // (the marks by ranked cluster instead of by token range) and tactic_msN (those marks in N
-// slices per kv head: TacticGpuOptions::mark_slices).
+// slices per kv head: TacticGpuBenchOptions::mark_slices).
 bool is_tactic(const std::string& name) {
   return name == "tactic" || name == "tactic_split" || name == "tactic_s4" || name == "tactic_cmarks" ||
          name.rfind("tactic_ms", 0) == 0;
@@ -330,11 +340,18 @@ bool is_tactic(const std::string& name) {
 cuda::TacticGpuOptions tactic_options(const std::string& name, double p) {
   cuda::TacticGpuOptions o;
   o.p = p;
-  o.bucket_ranking = name != "tactic_split";
   o.sinks = name == "tactic_s4" ? 4 : 0;
-  o.token_marks = name != "tactic_cmarks" && name.rfind("tactic_ms", 0) != 0;
-  if (name.rfind("tactic_ms", 0) == 0) o.mark_slices = std::stoi(name.substr(9));
   return o;
+}
+
+cuda::TacticGpuBenchOptions tactic_bench_options(const std::string& name, int n_seqs) {
+  cuda::TacticGpuBenchOptions b;
+  b.bucket_ranking = name != "tactic_split";
+  b.token_marks = name != "tactic_cmarks" && name.rfind("tactic_ms", 0) != 0;
+  if (name.rfind("tactic_ms", 0) == 0) b.mark_slices = std::stoi(name.substr(9));
+  b.record_phases = true;
+  b.replica_of.assign(n_seqs, 0);  // copies of one cache: one clustering
+  return b;
 }
 
 // sketch_topp, and sketch_topp_wN_hN_dM: the same with the weights pass's and the
@@ -367,12 +384,8 @@ std::unique_ptr<cuda::SparseDecoder> make_method(const std::string& name, const 
                                                  double p, int n_seqs, int quest_budget,
                                                  const cuda::AttentionPlanOptions& po) {
   if (is_sketch(name)) return cuda::make_sketch_topp_gpu(kv, group, sketch_options(name, p), po);
-  if (is_tactic(name)) {
-    cuda::TacticGpuOptions o = tactic_options(name, p);
-    o.record_phases = true;
-    o.replica_of.assign(n_seqs, 0);  // copies of one cache: one clustering
-    return cuda::make_tactic_gpu(kv, group, o, po);
-  }
+  if (is_tactic(name))
+    return cuda::make_tactic_gpu_bench(kv, group, tactic_options(name, p), tactic_bench_options(name, n_seqs), po);
   if (name == "psa") {
     cuda::PsaGpuOptions o;
     o.threshold = p;
@@ -396,10 +409,11 @@ std::unique_ptr<cuda::SparseDecoder> make_method(const std::string& name, const 
 json run_sparse(const std::string& name, const Problem& pb, cuda::Stream& st, Timer& timer,
                 const std::vector<float>& dense_out, cuda::DeviceBuffer& dense_lse, double dense_us, double copy_gbps,
                 int quest_budget, double p, bool time_it, Accuracy* acc_out = nullptr,
-                const cuda::AttentionPlanOptions& po = {}) {
+                const PlanSpec& po = {}) {
   const cuda::DeviceKvView kv = pb.dev->view();
   const int n_q = kv.n_kv_heads * pb.group, d = kv.head_dim;
-  auto m = make_method(name, kv, pb.group, p, kv.n_seqs, quest_budget, po);
+  auto m = make_method(name, kv, pb.group, p, kv.n_seqs, quest_budget, po.po);
+  cuda::sparse_decoder_set_plan_bench(*m, po.bench);
   const auto t0 = std::chrono::steady_clock::now();
   m->prefill(st.handle());
   st.synchronize();
@@ -532,7 +546,7 @@ json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Time
         ref::attention_decode_dense(ra);
         cuda::DeviceBuffer pout(nq * d * sizeof(float)), plse(nq * sizeof(float));
         double best_us = 0;
-        cuda::AttentionPlanOptions best_opts;
+        PlanSpec best_opts;
         lj["dense_plans"] = run_dense(pb, o.dense_plans, st, timer, pout, plse, copy_gbps, ref_out, best_us, best_opts);
         for (const auto& v : lj["dense_plans"]["variants"])
           if (v.contains("error"))
@@ -660,7 +674,7 @@ int main(int argc, char** argv) {
         Problem pb{&dev, so.shape.group(), &q,
                    static_cast<size_t>(b) * n * so.shape.n_kv_heads * so.shape.head_dim * 2 * 2};
         double dense_us = 0;
-        cuda::AttentionPlanOptions best_opts;
+        PlanSpec best_opts;
         json run = {{"context", n}, {"batch", b}};
         run["dense"] = run_dense(pb, o.dense_plans, st, timer, out, lse, copy_gbps, ref_out0, dense_us, best_opts);
         for (const auto& v : run["dense"]["variants"]) {

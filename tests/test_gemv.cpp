@@ -26,6 +26,7 @@
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/gemv.h"
+#include "kernels/cpu/gemv_pool.h"
 #include "cumulus/model/quant.h"
 #include "cumulus/model/weight_matrix.h"
 #include "kernel_check.h"

@@ -19,6 +19,7 @@
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/gemv.h"
+#include "kernels/cpu/gemv_pool.h"
 #include "cumulus/model/gguf.h"
 #include "cumulus/model/model_weights.h"
 #include "cumulus/model/session.h"

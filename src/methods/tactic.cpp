@@ -24,29 +24,23 @@
 #include <cmath>
 #include <iterator>
 #include <limits>
-#include <random>
 
 #include "core/check.h"
 #include "cumulus/kernels/kmeans.h"
 #include "cumulus/kernels/scoring.h"
 #include "cumulus/kernels/selection.h"
+#include "cumulus/kernels/tactic.h"
 #include "cumulus/methods/registry.h"
+#include "kernels/tactic_rules.h"
 #include "method_util.h"
 
 namespace cumulus {
 namespace {
 
-struct TacticOptions {
-  double p = 0.9;
-  int cluster_size = 16;
-  int max_iter = 10;
-  double init_ratio = 0.02;
-  int window = 64;
-  double p1 = 0.1, p2 = 0.6;
+// The parameters the GPU pipeline shares (kernels/tactic.h), and the CPU method's own.
+struct TacticMethodOptions : TacticOptions {
   int recluster_interval = 2048;
-  uint32_t seed = 0;
   bool cluster_optimal = false;
-  int sinks = 0, recent = 0;
 };
 
 // The cluster index of one (layer, kv head): tokens [0, n_indexed) are in clusters.
@@ -69,7 +63,7 @@ struct Scratch {
 
 class Tactic final : public DecodeMethod {
  public:
-  Tactic(const Shape& shape, const TacticOptions& o)
+  Tactic(const Shape& shape, const TacticMethodOptions& o)
       : shape_(shape),
         o_(o),
         index_(shape.n_layers),
@@ -183,14 +177,10 @@ class Tactic final : public DecodeMethod {
     // x: [n][head_dim] the stored keys widened to float32.
     x_.resize(static_cast<size_t>(n) * d);
     for (int i = 0; i < n; ++i) kv.key_f32(layer, h, t0 + i, x_.data() + static_cast<size_t>(i) * d);
-    const int k = std::min(n, (n + o_.cluster_size - 1) / o_.cluster_size);
+    const int k = tactic_cluster_count(n, o_.cluster_size);
     // Initial centroids: k distinct keys sampled uniformly (partial Fisher-Yates), seeded
     // by (seed, layer, kv head, segment start) so runs repeat exactly.
-    std::seed_seq seq{o_.seed, static_cast<uint32_t>(layer), static_cast<uint32_t>(h), static_cast<uint32_t>(t0)};
-    std::mt19937 rng(seq);
-    perm_.resize(n);
-    for (int i = 0; i < n; ++i) perm_[i] = i;
-    for (int i = 0; i < k; ++i) std::swap(perm_[i], perm_[i + static_cast<int>(rng() % static_cast<uint32_t>(n - i))]);
+    tactic_initial_sample(o_.seed, layer, h, t0, n, k, perm_);
     cent_.resize(static_cast<size_t>(k) * d);
     for (int c = 0; c < k; ++c)
       std::copy_n(x_.data() + static_cast<size_t>(perm_[c]) * d, d, cent_.data() + static_cast<size_t>(c) * d);
@@ -234,24 +224,13 @@ class Tactic final : public DecodeMethod {
       for (int i = 0; i < L; ++i) shift = std::max(shift, static_cast<double>(scale * s[w.list[i]]));
       for (int i = 0; i < L; ++i) w.weights[i] = std::exp(scale * s[w.list[i]] - shift);
     } else if (L > 0) {
-      // Exactly scored list positions: [0, N) and the two windows (Alg. 1 lines 4 and 8).
-      const int N = std::clamp(static_cast<int>(std::ceil(o_.init_ratio * L)), 1, L);
-      auto window_at = [&](double p) {
-        const int b = std::clamp(static_cast<int>(p * L) - o_.window / 2, 0, std::max(0, L - o_.window));
-        return std::pair<int, int>{b, std::min(L, b + o_.window)};
-      };
-      const auto [b1, e1] = window_at(o_.p1);
-      const auto [b2, e2] = window_at(o_.p2);
-      // A list too short for two disjoint windows past N is scored exactly (no fit).
-      const bool exact_all = e1 > b2 || b1 < N || N >= L;
-      w.pos.clear();
-      if (exact_all) {
-        for (int i = 0; i < L; ++i) w.pos.push_back(i);
-      } else {
-        for (int i = 0; i < N; ++i) w.pos.push_back(i);
-        for (int i = b1; i < e1; ++i) w.pos.push_back(i);
-        for (int i = b2; i < e2; ++i) w.pos.push_back(i);
-      }
+      // Exactly scored list positions: [0, N) and the two windows (Alg. 1 lines 4 and 8);
+      // every position of a list too short for two disjoint windows past N (no fit).
+      const TacticWindows tw = tactic_windows(L, o_.init_ratio, o_.window, o_.p1, o_.p2);
+      const int N = tw.N, b1 = tw.b1, e1 = tw.e1, b2 = tw.b2, e2 = tw.e2;
+      const bool exact_all = tw.exact_all;
+      w.pos.resize(tw.n_exact);
+      for (int u = 0; u < tw.n_exact; ++u) w.pos[u] = tactic_position(tw, u);
       w.gather.resize(w.pos.size());
       for (size_t u = 0; u < w.pos.size(); ++u) w.gather[u] = w.list[w.pos[u]];
       w.exact.resize(w.pos.size());
@@ -298,7 +277,7 @@ class Tactic final : public DecodeMethod {
   }
 
   Shape shape_;
-  TacticOptions o_;
+  TacticMethodOptions o_;
   std::vector<std::vector<HeadIndex>> index_;  // [n_layers][n_kv_heads]
   std::vector<bool> prefilled_;       // [n_layers]
   std::vector<uint64_t> generation_;  // [n_layers] the cache's generation at on_prefill
@@ -388,7 +367,7 @@ void register_tactic(Registry& r) {
                      .min = 0,
                      .max = 1 << 30}},
          .make_decode = [](const Shape& s, const Params& p) {
-           TacticOptions o;
+           TacticMethodOptions o;
            o.p = p.get_double("p");
            o.cluster_size = p.get_int("cluster_size");
            o.max_iter = p.get_int("max_iter");

@@ -1,6 +1,6 @@
 // Weight matrices of the model runtime: float32 or compact GGUF blocks (design note in
 // weight_matrix.h), and the batched matmul the forward pass runs on them (OpenBLAS for
-// float32 and for prefill, cpu::gemv_quant for quantised decode).
+// float32 and for prefill, cpu::gemv_quant_rows for quantised decode).
 #include "cumulus/model/weight_matrix.h"
 
 #include <cblas.h>

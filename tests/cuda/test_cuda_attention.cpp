@@ -15,6 +15,7 @@
 #include "cuda_test_util.h"
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/attention.h"
+#include "kernels/cuda/bench_options.h"
 
 using namespace cumulus;
 using namespace cumulus::cuda_test;
@@ -39,7 +40,8 @@ struct GpuResult {
 // Runs the GPU op on `seqs` (dense if lists is empty) and returns out, lse, mass.
 GpuResult run_gpu(const std::vector<KvCache>& seqs, const std::vector<float>& q, int group,
                   const std::vector<std::vector<std::vector<int32_t>>>& lists, const cuda::AttentionPlanOptions& po,
-                  const std::vector<float>* lse_ref = nullptr, int launches = 1) {
+                  const std::vector<float>* lse_ref = nullptr, int launches = 1,
+                  const cuda::AttentionPlanBenchOptions& bench = {}) {
   cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload(views_of(seqs), 12345);
   const cuda::DeviceKvView kv = dev.view();
   const int n_seqs = kv.n_seqs, n_q = kv.n_kv_heads * group, d = kv.head_dim;
@@ -51,6 +53,7 @@ GpuResult run_gpu(const std::vector<KvCache>& seqs, const std::vector<float>& q,
   cuda::DeviceBuffer mass = cuda::to_device(std::vector<float>(static_cast<size_t>(n_seqs) * n_q, nan));
   cuda::DeviceBuffer ref_d, idx, len;
   cuda::AttentionPlan plan(kv, group, po);
+  cuda::attention_plan_set_bench(plan, bench);
   cuda::DeviceDecodeArgs a;
   a.kv = kv;
   a.group = group;
@@ -181,12 +184,11 @@ TEST(CudaAttention, DenseMatchesReference) {
           cuda::AttentionPlanOptions{4, 1, 64, false}})
       for (const auto& [steal, prefetch] : {std::pair{false, 256}, std::pair{true, 0}, std::pair{false, 128}}) {
         cuda::AttentionPlanOptions po = po0;
-        po.steal = steal;
         po.l2_prefetch = prefetch;
-        const GpuResult g = run_gpu(seqs, q, c.group, {}, po);
+        const GpuResult g = run_gpu(seqs, q, c.group, {}, po, nullptr, 1, cuda::AttentionPlanBenchOptions{steal});
         expect_close(g, r,
                      case_name(c) + fmt::format(" warps {} min_chunk {} tensor cores {} steal {} l2 prefetch {}",
-                                                po.warps, po.min_chunk, po.tensor_cores, po.steal, po.l2_prefetch));
+                                                po.warps, po.min_chunk, po.tensor_cores, steal, po.l2_prefetch));
       }
   }
 }
@@ -320,10 +322,9 @@ TEST(CudaAttention, RepeatedLaunchesOfOnePlanAgree) {
          {cuda::AttentionPlanOptions{}, cuda::AttentionPlanOptions{4, 0, 64, true},
           cuda::AttentionPlanOptions{2, 0, 64, false}})
       for (bool steal : {true, false}) {
-        cuda::AttentionPlanOptions po = po0;
-        po.steal = steal;
+        const cuda::AttentionPlanOptions& po = po0;
         const GpuResult g = run_gpu(seqs, q, 4, sparse ? lists : std::vector<std::vector<std::vector<int32_t>>>{},
-                                    po, nullptr, 5);
+                                    po, nullptr, 5, cuda::AttentionPlanBenchOptions{steal});
         expect_close(g, r, fmt::format("5 launches of one plan, {} warps {} min_chunk {} tensor cores {} steal {}",
                                        sparse ? "sparse" : "dense", po.warps, po.min_chunk, po.tensor_cores, steal));
       }

@@ -16,6 +16,7 @@
 #include "cumulus/kernels/attention.h"
 #include "cumulus/kernels/cuda_methods.h"
 #include "cumulus/methods/registry.h"
+#include "kernels/cuda/bench_options.h"
 
 using namespace cumulus;
 using namespace cumulus::cuda_test;
@@ -221,10 +222,11 @@ TEST(CudaMethods, TacticMatchesCpuMethod) {
     dense_ref(wl, q, n_seqs, dout, dlse);
     const Shape& sh = wl.w.options.shape;
     cuda::TacticGpuOptions to;
-    to.replica_of = {0, 0, 0};
     to.sinks = cfg.sinks;
     to.recent = cfg.recent;
-    auto m = cuda::make_tactic_gpu(dev.view(), sh.group(), to);
+    cuda::TacticGpuBenchOptions tb;
+    tb.replica_of = {0, 0, 0};
+    auto m = cuda::make_tactic_gpu_bench(dev.view(), sh.group(), to, tb);
     m->prefill();
     const GpuRun g = run_method(*m, dev.view(), wl, n_seqs, qd, dlse);
     expect_consistent(g, wl, q, n_seqs, "tactic " + what);
@@ -278,11 +280,11 @@ TEST(CudaMethods, TacticBucketRankingMatchesRadixSort) {
     std::vector<GpuRun> runs;  // bucket ranking with the marks by token range, radix sort, bucket with cluster marks
     for (int variant : {0, 1, 2}) {
       const bool bucket = variant != 1;
-      cuda::TacticGpuOptions to;
-      to.bucket_ranking = bucket;
-      to.token_marks = variant == 0;
+      cuda::TacticGpuBenchOptions tb;
+      tb.bucket_ranking = bucket;
+      tb.token_marks = variant == 0;
       dev.set_n_tokens({cfg.prefill, cfg.prefill});
-      auto m = cuda::make_tactic_gpu(dev.view(), sh.group(), to);
+      auto m = cuda::make_tactic_gpu_bench(dev.view(), sh.group(), {}, tb);
       m->prefill();
       dev.set_n_tokens({cfg.n, cfg.n});
       runs.push_back(run_method(*m, dev.view(), wl, n_seqs, qd, dlse));

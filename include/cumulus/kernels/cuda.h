@@ -286,13 +286,8 @@ struct AttentionPlanOptions {
   // kernel (the tensor-core one spills there; AttentionPlan::tensor_cores() says which ran).
   bool tensor_cores = true;
   int max_chunk = 0;     // most list entries per CTA; 0 = 32768
-  // Work stealing: a chunk is a CTA's starting point; its warps claim units of 4 blocks
-  // from the chunk, then from the list's other chunks, so a list ends when its last unit
-  // does, whichever multiprocessors ran faster. false (default): each CTA computes exactly
-  // its chunk. Measured on an H100 at 128K tokens (docs/cuda.md): stealing evens out the
-  // CTAs' end times but costs 2-3% on dense and ~9% on tactic's lists (a claim's atomic
-  // round trip sits in front of each unit's loads).
-  bool steal = false;
+  // Each CTA computes exactly its chunk (work stealing, measured slower, is a benchmarks'
+  // option: src/kernels/cuda/bench_options.h).
   // L2 fetch size hinted by the K/V copies on a miss: 0 (the 32-byte sectors asked for),
   // 128 or 256 bytes (default: 256; measured ~2% faster than 0 on dense at 128K).
   int l2_prefetch = 256;

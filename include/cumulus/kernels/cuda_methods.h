@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cumulus/kernels/cuda.h"
+#include "cumulus/kernels/tactic.h"
 
 namespace cumulus::cuda {
 
@@ -66,8 +67,8 @@ class SparseDecoder {
   // it to the K/V share.
   virtual double select_bytes_per_token() const { return 0; }
   // Benchmarks: mean microseconds of the phases of the last select() over the batch's query
-  // heads, where the method records them (tactic with record_phases); else empty.
-  // Synchronises.
+  // heads, where the method records them (sketch_topp; tactic made with record_phases,
+  // src/kernels/cuda/bench_options.h); else empty. Synchronises.
   virtual std::vector<std::pair<std::string, double>> phase_times(void* stream = nullptr) const {
     (void)stream;
     return {};
@@ -97,41 +98,12 @@ class SparseDecoder {
 
 // tactic (001 section 4, Algorithm 1): k-means of the keys at prefill; per step clusters
 // ranked by q . centroid, the exactly scored head and windows of the unpacked list, the
-// a/x + b fit, the budget reaching P, the group's union, plus the dense tail.
-struct TacticGpuOptions {
-  double p = 0.9;
-  int cluster_size = 16;
-  int max_iter = 10;
-  double init_ratio = 0.02;
-  int window = 64;
-  double p1 = 0.1, p2 = 0.6;
-  // Ours, default 0 = the paper (as the CPU method's parameters of the same names): the
-  // first `sinks` and the last `recent` clustered tokens leave the ranked list and join the
-  // dense tail (always attended, scored exactly, counted in the estimate's total).
-  int sinks = 0, recent = 0;
-  uint32_t seed = 0;
+// a/x + b fit, the budget reaching P, the group's union, plus the dense tail. The ranking
+// and the marks run as docs/cuda.md describes (the variants kept for benchmarks are
+// src/kernels/cuda/bench_options.h's). The parameters are the CPU method's (kernels/tactic.h:
+// p, cluster_size, max_iter, init_ratio, window, p1, p2, sinks, recent, seed), plus:
+struct TacticGpuOptions : TacticOptions {
   int layer = 0;  // seeds the k-means initial sample as on the CPU (seed, layer, kv head, 0)
-  // replica_of[s] = r < s: sequence s holds the same keys as sequence r and reuses its
-  // clustering (the result would be identical: the sample is seeded per layer and head).
-  std::vector<int> replica_of;
-  // The ranking as one launch per step: a bucket sort of the clusters by centroid score,
-  // their list positions and the exactly scored positions' rows (up to 8192 clusters per
-  // kv head, i.e. 128K tokens at cluster_size 16); false, or more clusters: a radix sort
-  // and a positions kernel. Both give the same order, so the same tokens.
-  bool bucket_ranking = true;
-  // Benchmarks: record the bucket ranking's phases for SparseDecoder::phase_times.
-  bool record_phases = false;
-  // The shared-memory marks' slices per kv head (with the bucket ranking): 0 picks two CTAs
-  // per multiprocessor over the batch's kv heads, at most 32; fewer slices means fewer
-  // global atomics and less parallel marking. The lists are the same for any value.
-  int mark_slices = 0;
-  // The marks by token range (with the bucket ranking, when the group's [group][clusters]
-  // start positions fit in shared memory and a CTA has at most 4 tiles of 8192 tokens to
-  // walk): CTAs over runs of a list's tokens test each token's list position against every
-  // head's budget and store whole bitmap words; false, or otherwise: the marks by ranked
-  // cluster (shared-memory bitmaps per slice, flushed with atomics). The lists are the same
-  // either way.
-  bool token_marks = true;
 };
 std::unique_ptr<SparseDecoder> make_tactic_gpu(const DeviceKvView& kv, int group, const TacticGpuOptions& o,
                                                const AttentionPlanOptions& plan = {});
@@ -145,7 +117,6 @@ struct PsaGpuOptions {
   double threshold = 0.95;
   int microbatch = 1;
   PageScoreKind criticality = PageScoreKind::kMean;
-  int first_round_pages = 0;  // 0: max(microbatch, max_pages / 64) rounded to microbatches
 };
 std::unique_ptr<SparseDecoder> make_psa_gpu(const DeviceKvView& kv, int group, const PsaGpuOptions& o,
                                             const AttentionPlanOptions& plan = {});

@@ -1,7 +1,8 @@
 // CUDA prefill attention (src/kernels/cuda/prefill.cu, docs/cuda.md "Prefill"): the device
 // twins of kernels/prefill.h for one layer's whole prompt, and FlexPrefill's probe (003
 // "Query-Aware Sparse Pattern Determination", Algorithm 3 step 1) on the device with the
-// block selection on the host (methods/flexprefill.h, the CPU method's own code).
+// block selection on the host (src/kernels/cpu/flexprefill_select.h, the CPU method's own
+// code).
 //
 // Tensors are contiguous and head-major (what a GPU projection writes per head), f16:
 //   q, out: [n_q_heads][n][head_dim];  k, v: [n_kv_heads][n][head_dim]

@@ -14,7 +14,7 @@
 // 16 bits (pmaddwd: int16 x int16, twice the throughput of widening both to float32) change
 // each x_j by about dx_b / 2 = amax_b * 2^-16 at most; 8 bits (vpdpbusd: u8 x s8 in groups of
 // 4, AVX-512 VNNI, as llama.cpp's Q8_0/Q8_1 activations) by amax_b / 254, 129x coarser, for
-// about half the instructions per weight. cpu::gemv_quant and the model runtime take 16 bits
+// about half the instructions per weight. The model runtime takes 16 bits
 // (cpu::gemv_quant_activation_bits): 8-bit codes measured no faster in the model (Gemma 3 at
 // 32K: the head, MLP and Q/K/V times within noise of the 16-bit path, docs/model.md) and
 // moved SmolLM2's logits 40x further from float32 weights (max 0.49 against 0.012). They
@@ -46,7 +46,6 @@
 #include <string_view>
 #include <vector>
 
-#include "cumulus/core/thread_pool.h"
 
 namespace cumulus {
 
@@ -111,14 +110,9 @@ void quant_dequantize_rows(const QuantMatrixView& w, int row_begin, int row_end,
 namespace cpu {
 // The rounding of x (SIMD); bit-identical to ref::quant_activation.
 void quant_activation(const float* x, int cols, int bits, QuantActivation& a);
-// The activation width gemv_quant and the model runtime use: 16 (see the top of this file
-// for why not 8 where VNNI is there).
+// The activation width the model runtime uses: 16 (see the top of this file for why not 8
+// where VNNI is there).
 int gemv_quant_activation_bits();
-// y [rows] = W x, x [cols] float32 (rounded by quant_activation to
-// gemv_quant_activation_bits() first). Rows are split
-// into tasks by the matrix shape alone and every row is computed by the same instruction
-// sequence wherever it falls, so y is bit-identical for any thread count.
-void gemv_quant(const QuantMatrixView& w, const float* x, float* y, ThreadPool& pool);
 // The single-threaded core: y [row_end - row_begin] = rows [row_begin, row_end) of W x,
 // x of either width (8 bits: VNNI byte dot products where the target has them, else the
 // 16-bit path on the 8-bit codes, which gives the same integer sums). No checks (callers
@@ -127,7 +121,9 @@ void gemv_quant_rows(const QuantMatrixView& w, int row_begin, int row_end, const
 // out [row_end - row_begin][cols] = W rows [row_begin, row_end) dequantised to float32
 // (for the prefill GEMM, which multiplies a slice at a time). No checks.
 void quant_dequantize_rows(const QuantMatrixView& w, int row_begin, int row_end, float* out);
-// Rows per gemv_quant task for a matrix of `rows` rows (a function of the shape only).
+// Rows per task when a product with a matrix of `rows` rows is split over threads (a
+// function of the shape only, so the result does not depend on the thread count; the model
+// runtime's split, src/model/weight_matrix.cpp).
 int gemv_quant_task_rows(int rows);
 }  // namespace cpu
 

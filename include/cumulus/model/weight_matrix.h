@@ -7,7 +7,7 @@
 // scale padding), the K-quants kept as the file's bytes. Every other type (F32, F16, BF16, Q2_K,
 // Q3_K, ...) and llama2.c checkpoints are dequantised to float32 on load; so a Q4_K_M file
 // (Q4_K, Q6_K, Q5_0, Q8_0 matrices) holds about its file size in memory.
-//   decode (one row):   quantised -> cpu::gemv_quant (Highway, reads the blocks);
+//   decode (one row):   quantised -> cpu::gemv_quant_rows (Highway, reads the blocks);
 //                       float32   -> OpenBLAS sgemv
 //   prefill (C rows):   float32   -> OpenBLAS sgemm
 //                       quantised -> each task dequantises its slice of 64 weight rows to

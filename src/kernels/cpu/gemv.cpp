@@ -51,6 +51,7 @@
 
 #include "core/check.h"
 #include "cumulus/kernels/gemv.h"
+#include "kernels/cpu/gemv_pool.h"
 
 #ifndef CUMULUS_KERNELS_CPU_GEMV_ONCE
 #define CUMULUS_KERNELS_CPU_GEMV_ONCE

@@ -12,8 +12,9 @@
 // (max m, sum l, unnormalised output o) per query head; the last CTA of a list to finish
 // (a ticket counter) merges the list's partials by log-sum-exp and writes out and lse.
 //
-// Work stealing (AttentionPlanOptions::steal, off by default: measured slower): equal chunks do not finish together (the multiprocessors do not
-// get equal shares of the memory bandwidth; measured on an H100, 128K tokens, batch 1: the
+// Work stealing (a benchmarks' option, AttentionPlanBenchOptions::steal in bench_options.h;
+// off by default: measured slower): equal chunks do not finish together (the
+// multiprocessors do not get equal shares of the memory bandwidth; measured on an H100, 128K tokens, batch 1: the
 // SMs were idle 20% of the kernel's time while the last chunks ran). So a chunk is only a
 // CTA's starting point: its warps claim units of kUnitBlocks blocks from a per-chunk
 // cursor (atomicAdd), and once their own chunk is used up they claim units from the other
@@ -35,6 +36,7 @@
 #include <climits>
 #include <cmath>
 
+#include "bench_options.h"
 #include "cuda_util.cuh"
 #include "cumulus/kernels/cuda.h"
 
@@ -1059,7 +1061,6 @@ AttentionPlan::AttentionPlan(const DeviceKvView& kv, int group, const AttentionP
   im->part_l = DeviceBuffer(static_cast<size_t>(im->max_items) * im->g * sizeof(float));
   im->tickets = DeviceBuffer(static_cast<size_t>(im->n_lists) * sizeof(int));
   im->tickets.fill_bytes(0);
-  im->steal = o.steal;
   im->prefetch = o.l2_prefetch;
   im->cursor = DeviceBuffer(static_cast<size_t>(im->max_items) * sizeof(int));
   im->cursor.fill_bytes(0);
@@ -1073,6 +1074,12 @@ AttentionPlan::AttentionPlan(const DeviceKvView& kv, int group, const AttentionP
 }
 
 AttentionPlan::~AttentionPlan() { delete impl_; }
+
+void attention_plan_set_bench(AttentionPlan& plan, const AttentionPlanBenchOptions& o) {
+  // The chunk cursors exist (zero) in every plan and are zero again after each launch that
+  // steals, so the knob may change between launches.
+  plan.impl()->steal = o.steal;
+}
 
 int AttentionPlan::warps() const { return impl_->warps; }
 bool AttentionPlan::tensor_cores() const { return impl_->mma; }

@@ -121,6 +121,8 @@ struct SparseDecoder::Base {
   std::unique_ptr<AttentionPlan> plan;
 
   Base(const DeviceKvView& v, int g, const AttentionPlanOptions& po);
+  // The state of any decoder (a nested class may reach SparseDecoder's private members).
+  static Base& of(SparseDecoder& m) { return *m.base_; }
   // Turns the bitmaps into the lists (and clears them).
   void compact(cudaStream_t s) {
     bitmap_compact(bits.as<uint32_t>(), n_lists, words, idx.as<int32_t>(), stride, len.as<int32_t>(),

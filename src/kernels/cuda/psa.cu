@@ -280,7 +280,6 @@ class PsaGpu final : public SparseDecoder {
       : SparseDecoder(kv, group, po), o_(o) {
     CUMULUS_CHECK(o.threshold > 0 && o.threshold <= 1, "psa: threshold={} must be in (0, 1]", o.threshold);
     CUMULUS_CHECK(o.microbatch >= 1, "psa: microbatch={} must be >= 1", o.microbatch);
-    CUMULUS_CHECK(o.first_round_pages >= 0, "psa: first_round_pages={} must be >= 0", o.first_round_pages);
     if (o.criticality == PageScoreKind::kMean)
       CUMULUS_CHECK(kv.kmean != nullptr, "psa: kv.kmean must be non-null");
     else
@@ -302,9 +301,10 @@ class PsaGpu final : public SparseDecoder {
     epoch_.fill_bytes(0);
     rowlen_ = DeviceBuffer(rows * sizeof(int32_t));
     sort_ = std::make_unique<SortWorkspace>(rows, mp);
-    // Round boundaries: multiples of the microbatch, sizes doubling.
+    // Round boundaries: multiples of the microbatch, sizes doubling from max(microbatch,
+    // max_pages / 64).
     const int m = o.microbatch;
-    int size = o.first_round_pages > 0 ? o.first_round_pages : std::max(m, (mp + 63) / 64);
+    int size = std::max(m, (mp + 63) / 64);
     size = (size + m - 1) / m * m;
     bounds_.push_back(0);
     while (bounds_.back() < mp) {

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "bench_options.h"
 #include "cuda_internal.cuh"
 #include "cumulus/kernels/cuda_methods.h"
 
@@ -33,6 +34,10 @@ SparseDecoder::Base::Base(const DeviceKvView& v, int g, const AttentionPlanOptio
 SparseDecoder::SparseDecoder(const DeviceKvView& kv, int group, const AttentionPlanOptions& plan)
     : base_(std::make_unique<Base>(kv, group, plan)) {}
 SparseDecoder::~SparseDecoder() = default;
+
+void sparse_decoder_set_plan_bench(SparseDecoder& m, const AttentionPlanBenchOptions& o) {
+  attention_plan_set_bench(*SparseDecoder::Base::of(m).plan, o);
+}
 
 void SparseDecoder::attend(const float* q, float* out, float* lse, const float* lse_ref, float* mass, void* stream) {
   Base& b = *base_;

@@ -26,47 +26,16 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
-#include <random>
 
+#include "bench_options.h"
 #include "cuda_internal.cuh"
 #include "cumulus/kernels/cuda_methods.h"
+#include "kernels/tactic_rules.h"
 
 #include <cub/block/block_radix_sort.cuh>
 
 namespace cumulus::cuda {
 namespace {
-
-// Exactly scored list positions of Algorithm 1 for a list of L entries (the CPU rule,
-// src/methods/tactic.cpp): [0, N) and the windows [b1, e1), [b2, e2); every position when
-// the windows overlap each other or the head (short lists).
-struct TacticWindows {
-  int N = 0, b1 = 0, e1 = 0, b2 = 0, e2 = 0, n_exact = 0;
-  bool exact_all = true;
-};
-
-__host__ __device__ inline TacticWindows tactic_windows(int L, double init_ratio, int window, double p1, double p2) {
-  TacticWindows w;
-  if (L <= 0) return w;
-  w.N = static_cast<int>(ceil(init_ratio * L));
-  w.N = w.N < 1 ? 1 : (w.N > L ? L : w.N);
-  const int hi = L - window > 0 ? L - window : 0;
-  auto at = [&](double p, int& b, int& e) {
-    b = static_cast<int>(p * L) - window / 2;
-    b = b < 0 ? 0 : (b > hi ? hi : b);
-    e = b + window < L ? b + window : L;
-  };
-  at(p1, w.b1, w.e1);
-  at(p2, w.b2, w.e2);
-  w.exact_all = w.e1 > w.b2 || w.b1 < w.N || w.N >= L;
-  w.n_exact = w.exact_all ? L : w.N + (w.e1 - w.b1) + (w.e2 - w.b2);
-  return w;
-}
-
-__device__ __forceinline__ int tactic_position(const TacticWindows& w, int u) {
-  if (w.exact_all || u < w.N) return u;
-  if (u < w.N + (w.e1 - w.b1)) return w.b1 + (u - w.N);
-  return w.b2 + (u - w.N - (w.e1 - w.b1));
-}
 
 struct TacticParams {
   DeviceKvView kv;
@@ -103,7 +72,7 @@ struct TacticParams {
   unsigned long long* phase;  // [rows][kRankPhaseSlots] %globaltimer at phase ends, or null
 };
 
-// Phases of the ranking kernel recorded with TacticGpuOptions::record_phases: slot 0 the
+// Phases of the ranking kernel recorded with TacticGpuBenchOptions::record_phases: slot 0 the
 // start, slot i the end of phase i (1 .. kRankPhases); slot kRankPhases + 1 is 1 when the
 // row's ranking took CUB's sort.
 constexpr int kRankPhases = 6;
@@ -972,8 +941,9 @@ __global__ void __launch_bounds__(kRankThreads) tactic_rank_kernel(TacticParams 
 
 class TacticGpu final : public SparseDecoder {
  public:
-  TacticGpu(const DeviceKvView& kv, int group, const TacticGpuOptions& o, const AttentionPlanOptions& po)
-      : SparseDecoder(kv, group, po), o_(o) {
+  TacticGpu(const DeviceKvView& kv, int group, const TacticGpuOptions& o, const TacticGpuBenchOptions& bo,
+            const AttentionPlanOptions& po)
+      : SparseDecoder(kv, group, po), o_(o), replica_of_(bo.replica_of) {
     CUMULUS_CHECK(o.p > 0 && o.p <= 1, "tactic: p={} must be in (0, 1]", o.p);
     CUMULUS_CHECK(o.cluster_size >= 1, "tactic: cluster_size={} must be >= 1", o.cluster_size);
     CUMULUS_CHECK(o.max_iter >= 1, "tactic: max_iter={} must be >= 1", o.max_iter);
@@ -981,18 +951,18 @@ class TacticGpu final : public SparseDecoder {
     CUMULUS_CHECK(o.window >= 1, "tactic: window={} must be >= 1", o.window);
     CUMULUS_CHECK(o.p1 >= 0 && o.p1 < o.p2 && o.p2 <= 1, "tactic: p1={} and p2={} need 0 <= p1 < p2 <= 1", o.p1, o.p2);
     CUMULUS_CHECK(o.sinks >= 0 && o.recent >= 0, "tactic: sinks={} and recent={} must be >= 0", o.sinks, o.recent);
-    CUMULUS_CHECK(o.mark_slices >= 0 && o.mark_slices <= 1024, "tactic: mark_slices={} must be in [0, 1024]",
-                  o.mark_slices);
-    CUMULUS_CHECK(o.replica_of.empty() || static_cast<int>(o.replica_of.size()) == kv.n_seqs,
-                  "tactic: replica_of has {} entries, n_seqs={}", o.replica_of.size(), kv.n_seqs);
-    for (size_t s = 0; s < o.replica_of.size(); ++s)
-      CUMULUS_CHECK(o.replica_of[s] >= 0 && o.replica_of[s] <= static_cast<int>(s) &&
-                        (o.replica_of[s] == static_cast<int>(s) || o.replica_of[o.replica_of[s]] == o.replica_of[s]),
-                    "tactic: replica_of[{}]={} must name an earlier sequence that is its own source", s,
-                    o.replica_of[s]);
+    CUMULUS_CHECK(bo.mark_slices >= 0 && bo.mark_slices <= 1024, "tactic: mark_slices={} must be in [0, 1024]",
+                  bo.mark_slices);
+    CUMULUS_CHECK(bo.replica_of.empty() || static_cast<int>(bo.replica_of.size()) == kv.n_seqs,
+                  "tactic: replica_of has {} entries, n_seqs={}", bo.replica_of.size(), kv.n_seqs);
+    const std::vector<int>& rep = bo.replica_of;
+    for (size_t s = 0; s < rep.size(); ++s)
+      CUMULUS_CHECK(rep[s] >= 0 && rep[s] <= static_cast<int>(s) &&
+                        (rep[s] == static_cast<int>(s) || rep[rep[s]] == rep[s]),
+                    "tactic: replica_of[{}]={} must name an earlier sequence that is its own source", s, rep[s]);
     const Base& b = base();
     const int n_lists = b.n_lists, rows = kv.n_seqs * b.n_q, mt = std::max(1, kv.max_tokens);
-    kc_max_ = std::max(1, std::min(mt, (mt + o.cluster_size - 1) / o.cluster_size));
+    kc_max_ = std::max(1, tactic_cluster_count(mt, o.cluster_size));
     max_exact_ = 1;
     for (int L = 1; L <= mt; ++L)
       max_exact_ = std::max(max_exact_, tactic_windows(L, o.init_ratio, o.window, o.p1, o.p2).n_exact);
@@ -1010,7 +980,7 @@ class TacticGpu final : public SparseDecoder {
     exact_ = DeviceBuffer(static_cast<size_t>(rows) * max_exact_ * sizeof(float));
     order_ = DeviceBuffer(static_cast<size_t>(rows) * kc_max_ * sizeof(int32_t));
     pos_ = DeviceBuffer(static_cast<size_t>(rows) * (kc_max_ + 1) * sizeof(int32_t));
-    bucket_ = o.bucket_ranking && kc_max_ <= kRankMaxClusters;
+    bucket_ = bo.bucket_ranking && kc_max_ <= kRankMaxClusters;
     if (bucket_) {
       // About two clusters per bin: crowded bins are what costs (each is sorted by one
       // thread); measured at 128K tokens: 8 per bin took 50 us, 2 per bin 15 us.
@@ -1029,7 +999,7 @@ class TacticGpu final : public SparseDecoder {
       // (fewer atomics, less parallel marking) is the untried next step.
       const int words = b.words;
       if (words <= kMarkSmemMaxWords && group <= 64) {
-        mark_slices_ = o.mark_slices > 0 ? o.mark_slices : std::clamp(2 * sm_count() / std::max(1, n_lists), 1, 32);
+        mark_slices_ = bo.mark_slices > 0 ? bo.mark_slices : std::clamp(2 * sm_count() / std::max(1, n_lists), 1, 32);
         mark_smem_ = static_cast<size_t>(words) * sizeof(uint32_t);
       }
       // The marks by token range need the group's start arrays in shared memory.
@@ -1041,7 +1011,7 @@ class TacticGpu final : public SparseDecoder {
       // step; 4 tiles at 32K, batch 16, 11.5 us less), so those batches keep them.
       range_ctas_ = std::clamp(sm_count() / std::max(1, n_lists), 1, bitmap_tiles(b.words));
       const int tiles_per_cta = ceil_div(bitmap_tiles(b.words), range_ctas_);
-      if (o.token_marks && group <= 64 && range_smem_ <= kRangeSmemMax && tiles_per_cta <= kRangeTilesMax) {
+      if (bo.token_marks && group <= 64 && range_smem_ <= kRangeSmemMax && tiles_per_cta <= kRangeTilesMax) {
         range_marks_ = true;
         cid_ = DeviceBuffer(static_cast<size_t>(n_lists) * mt * sizeof(int32_t));
         midx_ = DeviceBuffer(static_cast<size_t>(n_lists) * mt * sizeof(int32_t));
@@ -1049,7 +1019,7 @@ class TacticGpu final : public SparseDecoder {
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                 static_cast<int>(range_smem_)));
       }
-      if (o.record_phases) {
+      if (bo.record_phases) {
         phase_ = DeviceBuffer(static_cast<size_t>(rows) * kRankPhaseSlots * sizeof(unsigned long long));
         phase_.fill_bytes(0);
       }
@@ -1103,7 +1073,7 @@ class TacticGpu final : public SparseDecoder {
     CUMULUS_CUDA_CHECK(cudaStreamSynchronize(s));
     std::vector<int32_t> n_clu(b.n_lists, 0), n_idx(b.n_lists, 0);
     for (int seq = 0; seq < kv.n_seqs; ++seq) {
-      const int src = o_.replica_of.empty() ? seq : o_.replica_of[seq];
+      const int src = replica_of_.empty() ? seq : replica_of_[seq];
       for (int h = 0; h < n_kv; ++h) {
         const int list = seq * n_kv + h;
         if (src != seq) {
@@ -1245,7 +1215,7 @@ class TacticGpu final : public SparseDecoder {
     if (n <= 0) return 0;
     const DeviceKvView& kv = base().kv;
     const int D = kv.head_dim, list = seq * kv.n_kv_heads + h;
-    const int k = std::min(n, (n + o_.cluster_size - 1) / o_.cluster_size);
+    const int k = tactic_cluster_count(n, o_.cluster_size);
     DeviceBuffer x(static_cast<size_t>(n) * D * sizeof(float));
     const int blocks = ceil_div(static_cast<int64_t>(n) * D, 256);
     if (kv.dtype == DType::f16)
@@ -1254,11 +1224,8 @@ class TacticGpu final : public SparseDecoder {
       gather_keys_kernel<__nv_bfloat16><<<blocks, 256, 0, s>>>(kv, seq, h, n, x.as<float>());
     CUMULUS_CUDA_LAUNCH("gather_keys_kernel");
     // The CPU's initial sample: seeded by (seed, layer, kv head, segment start 0).
-    std::seed_seq seq_seed{o_.seed, static_cast<uint32_t>(o_.layer), static_cast<uint32_t>(h), 0u};
-    std::mt19937 rng(seq_seed);
-    std::vector<int32_t> perm(n);
-    for (int i = 0; i < n; ++i) perm[i] = i;
-    for (int i = 0; i < k; ++i) std::swap(perm[i], perm[i + static_cast<int>(rng() % static_cast<uint32_t>(n - i))]);
+    std::vector<int32_t> perm;
+    tactic_initial_sample(o_.seed, o_.layer, h, 0, n, k, perm);
     perm.resize(k);
     DeviceBuffer init = to_device(perm);
     DeviceBuffer cent(static_cast<size_t>(k) * D * sizeof(float));
@@ -1330,6 +1297,7 @@ class TacticGpu final : public SparseDecoder {
   }
 
   TacticGpuOptions o_;
+  std::vector<int> replica_of_;  // TacticGpuBenchOptions::replica_of
   int kc_max_ = 1, max_exact_ = 1, max_exact_ctas_ = 1;
   bool bucket_ = false;
   bool range_marks_ = false;  // tactic_mark_range_kernel (see the constructor)
@@ -1348,9 +1316,15 @@ class TacticGpu final : public SparseDecoder {
 
 }  // namespace
 
+std::unique_ptr<SparseDecoder> make_tactic_gpu_bench(const DeviceKvView& kv, int group, const TacticGpuOptions& o,
+                                                     const TacticGpuBenchOptions& bench,
+                                                     const AttentionPlanOptions& plan) {
+  return std::make_unique<TacticGpu>(kv, group, o, bench, plan);
+}
+
 std::unique_ptr<SparseDecoder> make_tactic_gpu(const DeviceKvView& kv, int group, const TacticGpuOptions& o,
                                                const AttentionPlanOptions& plan) {
-  return std::make_unique<TacticGpu>(kv, group, o, plan);
+  return make_tactic_gpu_bench(kv, group, o, TacticGpuBenchOptions{}, plan);
 }
 
 }  // namespace cumulus::cuda

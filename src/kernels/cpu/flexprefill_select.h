@@ -1,7 +1,8 @@
 // FlexPrefill's block selection (003: "Query-Aware Sparse Pattern Determination" and
-// "Cumulative-Attention Based Index Selection", Algorithms 3 and 4), as plain functions
-// so that the method (flexprefill.cpp) and other backends (the CUDA port) share one
-// definition and can be tested against it. docs/methods.md "flexprefill" states every step
+// "Cumulative-Attention Based Index Selection", Algorithms 3 and 4), as plain host functions
+// in the kernels layer so that the method (src/methods/flexprefill.cpp) and the CUDA port's
+// host half (src/kernels/cuda/prefill.cu, cuda::flexprefill_select) share one definition and
+// can be tested against it. Not installed. docs/methods.md "flexprefill" states every step
 // and each deviation from the paper and its reference code.
 //
 // Everything is per QUERY head (the reference's GQA handling): head qh reads kv head
