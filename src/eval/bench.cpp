@@ -121,6 +121,29 @@ BenchMachine bench_machine() {
   return m;
 }
 
+BenchWorkload bench_workload(const BenchOptions& o, ThreadPool& pool, BenchReport& rep) {
+  const auto t_gen = Clock::now();
+  const Shape s = shape_preset(o.shape);
+  KvCacheOptions kvo;
+  kvo.dtype = o.dtype;
+  kvo.max_tokens = o.context;
+  KvCache kv(s, kvo);
+  SyntheticOptions so;
+  so.shape = s;
+  so.n_tokens = o.context;
+  // The first kPromptQueryRows queries stand for the prompt's last positions (methods that
+  // learn from the prompt's own attention get them in on_prefill); the rest are decoded.
+  so.n_steps = kPromptQueryRows + o.steps;
+  so.seed = o.seed;
+  so.concentration = o.concentration;
+  SyntheticWorkload w = synthetic_generate(so, kv, pool);
+  rep.generate_s = seconds_since(t_gen);
+  rep.n_sinks = so.n_sinks;
+  rep.recent_window = so.recent_window;
+  rep.profile = attention_profile(kv, w, 0, 0.9, pool);
+  return {std::move(kv), std::move(w)};
+}
+
 BenchReport bench_run(const BenchOptions& o, std::FILE* log) {
   const auto t_start = Clock::now();
   o.validate();
@@ -138,24 +161,9 @@ BenchReport bench_run(const BenchOptions& o, std::FILE* log) {
   log_line(log, fmt::format("read bandwidth: {:.1f} GB/s ({} threads, {} MiB buffer)", rep.membw.gbps_median,
                             rep.membw.threads, rep.membw.bytes >> 20));
 
-  const auto t_gen = Clock::now();
-  KvCacheOptions kvo;
-  kvo.dtype = o.dtype;
-  kvo.max_tokens = o.context;
-  KvCache kv(s, kvo);
-  SyntheticOptions so;
-  so.shape = s;
-  so.n_tokens = o.context;
-  // The first kPromptQueryRows queries stand for the prompt's last positions (methods that
-  // learn from the prompt's own attention get them in on_prefill); the rest are decoded.
-  so.n_steps = kPromptQueryRows + o.steps;
-  so.seed = o.seed;
-  so.concentration = o.concentration;
-  const SyntheticWorkload w = synthetic_generate(so, kv, pool);
-  rep.generate_s = seconds_since(t_gen);
-  rep.n_sinks = so.n_sinks;
-  rep.recent_window = so.recent_window;
-  rep.profile = attention_profile(kv, w, 0, 0.9, pool);
+  const BenchWorkload bw = bench_workload(o, pool, rep);
+  const KvCache& kv = bw.kv;
+  const SyntheticWorkload& w = bw.w;
   log_line(log, fmt::format("workload: {} tokens x {} steps in {:.1f} s", o.context, o.steps, rep.generate_s));
 
   rep.llc_bytes = llc_bytes();

@@ -38,6 +38,7 @@
 #include "cumulus/kernels/selection.h"
 #include "cumulus/kernels/sketch.h"
 #include "cumulus/methods/registry.h"
+#include "method_options.h"
 #include "method_util.h"
 
 namespace cumulus {
@@ -473,16 +474,7 @@ void register_sketch_topp(Registry& r) {
                      .max = 1 << 30}},
          .make_decode = [](const Shape& s, const Params& p) {
            SketchToppOptions o;
-           o.p = p.get_double("p");
-           o.candidate_p = p.get_double("candidate_p");
-           o.sinks = p.get_int("sinks");
-           o.recent = p.get_int("recent");
-           o.min_context = p.get_int("min_context");
-           o.dense_above = p.get_double("dense_above");
-           const std::string& rest = p.get_string("rest");
-           CUMULUS_CHECK(rest == "none" || rest == "mean", "method 'sketch_topp': parameter rest='{}' must be none or mean",
-                         rest);
-           o.rest_mean = rest == "mean";
+           methods::read_sketch_topp_options(p, o);
            return std::make_unique<SketchTopp>(s, o);
          },
          .target_param = "p"});

@@ -32,6 +32,7 @@
 #include "cumulus/kernels/tactic.h"
 #include "cumulus/methods/registry.h"
 #include "kernels/tactic_rules.h"
+#include "method_options.h"
 #include "method_util.h"
 
 namespace cumulus {
@@ -368,22 +369,12 @@ void register_tactic(Registry& r) {
                      .max = 1 << 30}},
          .make_decode = [](const Shape& s, const Params& p) {
            TacticMethodOptions o;
-           o.p = p.get_double("p");
-           o.cluster_size = p.get_int("cluster_size");
-           o.max_iter = p.get_int("max_iter");
-           o.init_ratio = p.get_double("init_ratio");
-           o.window = p.get_int("window");
-           o.p1 = p.get_double("p1");
-           o.p2 = p.get_double("p2");
+           methods::read_tactic_options(p, o);
            o.recluster_interval = p.get_int("recluster_interval");
-           o.seed = static_cast<uint32_t>(p.get_int("seed"));
            const std::string& mode = p.get_string("mode");
            CUMULUS_CHECK(mode == "fit" || mode == "cluster_optimal",
                          "method 'tactic': parameter mode='{}' must be fit or cluster_optimal", mode);
-           CUMULUS_CHECK(o.p1 < o.p2, "method 'tactic': parameters p1={} and p2={} need p1 < p2", o.p1, o.p2);
            o.cluster_optimal = mode == "cluster_optimal";
-           o.sinks = p.get_int("sinks");
-           o.recent = p.get_int("recent");
            return std::make_unique<Tactic>(s, o);
          },
          .target_param = "p"});

@@ -156,6 +156,31 @@ ModelWeights llama3_shaped_random(int context, std::mt19937& rng) {
   return w;
 }
 
+// The random model above, a random prompt and teacher-forced tokens, drawn in that order
+// from one seed.
+struct RandomRun {
+  ModelWeights w;
+  std::vector<int32_t> prompt, forced;
+};
+RandomRun random_run(uint32_t seed, int context, int prompt_len, int forced_len) {
+  std::mt19937 rng(seed);
+  RandomRun r{llama3_shaped_random(context, rng), std::vector<int32_t>(prompt_len), std::vector<int32_t>(forced_len)};
+  std::uniform_int_distribution<int32_t> id(0, r.w.config.vocab_size - 1);
+  for (auto& t : r.prompt) t = id(rng);
+  for (auto& t : r.forced) t = id(rng);
+  return r;
+}
+
+// The GPU runner launched kernel by kernel (CUMULUS_CUDA_GRAPHS=0) against one replaying the
+// captured decode step.
+Comparison direct_vs_graph(const ModelWeights& w, const SessionOptions& o, const std::vector<int32_t>& prompt,
+                           const std::vector<int32_t>& forced) {
+  ::setenv("CUMULUS_CUDA_GRAPHS", "0", 1);
+  auto direct = model_runner_cuda(w, o);
+  ::unsetenv("CUMULUS_CUDA_GRAPHS");
+  return compare_runs(*direct, *model_runner_cuda(w, o), prompt, forced);
+}
+
 class CudaStories260K : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -231,13 +256,10 @@ TEST_F(CudaStories260K, RestartDecodeRepeatsTheContinuation) {
 
 TEST(CudaModel, Llama3ShapedRandomWeightsMatchTheCpu) {
   CUMULUS_REQUIRE_GPU();
-  std::mt19937 rng(7);
-  const ModelWeights w = llama3_shaped_random(1100, rng);
-  const ModelConfig& c = w.config;
-  std::uniform_int_distribution<int32_t> id(0, c.vocab_size - 1);
-  std::vector<int32_t> prompt(1000), forced(32);
-  for (auto& t : prompt) t = id(rng);
-  for (auto& t : forced) t = id(rng);
+  const RandomRun rr = random_run(7, 1100, 1000, 32);
+  const ModelWeights& w = rr.w;
+  const std::vector<int32_t>& prompt = rr.prompt;
+  const std::vector<int32_t>& forced = rr.forced;
   SessionOptions o;
   o.n_threads = 4;
   auto gpu = model_runner_cuda(w, o);
@@ -248,11 +270,7 @@ TEST(CudaModel, Llama3ShapedRandomWeightsMatchTheCpu) {
   EXPECT_LT(cm.max_abs, 0.05 * cm.max_logit);
   // A second GPU run launched kernel by kernel instead of as a graph: how far two GPU runs
   // are apart (printed; the split-KV merge may add in another order).
-  ::setenv("CUMULUS_CUDA_GRAPHS", "0", 1);
-  auto direct = model_runner_cuda(w, o);
-  ::unsetenv("CUMULUS_CUDA_GRAPHS");
-  auto gpu2 = model_runner_cuda(w, o);
-  const Comparison cg = compare_runs(*direct, *gpu2, prompt, forced);
+  const Comparison cg = direct_vs_graph(w, o, prompt, forced);
   report("llama3-shaped random: GPU without a graph vs GPU with one", cg);
   EXPECT_EQ(cg.top1_agree, cg.positions);
   EXPECT_LT(cg.max_abs, 1e-3 * cg.max_logit);
@@ -280,13 +298,10 @@ TEST(CudaModel, Llama3ShapedRandomWeightsMatchTheCpu) {
 // new segment: its tokens are not compared).
 TEST(CudaModel, DecodeMethodsMatchTheCpuThroughTheRunner) {
   CUMULUS_REQUIRE_GPU();
-  std::mt19937 rng(11);
-  const ModelWeights w = llama3_shaped_random(2100, rng);
-  const ModelConfig& c = w.config;
-  std::uniform_int_distribution<int32_t> id(0, c.vocab_size - 1);
-  std::vector<int32_t> prompt(2000), forced(24);
-  for (auto& t : prompt) t = id(rng);
-  for (auto& t : forced) t = id(rng);
+  const RandomRun rr = random_run(11, 2100, 2000, 24);
+  const ModelWeights& w = rr.w;
+  const std::vector<int32_t>& prompt = rr.prompt;
+  const std::vector<int32_t>& forced = rr.forced;
   // Logits after the prefill and after each teacher-forced step.
   auto logits_of = [&](ModelRunner& r) {
     std::vector<std::vector<float>> v{r.prefill(prompt)};
@@ -361,10 +376,7 @@ TEST(CudaModel, DecodeMethodsMatchTheCpuThroughTheRunner) {
     }
     // Sparse for real: fewer tokens than dense (quest's dense layer included).
     EXPECT_LT(gs.mean_tokens(), 0.9 * (prompt.size() + forced.size() / 2)) << label;
-    ::setenv("CUMULUS_CUDA_GRAPHS", "0", 1);
-    auto direct = model_runner_cuda(w, o);
-    ::unsetenv("CUMULUS_CUDA_GRAPHS");
-    const Comparison cg = compare_runs(*direct, *model_runner_cuda(w, o), prompt, forced);
+    const Comparison cg = direct_vs_graph(w, o, prompt, forced);
     report((label + ": GPU without a graph vs GPU with one").c_str(), cg);
     EXPECT_EQ(cg.top1_agree, cg.positions) << label;
     EXPECT_LT(cg.max_abs, 1e-3 * cg.max_logit) << label;
@@ -378,12 +390,10 @@ TEST(CudaModel, DecodeMethodsMatchTheCpuThroughTheRunner) {
 // runner as it was.
 TEST(CudaModel, RestartDecodeSwitchesTheMethod) {
   CUMULUS_REQUIRE_GPU();
-  std::mt19937 rng(13);
-  const ModelWeights w = llama3_shaped_random(1600, rng);
-  std::uniform_int_distribution<int32_t> id(0, w.config.vocab_size - 1);
-  std::vector<int32_t> prompt(1500), forced(8);
-  for (auto& t : prompt) t = id(rng);
-  for (auto& t : forced) t = id(rng);
+  const RandomRun rr = random_run(13, 1600, 1500, 8);
+  const ModelWeights& w = rr.w;
+  const std::vector<int32_t>& prompt = rr.prompt;
+  const std::vector<int32_t>& forced = rr.forced;
   const std::map<std::string, std::string> sk{{"gpu_dense_mib", "0"}};
   SessionOptions o;
   auto gpu = model_runner_cuda(w, o);
@@ -420,12 +430,10 @@ TEST(CudaModel, RestartDecodeSwitchesTheMethod) {
 // (printed: the products' shapes differ, so cuBLAS may sum in another order).
 TEST(CudaModel, ChunkedPrefillMatchesTheCpu) {
   CUMULUS_REQUIRE_GPU();
-  std::mt19937 rng(17);
-  const ModelWeights w = llama3_shaped_random(4200, rng);
-  std::uniform_int_distribution<int32_t> id(0, w.config.vocab_size - 1);
-  std::vector<int32_t> prompt(4100), forced(8);
-  for (auto& t : prompt) t = id(rng);
-  for (auto& t : forced) t = id(rng);
+  const RandomRun rr = random_run(17, 4200, 4100, 8);
+  const ModelWeights& w = rr.w;
+  const std::vector<int32_t>& prompt = rr.prompt;
+  const std::vector<int32_t>& forced = rr.forced;
   SessionOptions o;
   o.n_threads = 4;
   auto gpu = model_runner_cuda(w, o);

@@ -104,22 +104,9 @@ BenchReport bench_run_cuda(const BenchOptions& o, std::FILE* log) {
   log_line(log, fmt::format("{}: copy bandwidth {:.0f} GB/s", rep.device, rep.membw.gbps_median));
 
   ThreadPool pool(o.threads);
-  const auto t_gen = Clock::now();
-  KvCacheOptions kvo;
-  kvo.dtype = o.dtype;
-  kvo.max_tokens = o.context;
-  KvCache kv(s, kvo);
-  SyntheticOptions so;
-  so.shape = s;
-  so.n_tokens = o.context;
-  so.n_steps = kPromptQueryRows + o.steps;  // as the CPU run: the same queries are decoded
-  so.seed = o.seed;
-  so.concentration = o.concentration;
-  const SyntheticWorkload w = synthetic_generate(so, kv, pool);
-  rep.generate_s = std::chrono::duration<double>(Clock::now() - t_gen).count();
-  rep.n_sinks = so.n_sinks;
-  rep.recent_window = so.recent_window;
-  rep.profile = attention_profile(kv, w, 0, 0.9, pool);
+  const BenchWorkload bw = bench_workload(o, pool, rep);  // the CPU run's workload and queries
+  const KvCache& kv = bw.kv;
+  const SyntheticWorkload& w = bw.w;
   log_line(log, fmt::format("workload: {} tokens x {} steps in {:.1f} s", o.context, o.steps, rep.generate_s));
 
   std::vector<PagedHeadView> heads;

@@ -22,6 +22,7 @@
 #include "cumulus/core/shape.h"
 #include "cumulus/eval/membw.h"
 #include "cumulus/eval/synthetic.h"
+#include "cumulus/kv/kv_cache.h"
 
 namespace cumulus {
 
@@ -109,6 +110,15 @@ struct BenchReport {
 };
 
 BenchMachine bench_machine();
+
+// The benchmark's KV cache (one layer, options.dtype) and synthetic workload of
+// kPromptQueryRows + options.steps queries, with its report fields (generate_s, n_sinks,
+// recent_window, profile) filled in: the CPU run and `bench --device cuda` share it.
+struct BenchWorkload {
+  KvCache kv;
+  SyntheticWorkload w;
+};
+BenchWorkload bench_workload(const BenchOptions& options, ThreadPool& pool, BenchReport& report);
 
 // The 1-minute load average from /proc/loadavg (-1: unknown). Benchmarks print it before
 // and after their timings: other processes on the machine distort both.

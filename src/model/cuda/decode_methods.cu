@@ -7,6 +7,7 @@
 #include "core/check.h"
 #include "cumulus/kernels/cuda.h"
 #include "decode_methods.h"
+#include "methods/method_options.h"
 
 namespace cumulus::cuda::model {
 namespace {
@@ -66,28 +67,13 @@ std::unique_ptr<SparseDecoder> make_cuda_decoder(const Registry& registry, const
   const Params p = registry.parse(method, params);
   if (method == "sketch_topp") {
     SketchToppGpuOptions o;
-    o.p = p.get_double("p");
-    o.candidate_p = p.get_double("candidate_p");
-    o.sinks = p.get_int("sinks");
-    o.recent = p.get_int("recent");
-    o.min_context = p.get_int("min_context");
-    o.dense_above = p.get_double("dense_above");
-    o.rest_mean = p.get_string("rest") == "mean";
+    methods::read_sketch_topp_options(p, o);
     o.dense_kv_bytes = static_cast<size_t>(p.get_int("gpu_dense_mib")) << 20;
     return make_sketch_topp_gpu(kv, group, o);
   }
   if (method == "tactic") {
     TacticGpuOptions o;
-    o.p = p.get_double("p");
-    o.cluster_size = p.get_int("cluster_size");
-    o.max_iter = p.get_int("max_iter");
-    o.init_ratio = p.get_double("init_ratio");
-    o.window = p.get_int("window");
-    o.p1 = p.get_double("p1");
-    o.p2 = p.get_double("p2");
-    o.sinks = p.get_int("sinks");
-    o.recent = p.get_int("recent");
-    o.seed = static_cast<uint32_t>(p.get_int("seed"));
+    methods::read_tactic_options(p, o);
     o.layer = layer;
     return make_tactic_gpu(kv, group, o);
   }

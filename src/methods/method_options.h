@@ -1,0 +1,47 @@
+// The registry's parameters read into the options the two backends take, in one place: the
+// CPU methods' make_decode (src/methods) and the GPU runtime's pipelines
+// (src/model/cuda/decode_methods.cu) both call these, so a parameter means the same on
+// either device. Internal to src (no public header).
+#pragma once
+
+#include <string>
+
+#include "core/check.h"
+#include "cumulus/kernels/tactic.h"
+#include "cumulus/methods/registry.h"
+
+namespace cumulus::methods {
+
+// tactic's shared fields (TacticOptions, the base of the CPU and GPU options); checks
+// p1 < p2. recluster_interval and mode are the CPU method's.
+inline void read_tactic_options(const Params& p, TacticOptions& o) {
+  o.p = p.get_double("p");
+  o.cluster_size = p.get_int("cluster_size");
+  o.max_iter = p.get_int("max_iter");
+  o.init_ratio = p.get_double("init_ratio");
+  o.window = p.get_int("window");
+  o.p1 = p.get_double("p1");
+  o.p2 = p.get_double("p2");
+  o.seed = static_cast<uint32_t>(p.get_int("seed"));
+  o.sinks = p.get_int("sinks");
+  o.recent = p.get_int("recent");
+  CUMULUS_CHECK(o.p1 < o.p2, "method 'tactic': parameters p1={} and p2={} need p1 < p2", o.p1, o.p2);
+}
+
+// sketch_topp's fields (the CPU method's SketchToppOptions, cuda::SketchToppGpuOptions):
+// p, candidate_p, sinks, recent, min_context, dense_above and rest (none or mean).
+template <class O>
+void read_sketch_topp_options(const Params& p, O& o) {
+  o.p = p.get_double("p");
+  o.candidate_p = p.get_double("candidate_p");
+  o.sinks = p.get_int("sinks");
+  o.recent = p.get_int("recent");
+  o.min_context = p.get_int("min_context");
+  o.dense_above = p.get_double("dense_above");
+  const std::string& rest = p.get_string("rest");
+  CUMULUS_CHECK(rest == "none" || rest == "mean", "method 'sketch_topp': parameter rest='{}' must be none or mean",
+                rest);
+  o.rest_mean = rest == "mean";
+}
+
+}  // namespace cumulus::methods
