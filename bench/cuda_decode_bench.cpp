@@ -465,7 +465,7 @@ json run_sparse(const std::string& name, const Problem& pb, cuda::Stream& st, Ti
     // the union's K/V rows, at the copy bandwidth.
     double tokens = 0;
     for (int n : pb.dev->n_tokens()) tokens += n;
-    const double sketch_bytes = tokens * kv.n_kv_heads * (d / 2 + 4);
+    const double sketch_bytes = tokens * kv.n_kv_heads * m->select_bytes_per_token();
     r["sketch_bytes"] = sketch_bytes;
     r["floor_bytes"] = sketch_bytes + att_bytes;
     r["floor_us"] = (sketch_bytes + att_bytes) / (copy_gbps * 1e9) * 1e6;

@@ -475,6 +475,9 @@ TEST(SketchTopp, SketchFollowsAppendsAndTruncation) {
   EXPECT_TRUE(std::binary_search(t.begin(), t.end(), 2050));
   EXPECT_GE(out.stats[0].mass_true, 0.9);
   for (int qh = 0; qh < 4; ++qh) EXPECT_GE(out.stats[qh].mass_claimed, 0.9 - 1e-6);
+  // Found by the sketch, not by the rounds' fall-back to every token (which would hold
+  // token 2050 and reach P with a stale sketch too): the union stays sparse.
+  EXPECT_LT(t.size(), 2100u / 4) << "the union fell back to dense";
 }
 
 // The cost rule: contexts of at most min_context tokens attend every token and claim 1.

@@ -165,7 +165,7 @@ class SketchTopp final : public DecodeMethod {
           short_of_p = short_of_p || a < o_.p * total;
         }
         if (!short_of_p || round > kRounds) break;
-        extend_union(h, round, t, w.added, w);
+        extend_union(round, t, w.added, w);
         if (w.added.empty()) break;
         attend_added(h, q, kv.view(layer, h), w, out);
         w.merged.clear();
@@ -385,8 +385,8 @@ class SketchTopp final : public DecodeMethod {
     methods::add_kv_head_bytes(shape_, h, static_cast<double>(m) * 2 * v.row_bytes(), out);
   }
 
-  // Step 4 for kv head h in `round` (1-based): the tokens to add to its union `have`.
-  void extend_union(int h, int round, const std::vector<int32_t>& have, std::vector<int32_t>& add, Scratch& w) const {
+  // Step 4 for a kv head (its scratch w) in `round` (1-based): the tokens to add to its union `have`.
+  void extend_union(int round, const std::vector<int32_t>& have, std::vector<int32_t>& add, Scratch& w) const {
     const int g = shape_.group();
     const int n = static_cast<int>(w.key.size());
     add.clear();
@@ -397,11 +397,9 @@ class SketchTopp final : public DecodeMethod {
     } else {  // the rest of the context: the head ends dense
       w.wider.resize(static_cast<size_t>(n));
       for (int i = 0; i < n; ++i) w.wider[i] = i;
-      std::fill(w.est_union.begin(), w.est_union.end(), 0.0);
       for (int j = 0; j < g; ++j) w.est_union[j] = w.est_sum[j];
     }
     std::set_difference(w.wider.begin(), w.wider.end(), have.begin(), have.end(), std::back_inserter(add));
-    (void)h;
   }
 
   Shape shape_;

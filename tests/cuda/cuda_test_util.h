@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cumulus/kernels/attention.h"
 #include "cumulus/kernels/cuda.h"
 #include "cumulus/kv/kv_cache.h"
 
@@ -90,6 +91,41 @@ inline std::vector<std::vector<int32_t>> download_lists(const int32_t* idx, cons
   for (int i = 0; i < n_lists; ++i)
     out[i].assign(all.begin() + static_cast<size_t>(i) * stride, all.begin() + static_cast<size_t>(i) * stride + l[i]);
   return out;
+}
+
+// A GPU method's step for sequence s of its batch against float64 sparse attention over the
+// GPU's own lists: lists [n_seqs * n_kv_heads] sorted, unique and in range; out
+// [n_seqs][n_q][head_dim] and lse [n_seqs][n_q] within 5e-5. views: sequence s's heads, q:
+// its queries.
+inline void expect_attends_lists(const std::vector<std::vector<int32_t>>& lists, const std::vector<float>& out,
+                                 const std::vector<float>& lse, const std::vector<PagedHeadView>& views,
+                                 const Shape& sh, const float* q, int s, const std::string& what) {
+  Selection sel;
+  const int n = views[0].n_tokens;
+  for (int h = 0; h < sh.n_kv_heads; ++h) {
+    const auto& l = lists[static_cast<size_t>(s) * sh.n_kv_heads + h];
+    for (size_t i = 0; i < l.size(); ++i) {
+      ASSERT_TRUE(l[i] >= 0 && l[i] < n) << what << ": token " << l[i] << " out of range";
+      if (i > 0) {
+        ASSERT_GT(l[i], l[i - 1]) << what << ": list not sorted unique";
+      }
+    }
+    sel.tokens.push_back(l);
+  }
+  std::vector<float> ref_out(static_cast<size_t>(sh.n_q_heads) * sh.head_dim), ref_lse(sh.n_q_heads);
+  DecodeAttnArgs a;
+  a.kv = views.data();
+  a.n_kv_heads = sh.n_kv_heads;
+  a.group = sh.group();
+  a.scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
+  a.q = q;
+  a.out = ref_out.data();
+  a.lse = ref_lse.data();
+  ref::attention_decode_sparse(a, sel);
+  EXPECT_LT(norm_err(out.data() + static_cast<size_t>(s) * ref_out.size(), ref_out.data(), ref_out.size()), 5e-5)
+      << what;
+  for (int qh = 0; qh < sh.n_q_heads; ++qh)
+    EXPECT_NEAR(lse[static_cast<size_t>(s) * sh.n_q_heads + qh], ref_lse[qh], 5e-5) << what;
 }
 
 }  // namespace cumulus::cuda_test

@@ -110,34 +110,10 @@ void dense_ref(const Workload& wl, const std::vector<float>& q, int n_seqs, std:
 void expect_consistent(const GpuRun& g, const Workload& wl, const std::vector<float>& q, int n_seqs,
                        const std::string& what) {
   const Shape& sh = wl.w.options.shape;
-  std::vector<PagedHeadView> views;
-  for (int h = 0; h < sh.n_kv_heads; ++h) views.push_back(wl.kv.view(0, h));
-  const int n = wl.kv.n_tokens(0);
-  for (int s = 0; s < n_seqs; ++s) {
-    Selection sel;
-    for (int h = 0; h < sh.n_kv_heads; ++h) {
-      const auto& l = g.lists[s * sh.n_kv_heads + h];
-      for (size_t i = 0; i < l.size(); ++i) {
-        ASSERT_TRUE(l[i] >= 0 && l[i] < n) << what << ": token " << l[i] << " out of range";
-        if (i > 0) {
-          ASSERT_GT(l[i], l[i - 1]) << what << ": list not sorted unique";
-        }
-      }
-      sel.tokens.push_back(l);
-    }
-    std::vector<float> out(static_cast<size_t>(sh.n_q_heads) * sh.head_dim), lse(sh.n_q_heads);
-    DecodeAttnArgs a;
-    a.kv = views.data();
-    a.n_kv_heads = sh.n_kv_heads;
-    a.group = sh.group();
-    a.scale = attention_scale(sh.head_dim);
-    a.q = q.data() + static_cast<size_t>(s) * sh.n_q_heads * sh.head_dim;
-    a.out = out.data();
-    a.lse = lse.data();
-    ref::attention_decode_sparse(a, sel);
-    EXPECT_LT(norm_err(g.out.data() + static_cast<size_t>(s) * out.size(), out.data(), out.size()), 5e-5) << what;
-    for (int qh = 0; qh < sh.n_q_heads; ++qh) EXPECT_NEAR(g.lse[s * sh.n_q_heads + qh], lse[qh], 5e-5) << what;
-  }
+  const std::vector<PagedHeadView> views = views_of(wl.kv);
+  for (int s = 0; s < n_seqs; ++s)
+    expect_attends_lists(g.lists, g.out, g.lse, views, sh, q.data() + static_cast<size_t>(s) * sh.n_q_heads * sh.head_dim,
+                         s, what);
 }
 
 struct CpuRun {

@@ -17,6 +17,7 @@
 #include <map>
 #include <random>
 #include <sstream>
+#include <string>
 
 #include "cuda_test_util.h"
 #include "cumulus/core/error.h"
@@ -102,6 +103,14 @@ void report(const char* name, const Comparison& c) {
               c.positions, c.max_abs, c.max_logit, c.top1_agree, c.positions,
               c.top1_agree == c.positions ? "" : " (CPU top-1/top-2 margin at a disagreement printed below)");
   if (c.top1_agree != c.positions) std::printf("[ model ]   smallest margin there %.3e\n", c.min_margin_at_disagreement);
+}
+
+// Prints the comparison, then: top-1 agrees at every position and max |diff| is below
+// `rel` of the largest logit.
+void expect_close(const std::string& name, const Comparison& c, double rel) {
+  report(name.c_str(), c);
+  EXPECT_EQ(c.top1_agree, c.positions) << name;
+  EXPECT_LT(c.max_abs, rel * c.max_logit) << name;
 }
 
 // llama3's head layout (head_dim 128, GQA 4:1, RoPE theta 500000) at a size whose CPU run is
@@ -225,9 +234,7 @@ TEST_F(CudaStories260K, LogitsMatchTheCpu) {
   auto gpu = model_runner_cuda(*weights_, {});
   auto cpu = model_runner_cpu(w16, {});
   const Comparison c = compare_runs(*gpu, *cpu, prompt, forced);
-  report("stories260K vs CPU (f16 weights)", c);
-  EXPECT_EQ(c.top1_agree, c.positions);
-  EXPECT_LT(c.max_abs, 0.05 * c.max_logit);
+  expect_close("stories260K vs CPU (f16 weights)", c, 0.05);
   // And against the CPU on the file's float32 weights (the rounding of the weights counts).
   auto gpu2 = model_runner_cuda(*weights_, {});
   auto cpu32 = model_runner_cpu(*weights_, {});
@@ -265,15 +272,11 @@ TEST(CudaModel, Llama3ShapedRandomWeightsMatchTheCpu) {
   auto gpu = model_runner_cuda(w, o);
   auto cpu = model_runner_cpu(w, o);
   const Comparison cm = compare_runs(*gpu, *cpu, prompt, forced);
-  report("llama3-shaped random (2 layers, head_dim 128, GQA 4:1), 1000-token prompt", cm);
-  EXPECT_EQ(cm.top1_agree, cm.positions);
-  EXPECT_LT(cm.max_abs, 0.05 * cm.max_logit);
+  expect_close("llama3-shaped random (2 layers, head_dim 128, GQA 4:1), 1000-token prompt", cm, 0.05);
   // A second GPU run launched kernel by kernel instead of as a graph: how far two GPU runs
   // are apart (printed; the split-KV merge may add in another order).
   const Comparison cg = direct_vs_graph(w, o, prompt, forced);
-  report("llama3-shaped random: GPU without a graph vs GPU with one", cg);
-  EXPECT_EQ(cg.top1_agree, cg.positions);
-  EXPECT_LT(cg.max_abs, 1e-3 * cg.max_logit);
+  expect_close("llama3-shaped random: GPU without a graph vs GPU with one", cg, 1e-3);
 }
 
 // Every decode method of the GPU runtime through the runner (model/cuda_runner.h,
@@ -377,9 +380,7 @@ TEST(CudaModel, DecodeMethodsMatchTheCpuThroughTheRunner) {
     // Sparse for real: fewer tokens than dense (quest's dense layer included).
     EXPECT_LT(gs.mean_tokens(), 0.9 * (prompt.size() + forced.size() / 2)) << label;
     const Comparison cg = direct_vs_graph(w, o, prompt, forced);
-    report((label + ": GPU without a graph vs GPU with one").c_str(), cg);
-    EXPECT_EQ(cg.top1_agree, cg.positions) << label;
-    EXPECT_LT(cg.max_abs, 1e-3 * cg.max_logit) << label;
+    expect_close(label + ": GPU without a graph vs GPU with one", cg, 1e-3);
   }
 }
 
@@ -439,15 +440,11 @@ TEST(CudaModel, ChunkedPrefillMatchesTheCpu) {
   auto gpu = model_runner_cuda(w, o);
   auto cpu = model_runner_cpu(w, o);
   const Comparison cm = compare_runs(*gpu, *cpu, prompt, forced);
-  report("llama3-shaped random, 4100-token prompt in chunks of 2048, 2048, 4 vs CPU", cm);
-  EXPECT_EQ(cm.top1_agree, cm.positions);
-  EXPECT_LT(cm.max_abs, 0.05 * cm.max_logit);
+  expect_close("llama3-shaped random, 4100-token prompt in chunks of 2048, 2048, 4 vs CPU", cm, 0.05);
   SessionOptions one = o;
   one.prefill_chunk = 8192;  // the context's 4200 rows, rounded down to 4160: one chunk
   const Comparison cg = compare_runs(*model_runner_cuda(w, o), *model_runner_cuda(w, one), prompt, forced);
-  report("llama3-shaped random, 4100-token prompt: chunks of 2048 vs one chunk", cg);
-  EXPECT_EQ(cg.top1_agree, cg.positions);
-  EXPECT_LT(cg.max_abs, 0.01 * cg.max_logit);
+  expect_close("llama3-shaped random, 4100-token prompt: chunks of 2048 vs one chunk", cg, 0.01);
 }
 
 TEST(CudaModel, BatchedDecodeMatchesSingleSequence) {

@@ -25,6 +25,7 @@
 #include <limits>
 
 #include "cumulus/core/thread_pool.h"
+#include "cumulus/eval/method_spec.h"
 #include "cumulus/eval/synthetic.h"
 #include "cumulus/kernels/attention.h"
 #include "cumulus/kernels/cuda.h"
@@ -127,8 +128,8 @@ BenchReport bench_run_cuda(const BenchOptions& o, std::FILE* log) {
   const cuda::DeviceInfo di = cuda::device_info();
   rep.evict_bytes = std::max<size_t>(2 * di.l2_bytes, size_t{64} << 20);
   cuda::DeviceBuffer flush(rep.evict_bytes);
-  const double row_bytes = static_cast<double>(d) * dtype_size(o.dtype);
-  rep.dense_bytes_per_step = static_cast<double>(o.context) * s.n_kv_heads * 2 * row_bytes;
+  const double token_head_bytes = static_cast<double>(kv.bytes_per_token_head());  // K and V rows
+  rep.dense_bytes_per_step = static_cast<double>(o.context) * s.n_kv_heads * token_head_bytes;
 
   // Dense: outputs and log-sum-exps of every step, the references of the accuracy pass.
   cuda::AttentionPlan plan(view, group);
@@ -165,10 +166,7 @@ BenchReport bench_run_cuda(const BenchOptions& o, std::FILE* log) {
     r.prefill_ms = std::chrono::duration<double>(Clock::now() - t_pre).count() * 1e3;
 
     // Accuracy pass.
-    const double target = name == "dense" ? nan : [&] {
-      const std::string& tp = reg.find(name).target_param;
-      return tp.empty() ? nan : std::stod(r.params.at(tp));
-    }();
+    const double target = method_target(name, r.params);
     double tokens = 0, bytes = 0, mass_sum = 0, claimed = 0, err = 0;
     int n_reached = 0;
     bool claims = true;
@@ -193,7 +191,8 @@ BenchReport bench_run_cuda(const BenchOptions& o, std::FILE* log) {
       const std::vector<float> o_host = cuda::to_host<float>(out, q_step);
       double step_tokens = 0;
       for (int h = 0; h < s.n_kv_heads; ++h) step_tokens += kv_tokens[h];
-      bytes += step_tokens * 2 * row_bytes + (dec ? dec->select_bytes_per_token() * o.context * s.n_kv_heads : 0.0);
+      const bool selects = dec && o.context > dec->select_min_tokens();
+      bytes += step_tokens * token_head_bytes + (selects ? dec->select_bytes_per_token() * o.context * s.n_kv_heads : 0.0);
       for (int qh = 0; qh < n_q; ++qh) {
         tokens += kv_tokens[qh / group];
         double e2 = 0, n2 = 0;

@@ -66,6 +66,9 @@ class SparseDecoder {
   // left out); 0 for a step the cost rule sends to dense attention. accumulate_stats adds
   // it to the K/V share.
   virtual double select_bytes_per_token() const { return 0; }
+  // Lists of at most this many tokens skip the selection (sketch_topp's min_context): no
+  // selection bytes are counted for them.
+  virtual int select_min_tokens() const { return 0; }
   // Benchmarks: mean microseconds of the phases of the last select() over the batch's query
   // heads, where the method records them (sketch_topp; tactic made with record_phases,
   // src/kernels/cuda/bench_options.h); else empty. Synchronises.
@@ -164,6 +167,9 @@ struct SketchToppGpuOptions {
   int weights_chunk = 0;
   int hist_chunk = 0;
 };
+// The most query heads per kv head make_sketch_topp_gpu takes (its kernels hold the group
+// in registers).
+inline constexpr int kSketchToppMaxGroup = 8;
 std::unique_ptr<SparseDecoder> make_sketch_topp_gpu(const DeviceKvView& kv, int group, const SketchToppGpuOptions& o,
                                                     const AttentionPlanOptions& plan = {});
 

@@ -77,6 +77,14 @@ namespace ref {
 void key_sketch_score(const KeySketchView& s, const float* q, int n_q, int t0, int t1, float* scores,
                       float* top = nullptr);
 }  // namespace ref
+// The arguments both backends of key_sketch_score and key_sketch_weights check (Error
+// naming the function and the bad value): the sketch and [t0, t1), q and n_q, scores (or
+// w) non-null when there are tokens; for the weights also shift, sum, top and stride.
+void key_sketch_score_validate(const char* fn, const KeySketchView& s, const float* q, int n_q, int t0, int t1,
+                               const float* scores);
+void key_sketch_weights_validate(const char* fn, const KeySketchView& s, const float* q, int n_q, int t0, int t1,
+                                 const float* shift, const float* w, size_t stride, const double* sum,
+                                 const float* top);
 namespace cpu {
 void key_sketch_score(const KeySketchView& s, const float* q, int n_q, int t0, int t1, float* scores,
                       float* top = nullptr);

@@ -321,19 +321,17 @@ HWY_EXPORT(key_sketch_score_impl);
 HWY_EXPORT(key_sketch_weights_impl);
 
 void key_sketch_score(const KeySketchView& s, const float* q, int n_q, int t0, int t1, float* scores, float* top) {
-  ref::key_sketch_score(s, q, n_q, t0, t0, scores, top);  // the reference's checks, on no tokens
-  CUMULUS_CHECK(t1 <= s.n_tokens, "key_sketch_score: t1={} past n_tokens={}", t1, s.n_tokens);
-  if (t1 > t0) HWY_DYNAMIC_DISPATCH(key_sketch_score_impl)(s, q, n_q, t0, t1, scores, top);
+  key_sketch_score_validate("key_sketch_score", s, q, n_q, t0, t1, scores);
+  if (t1 > t0) {
+    HWY_DYNAMIC_DISPATCH(key_sketch_score_impl)(s, q, n_q, t0, t1, scores, top);
+  } else if (top != nullptr) {
+    std::fill_n(top, n_q, -std::numeric_limits<float>::infinity());  // no tokens
+  }
 }
 
 void key_sketch_weights(const KeySketchView& s, const float* q, int n_q, int t0, int t1, float scale,
                         const float* shift, float* w, size_t stride, double* sum, float* top) {
-  ref::key_sketch_score(s, q, n_q, t0, t0, w, top);  // the reference's checks, on no tokens
-  CUMULUS_CHECK(t1 <= s.n_tokens, "key_sketch_weights: t1={} past n_tokens={}", t1, s.n_tokens);
-  CUMULUS_CHECK(shift != nullptr && sum != nullptr && top != nullptr,
-                "key_sketch_weights: shift, sum and top must be non-null");
-  CUMULUS_CHECK(stride >= static_cast<size_t>(t1 - t0), "key_sketch_weights: stride={} below the {} tokens", stride,
-                t1 - t0);
+  key_sketch_weights_validate("key_sketch_weights", s, q, n_q, t0, t1, shift, w, stride, sum, top);
   if (t1 > t0) {
     HWY_DYNAMIC_DISPATCH(key_sketch_weights_impl)(s, q, n_q, t0, t1, scale, shift, w, stride, sum, top);
   } else {

@@ -44,7 +44,7 @@
 namespace cumulus::cuda {
 namespace {
 
-constexpr int kMaxGroup = 8;       // query heads per kv head the kernels hold in registers
+constexpr int kMaxGroup = kSketchToppMaxGroup;  // query heads per kv head the kernels hold in registers
 constexpr int kThresholds = 2049;  // thresholds kmax 2^(-m/64), m = 0 .. 2048 (32 octaves)
 constexpr int kBinBelow = 2049;    // keys below kmax 2^-32 (and zero)
 constexpr int kBins = 2050;
@@ -919,9 +919,10 @@ class SketchToppGpu final : public SparseDecoder {
   }
 
   std::string name() const override { return "sketch_topp"; }
-  double select_bytes_per_token() const override {  // codes, f16 offset and step
-    return base().dense_step ? 0.0 : static_cast<double>(key_sketch_token_bytes(base().kv.head_dim));
+  double select_bytes_per_token() const override {  // codes, f16 offset and step; none at p = 1
+    return base().dense_step || p_.force_dense ? 0.0 : static_cast<double>(key_sketch_token_bytes(base().kv.head_dim));
   }
+  int select_min_tokens() const override { return o_.min_context; }
 
   void prefill(void* stream) override {
     const cudaStream_t st = as_stream(stream);

@@ -70,14 +70,14 @@ constexpr int kStatsThreads = 256;
 __global__ void __launch_bounds__(kStatsThreads)
     stats_accumulate_kernel(const int32_t* __restrict__ len, const int32_t* __restrict__ n_tokens,
                             const float* __restrict__ claimed, int n_seqs, int n_kv, int group, double extra,
-                            double* acc) {
+                            int min_tokens, double* acc) {
   __shared__ double red[4][kStatsThreads];
   double v[4] = {0, 0, 0, 0};
   for (int i = threadIdx.x; i < n_seqs * n_kv; i += kStatsThreads) {
     const int n = n_tokens[i / n_kv];
     const int l = len != nullptr ? len[i] : n;
     v[0] += static_cast<double>(l) * group;
-    v[3] += n > 0 ? (static_cast<double>(l) / n + extra) / n_kv : 0.0;
+    v[3] += n > 0 ? (static_cast<double>(l) / n + (n > min_tokens ? extra : 0.0)) / n_kv : 0.0;
   }
   for (int r = threadIdx.x; r < n_seqs * n_kv * group; r += kStatsThreads) {
     const float c = claimed != nullptr ? claimed[r] : 1.0f;
@@ -107,7 +107,8 @@ void SparseDecoder::accumulate_stats(double* acc, void* stream) const {
   const bool dense = b.dense_step;
   stats_accumulate_kernel<<<1, kStatsThreads, 0, as_stream(stream)>>>(
       dense ? nullptr : b.len.as<int32_t>(), b.kv.n_tokens, dense ? nullptr : b.claimed.as<float>(), b.kv.n_seqs,
-      b.kv.n_kv_heads, b.group, select_bytes_per_token() / (2.0 * b.kv.head_dim * dtype_size(b.kv.dtype)), acc);
+      b.kv.n_kv_heads, b.group, select_bytes_per_token() / (2.0 * b.kv.head_dim * dtype_size(b.kv.dtype)),
+      select_min_tokens(), acc);
   CUMULUS_CUDA_LAUNCH("stats_accumulate_kernel");
 }
 

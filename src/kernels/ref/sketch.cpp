@@ -123,12 +123,25 @@ SketchQuery key_sketch_quantize_query(const KeySketchView& s, const float* q, in
   return r;
 }
 
+void key_sketch_score_validate(const char* fn, const KeySketchView& s, const float* q, int n_q, int t0, int t1,
+                               const float* scores) {
+  check_sketch(fn, s, t0, t1);
+  CUMULUS_CHECK(n_q >= 1 && q != nullptr && (t1 == t0 || scores != nullptr),
+                "{}: n_q={} must be >= 1 with q and scores non-null", fn, n_q);
+}
+
+void key_sketch_weights_validate(const char* fn, const KeySketchView& s, const float* q, int n_q, int t0, int t1,
+                                 const float* shift, const float* w, size_t stride, const double* sum,
+                                 const float* top) {
+  key_sketch_score_validate(fn, s, q, n_q, t0, t1, w);
+  CUMULUS_CHECK(shift != nullptr && sum != nullptr && top != nullptr, "{}: shift, sum and top must be non-null", fn);
+  CUMULUS_CHECK(stride >= static_cast<size_t>(t1 - t0), "{}: stride={} below the {} tokens", fn, stride, t1 - t0);
+}
+
 namespace ref {
 
 void key_sketch_score(const KeySketchView& s, const float* q, int n_q, int t0, int t1, float* scores, float* top) {
-  check_sketch(__func__, s, t0, t1);
-  CUMULUS_CHECK(n_q >= 1 && q != nullptr && (t1 == t0 || scores != nullptr),
-                "key_sketch_score: n_q={} must be >= 1 with q and scores non-null", n_q);
+  key_sketch_score_validate("key_sketch_score", s, q, n_q, t0, t1, scores);
   const int d = s.head_dim;
   const int n = t1 - t0;
   const size_t block_bytes = key_sketch_block_bytes(d);
@@ -156,10 +169,8 @@ void key_sketch_score(const KeySketchView& s, const float* q, int n_q, int t0, i
 
 void key_sketch_weights(const KeySketchView& s, const float* q, int n_q, int t0, int t1, float scale,
                         const float* shift, float* w, size_t stride, double* sum, float* top) {
-  CUMULUS_CHECK(shift != nullptr && sum != nullptr && top != nullptr,
-                "key_sketch_weights: shift, sum and top must be non-null");
+  key_sketch_weights_validate("key_sketch_weights", s, q, n_q, t0, t1, shift, w, stride, sum, top);
   const int n = t1 - t0;
-  CUMULUS_CHECK(stride >= static_cast<size_t>(n), "key_sketch_weights: stride={} below the {} tokens", stride, n);
   std::vector<float> est(static_cast<size_t>(n_q) * n);
   key_sketch_score(s, q, n_q, t0, t1, est.data(), nullptr);
   for (int j = 0; j < n_q; ++j) {

@@ -160,8 +160,9 @@ class CudaRunner final : public CudaModelRunner {
   void decode_step(std::optional<cuda::Graph>& graph, bool greedy);
   // The summary's host part of the decode step just run.
   void count_step();
-  // The decode method's decoders, one per layer (nullptr: the layer attends densely).
-  void make_decoders();
+  // The decode method's decoders, one per layer (nullptr: the layer attends densely); on
+  // success the runner's method becomes `method`.
+  void make_decoders(const std::string& method, const std::map<std::string, std::string>& params);
   // Before a decode step: the decoders' indexes over the cache (their prefill(): tactic's
   // k-means, sketch_topp's sketch) built if nobody has, and tactic's clusters built again
   // every recluster_interval decoded tokens (the captured steps are dropped: a rebuilt
@@ -316,25 +317,28 @@ CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o, int n_seqs
   CUMULUS_CUDA_CHECK(cudaMallocHost(&ids_host_, n_seqs_ * sizeof(int32_t)));
   logits_.resize(c_.vocab_size);
   registry_ = o.registry != nullptr ? o.registry : &Registry::builtin();
-  method_ = o.method;
-  params_ = o.params;
   stats_acc_ = DeviceBuffer(4 * sizeof(double));
   stats_acc_.fill_bytes(0);
-  make_decoders();
+  make_decoders(o.method, o.params);
 }
 
-void CudaRunner::make_decoders() {
-  dec_.clear();
-  mplan_ = cuda::model::cuda_decode_plan(*registry_, method_, params_);
+void CudaRunner::make_decoders(const std::string& method, const std::map<std::string, std::string>& params) {
+  // Built aside and swapped in only when every layer's is: a failure (an allocation, say)
+  // leaves the runner's method and decoders as they were.
+  std::vector<std::unique_ptr<cuda::SparseDecoder>> dec;
   for (int l = 0; l < c_.n_layers; ++l)
-    dec_.push_back(
-        cuda::model::make_cuda_decoder(*registry_, method_, params_, kv_[l].view(), c_.shape().group(), l));
+    dec.push_back(cuda::model::make_cuda_decoder(*registry_, method, params, kv_[l].view(), c_.shape().group(), l));
+  mplan_ = cuda::model::cuda_decode_plan(*registry_, method, params);
+  dec_.swap(dec);
+  method_ = method;
+  params_ = params;
   indexed_ = false;
   decode_graph_.reset();  // a captured step holds the old decoders
   batch_graph_.reset();
 }
 
 void CudaRunner::build_indexes() {
+  CUMULUS_CHECK(pos_ > 0, "build_indexes before a prefill (position 0): there is no prompt to index");
   if (indexed_) return;
   for (auto& d : dec_)
     if (d) d->prefill(st_);
@@ -465,6 +469,7 @@ void CudaRunner::restart_decode(const std::string& method, const std::map<std::s
                 method);
   cuda::model::cuda_decode_method_check(*registry_, method, params, c_.shape());
   stream_.synchronize();
+  make_decoders(method, params);  // first: a failure leaves the runner as it was
   for (cuda::DeviceKvCache& kv : kv_)
     for (int s = 0; s < n_seqs_; ++s) {
       kv.truncate(s, prompt_end_);
@@ -473,9 +478,6 @@ void CudaRunner::restart_decode(const std::string& method, const std::map<std::s
   pos_ = prompt_end_;
   summary_ = {};
   stats_acc_.fill_bytes(0);
-  method_ = method;
-  params_ = params;
-  make_decoders();
 }
 
 void CudaRunner::forward(std::span<const int32_t> tokens, bool decode_mode) {

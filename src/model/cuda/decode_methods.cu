@@ -39,7 +39,11 @@ void cuda_decode_method_check(const Registry& registry, const std::string& metho
                 shape.head_dim);
   (void)registry.make(method, shape, params);  // the CPU method's checks of every value
   const Params p = registry.parse(method, params);
-  if (method == "tactic") {
+  if (method == "sketch_topp") {
+    CUMULUS_CHECK(shape.group() <= kSketchToppMaxGroup,
+                  "--device cuda: sketch_topp takes at most {} query heads per kv head on the GPU, this model has {}",
+                  kSketchToppMaxGroup, shape.group());
+  } else if (method == "tactic") {
     CUMULUS_CHECK(p.get_string("mode") == "fit",
                   "--device cuda: tactic mode='{}' is not on cuda (the GPU pipeline implements mode=fit)",
                   p.get_string("mode"));
@@ -55,7 +59,6 @@ CudaDecodePlan cuda_decode_plan(const Registry& registry, const std::string& met
   CudaDecodePlan plan;
   if (method == "dense") return plan;
   const Params p = registry.parse(method, params);
-  if (method == "quest") plan.dense_layers = p.get_int("dense_layers");
   if (method == "tactic") plan.recluster_interval = p.get_int("recluster_interval");
   return plan;
 }

@@ -26,7 +26,6 @@ void cuda_decode_method_check(const Registry& registry, const std::string& metho
 
 // What a method needs from the runtime besides its decoder.
 struct CudaDecodePlan {
-  int dense_layers = 0;        // quest's dense_layers: the first layers attend every token
   int recluster_interval = 0;  // tactic: decoded tokens after which the cache is clustered again (0: never)
 };
 CudaDecodePlan cuda_decode_plan(const Registry& registry, const std::string& method,
