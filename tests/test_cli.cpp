@@ -123,6 +123,17 @@ TEST_F(Cli, DeviceCudaWithoutBackendOrGpuIsRejected) {
   EXPECT_TRUE(b.output.find("--device cuda: this build of cumulus has no CUDA backend") != std::string::npos ||
               b.output.find("--device cuda: no CUDA device is available") != std::string::npos)
       << b.output;
+  // And for `eval --device cuda`, before the model is loaded; mass and KV snapshots are the
+  // CPU's whatever the build.
+  expect_rejected(eval("kl", "--device tpu"), "--device=tpu must be cpu or cuda");
+  expect_rejected(eval("mass", "--device cuda"), "eval mass --device cuda: mass runs variants with no GPU pipeline");
+  expect_rejected(eval("kl", "--device cuda --kv-save " + (dir_ / "x.kv").string()),
+                  "eval --device cuda: --kv-save/--kv-load are the CPU's only");
+  const CliResult e = cli_run(eval("kl", "--device cuda --steps 2"));
+  EXPECT_NE(e.code, 0) << e.output;
+  EXPECT_TRUE(e.output.find("--device cuda: this build of cumulus has no CUDA backend") != std::string::npos ||
+              e.output.find("--device cuda: no CUDA device is available") != std::string::npos)
+      << e.output;
 }
 
 // Defect 3: a directory is not a text, a prompt, a tokenizer or a model.

@@ -103,8 +103,9 @@ std::string md_header(const EvalReport& r) {
     s += fmt::format("- niah: lengths {}, depths {}, {} needle(s) per cell, template {}, seed {}, answer <= {} tokens\n",
                      fmt::join(o.lengths, "/"), fmt::join(o.depths, "/"), o.needles, r.niah_template, o.seed,
                      o.answer_tokens);
-  s += fmt::format("- machine: {} ({} logical CPUs, {} threads), load average {:.2f} at the start; {}; total {:.1f} s\n\n",
+  s += fmt::format("- machine: {} ({} logical CPUs, {} threads), load average {:.2f} at the start; {}; total {:.1f} s\n",
                    r.machine.cpu, r.machine.logical_cpus, o.threads, r.machine.load_average, r.machine.date, r.total_s);
+  s += fmt::format("- runtime: {}\n\n", r.device.empty() ? o.device : r.device);
   return s;
 }
 
@@ -315,12 +316,14 @@ std::string eval_json(const EvalReport& r) {
                   {"match_iters", o.match_iters},
                   {"matched_niah", o.matched_niah},
                   {"kv_save", o.kv_save},
-                  {"kv_load", o.kv_load}};
+                  {"kv_load", o.kv_load},
+                  {"device", o.device}};
   j["machine"] = {{"cpu", r.machine.cpu},
                   {"logical_cpus", r.machine.logical_cpus},
                   {"date", r.machine.date},
                   {"compiler", r.machine.compiler},
-                  {"load_average", r.machine.load_average}};
+                  {"load_average", r.machine.load_average},
+                  {"runtime", r.device}};
   j["total_s"] = r.total_s;
   if (r.continuation.steps > 0) {
     j["continuation"] = {{"context", r.continuation.context},

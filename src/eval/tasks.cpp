@@ -17,6 +17,7 @@
 #include "cumulus/model/gguf.h"
 #include "cumulus/model/model_identity.h"
 #include "cumulus/model/sampler.h"
+#include "cumulus/model/runner.h"
 #include "cumulus/model/session.h"
 #include "cumulus/model/text.h"
 
@@ -172,23 +173,23 @@ struct StepAccumulator {
 
 class Evaluator {
  public:
-  Evaluator(const EvalModel& model, const EvalOptions& o, Progress& progress)
-      : m_(model), o_(o), progress_(progress), shape_(model.weights.config.shape()) {}
+  Evaluator(const EvalModel& model, const EvalOptions& o, Progress& progress, RunnerFactory make)
+      : m_(model), o_(o), progress_(progress), shape_(model.weights.config.shape()), make_(std::move(make)) {}
 
   EvalReport run();
 
  private:
-  std::unique_ptr<Session> session_for(int capacity, const std::vector<MethodSpec>& specs) const;
+  std::unique_ptr<ModelRunner> session_for(int capacity, const std::vector<MethodSpec>& specs);
   bool sparse_prefill() const { return o_.prefill_method != "dense" && !reference_prefill_; }
   // Prefills `tokens` in pieces (bit-identical to one call: pieces are multiples of the
   // session's chunk) so the progress bar moves; returns seconds.
-  double prefill(Session& s, std::span<const int32_t> tokens);
-  RunStats start_run(Session& s, const MethodSpec& spec, const std::string& name) const;
+  double prefill(ModelRunner& s, std::span<const int32_t> tokens);
+  RunStats start_run(ModelRunner& s, const MethodSpec& spec, const std::string& name) const;
 
   // Teacher-forced continuation: feed[i] decoded, labels[i] the token it should predict.
-  RunStats run_continuation(Session& s, const MethodSpec& spec, const std::string& name);
+  RunStats run_continuation(ModelRunner& s, const MethodSpec& spec, const std::string& name);
   // Greedy NIAH answer starting with decoding `first` (the prompt's last token).
-  RunStats run_answer(Session& s, const MethodSpec& spec, const std::string& name, int32_t first);
+  RunStats run_answer(ModelRunner& s, const MethodSpec& spec, const std::string& name, int32_t first);
   // A fixed-budget baseline calibrated to `target_tokens` mean tokens per head-step.
   RunStats run_matched(const MethodSpec& base, double target_tokens, int max_budget, const std::string& name,
                        const std::function<RunStats(const MethodSpec&, const std::string&)>& run);
@@ -204,40 +205,38 @@ class Evaluator {
                  const std::function<void(NiahCell&, const AnswerFn&)>& fill);
 
   void continuation_setup(EvalReport& rep, const std::vector<MethodSpec>& specs);
+  // KV snapshots are the CPU Session's (EvalOptions::validate refuses them elsewhere).
+  Session& cpu_session() {
+    Session* s = session_->session();
+    CUMULUS_CHECK(s != nullptr, "--kv-save/--kv-load need the CPU runtime, not {}", session_->device());
+    return *s;
+  }
 
   const EvalModel& m_;
   const EvalOptions& o_;
   Progress& progress_;
   Shape shape_;
+  RunnerFactory make_;  // the runtime: the CPU Session unless eval_run was given another
+  std::string device_;  // the runtime's device() (EvalReport::device)
   // Continuation state (kl, ppl, mass, matched).
-  std::unique_ptr<Session> session_;
+  std::unique_ptr<ModelRunner> session_;
   std::vector<int32_t> feed_, labels_;
   std::vector<std::vector<double>> dense_log_probs_;  // [steps][vocab]
   bool reference_prefill_ = false;  // set while the all-dense reference of a sparse prefill runs
 };
 
-std::unique_ptr<Session> Evaluator::session_for(int capacity, const std::vector<MethodSpec>& specs) const {
-  SessionOptions so;
-  so.method = "dense";
-  if (!reference_prefill_) {
-    so.prefill_method = o_.prefill_method;
-    so.prefill_params = o_.prefill_params;
+std::unique_ptr<ModelRunner> Evaluator::session_for(int capacity, const std::vector<MethodSpec>& specs) {
+  SessionOptions so = eval_session_options(o_, shape_, capacity, specs);
+  if (reference_prefill_) {
+    so.prefill_method = "dense";
+    so.prefill_params.clear();
   }
-  so.kv.page_size = o_.page_size;
-  so.kv.dtype = o_.kv_dtype;
-  so.n_threads = o_.threads;
-  so.eval = true;
-  so.max_tokens = capacity;
-  // restart_decode needs the prompt queries of every method that learns from them (lfps);
-  // a snapshot keeps enough for later runs' methods too.
-  if (!o_.kv_save.empty()) so.keep_prompt_queries = kKvSnapshotPromptQueries;
-  for (const auto& s : specs)
-    so.keep_prompt_queries =
-        std::max(so.keep_prompt_queries, Registry::builtin().make(s.method, shape_, s.params)->prompt_queries());
-  return std::make_unique<Session>(m_.weights, so);
+  std::unique_ptr<ModelRunner> r = make_ ? make_(m_.weights, so) : model_runner_cpu(m_.weights, so);
+  device_ = r->device();
+  return r;
 }
 
-double Evaluator::prefill(Session& s, std::span<const int32_t> tokens) {
+double Evaluator::prefill(ModelRunner& s, std::span<const int32_t> tokens) {
   const auto t0 = Clock::now();
   constexpr size_t kPiece = 512;  // a multiple of the default prefill chunk (256)
   size_t i = 0;
@@ -259,7 +258,7 @@ double Evaluator::prefill(Session& s, std::span<const int32_t> tokens) {
   return seconds_since(t0);
 }
 
-RunStats Evaluator::start_run(Session& s, const MethodSpec& spec, const std::string& name) const {
+RunStats Evaluator::start_run(ModelRunner& s, const MethodSpec& spec, const std::string& name) const {
   RunStats r;
   r.spec = spec;
   r.name = name.empty() ? spec.label : name;
@@ -269,7 +268,7 @@ RunStats Evaluator::start_run(Session& s, const MethodSpec& spec, const std::str
   return r;
 }
 
-RunStats Evaluator::run_continuation(Session& s, const MethodSpec& spec, const std::string& name) {
+RunStats Evaluator::run_continuation(ModelRunner& s, const MethodSpec& spec, const std::string& name) {
   progress_.label(fmt::format("{}: {}", o_.task, name.empty() ? spec.label : name));
   const auto t0 = Clock::now();
   RunStats r = start_run(s, spec, name);
@@ -294,7 +293,7 @@ RunStats Evaluator::run_continuation(Session& s, const MethodSpec& spec, const s
   return r;
 }
 
-RunStats Evaluator::run_answer(Session& s, const MethodSpec& spec, const std::string& name, int32_t first) {
+RunStats Evaluator::run_answer(ModelRunner& s, const MethodSpec& spec, const std::string& name, int32_t first) {
   progress_.label(fmt::format("{}: {}", o_.task, name.empty() ? spec.label : name));
   const auto t0 = Clock::now();
   RunStats r = start_run(s, spec, name);
@@ -391,14 +390,14 @@ void Evaluator::continuation_setup(EvalReport& rep, const std::vector<MethodSpec
     CUMULUS_CHECK(diff == have.end(),
                   "--kv-load '{}': prompt token {} is {} in the snapshot but {} in the text '{}': another text",
                   o_.kv_load, diff - have.begin(), *diff, x[diff - have.begin()], o_.text);
-    session_->kv_load(snap, model_identity(m_.path));
+    cpu_session().kv_load(snap, model_identity(m_.path));
     progress_.prefilled(prompt);
     rep.continuation.prefill_s = seconds_since(t0);
     return;
   }
   progress_.label(fmt::format("{}: prefill of {} tokens", o_.task, prompt));
   rep.continuation.prefill_s = prefill(*session_, std::span<const int32_t>(x).first(prompt));
-  if (!o_.kv_save.empty()) session_->kv_save(o_.kv_save, model_identity(m_.path));
+  if (!o_.kv_save.empty()) cpu_session().kv_save(o_.kv_save, model_identity(m_.path));
 }
 
 void Evaluator::task_continuation(EvalReport& rep) {
@@ -415,7 +414,7 @@ void Evaluator::task_continuation(EvalReport& rep) {
     reference_prefill_ = false;
   }
   continuation_setup(rep, specs);
-  if (sparse) rep.continuation.prefill_stats = session_->prefill_method().stats();
+  if (sparse) rep.continuation.prefill_stats = session_->prefill_stats();
   for (const auto& s : specs)
     rep.continuation.runs.push_back(
         run_continuation(*session_, s, sparse ? fmt::format("{} prefill + {}", o_.prefill_method, s.label) : ""));
@@ -558,10 +557,46 @@ EvalReport Evaluator::run() {
     task_niah(rep);
   }
   rep.total_s = seconds_since(t0);
+  rep.device = device_;
   return rep;
 }
 
 }  // namespace
+
+std::vector<MethodSpec> eval_task_specs(const EvalOptions& o) {
+  if (o.task == "mass") return method_specs_parse(mass_entries(), o.params, {});
+  if (o.task == "matched") return matched_specs(o).all;
+  return eval_specs_with_dense(o);
+}
+
+SessionOptions eval_session_options(const EvalOptions& o, const Shape& shape, int capacity,
+                                    const std::vector<MethodSpec>& specs) {
+  SessionOptions so;
+  so.method = "dense";
+  so.prefill_method = o.prefill_method;
+  so.prefill_params = o.prefill_params;
+  so.kv.page_size = o.page_size;
+  so.kv.dtype = o.kv_dtype;
+  so.n_threads = o.threads;
+  so.eval = true;
+  so.max_tokens = capacity;
+  // restart_decode needs the prompt queries of every method that learns from them (lfps);
+  // a snapshot keeps enough for later runs' methods too.
+  if (!o.kv_save.empty()) so.keep_prompt_queries = kKvSnapshotPromptQueries;
+  for (const auto& s : specs)
+    so.keep_prompt_queries =
+        std::max(so.keep_prompt_queries, Registry::builtin().make(s.method, shape, s.params)->prompt_queries());
+  return so;
+}
+
+int eval_capacity(const EvalOptions& o, const ModelConfig& model) {
+  if (o.task == "niah" || (o.task == "matched" && o.matched_niah)) {
+    const int niah = *std::max_element(o.lengths.begin(), o.lengths.end());
+    if (o.task == "niah") return niah;
+    return std::max(niah, o.context > 0 ? o.context : model.context_length);
+  }
+  return o.context > 0 ? o.context : model.context_length;
+}
 
 // Tokenises a growing prefix of the text, never the whole book unless needed; the last
 // tokens of a cut prefix may be split words, so a margin of them is dropped.
@@ -679,6 +714,15 @@ void EvalOptions::validate() const {
   CUMULUS_CHECK(page_size >= 1 && page_size <= 256 && (page_size & (page_size - 1)) == 0,
                 "page_size={} must be a power of two in [1, 256]", page_size);
   prefill_spec_check(prefill_method, prefill_params);
+  CUMULUS_CHECK(device == "cpu" || device == "cuda", "--device={} must be cpu or cuda", device);
+  if (device != "cpu") {
+    CUMULUS_CHECK(task != "mass",
+                  "eval mass --device {}: mass runs variants with no GPU pipeline (tactic mode=cluster_optimal, psa "
+                  "stop=certified, lfps): run it with --device cpu",
+                  device);
+    CUMULUS_CHECK(kv_save.empty() && kv_load.empty(), "eval --device {}: --kv-save/--kv-load are the CPU's only",
+                  device);
+  }
   if (!kv_save.empty() || !kv_load.empty()) {
     const char* opt = kv_save.empty() ? "--kv-load" : "--kv-save";
     CUMULUS_CHECK(kv_save.empty() || kv_load.empty(), "give --kv-save or --kv-load, not both");
@@ -713,11 +757,14 @@ void EvalOptions::validate(const ModelConfig& model) const {
   }
 }
 
-EvalReport eval_run(const EvalModel& model, const EvalOptions& options, std::FILE* progress_out) {
+EvalReport eval_run(const EvalModel& model, const EvalOptions& options, std::FILE* progress_out,
+                    const RunnerFactory& make) {
   options.validate();
   options.validate(model.weights.config);
+  CUMULUS_CHECK(options.device == "cpu" || make,
+                "eval --device {}: eval_run needs that device's runtime (RunnerFactory); the CLI passes it", options.device);
   Progress progress(progress_out);
-  Evaluator e(model, options, progress);
+  Evaluator e(model, options, progress, make);
   return e.run();
 }
 

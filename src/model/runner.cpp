@@ -17,6 +17,7 @@ class CpuRunner final : public ModelRunner {
   int position() const override { return s_.position(); }
   int capacity() const override { return s_.capacity(); }
   AttentionSummary summary() const override { return s_.summary(); }
+  const std::vector<AttnOutput>& last_step() const override { return s_.last_step(); }
   PrefillStats prefill_stats() const override { return s_.prefill_method().stats(); }
   std::string device() const override { return "cpu"; }
   Session* session() override { return &s_; }

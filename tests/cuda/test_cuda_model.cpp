@@ -22,6 +22,7 @@
 #include "cuda_test_util.h"
 #include "cumulus/core/error.h"
 #include "cumulus/core/dtype.h"
+#include "cumulus/eval/tasks.h"
 #include "cumulus/model/cuda_runner.h"
 #include "cumulus/model/model_weights.h"
 #include "cumulus/model/runner.h"
@@ -480,4 +481,124 @@ TEST(CudaModel, BatchedDecodeMatchesSingleSequence) {
   std::printf("[ model ] batch of 3 vs batch of 1: sequence 0's greedy token agrees at %d/16 steps\n", agree);
   EXPECT_EQ(agree, 16);
   EXPECT_THROW(three->decode(1), Error);
+}
+
+// Eval mode (SessionOptions::eval) on the GPU: each decode step also runs the dense pass and
+// measures, per query head, the true mass of the set it attended and ||o - o_dense||, as
+// the CPU's eval mode does (methods/method.cpp). Judged three ways on the llama3-shaped
+// random model: the measurement leaves the logits as they were without it; per method the
+// GPU's mean true mass, tokens and distance are those of its CPU twin; and oracle_topp, which
+// attends a set whose exact mass reaches p by construction, is measured at >= p on every
+// head-step (a zero or garbage mass could not pass). Dense layers read mass 1, distance 0.
+TEST(CudaModel, EvalModeMeasuresTrueMassAsTheCpu) {
+  CUMULUS_REQUIRE_GPU();
+  const RandomRun rr = random_run(19, 2100, 2000, 12);
+  struct Case {
+    std::string method;
+    std::map<std::string, std::string> params;
+    double mass_tol = 0.01;  // sketch_topp: the GPU does no rounds (its set is ~5% smaller)
+  };
+  const std::vector<Case> cases{{"dense", {}},
+                                {"oracle_topp", {}},
+                                {"psa", {}},
+                                {"tactic", {{"sinks", "4"}}},
+                                {"sketch_topp", {{"gpu_dense_mib", "0"}}, 0.03},
+                                {"quest", {{"budget", "256"}, {"dense_layers", "1"}}}};
+  struct Means {
+    double mass = 0, err = 0, tokens = 0, mass_min = 1;
+    int n = 0;
+  };
+  auto run = [&](ModelRunner& r, std::vector<std::vector<float>>* logits) {
+    Means m;
+    r.prefill(rr.prompt);
+    for (int32_t t : rr.forced) {
+      const std::vector<float>& lg = r.decode(t);
+      if (logits) logits->push_back(lg);
+      const std::vector<AttnOutput>& step = r.last_step();
+      EXPECT_EQ(step.size(), static_cast<size_t>(rr.w.config.n_layers));
+      for (const AttnOutput& layer : step)
+        for (const StepStats& st : layer.stats) {
+          m.mass += st.mass_true;
+          m.mass_min = std::min(m.mass_min, st.mass_true);
+          m.err += st.out_err;
+          m.tokens += st.tokens_attended;
+          ++m.n;
+        }
+    }
+    m.mass /= m.n, m.err /= m.n, m.tokens /= m.n;
+    return m;
+  };
+  for (const Case& k : cases) {
+    std::string label = k.method;
+    for (const auto& [key, v] : k.params) label += " " + key + "=" + v;
+    SessionOptions o;
+    o.n_threads = 4;
+    o.method = k.method;
+    o.params = k.params;
+    std::vector<std::vector<float>> plain_logits, eval_logits;
+    {
+      auto plain = model_runner_cuda(rr.w, o);
+      plain->prefill(rr.prompt);
+      for (int32_t t : rr.forced) plain_logits.push_back(plain->decode(t));
+      EXPECT_TRUE(plain->last_step().empty()) << label << ": per-step statistics outside eval mode";
+    }
+    o.eval = true;
+    auto gpu = model_runner_cuda(rr.w, o);
+    auto cpu = model_runner_cpu(rr.w, o);
+    const Means g = run(*gpu, &eval_logits), c = run(*cpu, nullptr);
+    double d = 0;
+    for (size_t i = 0; i < plain_logits.size(); ++i)
+      for (size_t j = 0; j < plain_logits[i].size(); ++j)
+        d = std::max(d, static_cast<double>(std::fabs(plain_logits[i][j] - eval_logits[i][j])));
+    std::printf("[ model ] eval mode, %s: true mass GPU %.4f (min %.4f) CPU %.4f (min %.4f); ||o - o_dense|| GPU %.4f "
+                "CPU %.4f; tokens %.1f vs %.1f; logits with vs without eval mode max |diff| %.2e\n",
+                label.c_str(), g.mass, g.mass_min, c.mass, c.mass_min, g.err, c.err, g.tokens, c.tokens, d);
+    EXPECT_EQ(d, 0.0) << label << ": eval mode changed the logits";
+    EXPECT_EQ(g.n, c.n) << label;
+    EXPECT_NEAR(g.mass, c.mass, k.mass_tol) << label;
+    EXPECT_NEAR(g.tokens, c.tokens, 0.10 * c.tokens) << label;
+    EXPECT_NEAR(g.err, c.err, 0.25 * c.err + 1e-3) << label;
+    if (k.method == "dense") {
+      EXPECT_EQ(g.mass_min, 1.0) << label;
+      EXPECT_EQ(g.err, 0.0) << label;
+    } else {
+      EXPECT_LT(g.mass_min, 1.0) << label << ": a sparse method measured at mass 1 everywhere";
+    }
+    if (k.method == "oracle_topp") {
+      EXPECT_GE(g.mass_min, 0.9 - 1e-3) << label;
+    }
+  }
+}
+
+// `eval kl` through the GPU runtime (eval_run with its RunnerFactory) on stories260K:
+// dense on the GPU against dense on the CPU over the same 32 teacher-forced tokens of a real
+// text. The GPU's perplexity is within 1% of the CPU's, every head-step reads mass 1, and
+// the report names the GPU.
+TEST_F(CudaStories260K, EvalKlRunsOnTheGpu) {
+  const std::string text = std::string(CUMULUS_SHARED_DIR) + "/data/text/tinyshakespeare_input.txt";
+  if (!std::filesystem::exists(text)) GTEST_SKIP() << "no " << text;
+  EvalOptions o;
+  o.task = "kl";
+  o.text = text;
+  o.methods = {"dense"};
+  o.context = 512;
+  o.steps = 32;
+  const EvalModel m = eval_model_load(kDir + "/stories260K.bin");
+  const EvalReport cpu = eval_run(m, o);
+  o.device = "cuda";
+  const EvalReport gpu = eval_run(m, o, nullptr, [](const ModelWeights& w, const SessionOptions& so) {
+    return std::unique_ptr<ModelRunner>(model_runner_cuda(w, so));
+  });
+  ASSERT_EQ(gpu.continuation.runs.size(), 1u);
+  const RunStats& g = gpu.continuation.runs[0];
+  const RunStats& c = cpu.continuation.runs[0];
+  std::printf("[ model ] eval kl on %s: ppl GPU %.4f CPU %.4f; true mass %.4f over %lld head-steps\n",
+              gpu.device.c_str(), g.ppl, c.ppl, g.mass_true_mean, static_cast<long long>(g.head_steps));
+  EXPECT_EQ(gpu.device.rfind("cuda: ", 0), 0u) << gpu.device;
+  EXPECT_EQ(cpu.device, "cpu");
+  EXPECT_EQ(g.steps, 32);
+  EXPECT_EQ(g.head_steps, c.head_steps);
+  EXPECT_NEAR(g.ppl, c.ppl, 0.01 * c.ppl);
+  EXPECT_EQ(g.mass_true_mean, 1.0);
+  EXPECT_LT(g.kl_summary.max, 1e-9);  // dense is its own reference
 }

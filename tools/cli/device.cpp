@@ -33,6 +33,16 @@ std::unique_ptr<ModelRunner> runner_make(const std::string& device, const ModelW
 #endif
 }
 
+std::vector<std::string> device_decode_methods(const std::string& device) {
+  CUMULUS_CHECK(device == "cuda", "device_decode_methods: --device={} (cpu runs every decode method)", device);
+#ifdef CUMULUS_HAVE_CUDA
+  return cuda_runner_methods();
+#else
+  device_check(device, {}, {});
+  return {};  // not reached: device_check throws
+#endif
+}
+
 std::string device_line() {
 #ifdef CUMULUS_HAVE_CUDA
   return "cuda: " + cuda_device_summary();

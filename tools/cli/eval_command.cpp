@@ -43,6 +43,21 @@ void eval_command_run(EvalArgs& a) {
   if (!o.kv_save.empty()) file_check_output(o.kv_save, "--kv-save");
   const ModelConfig config = eval_model_check(a.model, a.tokenizer);
   o.validate(config);
+  if (o.device != "cpu") {
+    // Every method the task runs, with its parameters, must run on the device, and the
+    // largest prompt must fit in its memory: checked before the model is loaded.
+    device_check(o.device, config, eval_session_options(o, config.shape(), eval_capacity(o, config), {}));
+    if (o.methods.empty() && o.task != "matched") {
+      o.methods = device_decode_methods(o.device);
+      o.validate();
+    }
+    for (const MethodSpec& spec : eval_task_specs(o)) {
+      SessionOptions so = eval_session_options(o, config.shape(), eval_capacity(o, config), {spec});
+      so.method = spec.method;
+      so.params = spec.params;
+      device_check(o.device, config, so);
+    }
+  }
   if (!o.kv_load.empty()) {
     const KvSnapshot snap = eval_snapshot_open(o.kv_load, a.model, o.page_size, o.kv_dtype);
     const int ctx = o.context > 0 ? o.context : config.context_length;
@@ -52,7 +67,10 @@ void eval_command_run(EvalArgs& a) {
   }
 
   const EvalModel model = eval_model_load(a.model, a.tokenizer, storage);
-  const EvalReport rep = eval_run(model, o, stderr);
+  const std::string device = o.device;
+  const EvalReport rep = eval_run(model, o, stderr, [device](const ModelWeights& w, const SessionOptions& so) {
+    return runner_make(device, w, so);
+  });
   const std::string md = eval_markdown(rep);
   if (a.markdown.empty()) {
     fmt::print("{}", md);
@@ -120,6 +138,10 @@ void add_eval_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("--niah", o.matched_niah, "matched: also the NIAH grid (--lengths, --depths), matched per prompt");
   cmd->add_option("--threads", o.threads, "threads")->check(threads_range())->capture_default_str();
+  cmd->add_option("--device", o.device,
+                  "cpu or cuda (a CUDA build with a GPU): the runtime of every prompt; cuda runs kl, ppl, matched and "
+                  "niah with its decode methods (default there: all of them), true mass measured on the device")
+      ->capture_default_str();
   cmd->add_option("--page-size", o.page_size, "KV cache page size")->capture_default_str();
   cmd->add_option("--kv-dtype", a->kv_dtype, "KV storage: f16, bf16, f32")->capture_default_str();
   cmd->add_option("--kv-save", o.kv_save,

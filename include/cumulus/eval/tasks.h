@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -45,6 +46,7 @@
 #include "cumulus/kv/kv_snapshot.h"
 #include "cumulus/methods/prefill.h"
 #include "cumulus/model/model_weights.h"
+#include "cumulus/model/runner.h"
 #include "cumulus/model/tokenizer.h"
 
 namespace cumulus {
@@ -104,6 +106,10 @@ struct EvalOptions {
   // prefill (kv_save), or load it instead of prefilling (kv_load; its tokens must be the
   // text's first context - steps tokens). kv/kv_snapshot.h.
   std::string kv_save, kv_load;
+  // The runtime: cpu (the Session) or cuda (eval_run's RunnerFactory, from the CLI). The GPU
+  // runs kl, ppl, matched and niah in eval mode (true mass on the device); not mass (its
+  // variants have no GPU pipeline) nor KV snapshots.
+  std::string device = "cpu";
 
   // Error naming the first bad value, before any model is loaded: ranges, the prefill
   // method, and the methods, parameters and sweeps the task will run (dense is the
@@ -191,6 +197,7 @@ struct EvalReport {
   int n_layers = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, model_context = 0;
   std::string niah_template;  // niah: the template used
   BenchMachine machine;       // cpu, date, load average at the start
+  std::string device;         // the runtime's ModelRunner::device(): "cpu" or "cuda: <GPU>"
   double total_s = 0;
   ContinuationReport continuation;  // kl, ppl, mass, matched
   std::vector<MassRow> mass;
@@ -198,8 +205,23 @@ struct EvalReport {
   std::vector<NiahCell> niah;       // niah (and matched with matched_niah)
 };
 
+// The methods options.task runs (kl/ppl/niah: dense first), and the runtime options of a
+// prompt of `capacity` tokens that runs `specs` (eval mode, dense decode until
+// restart_decode): the CLI checks each against --device before the model is loaded.
+std::vector<MethodSpec> eval_task_specs(const EvalOptions& options);
+SessionOptions eval_session_options(const EvalOptions& options, const Shape& shape, int capacity,
+                                    const std::vector<MethodSpec>& specs);
+// The largest context a task's runtime holds: the continuation's context, or the longest
+// NIAH prompt.
+int eval_capacity(const EvalOptions& options, const ModelConfig& model);
+
+// The runtime of each prompt (options.device's): a ModelRunner of the weights with these
+// options (SessionOptions::eval set).
+using RunnerFactory = std::function<std::unique_ptr<ModelRunner>(const ModelWeights&, const SessionOptions&)>;
 // Runs options.task. `progress`: stderr or nullptr; the bar draws only on a terminal.
-EvalReport eval_run(const EvalModel& model, const EvalOptions& options, std::FILE* progress = nullptr);
+// `make`: the runtime (empty: the CPU Session; device cuda needs one).
+EvalReport eval_run(const EvalModel& model, const EvalOptions& options, std::FILE* progress = nullptr,
+                    const RunnerFactory& make = {});
 
 // The first `n` tokens of a text file (Gutenberg header/footer stripped), tokenised with the
 // tokenizer's BOS rule; equal to the first n tokens of the whole text. Throws Error when the

@@ -3,7 +3,8 @@
 // of every layer in a DeviceKvCache filled on the device, and decode attention through the
 // session's decode method: dense, or one of the GPU pipelines of kernels/cuda_methods.h
 // (sketch_topp, tactic, psa, quest, oracle_topp) built from the registry's parameters
-// (src/model/cuda/decode_methods.h). Built only with
+// (src/model/cuda/decode_methods.h). In eval mode (SessionOptions::eval) each step also runs
+// the dense pass and fills last_step() with each head's true mass, as the CPU does. Built only with
 // CUMULUS_CUDA=ON (the library cumulus_model_cuda); plain C++, no CUDA type in sight.
 #pragma once
 
@@ -29,7 +30,7 @@ size_t cuda_runner_bytes(const ModelConfig& config, const SessionOptions& option
 // Throws Error naming the reason when a CUDA runner cannot run this model with these options:
 // no CUDA device; an architecture or feature not on the GPU yet (gemma3); a decode method
 // not on the GPU or a parameter value its GPU pipeline does not implement, a prefill method
-// other than dense, or eval mode ("not yet on cuda"); a KV dtype other than
+// other than dense ("not yet on cuda"); eval mode with more than one sequence; a KV dtype other than
 // f16/bf16; or a context whose memory (cuda_runner_bytes) exceeds the device's free memory
 // (the error gives both). Reads no weights: commands call it before loading the model.
 void cuda_runner_check(const ModelConfig& config, const SessionOptions& options, int n_seqs = 1);
@@ -51,6 +52,10 @@ class CudaModelRunner : public ModelRunner {
   virtual size_t decode_weight_bytes() const = 0;
   virtual size_t kv_bytes_per_token() const = 0;
 };
+
+// The decode methods the CUDA runner runs: "dense" and the registry's methods with a GPU
+// pipeline (kernels/cuda_methods.h), in the registry's order.
+std::vector<std::string> cuda_runner_methods();
 
 // The runner (cuda_runner_check first). Matrices of any storage (F32, F16, BF16, the block
 // formats) are dequantised on the host and converted to f16; nothing of `weights` is kept.

@@ -29,6 +29,10 @@ class ModelRunner {
   virtual int position() const = 0;
   virtual int capacity() const = 0;
   virtual AttentionSummary summary() const = 0;
+  // As Session::last_step: per layer, the last decode step's output and per-head statistics
+  // (mass_true and out_err in eval mode, SessionOptions::eval). The CUDA runtime fills
+  // them only in eval mode (they cost host copies each step); elsewhere it is empty.
+  virtual const std::vector<AttnOutput>& last_step() const = 0;
   virtual PrefillStats prefill_stats() const = 0;
   // "cpu" or the GPU's name ("cuda: NVIDIA H100 80GB HBM3").
   virtual std::string device() const = 0;

@@ -129,6 +129,7 @@ class CudaRunner final : public CudaModelRunner {
   int position() const override { return pos_; }
   int capacity() const override { return capacity_; }
   AttentionSummary summary() const override;
+  const std::vector<AttnOutput>& last_step() const override { return last_; }
   PrefillStats prefill_stats() const override { return {}; }
   std::string device() const override { return "cuda: " + cuda_device_summary(); }
   void fill_random_context(int n, uint64_t seed) override;
@@ -160,6 +161,8 @@ class CudaRunner final : public CudaModelRunner {
   void decode_step(std::optional<cuda::Graph>& graph, bool greedy);
   // The summary's host part of the decode step just run.
   void count_step();
+  // Eval mode: last_ from the step just run (the eval buffers and each decoder's stats()).
+  void collect_eval_step();
   // The decode method's decoders, one per layer (nullptr: the layer attends densely); on
   // success the runner's method becomes `method`.
   void make_decoders(const std::string& method, const std::map<std::string, std::string>& params);
@@ -203,6 +206,11 @@ class CudaRunner final : public CudaModelRunner {
   // the device (SparseDecoder::accumulate_stats into stats_acc_, 4 doubles).
   AttentionSummary summary_;
   DeviceBuffer stats_acc_;
+  // Eval mode (SessionOptions::eval): per layer, the dense pass's output and log-sum-exp,
+  // the true mass of each query head's set (SparseDecoder::attend's lse_ref / mass) and the
+  // method's output, [n_layers][n_heads (x head_dim)]; last_ is made from them.
+  DeviceBuffer ev_dense_out_, ev_dense_lse_, ev_mass_, ev_out_;
+  std::vector<AttnOutput> last_;
 };
 
 void CudaRunner::load(const ModelWeights& w) {
@@ -319,6 +327,13 @@ CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o, int n_seqs
   registry_ = o.registry != nullptr ? o.registry : &Registry::builtin();
   stats_acc_ = DeviceBuffer(4 * sizeof(double));
   stats_acc_.fill_bytes(0);
+  if (o.eval) {
+    const size_t heads = static_cast<size_t>(c_.n_layers) * c_.n_heads;
+    ev_dense_out_ = DeviceBuffer(heads * c_.head_dim * sizeof(float));
+    ev_dense_lse_ = DeviceBuffer(heads * sizeof(float));
+    ev_mass_ = DeviceBuffer(heads * sizeof(float));
+    ev_out_ = DeviceBuffer(heads * c_.head_dim * sizeof(float));
+  }
   make_decoders(o.method, o.params);
 }
 
@@ -418,7 +433,48 @@ const std::vector<float>& CudaRunner::decode(int32_t token) {
     forward(t, true);
   }
   count_step();
+  if (opt_.eval) collect_eval_step();
   return logits_;
+}
+
+void CudaRunner::collect_eval_step() {
+  // As the CPU's eval mode (methods/method.cpp): per query head, the tokens its kv head's
+  // union held, the method's claim, the true mass of that union and ||o - o_dense||. A layer
+  // without a decoder attends densely: every cached token, claim 1, mass 1, distance 0 (its
+  // output is the dense pass itself). bytes_read stays 0: the K/V share is the summary's.
+  const int nh = c_.n_heads, hd = c_.head_dim, group = c_.shape().group();
+  const size_t heads = static_cast<size_t>(c_.n_layers) * nh;
+  std::vector<float> dense_out(heads * hd), out(heads * hd), mass(heads);
+  stream_.synchronize();
+  cuda::memcpy_to_host(dense_out.data(), ev_dense_out_.data(), dense_out.size() * sizeof(float));
+  cuda::memcpy_to_host(out.data(), ev_out_.data(), out.size() * sizeof(float));
+  cuda::memcpy_to_host(mass.data(), ev_mass_.data(), mass.size() * sizeof(float));
+  last_.assign(c_.n_layers, {});
+  for (int l = 0; l < c_.n_layers; ++l) {
+    std::vector<StepStats>& st = last_[l].stats;
+    st.resize(nh);
+    if (!dec_[l]) {
+      for (StepStats& h : st) h.tokens_attended = pos_, h.mass_claimed = 1.0, h.mass_true = 1.0, h.out_err = 0.0;
+      continue;
+    }
+    const cuda::SparseStepStats ss = dec_[l]->stats(st_);
+    last_[l].out.assign(out.begin() + static_cast<ptrdiff_t>(l) * nh * hd,
+                        out.begin() + static_cast<ptrdiff_t>(l + 1) * nh * hd);
+    for (int h = 0; h < nh; ++h) {
+      const size_t row = (static_cast<size_t>(l) * nh + h) * hd;
+      double err = 0;
+      for (int d = 0; d < hd; ++d) {
+        const double diff = static_cast<double>(out[row + d]) - dense_out[row + d];
+        err += diff * diff;
+      }
+      st[h].tokens_attended = ss.tokens[h / group];
+      st[h].mass_claimed = ss.claimed[h];
+      st[h].mass_true = mass[static_cast<size_t>(l) * nh + h];
+      st[h].out_err = std::sqrt(err);
+    }
+  }
+  for (const AttnOutput& layer : last_)
+    for (const StepStats& h : layer.stats) summary_.true_sum += h.mass_true, ++summary_.true_count;
 }
 
 void CudaRunner::count_step() {
@@ -478,6 +534,7 @@ void CudaRunner::restart_decode(const std::string& method, const std::map<std::s
   pos_ = prompt_end_;
   summary_ = {};
   stats_acc_.fill_bytes(0);
+  last_.clear();
 }
 
 void CudaRunner::forward(std::span<const int32_t> tokens, bool decode_mode) {
@@ -532,21 +589,33 @@ void CudaRunner::enqueue_forward(int n, bool decode_mode, bool greedy) {
     cuda::model::rope(q, n, c.n_heads, c.head_dim, c.rope_dim, pos0, decode_mode, c.rope_theta, st_);
     cuda::model::rope(k, n, c.n_kv_heads, c.head_dim, c.rope_dim, pos0, decode_mode, c.rope_theta, st_);
     kv.append(k, v, decode_mode ? 1 : n, st_);
-    if (decode_mode && dec_[l]) {
-      cuda::SparseDecoder& d = *dec_[l];
-      d.select(q, st_);
-      d.attend(q, att_.as<float>(), lse_.as<float>(), nullptr, nullptr, st_);
-      d.accumulate_stats(stats_acc_.as<double>(), st_);
-      cuda::model::to_half(att_.as<float>(), static_cast<size_t>(n) * qd, att16, st_);
-    } else if (decode_mode && plan_) {
+    auto attend_dense = [&](float* out, float* lse) {
       cuda::DeviceDecodeArgs a;
       a.kv = kv.view();
       a.group = c.shape().group();
       a.scale = scale;
       a.q = q;
-      a.out = att_.as<float>();
-      a.lse = lse_.as<float>();
+      a.out = out;
+      a.lse = lse;
       cuda::attention_decode(a, *plan_, st_);
+    };
+    if (decode_mode && dec_[l]) {
+      cuda::SparseDecoder& d = *dec_[l];
+      d.select(q, st_);
+      if (opt_.eval) {
+        // The dense pass, then the method's attention judged against its log-sum-exp.
+        const size_t h0 = static_cast<size_t>(l) * c.n_heads;
+        attend_dense(ev_dense_out_.as<float>() + h0 * c.head_dim, ev_dense_lse_.as<float>() + h0);
+        d.attend(q, att_.as<float>(), lse_.as<float>(), ev_dense_lse_.as<float>() + h0, ev_mass_.as<float>() + h0,
+                 st_);
+        cuda::memcpy_device_async(ev_out_.as<float>() + h0 * c.head_dim, att_.data(), qd * sizeof(float), st_);
+      } else {
+        d.attend(q, att_.as<float>(), lse_.as<float>(), nullptr, nullptr, st_);
+      }
+      d.accumulate_stats(stats_acc_.as<double>(), st_);
+      cuda::model::to_half(att_.as<float>(), static_cast<size_t>(n) * qd, att16, st_);
+    } else if (decode_mode && plan_) {
+      attend_dense(att_.as<float>(), lse_.as<float>());
       cuda::model::to_half(att_.as<float>(), static_cast<size_t>(n) * qd, att16, st_);
     } else if (prefill_tuned) {
       cuda::model::to_head_major(q, n, c.n_heads, c.head_dim, qh_.as<__half>(), st_);
@@ -605,8 +674,10 @@ size_t cuda_runner_bytes(const ModelConfig& c, const SessionOptions& o, int n_se
   const size_t kv =
       cuda::DeviceKvCache::create_bytes(n_seqs, c.n_kv_heads, c.head_dim, o.kv.dtype, o.kv.page_size, ctx);
   const size_t norms = (2 * static_cast<size_t>(c.n_layers) + 1) * c.dim * sizeof(float);
+  // Eval mode: the dense pass's outputs and log-sum-exp, the masses and the method's outputs.
+  const size_t eval = o.eval ? 2 * static_cast<size_t>(c.n_layers) * c.n_heads * (c.head_dim + 1) * sizeof(float) : 0;
   return weight_elems(c) * 2 + norms + c.n_layers * kv + scratch_bytes(c, std::max(chunk_of(c, o), n_seqs), ctx) +
-         static_cast<size_t>(n_seqs) * c.vocab_size * sizeof(float);
+         static_cast<size_t>(n_seqs) * c.vocab_size * sizeof(float) + eval;
 }
 
 void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs) {
@@ -624,7 +695,7 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs
                                         c.shape());
   CUMULUS_CHECK(o.prefill_method == "dense", "--device cuda: prefill method '{}' is not yet on cuda (dense only)",
                 o.prefill_method);
-  CUMULUS_CHECK(!o.eval, "--device cuda: eval mode (true mass) is not yet on cuda");
+  CUMULUS_CHECK(!o.eval || n_seqs == 1, "--device cuda: eval mode (true mass) runs one sequence, not {}", n_seqs);
   CUMULUS_CHECK(o.kv.dtype == DType::f16 || o.kv.dtype == DType::bf16,
                 "--device cuda: KV dtype {} is not supported on the GPU (f16, bf16)", dtype_name(o.kv.dtype));
   const size_t need = cuda_runner_bytes(c, o, n_seqs);
@@ -637,6 +708,14 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs
                 gib(c.n_layers * cuda::DeviceKvCache::create_bytes(n_seqs, c.n_kv_heads, c.head_dim, o.kv.dtype,
                                                                     o.kv.page_size, context_of(c, o))),
                 gib(free_b), gib(total_b));
+}
+
+std::vector<std::string> cuda_runner_methods() {
+  std::vector<std::string> out{"dense"};
+  for (const auto& m : Registry::builtin().list())
+    if (m.kind == "decode" && m.name != "dense" && cuda::model::cuda_decode_method_supported(m.name))
+      out.push_back(m.name);
+  return out;
 }
 
 std::unique_ptr<CudaModelRunner> model_runner_cuda(const ModelWeights& weights, const SessionOptions& options) {
