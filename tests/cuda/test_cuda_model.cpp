@@ -602,3 +602,39 @@ TEST_F(CudaStories260K, EvalKlRunsOnTheGpu) {
   EXPECT_EQ(g.mass_true_mean, 1.0);
   EXPECT_LT(g.kl_summary.max, 1e-9);  // dense is its own reference
 }
+
+// The memory check counts the decode method's buffers: llama3-8b's shape at a context of
+// 1M tokens, where one layer's cache (4 GiB) fits and 32 do not. The error names the
+// method's share, measured on one layer (sketch_topp's sketch grows with the context), and
+// dense's share is nothing.
+TEST(CudaModel, MemoryCheckCountsTheDecodeMethod) {
+  CUMULUS_REQUIRE_GPU();
+  ModelConfig c;
+  c.architecture = "llama";
+  c.n_layers = 32;
+  c.n_heads = 32;
+  c.n_kv_heads = 8;
+  c.head_dim = 128;
+  c.rope_dim = 128;
+  c.dim = 4096;
+  c.hidden_dim = 14336;
+  c.vocab_size = 128256;
+  c.context_length = 1 << 20;
+  c.tied_output = false;
+  auto message = [&](const std::string& method) {
+    SessionOptions o;
+    o.method = method;
+    try {
+      cuda_runner_check(c, o);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string sketch = message("sketch_topp"), dense = message("dense");
+  std::printf("[ model ] %s\n[ model ] %s\n", sketch.c_str(), dense.c_str());
+  EXPECT_NE(sketch.find("decode method 'sketch_topp' "), std::string::npos) << sketch;
+  EXPECT_EQ(sketch.find("decode method 'sketch_topp' 0.00 GiB"), std::string::npos) << sketch;
+  EXPECT_NE(dense.find("decode method 'dense' 0.00 GiB"), std::string::npos) << dense;
+  EXPECT_NE(sketch.find("free of"), std::string::npos) << sketch;
+}

@@ -31,7 +31,8 @@ size_t cuda_runner_bytes(const ModelConfig& config, const SessionOptions& option
 // no CUDA device; an architecture or feature not on the GPU yet (gemma3); a decode method
 // not on the GPU or a parameter value its GPU pipeline does not implement, a prefill method
 // other than dense ("not yet on cuda"); eval mode with more than one sequence; a KV dtype other than
-// f16/bf16; or a context whose memory (cuda_runner_bytes) exceeds the device's free memory
+// f16/bf16; or a context whose memory (cuda_runner_bytes, plus the decode method's buffers,
+// measured by making one layer's decoder) exceeds the device's free memory
 // (the error gives both). Reads no weights: commands call it before loading the model.
 void cuda_runner_check(const ModelConfig& config, const SessionOptions& options, int n_seqs = 1);
 

@@ -698,16 +698,26 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs
   CUMULUS_CHECK(!o.eval || n_seqs == 1, "--device cuda: eval mode (true mass) runs one sequence, not {}", n_seqs);
   CUMULUS_CHECK(o.kv.dtype == DType::f16 || o.kv.dtype == DType::bf16,
                 "--device cuda: KV dtype {} is not supported on the GPU (f16, bf16)", dtype_name(o.kv.dtype));
-  const size_t need = cuda_runner_bytes(c, o, n_seqs);
+  const int ctx = context_of(c, o);
+  const size_t kv_layer = cuda::DeviceKvCache::create_bytes(n_seqs, c.n_kv_heads, c.head_dim, o.kv.dtype,
+                                                            o.kv.page_size, ctx);
   size_t free_b = 0, total_b = 0;
   CUMULUS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  // The decode method's buffers (sketch_topp's sketch, tactic's clusters, the lists) grow
+  // with the context: measured on one layer's cache, when that cache fits.
+  size_t decoders = 0;
+  if (o.method != "dense" && kv_layer < free_b) {
+    cuda::DeviceKvCache kv = cuda::DeviceKvCache::create(n_seqs, c.n_kv_heads, c.head_dim, o.kv.dtype,
+                                                         o.kv.page_size, ctx);
+    decoders = cuda::model::cuda_decoder_bytes(o.registry != nullptr ? *o.registry : Registry::builtin(), o.method,
+                                               o.params, kv.view(), c.shape().group(), c.n_layers);
+  }
+  const size_t need = cuda_runner_bytes(c, o, n_seqs) + decoders;
   CUMULUS_CHECK(need <= free_b,
                 "--device cuda: the model with a context of {} tokens x {} sequence(s) needs {} of device memory "
-                "(weights f16 {}, KV cache {}), the device has {} free of {}",
-                context_of(c, o), n_seqs, gib(need), gib(weight_elems(c) * 2),
-                gib(c.n_layers * cuda::DeviceKvCache::create_bytes(n_seqs, c.n_kv_heads, c.head_dim, o.kv.dtype,
-                                                                    o.kv.page_size, context_of(c, o))),
-                gib(free_b), gib(total_b));
+                "(weights f16 {}, KV cache {}, decode method '{}' {}), the device has {} free of {}",
+                ctx, n_seqs, gib(need), gib(weight_elems(c) * 2), gib(c.n_layers * kv_layer), o.method,
+                gib(decoders), gib(free_b), gib(total_b));
 }
 
 std::vector<std::string> cuda_runner_methods() {

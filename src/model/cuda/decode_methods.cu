@@ -7,6 +7,7 @@
 #include "core/check.h"
 #include "cumulus/kernels/cuda.h"
 #include "decode_methods.h"
+#include "kernels/cuda/cuda_util.cuh"
 #include "methods/method_options.h"
 
 namespace cumulus::cuda::model {
@@ -61,6 +62,20 @@ CudaDecodePlan cuda_decode_plan(const Registry& registry, const std::string& met
   const Params p = registry.parse(method, params);
   if (method == "tactic") plan.recluster_interval = p.get_int("recluster_interval");
   return plan;
+}
+
+size_t cuda_decoder_bytes(const Registry& registry, const std::string& method,
+                          const std::map<std::string, std::string>& params, const DeviceKvView& kv, int group,
+                          int n_layers) {
+  if (method == "dense") return 0;
+  int layers = n_layers;
+  if (method == "quest") layers = std::max(0, n_layers - registry.parse(method, params).get_int("dense_layers"));
+  if (layers == 0) return 0;
+  size_t free0 = 0, free1 = 0, total = 0;
+  CUMULUS_CUDA_CHECK(cudaMemGetInfo(&free0, &total));
+  const std::unique_ptr<SparseDecoder> d = make_cuda_decoder(registry, method, params, kv, group, n_layers - 1);
+  CUMULUS_CUDA_CHECK(cudaMemGetInfo(&free1, &total));
+  return free0 > free1 ? (free0 - free1) * layers : 0;
 }
 
 std::unique_ptr<SparseDecoder> make_cuda_decoder(const Registry& registry, const std::string& method,

@@ -31,6 +31,15 @@ struct CudaDecodePlan {
 CudaDecodePlan cuda_decode_plan(const Registry& registry, const std::string& method,
                                 const std::map<std::string, std::string>& params);
 
+// Device memory the method's decoders take in a model of n_layers layers whose caches are
+// like `kv` (every sequence at the view's max_tokens): measured, by making the decoder of
+// the last layer over `kv` and reading the device's free memory before and after (the
+// pipelines size their buffers at construction), times the layers that get one (quest's
+// dense_layers get none); 0 for dense.
+size_t cuda_decoder_bytes(const Registry& registry, const std::string& method,
+                          const std::map<std::string, std::string>& params, const cuda::DeviceKvView& kv, int group,
+                          int n_layers);
+
 // The decoder of one layer (nullptr: dense attention, for "dense" and quest's dense layers).
 std::unique_ptr<cuda::SparseDecoder> make_cuda_decoder(const Registry& registry, const std::string& method,
                                                        const std::map<std::string, std::string>& params,
