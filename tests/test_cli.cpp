@@ -105,6 +105,18 @@ TEST_F(Cli, GenerateRunsLabelledMethods) {
   EXPECT_NE(r.output.find("--- dense ---"), std::string::npos) << r.output;
 }
 
+// generate --bench prints a sparse prefill method's block share under its row (one function
+// for both devices' tables, generate_command.cpp's prefill_line).
+TEST_F(Cli, BenchPrintsThePrefillBlockShare) {
+  const CliResult r = cli_run("generate --model " + model_ + " --bench --bench-context 300 --bench-decode 2 "
+                              "--repetitions 1 --prefill flexprefill --prefill-param block_size=64 "
+                              "--prefill-param min_budget=64",
+                              60);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("prefill flexprefill: "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("% of causal blocks"), std::string::npos) << r.output;
+}
+
 // --device: cuda in a build without the CUDA backend, or on a machine without a GPU, is an
 // error naming the reason and a non-zero exit before the model is loaded; an unknown
 // device is an error. (On a GPU machine with a CUDA build the run succeeds: skipped.)

@@ -12,6 +12,7 @@
 
 #include "cumulus/methods/registry.h"
 #include "kernels/cpu/flexprefill_select.h"
+#include "method_options.h"
 #include "method_util.h"
 
 namespace cumulus {
@@ -40,17 +41,7 @@ class FlexPrefill final : public PrefillMethod {
                                         ctx.workspace);
     const auto t2 = clock::now();
 
-    int64_t causal = 0;
-    for (int r = g.first_q_block(); r < g.first_q_block() + g.n_q_blocks(); ++r) causal += r + 1;
-    stats_.blocks_causal += causal * shape_.n_q_heads;
-    stats_.blocks_computed += static_cast<int64_t>(sel.layout.blocks.size());
-    for (const auto& h : sel.heads) {
-      switch (h.pattern) {
-        case flexprefill::Pattern::dense: ++stats_.heads_dense; break;
-        case flexprefill::Pattern::query_aware: ++stats_.heads_query_aware; break;
-        case flexprefill::Pattern::vertical_slash: ++stats_.heads_vertical_slash; break;
-      }
-    }
+    methods::add_flexprefill_stats(stats_, g, sel.layout, sel.heads);
     stats_.select_seconds += std::chrono::duration<double>(t1 - t0).count();
     stats_.attention_seconds += std::chrono::duration<double>(t2 - t1).count();
   }
@@ -76,13 +67,8 @@ void register_flexprefill(Registry& r) {
                      1 << 30},
                     {"chunk", ParamType::kInt, "0", "tokens per prefill forward (0 = the whole prompt)", 0, 1 << 30}},
          .make_prefill = [](const Shape& s, const Params& p) -> std::unique_ptr<PrefillMethod> {
-           flexprefill::Config c;
-           c.gamma = p.get_double("gamma");
-           c.tau = p.get_double("tau");
-           c.block_size = p.get_int("block_size");
-           c.min_budget = p.get_int("min_budget");
-           c.max_budget = p.get_int("max_budget");
-           return std::make_unique<FlexPrefill>(s, c, p.get_int("chunk"));
+           const methods::FlexPrefillOptions o = methods::read_flexprefill_options(p);
+           return std::make_unique<FlexPrefill>(s, o.config, o.chunk);
          }});
 }
 

@@ -150,6 +150,15 @@ RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector
   return r;
 }
 
+// The prefill method's line under a table row (a sparse prefill method: its block share and
+// the heads' patterns); empty for dense.
+std::string prefill_line(const GenerateOptions& o, const PrefillStats& ps) {
+  if (o.prefill == "dense") return {};
+  return fmt::format("{:<14} prefill {}: {:.1f}% of causal blocks, heads query-aware/vertical-slash/dense {}/{}/{}\n",
+                     "", o.prefill, 100 * ps.block_share(), ps.heads_query_aware, ps.heads_vertical_slash,
+                     ps.heads_dense);
+}
+
 struct BenchRun {
   std::string method;
   int context = 0, decode_tokens = 0;
@@ -157,6 +166,7 @@ struct BenchRun {
   DecodeProfile profile;  // per decode step (divided by steps)
   double decode_bytes = 0;  // bytes read per decode step: weights + mean K/V
   size_t kv_cache_bytes = 0;  // the KV cache's memory after the last decode step
+  PrefillStats prefill_stats;  // the last repetition's prefill method
 };
 
 double median(std::vector<double> v) {
@@ -183,6 +193,7 @@ BenchRun bench_one(const ModelWeights& w, const std::vector<int32_t>& source, co
   std::vector<DecodeProfile> profs;
   double kv_bytes = 0;
   size_t kv_cache_bytes = 0;
+  PrefillStats prefill_stats;
   for (int rep = 0; rep < o.repetitions; ++rep) {
     SessionOptions so = session_options(o, spec.method, spec.params);
     so.max_tokens = context + o.bench_decode;
@@ -210,6 +221,7 @@ BenchRun bench_one(const ModelWeights& w, const std::vector<int32_t>& source, co
                                      : depth * s.summary().mean_kv_fraction();
     kv_bytes = static_cast<double>(s.kv().bytes_per_token_head()) * w.config.n_kv_heads * tokens;
     kv_cache_bytes = s.kv().bytes_allocated();
+    prefill_stats = s.prefill_method().stats();
   }
   BenchRun r;
   r.method = spec.label;
@@ -230,6 +242,7 @@ BenchRun bench_one(const ModelWeights& w, const std::vector<int32_t>& source, co
   r.profile = p;
   r.decode_bytes = decode_weight_bytes(w) + kv_bytes;
   r.kv_cache_bytes = kv_cache_bytes;
+  r.prefill_stats = prefill_stats;
   return r;
 }
 
@@ -274,6 +287,7 @@ void run_bench(const ModelWeights& w, const std::vector<int32_t>& source, const 
     fmt::print("{:<12} {:>8} {:>12.1f} {:>9.3f} {:>12.1f} {:>10.2f} {:>9.1f} {:>7.0f}%\n", r.method, r.context,
                r.context / r.prefill_s, r.index_s, r.decode_tokens / r.decode_s, 1e3 * per, gbps,
                100 * gbps / bw.gbps_median);
+    fmt::print("{}", prefill_line(o, r.prefill_stats));
   }
   fmt::print("decode: {} tokens after prefilling `context` tokens (depth context..context+{}); index s: the decode "
              "method's index build after the prefill (tactic's k-means; 0 for dense); GB/s: weights + K/V read per "
@@ -304,6 +318,7 @@ void run_bench(const ModelWeights& w, const std::vector<int32_t>& source, const 
                            {"decode_tokens", r.decode_tokens},
                            {"decode_s", r.decode_s},
                            {"decode_tok_s", r.decode_tokens / r.decode_s},
+                           {"prefill_block_share", r.prefill_stats.block_share()},
                            {"decode_bytes_per_token", r.decode_bytes},
                            {"kv_cache_bytes", r.kv_cache_bytes},
                            {"decode_gbps", r.decode_bytes / per / 1e9},
@@ -332,6 +347,7 @@ void run_bench_device(const ModelWeights& w, const std::vector<int32_t>& source,
     int context;
     double prefill_s, index_s, decode_s;
     AttentionSummary summary;
+    PrefillStats prefill_stats;  // the last run's
   };
   std::vector<Row> rows;
   for (const auto& spec : specs)
@@ -341,6 +357,7 @@ void run_bench_device(const ModelWeights& w, const std::vector<int32_t>& source,
       for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = source[i % source.size()];
       std::vector<double> pre, idx, dec;
       AttentionSummary summary;
+      PrefillStats prefill_stats;
       for (int rep = 0; rep < o.repetitions; ++rep) {
         SessionOptions so = session_options(o, spec.method, spec.params);
         so.max_tokens = context + o.bench_decode;
@@ -359,8 +376,10 @@ void run_bench_device(const ModelWeights& w, const std::vector<int32_t>& source,
         idx.push_back(std::chrono::duration<double>(t1 - tb).count());
         dec.push_back(std::chrono::duration<double>(t2 - t1).count());
         summary = r->summary();
+        prefill_stats = r->prefill_stats();
       }
-      rows.push_back({spec.label, spec.method, context, median(pre), median(idx), median(dec), summary});
+      rows.push_back(
+          {spec.label, spec.method, context, median(pre), median(idx), median(dec), summary, prefill_stats});
     }
   fmt::print("model {}: {} layers, dim {}, on {}\n", o.model, w.config.n_layers, w.config.dim, device);
   // Decode speed against the dense row of the same context, when the run has one.
@@ -378,6 +397,7 @@ void run_bench_device(const ModelWeights& w, const std::vector<int32_t>& source,
                r.context, r.context / r.prefill_s, r.index_s, o.bench_decode / r.decode_s,
                1e3 * r.decode_s / o.bench_decode, d > 0 ? fmt::format("{:.2f}x", d / r.decode_s) : "-",
                100 * s.mean_kv_fraction(), s.mean_tokens(), s.claimed_count ? fmt::format("{:.3f}", s.mean_claimed()) : "-");
+    fmt::print("{}", prefill_line(o, r.prefill_stats));
   }
   fmt::print("decode: {} tokens after prefilling `context` tokens and building the method's index (median of {} runs; "
              "the first decode captures the step as a CUDA graph); kv read: mean share of the dense K/V bytes read per "
@@ -399,7 +419,8 @@ void run_bench_device(const ModelWeights& w, const std::vector<int32_t>& source,
                            {"mean_claimed", r.summary.claimed_count ? r.summary.mean_claimed() : -1.0},
                            {"decode_tokens", o.bench_decode},
                            {"decode_s", r.decode_s},
-                           {"decode_tok_s", o.bench_decode / r.decode_s}});
+                           {"decode_tok_s", o.bench_decode / r.decode_s},
+                           {"prefill_block_share", r.prefill_stats.block_share()}});
     file_write_atomic(o.json, j.dump(2) + "\n", "--json");
   }
 }
@@ -527,10 +548,7 @@ void run_generate(const GenerateOptions& o) {
                dense_tps > 0 && tps > 0 ? fmt::format("{:.2f}x", tps / dense_tps) : "-", 100 * s.mean_kv_fraction(),
                s.mean_tokens(), s.claimed_count ? fmt::format("{:.3f}", s.mean_claimed()) : "-");
     if (s.true_count) fmt::print("{:<14} true mass {:.3f} (eval mode)\n", "", s.mean_true());
-    const PrefillStats& ps = r.prefill_stats;
-    if (o.prefill != "dense")
-      fmt::print("{:<14} prefill {}: {:.1f}% of causal blocks, heads query-aware/vertical-slash/dense {}/{}/{}\n", "",
-                 o.prefill, 100 * ps.block_share(), ps.heads_query_aware, ps.heads_vertical_slash, ps.heads_dense);
+    fmt::print("{}", prefill_line(o, r.prefill_stats));
   }
   if (kvs.load)
     fmt::print("prefill: the time --kv-load took to read the prompt's cache (no prefill ran; tok/s: kv-load)\n");
@@ -566,7 +584,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--top-p", o->top_p, "nucleus sampling")->capture_default_str();
   cmd->add_option("--seed", o->seed, "sampling seed")->check(seed_check())->capture_default_str();
   cmd->add_option("--device", o->device, "cpu or cuda (a CUDA build with a GPU; decode methods dense, sketch_topp, tactic, psa, quest, oracle_topp; "
-                  "--bench too)")
+                  "prefill dense or flexprefill; --bench too)")
       ->capture_default_str();
   cmd->add_flag("--eval", o->eval, "also measure the true mass of every attended set (slower)");
   cmd->add_flag("--quiet", o->quiet, "do not print the generated text");

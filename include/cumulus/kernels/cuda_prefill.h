@@ -96,6 +96,13 @@ class FlexPrefillProbe {
   FlexPrefillProbe(const FlexPrefillProbe&) = delete;
   FlexPrefillProbe& operator=(const FlexPrefillProbe&) = delete;
 
+  // The most probe rows (min(block_size, n)) of head_dim 64, 128 or 256 that the current
+  // device's shared memory holds (the constructor refuses more).
+  static int max_rows(int head_dim);
+  // Device memory a probe of these sizes allocates (its page-locked host copy, made by the
+  // first download, is the five results: less than this).
+  static size_t device_bytes(int n, int n_q_heads, int n_kv_heads, int head_dim, int block_size);
+
   // Enqueues the probe kernels on `stream` (no host wait).
   void run(const DevicePrefillArgs& a, void* stream = nullptr);
   // Copies the results to the host views below (on `stream`, then waits for it).

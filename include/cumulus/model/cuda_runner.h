@@ -3,8 +3,10 @@
 // of every layer in a DeviceKvCache filled on the device, and decode attention through the
 // session's decode method: dense, or one of the GPU pipelines of kernels/cuda_methods.h
 // (sketch_topp, tactic, psa, quest, oracle_topp) built from the registry's parameters
-// (src/model/cuda/decode_methods.h). In eval mode (SessionOptions::eval) each step also runs
-// the dense pass and fills last_step() with each head's true mass, as the CPU does. Built only with
+// (src/model/cuda/decode_methods.h), and prefill attention dense or flexprefill
+// (src/model/cuda/prefill_methods.h; prefill_stats() as the CPU method's). In eval mode
+// (SessionOptions::eval) each step also runs the dense pass and fills last_step() with each
+// head's true mass, as the CPU does. Built only with
 // CUMULUS_CUDA=ON (the library cumulus_model_cuda); plain C++, no CUDA type in sight.
 #pragma once
 
@@ -23,17 +25,20 @@ namespace cumulus {
 
 // Device memory a CUDA runner of this model and these options needs: weights (f16), the KV
 // cache of every layer for the context (SessionOptions::max_tokens, 0 = the model's), and
-// the scratch of a prefill chunk.
+// the scratch of a prefill chunk (flexprefill: of the whole context, and its probe).
 // n_seqs sequences (model_runner_cuda_random's batch) hold a cache each.
 size_t cuda_runner_bytes(const ModelConfig& config, const SessionOptions& options, int n_seqs = 1);
 
 // Throws Error naming the reason when a CUDA runner cannot run this model with these options:
-// no CUDA device; an architecture or feature not on the GPU yet (gemma3); a decode method
-// not on the GPU or a parameter value its GPU pipeline does not implement, a prefill method
-// other than dense ("not yet on cuda"); eval mode with more than one sequence; a KV dtype other than
-// f16/bf16; or a context whose memory (cuda_runner_bytes, plus the decode method's buffers,
-// measured by making one layer's decoder) exceeds the device's free memory
-// (the error gives both). Reads no weights: commands call it before loading the model.
+// a prefill method other than dense and flexprefill, or a flexprefill value the GPU cannot
+// honour (chunk other than 0, block_size not a multiple of 64 or too large for the probe's
+// shared memory, head_dim other than 64/128/256; checked first, before the device is
+// touched, but for the shared memory); no CUDA device; an architecture or feature not on the
+// GPU yet (gemma3); a decode method not on the GPU or a parameter value its GPU pipeline does
+// not implement ("not yet on cuda"); eval mode with more than one sequence; a KV dtype other
+// than f16/bf16; or a context whose memory (cuda_runner_bytes, plus the decode method's
+// buffers, measured by making one layer's decoder) exceeds the device's free memory (the
+// error gives both). Reads no weights: commands call it before loading the model.
 void cuda_runner_check(const ModelConfig& config, const SessionOptions& options, int n_seqs = 1);
 
 // The CUDA runner's extras for benchmarks (bench/cuda_model_bench.cpp).

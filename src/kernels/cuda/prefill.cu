@@ -567,16 +567,14 @@ FlexPrefillProbe::FlexPrefillProbe(int n_, int n_q_heads_, int n_kv_heads_, int 
                             head_dim));
   // The projection kernel holds the L probe rows in shared memory as float32: L * head_dim * 4
   // bytes plus a 64-key tile (at 256, block_size 128 takes 193 KB, under an H100's 227 KB).
-  const size_t psmem = probe_smem_bytes(n_rows, head_dim);
-  int dev = 0, optin = 0;
-  CUMULUS_CUDA_CHECK(cudaGetDevice(&dev));
-  CUMULUS_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  if (psmem > static_cast<size_t>(optin)) {
-    const size_t avail = static_cast<size_t>(optin), fixed = probe_smem_bytes(0, head_dim);
-    const size_t max_rows = avail > fixed ? (avail - fixed) / (4 * static_cast<size_t>(head_dim)) : 0;
+  if (n_rows > max_rows(head_dim)) {
+    int dev = 0, optin = 0;
+    CUMULUS_CUDA_CHECK(cudaGetDevice(&dev));
+    CUMULUS_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     throw Error(fmt::format("FlexPrefillProbe: block_size={} gives {} probe rows of head_dim {}: {} bytes of shared "
                             "memory, the device allows {} (at most {} rows)",
-                            block_size, n_rows, head_dim, psmem, optin, max_rows));
+                            block_size, n_rows, head_dim, probe_smem_bytes(n_rows, head_dim), optin,
+                            max_rows(head_dim)));
   }
   const size_t nq = static_cast<size_t>(n_q_heads);
   vertical_ = DeviceBuffer(nq * n * 4);
@@ -588,6 +586,27 @@ FlexPrefillProbe::FlexPrefillProbe(int n_, int n_q_heads_, int n_kv_heads_, int 
   const int row0 = ((n - n_rows) / kTile) * kTile;
   lse_ = DeviceBuffer(nq * (n - row0) * 4);
   scratch_out_ = DeviceBuffer(nq * (n - row0) * head_dim * 2);
+}
+
+int FlexPrefillProbe::max_rows(int head_dim) {
+  if (head_dim != 64 && head_dim != 128 && head_dim != 256)
+    throw Error(fmt::format("FlexPrefillProbe::max_rows: head_dim={} is not built for the CUDA prefill kernels (64, "
+                            "128, 256)",
+                            head_dim));
+  int dev = 0, optin = 0;
+  CUMULUS_CUDA_CHECK(cudaGetDevice(&dev));
+  CUMULUS_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  const size_t avail = static_cast<size_t>(optin), fixed = probe_smem_bytes(0, head_dim);
+  return avail > fixed ? static_cast<int>((avail - fixed) / (4 * static_cast<size_t>(head_dim))) : 0;
+}
+
+size_t FlexPrefillProbe::device_bytes(int n, int n_q_heads, int n_kv_heads, int head_dim, int block_size) {
+  // The buffers of the constructor below.
+  const size_t nq = static_cast<size_t>(n_q_heads), nb = (n + block_size - 1) / std::max(1, block_size);
+  const int rows = std::min(n, block_size), row0 = ((n - rows) / kTile) * kTile;
+  const size_t tail = static_cast<size_t>(n - row0);
+  return 4 * (2 * nq * n + (static_cast<size_t>(n_kv_heads) + nq) * nb * head_dim + nq * head_dim + nq * tail) +
+         2 * nq * tail * head_dim;
 }
 
 void FlexPrefillProbe::run(const DevicePrefillArgs& a, void* stream) {

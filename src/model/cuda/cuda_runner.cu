@@ -8,7 +8,9 @@
 //              attention: decode (C = 1) through the decode method (dense: attention_decode,
 //              head_dim 64/128/256) or the generic rows kernel; a prefill chunk starting at
 //              a multiple of 64 through attention_prefill_dense (head_dim 64/128/256; after
-//              the first chunk over the cached keys gathered head-major), else the rows kernel
+//              the first chunk over the cached keys gathered head-major), else the rows kernel;
+//              with flexprefill the whole prompt in one chunk: FlexPrefillProbe, the host
+//              selection, attention_prefill_block_sparse
 //              x += att Wo^T (the residual is the GEMM's beta = 1)
 //              xn = RMSNorm(x) * ffn_norm; act f16 = silu(xn Wg^T) * (xn Wu^T); x += act Wd^T
 //   logits [vocab] f32 = RMSNorm(x_last) * output_norm, times the classifier
@@ -19,6 +21,7 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -36,6 +39,8 @@
 #include "decode_methods.h"
 #include "forward_kernels.cuh"
 #include "kernels/cuda/cuda_util.cuh"
+#include "methods/method_options.h"
+#include "prefill_methods.h"
 
 namespace cumulus {
 namespace {
@@ -56,8 +61,10 @@ int context_of(const ModelConfig& c, const SessionOptions& o) {
 
 // Rows of the prefill chunk the scratch is sized for.
 // A multiple of 64 from 64 up, so every chunk of a prompt starts where the tuned prefill
-// kernel can take it.
+// kernel can take it. flexprefill: the whole context, since its probe reads the prompt's last
+// block and the prompt goes through one forward pass (the CPU method's chunk_tokens, chunk=0).
 int chunk_of(const ModelConfig& c, const SessionOptions& o) {
+  if (o.prefill_method == "flexprefill") return context_of(c, o);
   const int ch = std::max(1, std::min(std::max(o.prefill_chunk, 2048), context_of(c, o)));
   return ch >= 64 ? ch - ch % 64 : ch;
 }
@@ -130,7 +137,7 @@ class CudaRunner final : public CudaModelRunner {
   int capacity() const override { return capacity_; }
   AttentionSummary summary() const override;
   const std::vector<AttnOutput>& last_step() const override { return last_; }
-  PrefillStats prefill_stats() const override { return {}; }
+  PrefillStats prefill_stats() const override { return prefill_stats_; }
   std::string device() const override { return "cuda: " + cuda_device_summary(); }
   void fill_random_context(int n, uint64_t seed) override;
   std::vector<int32_t> decode_batch(std::span<const int32_t> tokens) override;
@@ -163,6 +170,10 @@ class CudaRunner final : public CudaModelRunner {
   void count_step();
   // Eval mode: last_ from the step just run (the eval buffers and each decoder's stats()).
   void collect_eval_step();
+  // flexprefill's attention of one layer's prompt (a: head-major f16, q_first 0): the probe
+  // on the device, the CPU method's selection on the host, the block-sparse kernel; waits for
+  // the stream (the selection needs the probe, the statistics the kernel's time).
+  void attention_flexprefill(const cuda::DevicePrefillArgs& a);
   // The decode method's decoders, one per layer (nullptr: the layer attends densely); on
   // success the runner's method becomes `method`.
   void make_decoders(const std::string& method, const std::map<std::string, std::string>& params);
@@ -211,6 +222,13 @@ class CudaRunner final : public CudaModelRunner {
   // method's output, [n_layers][n_heads (x head_dim)]; last_ is made from them.
   DeviceBuffer ev_dense_out_, ev_dense_lse_, ev_mass_, ev_out_;
   std::vector<AttnOutput> last_;
+  // The prefill method (SessionOptions::prefill_method and prefill_params) and what
+  // flexprefill keeps: the probe for the prompt being prefilled, the host selection's threads
+  // (SessionOptions::n_threads), the statistics the CPU method reports.
+  cuda::model::CudaPrefillPlan pplan_;
+  std::unique_ptr<cuda::FlexPrefillProbe> probe_;
+  std::unique_ptr<ThreadPool> pool_;
+  PrefillStats prefill_stats_;
 };
 
 void CudaRunner::load(const ModelWeights& w) {
@@ -334,6 +352,8 @@ CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o, int n_seqs
     ev_mass_ = DeviceBuffer(heads * sizeof(float));
     ev_out_ = DeviceBuffer(heads * c_.head_dim * sizeof(float));
   }
+  pplan_ = cuda::model::cuda_prefill_plan(*registry_, o.prefill_method, o.prefill_params, c_.shape());
+  if (pplan_.flexprefill) pool_ = std::make_unique<ThreadPool>(o.n_threads);
   make_decoders(o.method, o.params);
 }
 
@@ -411,10 +431,45 @@ const std::vector<float>& CudaRunner::prefill(std::span<const int32_t> tokens) {
                 "prompt of {} tokens at position {} exceeds the context of {} tokens", tokens.size(), pos_, capacity_);
   CUMULUS_CHECK(pos_ == prompt_end_, "prefill after decode started (position {}): one prompt per session", pos_);
   CUMULUS_CHECK(n_seqs_ == 1, "prefill of a runner of {} sequences (fill_random_context fills batches)", n_seqs_);
+  if (pplan_.flexprefill) {
+    // The CPU Session runs a prompt fed in pieces as flexprefill chunks at their positions;
+    // the GPU's probe and block-sparse kernel take a prompt from position 0 only.
+    CUMULUS_CHECK(pos_ == 0,
+                  "prefill of {} tokens at position {}: flexprefill on cuda prefills one prompt in one call from "
+                  "position 0 (a prompt fed in pieces is not yet on cuda)",
+                  tokens.size(), pos_);
+    probe_ = std::make_unique<cuda::FlexPrefillProbe>(static_cast<int>(tokens.size()), c_.n_heads, c_.n_kv_heads,
+                                                      c_.head_dim, pplan_.config.block_size);
+  }
   for (size_t i = 0; i < tokens.size(); i += rows_)
     forward(tokens.subspan(i, std::min<size_t>(rows_, tokens.size() - i)), false);
+  probe_.reset();
   prompt_end_ = pos_;
   return logits_;
+}
+
+void CudaRunner::attention_flexprefill(const cuda::DevicePrefillArgs& a) {
+  using clock = std::chrono::steady_clock;
+  const flexprefill::Config& cfg = pplan_.config;
+  const flexprefill::Geometry g{0, a.n, cfg.block_size};
+  stream_.synchronize();  // the layer's products and RoPE, so the clock times the selection alone
+  const auto t0 = clock::now();
+  // Every causal block without a probe (gamma = 1, a short prompt, a budget covering all):
+  // flexprefill_select reads nothing of the probe then.
+  if (!flexprefill::selects_everything(cfg, g)) {
+    probe_->run(a, st_);
+    probe_->download(st_);
+  }
+  std::vector<flexprefill::HeadSelection> heads;
+  const BlockSparseLayout layout = cuda::flexprefill_select(cfg, *probe_, *pool_, &heads);
+  const cuda::DeviceBlockLayout device_layout = cuda::DeviceBlockLayout::upload(layout, a.n);
+  const auto t1 = clock::now();
+  cuda::attention_prefill_block_sparse(a, device_layout, st_);
+  stream_.synchronize();  // the kernel's time, and device_layout outlives it
+  const auto t2 = clock::now();
+  methods::add_flexprefill_stats(prefill_stats_, g, layout, heads);
+  prefill_stats_.select_seconds += std::chrono::duration<double>(t1 - t0).count();
+  prefill_stats_.attention_seconds += std::chrono::duration<double>(t2 - t1).count();
 }
 
 const std::vector<float>& CudaRunner::decode(int32_t token) {
@@ -636,7 +691,11 @@ void CudaRunner::enqueue_forward(int n, bool decode_mode, bool greedy) {
       a.n_kv_heads = c.n_kv_heads;
       a.head_dim = c.head_dim;
       a.scale = scale;
-      cuda::attention_prefill_dense(a, st_);
+      if (pplan_.flexprefill) {
+        attention_flexprefill(a);
+      } else {
+        cuda::attention_prefill_dense(a, st_);
+      }
       cuda::model::from_head_major(oh_.as<__half>(), n, c.n_heads, c.head_dim, att16, st_);
     } else {
       cuda::model::attention_rows(kv.view(), n, c.n_heads, scale, q, att16, st_);
@@ -676,12 +735,20 @@ size_t cuda_runner_bytes(const ModelConfig& c, const SessionOptions& o, int n_se
   const size_t norms = (2 * static_cast<size_t>(c.n_layers) + 1) * c.dim * sizeof(float);
   // Eval mode: the dense pass's outputs and log-sum-exp, the masses and the method's outputs.
   const size_t eval = o.eval ? 2 * static_cast<size_t>(c.n_layers) * c.n_heads * (c.head_dim + 1) * sizeof(float) : 0;
+  const cuda::model::CudaPrefillPlan pplan = cuda::model::cuda_prefill_plan(
+      o.registry != nullptr ? *o.registry : Registry::builtin(), o.prefill_method, o.prefill_params, c.shape());
   return weight_elems(c) * 2 + norms + c.n_layers * kv + scratch_bytes(c, std::max(chunk_of(c, o), n_seqs), ctx) +
+         cuda::model::cuda_prefill_bytes(pplan, c.shape(), ctx) +
          static_cast<size_t>(n_seqs) * c.vocab_size * sizeof(float) + eval;
 }
 
 void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs) {
   CUMULUS_CHECK(n_seqs >= 1, "--device cuda: n_seqs={} must be >= 1", n_seqs);
+  // The prefill method and its values first: they need no device, so a bad one is named on
+  // any machine.
+  const Registry& registry = o.registry != nullptr ? *o.registry : Registry::builtin();
+  const cuda::model::CudaPrefillPlan pplan =
+      cuda::model::cuda_prefill_plan(registry, o.prefill_method, o.prefill_params, c.shape());
   CUMULUS_CHECK(cuda::device_available(),
                 "--device cuda: no CUDA device is available (no GPU, or no driver that this build's CUDA runtime can "
                 "use)");
@@ -691,10 +758,8 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs
   CUMULUS_CHECK(c.rope_dim == c.head_dim && c.head_dim % 2 == 0 && c.head_dim <= 256,
                 "--device cuda: head_dim={} rope_dim={} not supported (even head_dim <= 256, rope_dim == head_dim)",
                 c.head_dim, c.rope_dim);
-  cuda::model::cuda_decode_method_check(o.registry != nullptr ? *o.registry : Registry::builtin(), o.method, o.params,
-                                        c.shape());
-  CUMULUS_CHECK(o.prefill_method == "dense", "--device cuda: prefill method '{}' is not yet on cuda (dense only)",
-                o.prefill_method);
+  cuda::model::cuda_decode_method_check(registry, o.method, o.params, c.shape());
+  cuda::model::cuda_prefill_device_check(pplan, c.shape());
   CUMULUS_CHECK(!o.eval || n_seqs == 1, "--device cuda: eval mode (true mass) runs one sequence, not {}", n_seqs);
   CUMULUS_CHECK(o.kv.dtype == DType::f16 || o.kv.dtype == DType::bf16,
                 "--device cuda: KV dtype {} is not supported on the GPU (f16, bf16)", dtype_name(o.kv.dtype));
@@ -709,15 +774,20 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs
   if (o.method != "dense" && kv_layer < free_b) {
     cuda::DeviceKvCache kv = cuda::DeviceKvCache::create(n_seqs, c.n_kv_heads, c.head_dim, o.kv.dtype,
                                                          o.kv.page_size, ctx);
-    decoders = cuda::model::cuda_decoder_bytes(o.registry != nullptr ? *o.registry : Registry::builtin(), o.method,
-                                               o.params, kv.view(), c.shape().group(), c.n_layers);
+    decoders = cuda::model::cuda_decoder_bytes(registry, o.method, o.params, kv.view(), c.shape().group(), c.n_layers);
   }
   const size_t need = cuda_runner_bytes(c, o, n_seqs) + decoders;
   CUMULUS_CHECK(need <= free_b,
                 "--device cuda: the model with a context of {} tokens x {} sequence(s) needs {} of device memory "
-                "(weights f16 {}, KV cache {}, decode method '{}' {}), the device has {} free of {}",
+                "(weights f16 {}, KV cache {}, decode method '{}' {}{}), the device has {} free of {}",
                 ctx, n_seqs, gib(need), gib(weight_elems(c) * 2), gib(c.n_layers * kv_layer), o.method,
-                gib(decoders), gib(free_b), gib(total_b));
+                gib(decoders),
+                // flexprefill prefills the whole prompt in one forward pass: scratch for the context
+                pplan.flexprefill
+                    ? fmt::format(", flexprefill's whole-prompt scratch {}",
+                                  gib(scratch_bytes(c, ctx, ctx) + cuda::model::cuda_prefill_bytes(pplan, c.shape(), ctx)))
+                    : std::string(),
+                gib(free_b), gib(total_b));
 }
 
 std::vector<std::string> cuda_runner_methods() {
