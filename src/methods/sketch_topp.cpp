@@ -37,22 +37,13 @@
 #include "cumulus/kernels/scoring.h"
 #include "cumulus/kernels/selection.h"
 #include "cumulus/kernels/sketch.h"
+#include "cumulus/kernels/sketch_topp.h"
 #include "cumulus/methods/registry.h"
 #include "method_options.h"
 #include "method_util.h"
 
 namespace cumulus {
 namespace {
-
-struct SketchToppOptions {
-  double p = 0.9;
-  double candidate_p = 0.92;
-  int sinks = 4;
-  int recent = 64;
-  int min_context = 1024;
-  double dense_above = 0.5;
-  bool rest_mean = true;  // the tokens not read contribute their estimated mass times the mean value
-};
 
 // Rounds of step 4 before the rest of the context is attended.
 constexpr int kRounds = 3;
