@@ -70,13 +70,6 @@ class SparseDecoder {
   // Lists of at most this many tokens skip the selection (sketch_topp's min_context): no
   // selection bytes are counted for them.
   virtual int select_min_tokens() const { return 0; }
-  // Benchmarks: mean microseconds of the phases of the last select() over the batch's query
-  // heads, where the method records them (sketch_topp; tactic made with record_phases,
-  // src/kernels/cuda/bench_options.h); else empty. Synchronises.
-  virtual std::vector<std::pair<std::string, double>> phase_times(void* stream = nullptr) const {
-    (void)stream;
-    return {};
-  }
   // Throws Error if a kernel flagged bad input (synchronises).
   void check(void* stream = nullptr);
 
