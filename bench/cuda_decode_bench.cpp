@@ -309,10 +309,10 @@ json run_dense(const Problem& pb, const std::vector<std::string>& specs, cuda::S
   }
   // Leave the outputs of the best valid plan in out/lse (the reference for accuracy), with
   // its CTA timeline: when the CTAs end relative to the earliest start.
-  best_opts.po.timeline = true;
+  best_opts.bench.timeline = true;
   cuda::AttentionPlan plan(kv, pb.group, best_opts.po);
   cuda::attention_plan_set_bench(plan, best_opts.bench);
-  best_opts.po.timeline = false;
+  best_opts.bench.timeline = false;
   cuda::DeviceDecodeArgs a;
   a.kv = kv;
   a.group = pb.group;
@@ -324,7 +324,7 @@ json run_dense(const Problem& pb, const std::vector<std::string>& specs, cuda::S
   cuda::memset_async(timer.flush.data(), 1, timer.flush.size(), st.handle());
   cuda::attention_decode(a, plan, st.handle());
   plan.check(st.handle());
-  json timeline = timeline_summary(plan.timeline(st.handle()));
+  json timeline = timeline_summary(cuda::attention_plan_timeline(plan, st.handle()));
   return {{"best", best}, {"variants", variants}, {"bytes", pb.dense_bytes}, {"timeline", timeline}};
 }
 
@@ -427,7 +427,7 @@ json run_sparse(const std::string& name, const Problem& pb, cuda::Stream& st, Ti
   const Accuracy acc = accuracy(cuda::to_host<float>(out, nq * d), dense_out, cuda::to_host<float>(mass, nq), ss, n_q,
                                 kv.n_kv_heads, d, pb.dev->n_tokens(), p);
   json phases = json::array();
-  for (const auto& [phase, us] : m->phase_times(st.handle())) phases.push_back({phase, us});
+  for (const auto& [phase, us] : cuda::sparse_decoder_phase_times(*m, st.handle())) phases.push_back({phase, us});
   if (acc_out != nullptr) *acc_out = acc;
   size_t attended = 0;
   for (int t : ss.tokens) attended += t;

@@ -473,7 +473,8 @@ TEST(GemvQuant, WeightMatrixRepacksGgufBlocks) {
     // weight_matmul, the path the model runs: the compact matrix and the float32 one in one
     // call, 1 and 3 rows of x, on 1-3 threads. Compact = ref::gemv_quant over its view (the
     // activation rounding at the width the GEMV takes here), float32 = float64 sums over the dequantised values, and
-    // every thread count gives the same bits.
+    // every thread count gives the same bits, as does a caller's workspace reused by every call.
+    MatmulWorkspace ws;
     for (int n_rows : {1, 3}) {
       std::vector<float> x;
       for (int r = 0; r < n_rows; ++r) {
@@ -487,6 +488,11 @@ TEST(GemvQuant, WeightMatrixRepacksGgufBlocks) {
         std::vector<float> yf(yq.size(), std::numeric_limits<float>::quiet_NaN());
         const MatmulOut outs[] = {{&w, yq.data()}, {&f, yf.data()}};
         weight_matmul(pool, x.data(), n_rows, outs);
+        std::vector<float> yq_ws(yq.size()), yf_ws(yf.size());
+        const MatmulOut outs_ws[] = {{&w, yq_ws.data()}, {&f, yf_ws.data()}};
+        weight_matmul(pool, x.data(), n_rows, outs_ws, &ws);
+        EXPECT_EQ(yq_ws, yq) << info.name << " threads " << threads;
+        EXPECT_EQ(yf_ws, yf) << info.name << " threads " << threads;
         if (threads == 1) {
           first_q = yq;
           first_f = yf;

@@ -316,11 +316,13 @@ TEST(SelectMassThreshold, ReferenceIsTheLargestKeyThatReaches) {
 // 256 entries, float64 across; within eps = 1e-6 of each row's total here): k_cpu lies in
 // [k_lo 2^(-1/64), k_hi], where k_lo is the reference's answer for the needs raised by
 // eps x total and k_hi for the needs lowered by it (or k_cpu = 0 when k_lo lies below
-// max(key) 2^-32); at k_cpu every row reaches its need within eps; sum_at is right.
+// max(key) 2^-32); at k_cpu every row reaches its need within eps; sum_at is right. A
+// caller's workspace, reused across every size below, gives the same answer bit for bit.
 TEST(SelectMassThreshold, CpuIsWithinItsContract) {
   std::mt19937 rng(9);
   constexpr double kEps = 1e-6;
   for_each_target([&] {
+    MassThresholdWorkspace ws;
     for (int rows : {1, 3, 4, 8, 9}) {
       for (int n : {1, 3, 15, 16, 17, 255, 4097, 40000}) {
         for (double sigma : {0.5, 2.0, 6.0}) {
@@ -345,6 +347,10 @@ TEST(SelectMassThreshold, CpuIsWithinItsContract) {
             const float kc = cpu::select_mass_threshold(key.data(), w.data(), rows, n, need.data(), at.data(), hint);
             SCOPED_TRACE(::testing::Message() << "rows=" << rows << " n=" << n << " sigma=" << sigma << " p=" << p
                                               << " hint=" << hint);
+            std::vector<double> at_ws(rows);
+            ASSERT_EQ(cpu::select_mass_threshold(key.data(), w.data(), rows, n, need.data(), at_ws.data(), hint, &ws),
+                      kc);
+            ASSERT_EQ(at_ws, at);
             ASSERT_LE(kc, k_hi);
             if (k_lo >= kmax * std::exp2(-32.0f)) {
               ASSERT_GE(kc, k_lo * std::exp2(-1.0f / 64) * (1 - 1e-6f));

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "cumulus/kernels/sketch_topp.h"
 #include "cumulus/kernels/tactic.h"
 #include "cumulus/methods/prefill.h"
 #include "cumulus/methods/registry.h"
@@ -31,10 +32,10 @@ inline void read_tactic_options(const Params& p, TacticOptions& o) {
   CUMULUS_CHECK(o.p1 < o.p2, "method 'tactic': parameters p1={} and p2={} need p1 < p2", o.p1, o.p2);
 }
 
-// sketch_topp's fields (the CPU method's SketchToppOptions, cuda::SketchToppGpuOptions):
-// p, candidate_p, sinks, recent, min_context, dense_above and rest (none or mean).
-template <class O>
-void read_sketch_topp_options(const Params& p, O& o) {
+// sketch_topp's shared fields (SketchToppOptions, the CPU method's options and the base of
+// cuda::SketchToppGpuOptions): p, candidate_p, sinks, recent, min_context, dense_above and
+// rest (none or mean). The GPU's own fields (dense_kv_bytes, ...) are the runtime's.
+inline void read_sketch_topp_options(const Params& p, SketchToppOptions& o) {
   o.p = p.get_double("p");
   o.candidate_p = p.get_double("candidate_p");
   o.sinks = p.get_int("sinks");

@@ -37,22 +37,13 @@
 #include "cumulus/kernels/scoring.h"
 #include "cumulus/kernels/selection.h"
 #include "cumulus/kernels/sketch.h"
+#include "cumulus/kernels/sketch_topp.h"
 #include "cumulus/methods/registry.h"
 #include "method_options.h"
 #include "method_util.h"
 
 namespace cumulus {
 namespace {
-
-struct SketchToppOptions {
-  double p = 0.9;
-  double candidate_p = 0.92;
-  int sinks = 4;
-  int recent = 64;
-  int min_context = 1024;
-  double dense_above = 0.5;
-  bool rest_mean = true;  // the tokens not read contribute their estimated mass times the mean value
-};
 
 // Rounds of step 4 before the rest of the context is attended.
 constexpr int kRounds = 3;
@@ -214,6 +205,7 @@ class SketchTopp final : public DecodeMethod {
     std::vector<float> added_w;      // [g][added] their scores, then normalised weights
     std::vector<float> added_o;      // [g][head_dim] attention over them
     double candidate_p = 0;          // the share the union was chosen at
+    MassThresholdWorkspace threshold;  // select_mass_threshold's band (grows with the context)
   };
 
   // Steps 1-2 for every kv head: the unions into out.selection.tokens, Scratch::dense for
@@ -351,7 +343,8 @@ class SketchTopp final : public DecodeMethod {
   static float choose(Scratch& w, int g, int n, double cp, std::vector<int32_t>& t, float hint = 0.0f) {
     for (int j = 0; j < g; ++j) w.need[j] = cp * w.est_sum[j];
     const float kappa =
-        cpu::select_mass_threshold(w.key.data(), w.est.data(), g, n, w.need.data(), w.est_union.data(), hint);
+        cpu::select_mass_threshold(w.key.data(), w.est.data(), g, n, w.need.data(), w.est_union.data(), hint,
+                                   &w.threshold);
     cpu::select_any_above(w.key.data(), 1, n, &kappa, 0, t);
     return kappa;
   }

@@ -320,7 +320,7 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
     for (int i = 0; i < n; ++i) rmsnorm(x_.data() + i * c.dim, L.attn_norm.data(), c.dim, c.rms_eps, xn_.data() + i * c.dim);
     lap(&DecodeProfile::other);
     const MatmulOut qkv[] = {{&L.wq, q_.data()}, {&L.wk, k_.data()}, {&L.wv, v_.data()}};
-    weight_matmul(pool_, xn_.data(), n, qkv);
+    weight_matmul(pool_, xn_.data(), n, qkv, &matmul_ws_);
     lap(&DecodeProfile::qkv);
     const bool local = c.is_local(l);
     if (c.qk_norm) {
@@ -378,7 +378,7 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
     lap(&DecodeProfile::attention);
     // x += att Wo^T (xn_ as scratch for the projection).
     const MatmulOut wo[] = {{&L.wo, xn_.data()}};
-    weight_matmul(pool_, att_.data(), n, wo);
+    weight_matmul(pool_, att_.data(), n, wo, &matmul_ws_);
     lap(&DecodeProfile::wo);
     if (c.post_norms)
       for (int i = 0; i < n; ++i) {
@@ -389,7 +389,7 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
     for (int i = 0; i < n; ++i) rmsnorm(x_.data() + i * c.dim, L.ffn_norm.data(), c.dim, c.rms_eps, xn_.data() + i * c.dim);
     lap(&DecodeProfile::other);
     const MatmulOut gate_up[] = {{&L.w_gate, gate_.data()}, {&L.w_up, up_.data()}};
-    weight_matmul(pool_, xn_.data(), n, gate_up);
+    weight_matmul(pool_, xn_.data(), n, gate_up, &matmul_ws_);
     if (c.ffn_activation == FfnActivation::gelu_tanh) {
       for (int i = 0; i < n * c.hidden_dim; ++i) gate_[i] = gelu_tanh(gate_[i]) * up_[i];
     } else {
@@ -399,7 +399,7 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
       }
     }
     const MatmulOut down[] = {{&L.w_down, xn_.data()}};
-    weight_matmul(pool_, gate_.data(), n, down);
+    weight_matmul(pool_, gate_.data(), n, down, &matmul_ws_);
     if (c.post_norms)
       for (int i = 0; i < n; ++i) {
         float* f = xn_.data() + static_cast<size_t>(i) * c.dim;
@@ -414,7 +414,7 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
   std::vector<float> last(c.dim);
   rmsnorm(x_.data() + static_cast<size_t>(n - 1) * c.dim, w_.output_norm.data(), c.dim, c.rms_eps, last.data());
   const MatmulOut head[] = {{&w_.output_weight(), logits_.data()}};
-  weight_matmul(pool_, last.data(), 1, head);
+  weight_matmul(pool_, last.data(), 1, head, &matmul_ws_);
   if (c.logit_softcap > 0)
     for (float& z : logits_) z = c.logit_softcap * std::tanh(z / c.logit_softcap);
   lap(&DecodeProfile::head);

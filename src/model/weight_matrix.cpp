@@ -140,7 +140,8 @@ std::vector<float> WeightMatrix::to_f32() const {
   return out;
 }
 
-void weight_matmul(ThreadPool& pool, const float* x, int n_rows, std::span<const MatmulOut> outs) {
+void weight_matmul(ThreadPool& pool, const float* x, int n_rows, std::span<const MatmulOut> outs,
+                   MatmulWorkspace* workspace) {
   struct Task {
     int out, r0, nr;
   };
@@ -154,14 +155,18 @@ void weight_matmul(ThreadPool& pool, const float* x, int n_rows, std::span<const
   }
   // Decode: x rounded to codes once for all quantised products, 8 or 16 bits as the GEMV
   // takes them on this CPU (kernels/gemv.h).
-  // The caller's thread's buffer, reached by the workers through the pointer (a
-  // thread_local named inside the task would be each worker's own).
-  thread_local QuantActivation tl_xq;
-  const QuantActivation* xq = &tl_xq;
+  // The caller's workspace (or this call's own), shared by the tasks: the codes written
+  // here, the slices one per worker.
+  MatmulWorkspace call_ws;
+  MatmulWorkspace& scratch = workspace != nullptr ? *workspace : call_ws;
+  const size_t n_threads = static_cast<size_t>(pool.n_threads());
+  if (scratch.slices.size() < n_threads) scratch.slices.resize(n_threads);
+  const QuantActivation* xq = &scratch.x_codes;
   bool any_quant = false;
   for (const MatmulOut& o : outs) any_quant = any_quant || o.w->quantized();
-  if (n_rows == 1 && any_quant) cpu::quant_activation(x, outs[0].w->cols(), cpu::gemv_quant_activation_bits(), tl_xq);
-  pool.parallel_for(static_cast<int64_t>(tasks.size()), [&](int64_t t, int) {
+  if (n_rows == 1 && any_quant) cpu::quant_activation(x, outs[0].w->cols(), cpu::gemv_quant_activation_bits(),
+                                              scratch.x_codes);
+  pool.parallel_for(static_cast<int64_t>(tasks.size()), [&](int64_t t, int worker) {
     const Task& task = tasks[static_cast<size_t>(t)];
     const WeightMatrix& w = *outs[static_cast<size_t>(task.out)].w;
     float* y = outs[static_cast<size_t>(task.out)].y;
@@ -174,7 +179,7 @@ void weight_matmul(ThreadPool& pool, const float* x, int n_rows, std::span<const
     if (ws != nullptr) {
       ws += static_cast<size_t>(task.r0) * n_in;
     } else {
-      thread_local std::vector<float> slice;
+      std::vector<float>& slice = scratch.slices[static_cast<size_t>(worker)];
       slice.resize(static_cast<size_t>(task.nr) * n_in);
       w.rows_to_f32(task.r0, task.r0 + task.nr, slice.data());
       ws = slice.data();

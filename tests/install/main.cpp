@@ -1,6 +1,7 @@
 // A user's program against the installed package: a small cache of random keys and values,
 // the built-in dense method and top-p oracle built by name from the registry, one decode step
-// each in eval mode. Exits non-zero when a result is off.
+// each in eval mode. Exits non-zero when a result is off. Built against a CUDA build
+// (CONSUMER_CUDA), it also names the GPU the runtime would use, or why there is none.
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -10,6 +11,9 @@
 #include "cumulus/kv/kv_cache.h"
 #include "cumulus/methods/method.h"
 #include "cumulus/methods/registry.h"
+#ifdef CONSUMER_CUDA
+#include "cumulus/model/cuda_runner.h"
+#endif
 
 int main() {
   using namespace cumulus;
@@ -46,5 +50,10 @@ int main() {
   } catch (const Error& e) {
     std::printf("unknown method: %s\n", e.what());
   }
+#ifdef CONSUMER_CUDA
+  const std::string device = cuda_device_summary();
+  if (device.empty()) ++failures;
+  std::printf("cuda device: %s\n", device.c_str());
+#endif
   return failures == 0 ? 0 : 1;
 }

@@ -291,8 +291,7 @@ struct AttentionPlanOptions {
   // L2 fetch size hinted by the K/V copies on a miss: 0 (the 32-byte sectors asked for),
   // 128 or 256 bytes (default: 256; measured ~2% faster than 0 on dense at 128K).
   int l2_prefetch = 256;
-  // Benchmarks: record each CTA's start and end (%globaltimer) for AttentionPlan::timeline.
-  bool timeline = false;
+  // The CTA timeline that benchmarks record is a bench-only knob too (bench_options.h).
 };
 
 // Workspace of attention_decode for one (kv shape, group): per-CTA partial results of the
@@ -310,9 +309,6 @@ class AttentionPlan {
   // Synchronises `stream` and throws Error if a kernel flagged bad input since the last
   // check (an index outside [0, n_tokens), a list longer than its stride).
   void check(void* stream = nullptr);
-  // options.timeline: the last launch's CTA start and end times, [CTA][2] nanoseconds after
-  // the earliest start (-1: that CTA slot did not run). Synchronises `stream`.
-  std::vector<int64_t> timeline(void* stream = nullptr) const;
   // Warps per CTA the plan runs: options.warps, or fewer where their rings would not fit
   // the device's shared memory (head_dim 256: 8 on an H100, 4 on an A100).
   int warps() const;

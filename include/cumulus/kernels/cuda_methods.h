@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cumulus/kernels/cuda.h"
+#include "cumulus/kernels/sketch_topp.h"
 #include "cumulus/kernels/tactic.h"
 
 namespace cumulus::cuda {
@@ -69,13 +70,6 @@ class SparseDecoder {
   // Lists of at most this many tokens skip the selection (sketch_topp's min_context): no
   // selection bytes are counted for them.
   virtual int select_min_tokens() const { return 0; }
-  // Benchmarks: mean microseconds of the phases of the last select() over the batch's query
-  // heads, where the method records them (sketch_topp; tactic made with record_phases,
-  // src/kernels/cuda/bench_options.h); else empty. Synchronises.
-  virtual std::vector<std::pair<std::string, double>> phase_times(void* stream = nullptr) const {
-    (void)stream;
-    return {};
-  }
   // Throws Error if a kernel flagged bad input (synchronises).
   void check(void* stream = nullptr);
 
@@ -133,7 +127,7 @@ std::unique_ptr<SparseDecoder> make_oracle_topp_gpu(const DeviceKvView& kv, int 
                                                     const AttentionPlanOptions& plan = {});
 
 // sketch_topp (ours, issue 17; docs/methods.md "sketch_topp", docs/cuda.md "sketch_topp on
-// the GPU"): the CPU method's parameters and defaults. prefill() builds a 4-bit sketch of
+// the GPU"). prefill() builds a 4-bit sketch of
 // every key of every sequence (kernels/sketch.h's layout and encoder: the CPU's codes bit
 // for bit); a step estimates every token's weight from the sketch, chooses each kv head's
 // union (the smallest prefix of the tokens ordered by their largest estimated share at
@@ -142,20 +136,13 @@ std::unique_ptr<SparseDecoder> make_oracle_topp_gpu(const DeviceKvView& kv, int 
 // the tokens not read). Tokens appended after prefill are encoded by the next select()
 // with the prompt's normalisation; after DeviceKvCache::truncate call prefill() again.
 // Deviation from the CPU: no rounds (a head whose claim falls short of p keeps its union).
-struct SketchToppGpuOptions {
-  double p = 0.9;
-  double candidate_p = 0.92;
-  int sinks = 4;
-  int recent = 64;
-  int min_context = 1024;    // contexts of at most this many tokens attend densely
-  double dense_above = 0.5;  // a kv head whose union exceeds this share of its tokens attends densely
-  // The tokens not read: true (the CPU method's default, rest=mean) adds their estimated
-  // mass times the head's mean value row to the output, o = (A o_U + R vbar) / (A + R),
-  // the claim unchanged; false (rest=none) leaves them out. The value sums are kept per
-  // (sequence, kv head) on the device: all tokens at prefill(), the appended ones at each
-  // select(). Default false here: the kernel benchmark and the twin tests time and check
-  // the selection; the model runtime passes the registry's value.
-  bool rest_mean = false;
+// The parameters are the CPU method's (kernels/sketch_topp.h: p, candidate_p, sinks, recent,
+// min_context, dense_above, rest_mean), except that rest_mean defaults to false here: the
+// kernel benchmark and the twin tests time and check the selection; the model runtime
+// passes the registry's value. With rest_mean the value sums are kept per (sequence, kv
+// head) on the device: all tokens at prefill(), the appended ones at each select(). Plus:
+struct SketchToppGpuOptions : SketchToppOptions {
+  SketchToppGpuOptions() { rest_mean = false; }
   // GPU only, a cost rule of the whole step: when the batch's K/V (every sequence at the
   // view's max_tokens, K and V) is at most this many bytes, select() enqueues nothing and
   // attend() runs the dense kernel (claims 1). A step's selection costs a few fixed

@@ -25,7 +25,7 @@ namespace cumulus {
 //     (the row totals for -inf, 0 for +inf). hint (CPU only; 0: none): a guess of the
 //     answer (a caller's last one); a good guess saves the CPU's passes over the whole
 //     list, a bad one costs one pass; the answer is the same either way up to the stated
-//     resolution.
+//     resolution. workspace (CPU only): the caller's scratch (MassThresholdWorkspace below).
 //   select_any_above: appends to `out` the indices i (ascending, plus `base`) at which
 //     some row reaches its threshold, w[j][i] >= tau[j] for some j; w: [n_rows][n], tau:
 //     [n_rows] (+inf: the row selects nothing). Both backends return the same list.
@@ -34,9 +34,20 @@ float select_mass_threshold(const float* key, const float* w, int n_rows, int n,
                             double* sum_at = nullptr);
 void select_any_above(const float* w, int n_rows, int n, const float* tau, int32_t base, std::vector<int32_t>& out);
 }  // namespace ref
+// Scratch of cpu::select_mass_threshold, owned by the caller and reused across calls: the
+// band the bisection copies out of the list grows with the context ([n_rows + 1] rows of up
+// to n floats), so it lives as long as its owner (sketch_topp: one per kv head, for the
+// method's life), not as long as a thread. A call without one allocates its own.
+struct MassThresholdWorkspace {
+  std::vector<float> band_key, band_w;                // [n + lanes], [n_rows][n + lanes]
+  std::vector<float*> band_rows;                      // [n_rows]
+  std::vector<const float*> row_of, deciding;         // [n_rows] the rows a pass sums
+  std::vector<double> total, base, sums, band_total;  // [n_rows]
+  std::vector<int> id_of;                             // [n_rows] the rows still deciding
+};
 namespace cpu {
 float select_mass_threshold(const float* key, const float* w, int n_rows, int n, const double* need,
-                            double* sum_at = nullptr, float hint = 0.0f);
+                            double* sum_at = nullptr, float hint = 0.0f, MassThresholdWorkspace* workspace = nullptr);
 void select_any_above(const float* w, int n_rows, int n, const float* tau, int32_t base, std::vector<int32_t>& out);
 }  // namespace cpu
 

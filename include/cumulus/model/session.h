@@ -185,6 +185,7 @@ class Session {
   // Scratch, sized for rows_ tokens (prefill_chunk, or the prefill method's chunk).
   int rows_ = 0;
   std::vector<float> x_, xn_, q_, k_, v_, att_, gate_, up_;
+  MatmulWorkspace matmul_ws_;  // the projections' scratch (weight_matmul)
   // The last prompt_q_rows_ queries of the prompt (after RoPE), per layer, for methods that
   // learn from the prompt's attention (DecodeMethod::prompt_queries):
   //   prompt_q_[layer]: [prompt_q_rows_][n_heads][head_dim]

@@ -83,10 +83,21 @@ struct MatmulOut {
   float* y = nullptr;
 };
 
+// Scratch of weight_matmul, owned by the caller (a Session: one per sequence) and reused by
+// every call, so no product allocates in steady state and the scratch lives as long as its
+// owner, not as long as a thread: decode's x rounded to codes once for every quantised
+// product ([cols]), and prefill's float32 copies of quantised weight rows, one per pool
+// thread ([64][cols] each). A call without one allocates its own.
+struct MatmulWorkspace {
+  QuantActivation x_codes;
+  std::vector<std::vector<float>> slices;  // [pool threads][64 rows][cols]
+};
+
 // Every product in `outs` against the same x [n_rows][cols] (all W have cols columns), in
 // one parallel_for: tasks are slices of output rows whose size depends on the matrix shape
 // alone, so the result is bit-identical for any thread count. n_rows == 1 takes the GEMV
 // path, n_rows > 1 the GEMM path (see the design note above).
-void weight_matmul(ThreadPool& pool, const float* x, int n_rows, std::span<const MatmulOut> outs);
+void weight_matmul(ThreadPool& pool, const float* x, int n_rows, std::span<const MatmulOut> outs,
+                   MatmulWorkspace* workspace = nullptr);
 
 }  // namespace cumulus

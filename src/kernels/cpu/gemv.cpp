@@ -252,6 +252,9 @@ template <QuantFormat F>
 void gemv_rows_format(const QuantMatrixView& w, int row_begin, int row_end, const QuantActivation& x, float* y) {
   constexpr int kR = kGemvGroupRows<F>;
   const int ss = gemv_pad16(quant_scale_stride(w.cols));
+  // Per-thread scratch inside a pool task, sized by the matrix's columns alone (a row
+  // group's scales, a few KB at any model width, never by the context): it stays
+  // thread_local, as do dm and mins below (docs/architecture.md, "Embedding").
   thread_local std::vector<float> scr;
   const size_t need = static_cast<size_t>(2 * kR * ss);
   if (scr.size() < need) scr.resize(need);
@@ -950,11 +953,11 @@ int gemv_quant_task_rows(int rows) {
 void gemv_quant(const QuantMatrixView& w, const float* x, float* y, ThreadPool& pool) {
   quant_matrix_validate(w);
   CUMULUS_CHECK(x != nullptr && y != nullptr, "gemv_quant: x and y must be non-null");
-  // The caller's thread's buffer; the pointer carries it into the workers (naming a
-  // thread_local inside the task would name each worker's own, empty one).
-  thread_local QuantActivation tl_a;
-  const QuantActivation* a = &tl_a;
-  quant_activation(x, w.cols, gemv_quant_activation_bits(), tl_a);
+  // This call's codes (tests and benchmarks; the runtime's weight_matmul keeps its own in
+  // the caller's MatmulWorkspace).
+  QuantActivation codes;
+  const QuantActivation* a = &codes;
+  quant_activation(x, w.cols, gemv_quant_activation_bits(), codes);
   const int per = gemv_quant_task_rows(w.rows);
   pool.parallel_for((w.rows + per - 1) / per, [&](int64_t t, int) {
     const int r0 = static_cast<int>(t) * per;

@@ -132,7 +132,7 @@ size_t threshold_band(const float* key, const float* const* rows, int n_rows, si
 }
 
 float select_mass_threshold_impl(const float* key, const float* w, int n_rows, int n, const double* need,
-                                 double* sum_at, float hint) {
+                                 double* sum_at, float hint, MassThresholdWorkspace* workspace) {
   const hn::ScalableTag<float> d;
   const size_t N = hn::Lanes(d);
   const size_t rows = static_cast<size_t>(n_rows);
@@ -158,9 +158,14 @@ float select_mass_threshold_impl(const float* key, const float* w, int n_rows, i
                     t, key[t]);
   }
   // Pass 1: the weights checked, each row's total.
-  thread_local std::vector<double> total, base, sums;  // [n_rows]
-  thread_local std::vector<const float*> row_of;       // [n_rows] the rows still deciding
-  thread_local std::vector<int> id_of;                  // [n_rows] their row numbers
+  // The caller's scratch (kernels/selection.h), or this call's own.
+  MassThresholdWorkspace call_ws;
+  MassThresholdWorkspace& ws = workspace != nullptr ? *workspace : call_ws;
+  std::vector<double>& total = ws.total;           // [n_rows]
+  std::vector<double>& base = ws.base;             // [n_rows]
+  std::vector<double>& sums = ws.sums;             // [n_rows]
+  std::vector<const float*>& row_of = ws.row_of;  // [n_rows] the rows a pass reads
+  std::vector<int>& id_of = ws.id_of;              // the rows still deciding
   total.assign(rows, 0.0);
   bad = hn::FirstN(d, 0);
   for (size_t j = 0; j < rows; ++j) {
@@ -222,7 +227,7 @@ float select_mass_threshold_impl(const float* key, const float* w, int n_rows, i
     if (need[j] > 0) id_of.push_back(j);
   base.assign(rows, 0.0);
   sums.resize(rows);
-  thread_local std::vector<const float*> deciding;
+  std::vector<const float*>& deciding = ws.deciding;
   auto reached = [&](float k) {
     const int a = static_cast<int>(id_of.size());
     deciding.resize(static_cast<size_t>(a));
@@ -245,8 +250,9 @@ float select_mass_threshold_impl(const float* key, const float* w, int n_rows, i
   float lo = kLo, hi = 0;
   // Halve on the whole list until the bracket is 4 octaves wide, then keep only the band
   // [kmax 2^lo, kmax 2^hi) and halve on it.
-  thread_local std::vector<float> band_key, band_w;
-  thread_local std::vector<float*> band_rows;
+  std::vector<float>& band_key = ws.band_key;
+  std::vector<float>& band_w = ws.band_w;
+  std::vector<float*>& band_rows = ws.band_rows;
   bool banded = false;
   auto make_band = [&](float e_lo, float e_hi) {
     band_key.resize(nn + N);
@@ -268,7 +274,7 @@ float select_mass_threshold_impl(const float* key, const float* w, int n_rows, i
     const float e_lo = std::max(kLo, std::floor(e) - 2), e_hi = std::min(0.0f, e_lo + 4);
     make_band(e_lo, e_hi);
     bool reach_lo = true, reach_hi = true;
-    thread_local std::vector<double> band_total;
+    std::vector<double>& band_total = ws.band_total;
     band_total.resize(rows);
     threshold_row_sums(ck, row_of.data(), n_rows, cn, 0.0f, band_total.data());
     for (int j : id_of) {
@@ -347,11 +353,11 @@ HWY_EXPORT(select_mass_threshold_impl);
 HWY_EXPORT(select_any_above_impl);
 
 float select_mass_threshold(const float* key, const float* w, int n_rows, int n, const double* need, double* sum_at,
-                            float hint) {
+                            float hint, MassThresholdWorkspace* workspace) {
   CUMULUS_CHECK(n_rows >= 1 && n >= 0, "select_mass_threshold: n_rows={} must be >= 1 and n={} >= 0", n_rows, n);
   CUMULUS_CHECK(need != nullptr && (n == 0 || (key != nullptr && w != nullptr)),
                 "select_mass_threshold: key, w and need must be non-null for n={}", n);
-  return HWY_DYNAMIC_DISPATCH(select_mass_threshold_impl)(key, w, n_rows, n, need, sum_at, hint);
+  return HWY_DYNAMIC_DISPATCH(select_mass_threshold_impl)(key, w, n_rows, n, need, sum_at, hint, workspace);
 }
 
 void select_any_above(const float* w, int n_rows, int n, const float* tau, int32_t base, std::vector<int32_t>& out) {

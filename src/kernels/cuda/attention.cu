@@ -1064,10 +1064,6 @@ AttentionPlan::AttentionPlan(const DeviceKvView& kv, int group, const AttentionP
   im->prefetch = o.l2_prefetch;
   im->cursor = DeviceBuffer(static_cast<size_t>(im->max_items) * sizeof(int));
   im->cursor.fill_bytes(0);
-  if (o.timeline) {
-    im->timeline = DeviceBuffer(static_cast<size_t>(im->max_items) * 2 * sizeof(unsigned long long));
-    im->timeline.fill_bytes(0);
-  }
   im->error = DeviceBuffer(sizeof(int));
   im->error.fill_bytes(0);
   impl_ = im.release();
@@ -1078,7 +1074,14 @@ AttentionPlan::~AttentionPlan() { delete impl_; }
 void attention_plan_set_bench(AttentionPlan& plan, const AttentionPlanBenchOptions& o) {
   // The chunk cursors exist (zero) in every plan and are zero again after each launch that
   // steals, so the knob may change between launches.
-  plan.impl()->steal = o.steal;
+  AttentionPlan::Impl& im = *plan.impl();
+  im.steal = o.steal;
+  if (o.timeline && im.timeline.data() == nullptr) {
+    im.timeline = DeviceBuffer(static_cast<size_t>(im.max_items) * 2 * sizeof(unsigned long long));
+    im.timeline.fill_bytes(0);
+  } else if (!o.timeline) {
+    im.timeline = DeviceBuffer();
+  }
 }
 
 int AttentionPlan::warps() const { return impl_->warps; }
@@ -1095,11 +1098,13 @@ void AttentionPlan::check(void* stream) {
   }
 }
 
-std::vector<int64_t> AttentionPlan::timeline(void* stream) const {
-  CUMULUS_CHECK(impl_->timeline.data() != nullptr, "AttentionPlan::timeline: the plan was made without options.timeline");
+std::vector<int64_t> attention_plan_timeline(const AttentionPlan& plan, void* stream) {
+  const AttentionPlan::Impl& im = *plan.impl();
+  CUMULUS_CHECK(im.timeline.data() != nullptr,
+                "attention_plan_timeline: the plan's bench options do not set timeline");
   CUMULUS_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
-  std::vector<unsigned long long> t(static_cast<size_t>(impl_->max_items) * 2);
-  impl_->timeline.download(t.data(), t.size() * sizeof(unsigned long long));
+  std::vector<unsigned long long> t(static_cast<size_t>(im.max_items) * 2);
+  im.timeline.download(t.data(), t.size() * sizeof(unsigned long long));
   unsigned long long t0 = ~0ull;
   for (unsigned long long x : t)
     if (x != 0) t0 = std::min(t0, x);

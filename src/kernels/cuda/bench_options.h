@@ -5,7 +5,10 @@
 // the measurements behind each default.
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "cumulus/kernels/cuda.h"
@@ -23,6 +26,9 @@ struct AttentionPlanBenchOptions {
   // CTAs' end times but costs 2-3% on dense and ~9% on tactic's lists (a claim's atomic
   // round trip sits in front of each unit's loads).
   bool steal = false;
+  // Record each CTA's start and end (%globaltimer) at every launch, for
+  // attention_plan_timeline (a buffer of [max CTAs][2] words while set).
+  bool timeline = false;
 };
 
 // Sets the plan's bench knobs; takes effect from the next attention_decode on it (between
@@ -30,6 +36,17 @@ struct AttentionPlanBenchOptions {
 void attention_plan_set_bench(AttentionPlan& plan, const AttentionPlanBenchOptions& o);
 // The same for the attention plan of a decoder made by a make_*_gpu function.
 void sparse_decoder_set_plan_bench(SparseDecoder& m, const AttentionPlanBenchOptions& o);
+// With AttentionPlanBenchOptions::timeline set: the last launch's CTA start and end times,
+// [CTA][2] nanoseconds after the earliest start (-1: that CTA slot did not run).
+// Synchronises `stream`.
+std::vector<int64_t> attention_plan_timeline(const AttentionPlan& plan, void* stream = nullptr);
+
+// ---- every decoder (SparseDecoder) ----------------------------------------------------------
+
+// Mean microseconds of the phases of the decoder's last select() over the batch's query
+// heads, where the method records them (sketch_topp; tactic made with record_phases, below);
+// else empty. Synchronises.
+std::vector<std::pair<std::string, double>> sparse_decoder_phase_times(const SparseDecoder& m, void* stream = nullptr);
 
 // ---- tactic (make_tactic_gpu) ---------------------------------------------------------------
 
@@ -43,7 +60,7 @@ struct TacticGpuBenchOptions {
   // kv head, i.e. 128K tokens at cluster_size 16); false, or more clusters: a radix sort
   // and a positions kernel. Both give the same order, so the same tokens.
   bool bucket_ranking = true;
-  // Record the bucket ranking's phases for SparseDecoder::phase_times.
+  // Record the bucket ranking's phases for sparse_decoder_phase_times.
   bool record_phases = false;
   // The shared-memory marks' slices per kv head (with the bucket ranking): 0 picks two CTAs
   // per multiprocessor over the batch's kv heads, at most 32; fewer slices means fewer

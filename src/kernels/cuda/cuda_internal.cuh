@@ -84,7 +84,11 @@ void kmeans_group(const int32_t* assign, int n, int k, int32_t* members, int32_t
 
 }  // namespace cumulus::cuda
 
+#include <functional>
 #include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "cumulus/kernels/cuda_methods.h"
 
@@ -119,10 +123,14 @@ struct SparseDecoder::Base {
   // reports every token with claim 1.
   bool dense_step = false;
   std::unique_ptr<AttentionPlan> plan;
+  // Benchmarks (bench_options.h, sparse_decoder_phase_times): the phases of the last
+  // select(), set by the methods that record them; empty for the others.
+  std::function<std::vector<std::pair<std::string, double>>(void* stream)> phase_times;
 
   Base(const DeviceKvView& v, int g, const AttentionPlanOptions& po);
   // The state of any decoder (a nested class may reach SparseDecoder's private members).
   static Base& of(SparseDecoder& m) { return *m.base_; }
+  static const Base& of(const SparseDecoder& m) { return *m.base_; }
   // Turns the bitmaps into the lists (and clears them).
   void compact(cudaStream_t s) {
     bitmap_compact(bits.as<uint32_t>(), n_lists, words, idx.as<int32_t>(), stride, len.as<int32_t>(),

@@ -804,6 +804,7 @@ class SketchToppGpu final : public SparseDecoder {
  public:
   SketchToppGpu(const DeviceKvView& kv, int group, const SketchToppGpuOptions& o, const AttentionPlanOptions& po)
       : SparseDecoder(kv, group, po), o_(o) {
+    base().phase_times = [this](void* stream) { return phase_times(stream); };
     CUMULUS_CHECK(o.p > 0 && o.p <= 1, "sketch_topp: p={} must be in (0, 1]", o.p);
     CUMULUS_CHECK(o.candidate_p > 0 && o.candidate_p <= 1, "sketch_topp: candidate_p={} must be in (0, 1]",
                   o.candidate_p);
@@ -963,7 +964,8 @@ class SketchToppGpu final : public SparseDecoder {
     base().emit(st);
   }
 
-  std::vector<std::pair<std::string, double>> phase_times(void* stream) const override {
+  // sparse_decoder_phase_times (bench_options.h), registered in the constructor.
+  std::vector<std::pair<std::string, double>> phase_times(void* stream) const {
     // Each phase of the last select() again, alone between events, after one untimed run
     // of it (the caches as that run left them, no flush): where the selection's time goes.
     if (last_q_ == nullptr || base().dense_step) return {};

@@ -39,6 +39,12 @@ void sparse_decoder_set_plan_bench(SparseDecoder& m, const AttentionPlanBenchOpt
   attention_plan_set_bench(*SparseDecoder::Base::of(m).plan, o);
 }
 
+std::vector<std::pair<std::string, double>> sparse_decoder_phase_times(const SparseDecoder& m, void* stream) {
+  const SparseDecoder::Base& b = SparseDecoder::Base::of(m);
+  if (!b.phase_times) return {};
+  return b.phase_times(stream);
+}
+
 void SparseDecoder::attend(const float* q, float* out, float* lse, const float* lse_ref, float* mass, void* stream) {
   Base& b = *base_;
   DeviceDecodeArgs a;

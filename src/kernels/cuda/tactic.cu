@@ -944,6 +944,7 @@ class TacticGpu final : public SparseDecoder {
   TacticGpu(const DeviceKvView& kv, int group, const TacticGpuOptions& o, const TacticGpuBenchOptions& bo,
             const AttentionPlanOptions& po)
       : SparseDecoder(kv, group, po), o_(o), replica_of_(bo.replica_of) {
+    base().phase_times = [this](void* stream) { return phase_times(stream); };
     CUMULUS_CHECK(o.p > 0 && o.p <= 1, "tactic: p={} must be in (0, 1]", o.p);
     CUMULUS_CHECK(o.cluster_size >= 1, "tactic: cluster_size={} must be >= 1", o.cluster_size);
     CUMULUS_CHECK(o.max_iter >= 1, "tactic: max_iter={} must be >= 1", o.max_iter);
@@ -1035,7 +1036,8 @@ class TacticGpu final : public SparseDecoder {
     return static_cast<double>(base().kv.head_dim) * sizeof(float) / o_.cluster_size;
   }
 
-  std::vector<std::pair<std::string, double>> phase_times(void* stream) const override {
+  // sparse_decoder_phase_times (bench_options.h), registered in the constructor.
+  std::vector<std::pair<std::string, double>> phase_times(void* stream) const {
     if (phase_.data() == nullptr) return {};
     CUMULUS_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
     const int rows = base().kv.n_seqs * base().n_q;
