@@ -2,16 +2,16 @@
 # SmolLM2-135M on the GPU machine (docs/cuda.md "SmolLM2 on the GPU"). Its GGUF is 98 MB and
 # one device call carries at most 64 MiB, so it travels in two pieces over two calls of one
 # warm machine (the machine keeps ignored paths a call does not carry):
-#   here:  head -c 46000000 models/SmolLM2-135M-Instruct.Q4_1.gguf > .devmA/smollm2.part
-#          tail -c +46000001 models/SmolLM2-135M-Instruct.Q4_1.gguf > .devmB/smollm2.part
+#   here:  head -c 44000000 models/SmolLM2-135M-Instruct.Q4_1.gguf > .devmA/smollm2.part
+#          tail -c +44000001 models/SmolLM2-135M-Instruct.Q4_1.gguf > .devmB/smollm2.part
 #   call 1 carries .devmA (with the binaries), call 2 carries .devmB and runs this script.
 # The pieces are joined and checked against scripts/fetch-model.sh's sha256 before use. Then:
 # the GPU-vs-CPU logits test on SmolLM2, `eval kl --device cuda` at 8K on both texts of
 # ../shared/data/text (every GPU method at P = 0.9, sketch_topp also with its step cost rule
 # off), the same run on the machine's CPU for dense, tactic sinks=4 and sketch_topp, and
-# `generate --bench --device cuda` at 8K.
+# `generate --bench --device cuda` at 8K, decode methods and then the flexprefill prefill.
 #
-# Files in $OUT: smollm2_tests.log, eval_{gpu,cpu}_<text>.{md,json}, bench_gpu.{log,json}.
+# Files in $OUT: smollm2_tests.log, eval_{gpu,cpu}_<text>.{md,json}, bench_gpu{,_flex}.{log,json}.
 # Usage (on the device machine, from the repository root, after run_runtime.sh set up BIN):
 #   [BIN=build-device] [TEXTS=dir] tools/device/run_smollm2.sh PART_A PART_B
 set -uo pipefail
@@ -52,3 +52,7 @@ timeout 120 "$B/cumulus" generate --model "$M" --device cuda --prompt-file "$T/p
   --param tactic_s4.sinks=4 --param sk_gpu.gpu_dense_mib=0 --json "$OUT/bench_gpu.json" > "$OUT/bench_gpu.log" 2>&1
 echo "generate bench rc $?"
 tail -20 "$OUT/bench_gpu.log"
+timeout 90 "$B/cumulus" generate --model "$M" --device cuda --prompt-file "$T/pg1342_pride_and_prejudice.txt" --bench \
+  --bench-context 8000 --bench-decode 16 --prefill flexprefill --json "$OUT/bench_gpu_flex.json" > "$OUT/bench_gpu_flex.log" 2>&1
+echo "generate bench flexprefill rc $?"
+tail -8 "$OUT/bench_gpu_flex.log"
