@@ -506,13 +506,16 @@ TEST(CudaModel, EvalModeMeasuresTrueMassAsTheCpu) {
   struct Case {
     std::string method;
     std::map<std::string, std::string> params;
-    double mass_tol = 0.01;  // sketch_topp: the GPU does no rounds (its set is ~5% smaller)
+    // sketch_topp: the GPU does no rounds, so its set is ~5% smaller and holds less mass
+    // (H100: 0.945 against 0.971), and its distance to dense grows with the mass left out
+    // (0.402 against 0.209, as 1 - 0.945 is 1.9x 1 - 0.971).
+    double mass_tol = 0.01, err_rel = 0.25;
   };
   const std::vector<Case> cases{{"dense", {}},
                                 {"oracle_topp", {}},
                                 {"psa", {}},
                                 {"tactic", {{"sinks", "4"}}},
-                                {"sketch_topp", {{"gpu_dense_mib", "0"}}, 0.03},
+                                {"sketch_topp", {{"gpu_dense_mib", "0"}}, 0.03, 1.0},
                                 {"quest", {{"budget", "256"}, {"dense_layers", "1"}}}};
   struct Means {
     double mass = 0, err = 0, tokens = 0, mass_min = 1;
@@ -567,7 +570,7 @@ TEST(CudaModel, EvalModeMeasuresTrueMassAsTheCpu) {
     EXPECT_EQ(g.n, c.n) << label;
     EXPECT_NEAR(g.mass, c.mass, k.mass_tol) << label;
     EXPECT_NEAR(g.tokens, c.tokens, 0.10 * c.tokens) << label;
-    EXPECT_NEAR(g.err, c.err, 0.25 * c.err + 1e-3) << label;
+    EXPECT_NEAR(g.err, c.err, k.err_rel * c.err + 1e-3) << label;
     if (k.method == "dense") {
       EXPECT_EQ(g.mass_min, 1.0) << label;
       EXPECT_EQ(g.err, 0.0) << label;
