@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # SmolLM2-135M on the GPU machine (docs/cuda.md "SmolLM2 on the GPU"). Its GGUF is 98 MB and
-# one device call carries at most 64 MiB, so it travels in two pieces over two calls of one
-# warm machine (the machine keeps ignored paths a call does not carry):
-#   here:  head -c 44000000 models/SmolLM2-135M-Instruct.Q4_1.gguf > .devmA/smollm2.part
+# one device call carries at most 64 MiB (the working tree included), so it travels in two
+# pieces over two calls of one warm machine (it goes back 30 s after a call):
+#   here:  mkdir -p .devmA .devmB (both in .git/info/exclude)
+#          head -c 44000000 models/SmolLM2-135M-Instruct.Q4_1.gguf > .devmA/smollm2.part
 #          tail -c +44000001 models/SmolLM2-135M-Instruct.Q4_1.gguf > .devmB/smollm2.part
-#   call 1 carries .devmA (with the binaries), call 2 carries .devmB and runs this script.
+#   call 1 carries .devmA (with the binaries) and copies it out of the checkout, e.g. to
+#   /work/xfer: the next call's copy of the checkout drops ignored paths it does not carry,
+#   while the machine's other folders stay;
+#   call 2, right after, carries .devmB and runs this script with both pieces' paths.
 # The pieces are joined and checked against scripts/fetch-model.sh's sha256 before use. Then:
 # the GPU-vs-CPU logits test on SmolLM2, `eval kl --device cuda` at 8K on both texts of
 # ../shared/data/text (every GPU method at P = 0.9, sketch_topp also with its step cost rule
