@@ -118,6 +118,25 @@ void expect_close(const std::string& name, const Comparison& c, double rel) {
   EXPECT_LT(c.max_abs, rel * c.max_logit) << name;
 }
 
+// A Llama config with head_dim 128 (RoPE over all of it, untied classifier) for the models the
+// runner makes on the device.
+ModelConfig llama_config(int n_layers, int n_heads, int n_kv_heads, int dim, int hidden_dim, int vocab_size,
+                         int context) {
+  ModelConfig c;
+  c.architecture = "llama";
+  c.n_layers = n_layers;
+  c.n_heads = n_heads;
+  c.n_kv_heads = n_kv_heads;
+  c.head_dim = 128;
+  c.rope_dim = 128;
+  c.dim = dim;
+  c.hidden_dim = hidden_dim;
+  c.vocab_size = vocab_size;
+  c.context_length = context;
+  c.tied_output = false;
+  return c;
+}
+
 // llama3's head layout (head_dim 128, GQA 4:1, RoPE theta 500000) at a size whose CPU run is
 // quick: 2 layers, dim 1024, 8 query heads over 2 kv heads, ffn 2816, vocab 2048.
 ModelConfig llama3_shaped_config(int context) {
@@ -463,18 +482,8 @@ TEST(CudaModel, BatchedDecodeMatchesSingleSequence) {
   // Random weights made on the device; sequence 0 of a batch of 3 holds the same random
   // context as the only sequence of a batch of 1 (both filled by one append of n <= 2048 / 3
   // rows from the same buffer), so its greedy tokens must agree step by step.
-  ModelConfig c;
-  c.architecture = "llama";
-  c.n_layers = 2;
-  c.n_heads = 8;
-  c.n_kv_heads = 2;
-  c.head_dim = 128;
-  c.rope_dim = 128;
-  c.dim = 1024;
-  c.hidden_dim = 2816;
-  c.vocab_size = 1000;
-  c.context_length = 2048;  // the fill's chunk: 2048 rows (one append of 300 per sequence)
-  c.tied_output = false;
+  // The fill's chunk: 2048 rows (one append of 300 per sequence).
+  const ModelConfig c = llama_config(2, 8, 2, 1024, 2816, 1000, 2048);
   auto one = model_runner_cuda_random(c, {}, 5, 1);
   auto three = model_runner_cuda_random(c, {}, 5, 3);
   EXPECT_EQ(three->n_seqs(), 3);
@@ -622,18 +631,7 @@ TEST_F(CudaStories260K, EvalKlRunsOnTheGpu) {
 // dense's share is nothing.
 TEST(CudaModel, MemoryCheckCountsTheDecodeMethod) {
   CUMULUS_REQUIRE_GPU();
-  ModelConfig c;
-  c.architecture = "llama";
-  c.n_layers = 32;
-  c.n_heads = 32;
-  c.n_kv_heads = 8;
-  c.head_dim = 128;
-  c.rope_dim = 128;
-  c.dim = 4096;
-  c.hidden_dim = 14336;
-  c.vocab_size = 128256;
-  c.context_length = 1 << 20;
-  c.tied_output = false;
+  const ModelConfig c = llama_config(32, 32, 8, 4096, 14336, 128256, 1 << 20);
   auto message = [&](const std::string& method) {
     SessionOptions o;
     o.method = method;
