@@ -12,6 +12,7 @@
 //   cannot honour refused by cuda_runner_check (no GPU needed).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
@@ -796,4 +797,24 @@ TEST(CudaModel, FlexPrefillValuesTheGpuCannotHonourAreRefused) {
   d8.head_dim = 8;
   d8.rope_dim = 8;
   refused("flexprefill", {}, d8, "head_dim 64, 128 or 256 on the GPU, not 8");
+}
+
+// eval --device cuda's default methods: the GPU pipelines that take the model's shape, so a
+// model whose head_dim none takes (stories260K's 8) gets dense alone, and llama3-8b's shape
+// every pipeline. Needs no GPU (the method checks read no device).
+TEST(CudaModel, DefaultMethodsAreThoseThatTakeTheModel) {
+  const std::vector<std::string> llama = cuda_runner_methods(llama_config(2, 32, 8, 4096, 14336, 1000, 4096));
+  const std::vector<std::string> want{"dense", "oracle_topp", "quest", "tactic", "psa", "sketch_topp"};
+  for (const std::string& m : want)
+    EXPECT_NE(std::find(llama.begin(), llama.end(), m), llama.end()) << m << " missing";
+  EXPECT_EQ(llama.size(), want.size());
+  EXPECT_EQ(llama.front(), "dense");
+  ModelConfig d8 = llama_config(2, 8, 2, 64, 128, 1000, 512);
+  d8.head_dim = 8;
+  d8.rope_dim = 8;
+  EXPECT_EQ(cuda_runner_methods(d8), std::vector<std::string>{"dense"});
+  // sketch_topp's GPU kernels hold at most 8 query heads per kv head.
+  const std::vector<std::string> g16 = cuda_runner_methods(llama_config(2, 32, 2, 4096, 14336, 1000, 4096));
+  EXPECT_EQ(std::find(g16.begin(), g16.end(), "sketch_topp"), g16.end());
+  EXPECT_NE(std::find(g16.begin(), g16.end(), "tactic"), g16.end());
 }

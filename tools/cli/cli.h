@@ -35,9 +35,9 @@ void device_check(const std::string& device, const ModelConfig& config, const Se
 std::unique_ptr<ModelRunner> runner_make(const std::string& device, const ModelWeights& weights,
                                          const SessionOptions& options);
 std::string device_line();
-// The decode methods --device cuda runs (dense and the GPU pipelines); an Error naming the
-// reason in a build without CUDA.
-std::vector<std::string> device_decode_methods(const std::string& device);
+// The decode methods --device cuda runs for this model (dense and the GPU pipelines that take
+// its shape); an Error naming the reason in a build without CUDA.
+std::vector<std::string> device_decode_methods(const std::string& device, const ModelConfig& config);
 // `cumulus bench --device cuda` (bench_cuda.cpp): the synthetic benchmark's methods on the
 // GPU pipelines, the CPU run's report; an Error naming the reason in a build without CUDA.
 BenchReport bench_run_cuda(const BenchOptions& options, std::FILE* log);

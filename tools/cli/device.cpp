@@ -33,12 +33,12 @@ std::unique_ptr<ModelRunner> runner_make(const std::string& device, const ModelW
 #endif
 }
 
-std::vector<std::string> device_decode_methods(const std::string& device) {
+std::vector<std::string> device_decode_methods(const std::string& device, const ModelConfig& config) {
   CUMULUS_CHECK(device == "cuda", "device_decode_methods: --device={} (cpu runs every decode method)", device);
 #ifdef CUMULUS_HAVE_CUDA
-  return cuda_runner_methods();
+  return cuda_runner_methods(config);
 #else
-  device_check(device, {}, {});
+  device_check(device, config, {});
   return {};  // not reached: device_check throws
 #endif
 }

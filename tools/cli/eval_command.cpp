@@ -48,7 +48,7 @@ void eval_command_run(EvalArgs& a) {
     // largest prompt must fit in its memory: checked before the model is loaded.
     device_check(o.device, config, eval_session_options(o, config.shape(), eval_capacity(o, config), {}));
     if (o.methods.empty() && o.task != "matched") {
-      o.methods = device_decode_methods(o.device);
+      o.methods = device_decode_methods(o.device, config);
       o.validate();
     }
     for (const MethodSpec& spec : eval_task_specs(o)) {

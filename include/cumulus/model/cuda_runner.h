@@ -59,9 +59,10 @@ class CudaModelRunner : public ModelRunner {
   virtual size_t kv_bytes_per_token() const = 0;
 };
 
-// The decode methods the CUDA runner runs: "dense" and the registry's methods with a GPU
-// pipeline (kernels/cuda_methods.h), in the registry's order.
-std::vector<std::string> cuda_runner_methods();
+// The decode methods the CUDA runner runs for this model at their defaults: "dense" and the
+// registry's methods whose GPU pipeline (kernels/cuda_methods.h) takes the model's shape
+// (head_dim 64/128/256; sketch_topp's group), in the registry's order.
+std::vector<std::string> cuda_runner_methods(const ModelConfig& config);
 
 // The runner (cuda_runner_check first). Matrices of any storage (F32, F16, BF16, the block
 // formats) are dequantised on the host and converted to f16; nothing of `weights` is kept.

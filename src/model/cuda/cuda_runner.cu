@@ -790,11 +790,17 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs
                 gib(free_b), gib(total_b));
 }
 
-std::vector<std::string> cuda_runner_methods() {
+std::vector<std::string> cuda_runner_methods(const ModelConfig& config) {
   std::vector<std::string> out{"dense"};
-  for (const auto& m : Registry::builtin().list())
-    if (m.kind == "decode" && m.name != "dense" && cuda::model::cuda_decode_method_supported(m.name))
-      out.push_back(m.name);
+  for (const auto& m : Registry::builtin().list()) {
+    if (m.kind != "decode" || m.name == "dense" || !cuda::model::cuda_decode_method_supported(m.name)) continue;
+    try {
+      cuda::model::cuda_decode_method_check(Registry::builtin(), m.name, {}, config.shape());
+    } catch (const Error&) {
+      continue;  // its pipeline does not take this model's shape
+    }
+    out.push_back(m.name);
+  }
   return out;
 }
 
