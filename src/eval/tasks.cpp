@@ -735,13 +735,7 @@ void EvalOptions::validate() const {
   }
   // The methods, parameters and sweeps each task will run, parsed now so that a typo fails
   // before the model is loaded.
-  if (task == "mass") {
-    method_specs_parse(mass_entries(), params, {});
-  } else if (task == "matched") {
-    matched_specs(*this);
-  } else {
-    eval_specs_with_dense(*this);
-  }
+  eval_task_specs(*this);
 }
 
 void EvalOptions::validate(const ModelConfig& model) const {

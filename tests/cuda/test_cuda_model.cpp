@@ -211,6 +211,11 @@ RandomRun random_run(uint32_t seed, int context, int prompt_len, int forced_len)
   return r;
 }
 
+// The GPU runner against the CPU Session on the run's weights, prompt and forced tokens.
+Comparison gpu_vs_cpu(const RandomRun& rr, const SessionOptions& o) {
+  return compare_runs(*model_runner_cuda(rr.w, o), *model_runner_cpu(rr.w, o), rr.prompt, rr.forced);
+}
+
 // The GPU runner launched kernel by kernel (CUMULUS_CUDA_GRAPHS=0) against one replaying the
 // captured decode step.
 Comparison direct_vs_graph(const ModelWeights& w, const SessionOptions& o, const std::vector<int32_t>& prompt,
@@ -300,10 +305,7 @@ TEST(CudaModel, Llama3ShapedRandomWeightsMatchTheCpu) {
   const std::vector<int32_t>& forced = rr.forced;
   SessionOptions o;
   o.n_threads = 4;
-  auto gpu = model_runner_cuda(w, o);
-  auto cpu = model_runner_cpu(w, o);
-  const Comparison cm = compare_runs(*gpu, *cpu, prompt, forced);
-  expect_close("llama3-shaped random (2 layers, head_dim 128, GQA 4:1), 1000-token prompt", cm, 0.05);
+  expect_close("llama3-shaped random (2 layers, head_dim 128, GQA 4:1), 1000-token prompt", gpu_vs_cpu(rr, o), 0.05);
   // A second GPU run launched kernel by kernel instead of as a graph: how far two GPU runs
   // are apart (printed; the split-KV merge may add in another order).
   const Comparison cg = direct_vs_graph(w, o, prompt, forced);
@@ -468,10 +470,7 @@ TEST(CudaModel, ChunkedPrefillMatchesTheCpu) {
   const std::vector<int32_t>& forced = rr.forced;
   SessionOptions o;
   o.n_threads = 4;
-  auto gpu = model_runner_cuda(w, o);
-  auto cpu = model_runner_cpu(w, o);
-  const Comparison cm = compare_runs(*gpu, *cpu, prompt, forced);
-  expect_close("llama3-shaped random, 4100-token prompt in chunks of 2048, 2048, 4 vs CPU", cm, 0.05);
+  expect_close("llama3-shaped random, 4100-token prompt in chunks of 2048, 2048, 4 vs CPU", gpu_vs_cpu(rr, o), 0.05);
   SessionOptions one = o;
   one.prefill_chunk = 8192;  // the context's 4200 rows, rounded down to 4160: one chunk
   const Comparison cg = compare_runs(*model_runner_cuda(w, o), *model_runner_cuda(w, one), prompt, forced);

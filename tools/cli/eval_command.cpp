@@ -45,8 +45,8 @@ void eval_command_run(EvalArgs& a) {
   o.validate(config);
   if (o.device != "cpu") {
     // Every method the task runs, with its parameters, must run on the device, and the
-    // largest prompt must fit in its memory: checked before the model is loaded.
-    device_check(o.device, config, eval_session_options(o, config.shape(), eval_capacity(o, config), {}));
+    // largest prompt must fit in its memory: checked before the model is loaded (a build
+    // without CUDA fails in the first call that needs the device).
     if (o.methods.empty() && o.task != "matched") {
       o.methods = device_decode_methods(o.device, config);
       o.validate();
