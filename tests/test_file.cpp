@@ -112,6 +112,26 @@ TEST_F(FileTest, TraceHeaderSizesAreCheckedAgainstTheFile) {
   std::ofstream(path("t.bin"), std::ios::binary) << bytes;
   expect_error([&] { trace_read(path("t.bin")); }, "implies");
   expect_error([&] { trace_read(dir_.string()); }, "is a directory");
+  // Numbers a field's int cannot hold (the fuzzer's find: a 21-digit n_tokens, which the
+  // JSON library converted without a check), floats and strings are named.
+  auto header_only = [&](const std::string& json) {
+    std::string b = "CUMTRACE";
+    const uint32_t v = 1, n = static_cast<uint32_t>(json.size());
+    b.append(reinterpret_cast<const char*>(&v), 4);
+    b.append(reinterpret_cast<const char*>(&n), 4);
+    b += json;
+    std::ofstream(path("h.bin"), std::ios::binary) << b;
+    return path("h.bin");
+  };
+  const std::string rest = R"(, "head_dim": 8, "prompt_tokens": 2, "steps": 1, "layers": [0]})";
+  expect_error([&] { trace_read(header_only(R"({"n_q_heads": 4, "n_kv_heads": 2, "n_tokens": 910736415302060084645)" + rest)); },
+               "header field n_tokens=9.107364153020601e+20 is not an integer");
+  expect_error([&] { trace_read(header_only(R"({"n_q_heads": 4, "n_kv_heads": 2, "n_tokens": 4294967299)" + rest)); },
+               "header field n_tokens=4294967299 is not an integer");
+  expect_error([&] { trace_read(header_only(R"({"n_q_heads": 4.5, "n_kv_heads": 2, "n_tokens": 3)" + rest)); },
+               "header field n_q_heads=4.5");
+  expect_error([&] { trace_read(header_only(R"({"n_q_heads": "4", "n_kv_heads": 2, "n_tokens": 3)" + rest)); },
+               "header field n_q_heads=\"4\"");
 }
 
 TEST(MethodSpecParse, RepeatedParametersAndLabelsAreErrors) {

@@ -2,6 +2,7 @@
 #include "cumulus/eval/trace.h"
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -21,6 +22,20 @@ KvCache TraceFile::cache(int record) const {
   kv.append(0, kf.data(), vf.data(), n_tokens);
   return kv;
 }
+
+namespace {
+
+// A header field that must be an integer within int's range: a float, a string or an integer
+// beyond int (nlohmann converts those without a check) is an error naming it.
+int header_int(const nlohmann::json& v, const std::string& path, const char* key) {
+  CUMULUS_CHECK(v.is_number_integer() && (v.is_number_unsigned() ? v.get<uint64_t>() <= INT32_MAX
+                                                                  : v.get<int64_t>() >= INT32_MIN &&
+                                                                        v.get<int64_t>() <= INT32_MAX),
+                "trace {}: header field {}={} is not an integer in int's range", path, key, v.dump());
+  return static_cast<int>(v.get<int64_t>());
+}
+
+}  // namespace
 
 TraceFile trace_read(const std::string& path) {
   file_check_input(path, "trace");
@@ -46,13 +61,15 @@ TraceFile trace_read(const std::string& path) {
   nlohmann::json h;
   try {
     h = nlohmann::json::parse(t.header);
-    t.n_kv_heads = h.at("n_kv_heads");
-    t.n_q_heads = h.at("n_q_heads");
-    t.head_dim = h.at("head_dim");
-    t.n_tokens = h.at("n_tokens");
-    t.prompt_tokens = h.at("prompt_tokens");
-    t.steps = h.at("steps");
-    t.layers = h.at("layers").get<std::vector<int>>();
+    t.n_kv_heads = header_int(h.at("n_kv_heads"), path, "n_kv_heads");
+    t.n_q_heads = header_int(h.at("n_q_heads"), path, "n_q_heads");
+    t.head_dim = header_int(h.at("head_dim"), path, "head_dim");
+    t.n_tokens = header_int(h.at("n_tokens"), path, "n_tokens");
+    t.prompt_tokens = header_int(h.at("prompt_tokens"), path, "prompt_tokens");
+    t.steps = header_int(h.at("steps"), path, "steps");
+    const nlohmann::json& layers = h.at("layers");
+    CUMULUS_CHECK(layers.is_array(), "trace {}: header field layers is not an array", path);
+    for (const nlohmann::json& l : layers) t.layers.push_back(header_int(l, path, "layers[]"));
   } catch (const nlohmann::json::exception& e) {
     CUMULUS_FAIL("trace {}: bad header ({})", path, e.what());
   }
