@@ -408,6 +408,66 @@ TEST(SelectMassThreshold, EdgeCases) {
   });
 }
 
+// select_group_threshold computes the group key (max_j w[j][t] inv[j], 2 on the always-taken
+// ends) and the threshold in one pass: the key, the answer and sum_at equal, bit for bit,
+// the key computed here and cpu::select_mass_threshold on it (whose contract against the
+// reference is checked above); with no hint, good hints, bad hints, and keys above 2 (the
+// pass's band, made for a largest key of 2, is then dropped).
+TEST(SelectGroupThreshold, EqualsTheKeyThenSelectMassThreshold) {
+  std::mt19937 rng(21);
+  for_each_target([&] {
+    MassThresholdWorkspace ws, ws_ref;
+    for (int rows : {1, 3, 4, 8, 9}) {
+      for (int n : {1, 15, 17, 300, 4097, 40000}) {
+        std::vector<float> unused, w;
+        heavy_rows(rows, n, 2.0, rng, unused, w);
+        const std::vector<double> tot = sums_at(unused, w, rows, 0.0f);
+        for (const bool shares : {true, false}) {
+          std::vector<float> inv(rows);
+          for (int j = 0; j < rows; ++j) inv[j] = shares ? static_cast<float>(1.0 / tot[j]) : 1e6f;
+          for (const auto& [lo, hi] : {std::pair{0, n}, std::pair{std::min(4, n), std::max(std::min(4, n), n - 64)},
+                                      std::pair{0, n - 1}}) {
+            std::vector<float> key_ref(n, 0.0f);
+            for (int j = 0; j < rows; ++j)
+              for (int t = 0; t < n; ++t) key_ref[t] = std::max(key_ref[t], w[static_cast<size_t>(j) * n + t] * inv[j]);
+            std::fill(key_ref.begin(), key_ref.begin() + lo, 2.0f);
+            std::fill(key_ref.begin() + hi, key_ref.end(), 2.0f);
+            for (double p : {0.5, 0.92, 0.9999}) {
+              std::vector<double> need(rows);
+              for (int j = 0; j < rows; ++j) need[j] = p * tot[j];
+              const float k0 = cpu::select_mass_threshold(key_ref.data(), w.data(), rows, n, need.data());
+              for (float hint : {0.0f, k0, k0 * 1.01f, k0 * 64.0f, k0 / 64.0f}) {
+                SCOPED_TRACE(::testing::Message() << "rows=" << rows << " n=" << n << " shares=" << shares << " lo=" << lo
+                                                  << " hi=" << hi << " p=" << p << " hint=" << hint);
+                std::vector<double> at_ref(rows), at(rows);
+                const float want = cpu::select_mass_threshold(key_ref.data(), w.data(), rows, n, need.data(),
+                                                              at_ref.data(), hint, &ws_ref);
+                std::vector<float> key(n, -1.0f);
+                const float got = cpu::select_group_threshold(w.data(), rows, n, inv.data(), lo, hi, key.data(),
+                                                              need.data(), at.data(), hint, &ws);
+                ASSERT_EQ(got, want);
+                ASSERT_EQ(at, at_ref);
+                ASSERT_EQ(key, key_ref);
+              }
+            }
+          }
+        }
+      }
+    }
+    // Bad input names itself.
+    const std::vector<float> w = {1.0f, -1.0f};
+    const std::vector<float> good = {1.0f, 1.0f};
+    std::vector<float> key(2);
+    std::vector<double> need = {1.0};
+    float inv = 1.0f;
+    expect_error([&] { cpu::select_group_threshold(w.data(), 1, 2, &inv, 0, 2, key.data(), need.data()); },
+                 "w[1]=-1");
+    inv = 0.0f;
+    expect_error([&] { cpu::select_group_threshold(good.data(), 1, 2, &inv, 0, 2, key.data(), need.data()); },
+                 "inv[0]=0");
+  });
+}
+
 TEST(SelectAnyAbove, CpuEqualsReference) {
   std::mt19937 rng(13);
   for_each_target([&] {

@@ -199,6 +199,7 @@ class SketchTopp final : public DecodeMethod {
     std::vector<double> est_sum;     // [g] S_j
     std::vector<double> est_union;   // [g] sum over the union of e_jt
     std::vector<double> need;        // [g]
+    std::vector<float> inv;          // [g] 1 / S_j
     std::vector<int32_t> wider;      // a round's union
     std::vector<int32_t> added;      // a round's tokens not in the union yet
     std::vector<int32_t> merged;     // the union with them
@@ -318,32 +319,28 @@ class SketchTopp final : public DecodeMethod {
     pool.parallel_for(n_kv, [&](int64_t hh, int) {
       const int h = static_cast<int>(hh);
       Scratch& w = scratch_[static_cast<size_t>(h)];
-      float* key = w.key.data();
-      std::fill(key, key + n, 0.0f);
-      for (int j = 0; j < g; ++j) {
-        const float inv = static_cast<float>(1.0 / w.est_sum[j]);
-        const float* e = w.est.data() + static_cast<size_t>(j) * n;
-        for (int i = 0; i < n; ++i) key[i] = std::max(key[i], e[i] * inv);
-      }
-      std::fill(key, key + lo, 2.0f);
-      std::fill(key + hi, key + n, 2.0f);
       w.candidate_p = o_.candidate_p;
+      for (int j = 0; j < g; ++j) w.need[j] = w.candidate_p * w.est_sum[j];
+      w.inv.resize(static_cast<size_t>(g));
+      for (int j = 0; j < g; ++j) w.inv[j] = static_cast<float>(1.0 / w.est_sum[j]);
+      HeadSketch& sk = heads[static_cast<size_t>(h)];
+      const float kappa = cpu::select_group_threshold(w.est.data(), g, n, w.inv.data(), lo, hi, w.key.data(), w.need.data(),
+                                                      w.est_union.data(), sk.last_kappa, &w.threshold);
       auto& t = out.selection.tokens[h];
       t.clear();
-      HeadSketch& sk = heads[static_cast<size_t>(h)];
-      const float kappa = choose(w, g, n, w.candidate_p, t, sk.last_kappa);
+      cpu::select_any_above(w.key.data(), 1, n, &kappa, 0, t);
       if (std::isfinite(kappa) && kappa > 0) sk.last_kappa = kappa;
       w.dense = static_cast<double>(t.size()) > o_.dense_above * n;
     });
   }
 
   // The smallest prefix of the key order at which every head's estimated share reaches
-  // cp, as ascending token ids into `t`; est_union gets the estimates' sums over it. hint:
-  // a guess of the threshold (the head's last one), which saves passes when it is close.
-  static float choose(Scratch& w, int g, int n, double cp, std::vector<int32_t>& t, float hint = 0.0f) {
+  // cp, as ascending token ids into `t`; est_union gets the estimates' sums over it (a
+  // round's wider union; the first comes from select_group_threshold in select()).
+  static float choose(Scratch& w, int g, int n, double cp, std::vector<int32_t>& t) {
     for (int j = 0; j < g; ++j) w.need[j] = cp * w.est_sum[j];
     const float kappa =
-        cpu::select_mass_threshold(w.key.data(), w.est.data(), g, n, w.need.data(), w.est_union.data(), hint,
+        cpu::select_mass_threshold(w.key.data(), w.est.data(), g, n, w.need.data(), w.est_union.data(), 0.0f,
                                    &w.threshold);
     cpu::select_any_above(w.key.data(), 1, n, &kappa, 0, t);
     return kappa;

@@ -49,6 +49,16 @@ namespace cpu {
 float select_mass_threshold(const float* key, const float* w, int n_rows, int n, const double* need,
                             double* sum_at = nullptr, float hint = 0.0f, MassThresholdWorkspace* workspace = nullptr);
 void select_any_above(const float* w, int n_rows, int n, const float* tau, int32_t base, std::vector<int32_t>& out);
+// select_mass_threshold over a group's key, which it computes and writes to key [n]:
+//   key[t] = 2 for t < always_lo or t >= always_hi (above any share), else max_j w[j][t] inv[j]
+// The answer and sum_at equal those of computing that key and calling select_mass_threshold
+// (key, w, n_rows, n, need, sum_at, hint, workspace). With a hint, and some entry always
+// taken, one pass over the rows computes the key, its largest value, the rows' totals and
+// the hint's band together (sketch_topp's step: four passes before; up to 8 rows, more take the
+// passes one by one). inv: [n_rows] finite and > 0.
+float select_group_threshold(const float* w, int n_rows, int n, const float* inv, int always_lo, int always_hi,
+                             float* key, const double* need, double* sum_at = nullptr, float hint = 0.0f,
+                             MassThresholdWorkspace* workspace = nullptr);
 }  // namespace cpu
 
 namespace ref {

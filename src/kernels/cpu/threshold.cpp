@@ -131,6 +131,28 @@ size_t threshold_band(const float* key, const float* const* rows, int n_rows, si
   return m;
 }
 
+// Bisection brackets are exponents e of the threshold kmax 2^e in [kLo, 0].
+constexpr float kLo = -32;
+
+// The band a hint puts the bisection in: [kmax 2^e_lo, kmax 2^e_hi), 4 octaves around it.
+void hint_band(float hint, float kmax, float* e_lo, float* e_hi) {
+  const float e = std::log2(hint / kmax);
+  *e_lo = std::max(kLo, std::floor(e) - 2);
+  *e_hi = std::min(0.0f, *e_lo + 4);
+}
+
+// Throws the reference's message for the first bad key, then the first bad weight.
+void threshold_check(const float* key, const float* w, size_t rows, size_t nn) {
+  for (size_t t = 0; t < nn; ++t)
+    CUMULUS_CHECK(std::isfinite(key[t]) && key[t] >= 0, "select_mass_threshold: key[{}]={} must be finite and >= 0", t,
+                  key[t]);
+  for (size_t t = 0; t < rows * nn; ++t)
+    CUMULUS_CHECK(std::isfinite(w[t]) && w[t] >= 0, "select_mass_threshold: w[{}]={} must be finite and >= 0", t, w[t]);
+}
+
+float threshold_solve(const float* key, const float* w, int n_rows, int n, const double* need, double* sum_at,
+                      float hint, MassThresholdWorkspace& ws, float kmax, size_t pre_band);
+
 float select_mass_threshold_impl(const float* key, const float* w, int n_rows, int n, const double* need,
                                  double* sum_at, float hint, MassThresholdWorkspace* workspace) {
   const hn::ScalableTag<float> d;
@@ -152,20 +174,12 @@ float select_mass_threshold_impl(const float* key, const float* w, int n_rows, i
     any_bad = any_bad || !(key[i] >= 0 && key[i] <= std::numeric_limits<float>::max());
     kmax = std::max(kmax, key[i]);
   }
-  if (any_bad) {
-    for (int t = 0; t < n; ++t)
-      CUMULUS_CHECK(std::isfinite(key[t]) && key[t] >= 0, "select_mass_threshold: key[{}]={} must be finite and >= 0",
-                    t, key[t]);
-  }
+  if (any_bad) threshold_check(key, w, 0, nn);
   // Pass 1: the weights checked, each row's total.
   // The caller's scratch (kernels/selection.h), or this call's own.
   MassThresholdWorkspace call_ws;
   MassThresholdWorkspace& ws = workspace != nullptr ? *workspace : call_ws;
-  std::vector<double>& total = ws.total;           // [n_rows]
-  std::vector<double>& base = ws.base;             // [n_rows]
-  std::vector<double>& sums = ws.sums;             // [n_rows]
-  std::vector<const float*>& row_of = ws.row_of;  // [n_rows] the rows a pass reads
-  std::vector<int>& id_of = ws.id_of;              // the rows still deciding
+  std::vector<double>& total = ws.total;  // [n_rows]
   total.assign(rows, 0.0);
   bad = hn::FirstN(d, 0);
   for (size_t j = 0; j < rows; ++j) {
@@ -188,11 +202,24 @@ float select_mass_threshold_impl(const float* key, const float* w, int n_rows, i
     total[j] = t;
   }
   any_bad = any_bad || !hn::AllFalse(d, bad);
-  if (any_bad) {
-    for (size_t t = 0; t < rows * nn; ++t)
-      CUMULUS_CHECK(std::isfinite(w[t]) && w[t] >= 0, "select_mass_threshold: w[{}]={} must be finite and >= 0", t,
-                    w[t]);
-  }
+  if (any_bad) threshold_check(key, w, rows, nn);
+  return threshold_solve(key, w, n_rows, n, need, sum_at, hint, ws, kmax, 0);
+}
+
+// The bisection, once ws.total holds each row's total and kmax the largest key. pre_band
+// > 0: the caller's pass already copied the hint's band (hint_band) into ws.band_key /
+// ws.band_rows (pre_band - 1 entries) and summed what lies above it into ws.base.
+float threshold_solve(const float* key, const float* w, int n_rows, int n, const double* need, double* sum_at,
+                      float hint, MassThresholdWorkspace& ws, float kmax, size_t pre_band) {
+  const hn::ScalableTag<float> d;
+  const size_t N = hn::Lanes(d);
+  const size_t rows = static_cast<size_t>(n_rows);
+  const size_t nn = static_cast<size_t>(n);
+  std::vector<double>& total = ws.total;           // [n_rows]
+  std::vector<double>& base = ws.base;             // [n_rows]
+  std::vector<double>& sums = ws.sums;             // [n_rows]
+  std::vector<const float*>& row_of = ws.row_of;  // [n_rows] the rows a pass reads
+  std::vector<int>& id_of = ws.id_of;              // the rows still deciding
   // Every row's sum over the keys >= k, on the whole list (what sum_at reports).
   auto answer = [&](float k) {
     if (sum_at == nullptr) return k;
@@ -225,7 +252,7 @@ float select_mass_threshold_impl(const float* key, const float* w, int n_rows, i
   id_of.clear();
   for (int j = 0; j < n_rows; ++j)
     if (need[j] > 0) id_of.push_back(j);
-  base.assign(rows, 0.0);
+  if (pre_band == 0) base.assign(rows, 0.0);
   sums.resize(rows);
   std::vector<const float*>& deciding = ws.deciding;
   auto reached = [&](float k) {
@@ -246,7 +273,6 @@ float select_mass_threshold_impl(const float* key, const float* w, int n_rows, i
   // reach at lo and none at hi; both ends are checked only if the answer lands there:
   // at hi the largest key alone suffices (kmax 2^-1/64 is then within the contract), at
   // lo the keys below kmax 2^-32 (at most 2.3e-10 of the largest, each) are needed.
-  constexpr float kLo = -32;
   float lo = kLo, hi = 0;
   // Halve on the whole list until the bracket is 4 octaves wide, then keep only the band
   // [kmax 2^lo, kmax 2^hi) and halve on it.
@@ -270,9 +296,16 @@ float select_mass_threshold_impl(const float* key, const float* w, int n_rows, i
   // inside (reach at the band's low end, none at its high end). Otherwise the band is
   // dropped and the bisection runs as without a hint, which the miss cost one pass.
   if (hint > 0 && hint <= kmax) {
-    const float e = std::log2(hint / kmax);
-    const float e_lo = std::max(kLo, std::floor(e) - 2), e_hi = std::min(0.0f, e_lo + 4);
-    make_band(e_lo, e_hi);
+    float e_lo = 0, e_hi = 0;
+    hint_band(hint, kmax, &e_lo, &e_hi);
+    if (pre_band > 0) {  // the caller's pass made it
+      cn = pre_band - 1;
+      ck = ws.band_key.data();
+      for (size_t j = 0; j < rows; ++j) row_of[j] = ws.band_rows[j];
+      banded = true;
+    } else {
+      make_band(e_lo, e_hi);
+    }
     bool reach_lo = true, reach_hi = true;
     std::vector<double>& band_total = ws.band_total;
     band_total.resize(rows);
@@ -313,6 +346,149 @@ float select_mass_threshold_impl(const float* key, const float* w, int n_rows, i
   return k;
 }
 
+// select_group_threshold's pass over R rows (kernels/selection.h): the key, stored; each
+// row's total, summed as pass 1 sums it; the largest key; bad inputs; and, where lo < hi,
+// the band [lo, hi) copied out (returned: its size) with each row's sum above it added to
+// above, as threshold_band does.
+template <int R>
+size_t group_key_pass(const float* HWY_RESTRICT w, size_t nn, const float* inv, size_t a_lo, size_t a_hi,
+                      float* HWY_RESTRICT key, double* total, float* kmax, bool* any_bad, float lo, float hi,
+                      float* HWY_RESTRICT band_key, float* const* band, double* above) {
+  const hn::ScalableTag<float> d;
+  const size_t N = hn::Lanes(d);
+  const bool banding = lo < hi;
+  const auto vlo = hn::Set(d, lo), vhi = hn::Set(d, hi);
+  hn::Vec<decltype(d)> vinv[R], tot[R], up_sum[R];
+  for (int j = 0; j < R; ++j) {
+    vinv[j] = hn::Set(d, inv[j]);
+    tot[j] = hn::Zero(d);
+    up_sum[j] = hn::Zero(d);
+    total[j] = 0;
+  }
+  auto vmax = hn::Zero(d);
+  auto bad = hn::FirstN(d, 0);
+  size_t m = 0, i = 0;
+  for (; i + N <= nn; i += N) {
+    if ((i / N) % kChunk == 0 && i > 0) {  // float32 lanes for kChunk vectors, then float64
+      for (int j = 0; j < R; ++j) {
+        total[j] += hn::GetLane(hn::SumOfLanes(d, tot[j]));
+        above[j] += hn::GetLane(hn::SumOfLanes(d, up_sum[j]));
+        tot[j] = hn::Zero(d);
+        up_sum[j] = hn::Zero(d);
+      }
+    }
+    hn::Vec<decltype(d)> x[R];
+    auto k = hn::Zero(d);
+    for (int j = 0; j < R; ++j) {
+      x[j] = hn::LoadU(d, w + j * nn + i);
+      bad = hn::Or(bad, threshold_bad(d, x[j]));
+      tot[j] = hn::Add(tot[j], x[j]);
+      k = hn::Max(k, hn::Mul(x[j], vinv[j]));
+    }
+    hn::StoreU(k, d, key + i);
+    if (i < a_lo || i + N > a_hi) {  // the always-taken entries
+      for (size_t t = i; t < i + N; ++t)
+        if (t < a_lo || t >= a_hi) key[t] = 2.0f;
+      k = hn::LoadU(d, key + i);
+    }
+    bad = hn::Or(bad, threshold_bad(d, k));
+    vmax = hn::Max(vmax, k);
+    if (banding) {
+      const auto up = hn::Ge(k, vhi);
+      const auto in = hn::And(hn::Ge(k, vlo), hn::Not(up));
+      hn::StoreU(hn::Compress(k, in), d, band_key + m);
+      for (int j = 0; j < R; ++j) {
+        up_sum[j] = hn::Add(up_sum[j], hn::IfThenElseZero(up, x[j]));
+        hn::StoreU(hn::Compress(x[j], in), d, band[j] + m);
+      }
+      m += hn::CountTrue(d, in);
+    }
+  }
+  for (int j = 0; j < R; ++j) {
+    total[j] += hn::GetLane(hn::SumOfLanes(d, tot[j]));
+    above[j] += hn::GetLane(hn::SumOfLanes(d, up_sum[j]));
+  }
+  float top = hn::GetLane(hn::MaxOfLanes(d, vmax));
+  bool scalar_bad = false;
+  for (; i < nn; ++i) {
+    float k = 0;
+    for (int j = 0; j < R; ++j) {
+      const float x = w[j * nn + i];
+      scalar_bad = scalar_bad || !(x >= 0 && x <= std::numeric_limits<float>::max());
+      total[j] += x;
+      k = std::max(k, x * inv[j]);
+    }
+    if (i < a_lo || i >= a_hi) k = 2.0f;
+    key[i] = k;
+    scalar_bad = scalar_bad || !(k >= 0 && k <= std::numeric_limits<float>::max());
+    top = std::max(top, k);
+    if (banding && k >= hi) {
+      for (int j = 0; j < R; ++j) above[j] += w[j * nn + i];
+    } else if (banding && k >= lo) {
+      band_key[m] = k;
+      for (int j = 0; j < R; ++j) band[j][m] = w[j * nn + i];
+      ++m;
+    }
+  }
+  *kmax = top;
+  *any_bad = scalar_bad || !hn::AllFalse(d, bad);
+  return m;
+}
+
+float select_group_threshold_impl(const float* w, int n_rows, int n, const float* inv, int always_lo, int always_hi,
+                                  float* key, const double* need, double* sum_at, float hint,
+                                  MassThresholdWorkspace* workspace) {
+  const hn::ScalableTag<float> d;
+  const size_t N = hn::Lanes(d);
+  const size_t rows = static_cast<size_t>(n_rows);
+  const size_t nn = static_cast<size_t>(n);
+  const size_t a_lo = static_cast<size_t>(std::clamp(always_lo, 0, n));
+  const size_t a_hi = static_cast<size_t>(std::clamp(always_hi, always_lo, n));
+  if (n_rows > kMaxRows) {  // the key first, then select_mass_threshold's passes
+    std::fill(key, key + nn, 0.0f);
+    for (size_t j = 0; j < rows; ++j)
+      for (size_t t = 0; t < nn; ++t) key[t] = std::max(key[t], w[j * nn + t] * inv[j]);
+    std::fill(key, key + a_lo, 2.0f);
+    std::fill(key + a_hi, key + nn, 2.0f);
+    return select_mass_threshold_impl(key, w, n_rows, n, need, sum_at, hint, workspace);
+  }
+  MassThresholdWorkspace call_ws;
+  MassThresholdWorkspace& ws = workspace != nullptr ? *workspace : call_ws;
+  // The largest key is 2 when some entry is always taken (every other key is a share of at
+  // most 1, up to rounding); the band is made for it and dropped if the pass finds otherwise.
+  const float kmax_guess = a_lo > 0 || a_hi < nn ? 2.0f : 0.0f;
+  float lo = 0, hi = 0;
+  if (hint > 0 && kmax_guess > 0 && hint <= kmax_guess) {
+    float e_lo = 0, e_hi = 0;
+    hint_band(hint, kmax_guess, &e_lo, &e_hi);
+    lo = kmax_guess * std::exp2(e_lo);
+    hi = kmax_guess * std::exp2(e_hi);
+  }
+  ws.total.assign(rows, 0.0);
+  ws.base.assign(rows, 0.0);
+  ws.band_key.resize(nn + N);
+  ws.band_w.resize(rows * (nn + N));
+  ws.band_rows.resize(rows);
+  for (size_t j = 0; j < rows; ++j) ws.band_rows[j] = ws.band_w.data() + j * (nn + N);
+  float kmax = 0;
+  bool any_bad = false;
+  size_t m = 0;
+  auto* const* band = ws.band_rows.data();
+  switch (n_rows) {
+    case 1: m = group_key_pass<1>(w, nn, inv, a_lo, a_hi, key, ws.total.data(), &kmax, &any_bad, lo, hi, ws.band_key.data(), band, ws.base.data()); break;
+    case 2: m = group_key_pass<2>(w, nn, inv, a_lo, a_hi, key, ws.total.data(), &kmax, &any_bad, lo, hi, ws.band_key.data(), band, ws.base.data()); break;
+    case 3: m = group_key_pass<3>(w, nn, inv, a_lo, a_hi, key, ws.total.data(), &kmax, &any_bad, lo, hi, ws.band_key.data(), band, ws.base.data()); break;
+    case 4: m = group_key_pass<4>(w, nn, inv, a_lo, a_hi, key, ws.total.data(), &kmax, &any_bad, lo, hi, ws.band_key.data(), band, ws.base.data()); break;
+    case 5: m = group_key_pass<5>(w, nn, inv, a_lo, a_hi, key, ws.total.data(), &kmax, &any_bad, lo, hi, ws.band_key.data(), band, ws.base.data()); break;
+    case 6: m = group_key_pass<6>(w, nn, inv, a_lo, a_hi, key, ws.total.data(), &kmax, &any_bad, lo, hi, ws.band_key.data(), band, ws.base.data()); break;
+    case 7: m = group_key_pass<7>(w, nn, inv, a_lo, a_hi, key, ws.total.data(), &kmax, &any_bad, lo, hi, ws.band_key.data(), band, ws.base.data()); break;
+    default: m = group_key_pass<8>(w, nn, inv, a_lo, a_hi, key, ws.total.data(), &kmax, &any_bad, lo, hi, ws.band_key.data(), band, ws.base.data()); break;
+  }
+  if (any_bad) threshold_check(key, w, rows, nn);
+  const bool pre = lo < hi && kmax == kmax_guess;
+  return threshold_solve(key, w, n_rows, n, need, sum_at, hint, ws, kmax, pre ? m + 1 : 0);
+}
+
 void select_any_above_impl(const float* w, int n_rows, int n, const float* tau, int32_t base,
                            std::vector<int32_t>& out) {
   const hn::ScalableTag<float> d;
@@ -351,6 +527,7 @@ namespace cumulus::cpu {
 
 HWY_EXPORT(select_mass_threshold_impl);
 HWY_EXPORT(select_any_above_impl);
+HWY_EXPORT(select_group_threshold_impl);
 
 float select_mass_threshold(const float* key, const float* w, int n_rows, int n, const double* need, double* sum_at,
                             float hint, MassThresholdWorkspace* workspace) {
@@ -358,6 +535,19 @@ float select_mass_threshold(const float* key, const float* w, int n_rows, int n,
   CUMULUS_CHECK(need != nullptr && (n == 0 || (key != nullptr && w != nullptr)),
                 "select_mass_threshold: key, w and need must be non-null for n={}", n);
   return HWY_DYNAMIC_DISPATCH(select_mass_threshold_impl)(key, w, n_rows, n, need, sum_at, hint, workspace);
+}
+
+float select_group_threshold(const float* w, int n_rows, int n, const float* inv, int always_lo, int always_hi,
+                             float* key, const double* need, double* sum_at, float hint,
+                             MassThresholdWorkspace* workspace) {
+  CUMULUS_CHECK(n_rows >= 1 && n >= 0, "select_group_threshold: n_rows={} must be >= 1 and n={} >= 0", n_rows, n);
+  CUMULUS_CHECK(need != nullptr && inv != nullptr && (n == 0 || (key != nullptr && w != nullptr)),
+                "select_group_threshold: w, inv, key and need must be non-null for n={}", n);
+  for (int j = 0; j < n_rows; ++j)
+    CUMULUS_CHECK(std::isfinite(inv[j]) && inv[j] > 0, "select_group_threshold: inv[{}]={} must be finite and > 0", j,
+                  inv[j]);
+  return HWY_DYNAMIC_DISPATCH(select_group_threshold_impl)(w, n_rows, n, inv, always_lo, always_hi, key, need, sum_at,
+                                                           hint, workspace);
 }
 
 void select_any_above(const float* w, int n_rows, int n, const float* tau, int32_t base, std::vector<int32_t>& out) {
