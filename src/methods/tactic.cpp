@@ -58,6 +58,7 @@ struct Scratch {
   std::vector<float> cscores, tail_scores, all_scores, exact;
   std::vector<double> weights, ew;  // [list] estimated weights; exact weights of the scored positions
   std::vector<int32_t> order, list, tail_idx, gather;
+  std::vector<int32_t> fmem, fbegin;  // each cluster's list entries (see decode)
   std::vector<int> pos;
   int n_scored = 0;  // cluster_optimal: tokens in all_scores per query head
 };
@@ -105,6 +106,12 @@ class Tactic final : public DecodeMethod {
       if (n - idx.n_indexed >= o_.recluster_interval) cluster_segment(kv, layer, h, idx.n_indexed, n, ctx.pool, idx);
     }
     scratch_.resize(std::max(scratch_.size(), static_cast<size_t>(shape_.n_kv_heads)));
+    // The harmonic numbers the tasks read (budget's sums of the fitted curve).
+    int most = 0;
+    for (int h = 0; h < shape_.n_kv_heads; ++h) most = std::max(most, index_[layer][h].n_indexed);
+    if (harmonic_.empty()) harmonic_.push_back(0.0);
+    while (static_cast<int>(harmonic_.size()) <= most)
+      harmonic_.push_back(harmonic_.back() + 1.0 / static_cast<double>(harmonic_.size()));
     ctx.pool->parallel_for(shape_.n_kv_heads, [&](int64_t hh, int) {
       const int h = static_cast<int>(hh);
       const HeadIndex& idx = index_[layer][h];
@@ -139,21 +146,34 @@ class Tactic final : public DecodeMethod {
 
       auto& uni = out.selection.tokens[h];
       uni.clear();
+      // Each cluster's list entries, once for the group (the heads differ only in the
+      // clusters' order): its tokens without the sinks and recent ones; src[fbegin[c] ..
+      // fbegin[c + 1]) for cluster c.
+      const int32_t* src = nullptr;
+      const bool whole = lo == 0 && hi == n_list;  // no sinks or recent tokens taken out
+      if (whole) {
+        src = idx.members.data();
+        w.fbegin.assign(idx.begin.begin(), idx.begin.end());
+      } else {
+        w.fmem.clear();
+        w.fbegin.assign(1, 0);
+        for (int c = 0; c < n_clusters; ++c) {
+          for (int u = idx.begin[c]; u < idx.begin[c + 1]; ++u) {
+            const int32_t t = idx.members[u];
+            if (t >= lo && t < hi) w.fmem.push_back(t);
+          }
+          w.fbegin.push_back(static_cast<int32_t>(w.fmem.size()));
+        }
+        src = w.fmem.data();
+      }
       for (int j = 0; j < g; ++j) {
         const int qh = h * g + j;
         // 4.3: clusters by q . centroid (descending, ties to the lower index), unpacked.
         w.list.clear();
         if (n_clusters > 0) {
           cpu::select_topk(w.cscores.data() + static_cast<size_t>(j) * n_clusters, n_clusters, n_clusters, w.order);
-          const bool whole = lo == 0 && hi == n_list;  // no sinks or recent tokens taken out
-          for (int32_t c : w.order) {
-            const auto b = idx.members.begin() + idx.begin[c], e = idx.members.begin() + idx.begin[c + 1];
-            if (whole) {
-              w.list.insert(w.list.end(), b, e);
-            } else {
-              std::copy_if(b, e, std::back_inserter(w.list), [&](int32_t t) { return t >= lo && t < hi; });
-            }
-          }
+          for (int32_t c : w.order)
+            w.list.insert(w.list.end(), src + w.fbegin[c], src + w.fbegin[c + 1]);
         }
         const float* tail_j = w.tail_scores.data() + static_cast<size_t>(j) * n_tail;
         int scored = 0;
@@ -216,13 +236,16 @@ class Tactic final : public DecodeMethod {
   int budget(const PagedHeadView& v, const float* q, float scale, int j, const float* tail, int n_tail, Scratch& w,
              double& claimed, int& scored) const {
     const int L = static_cast<int>(w.list.size());
-    w.weights.assign(L, 0.0);
+    w.weights.clear();  // the list's weights; the fit keeps only its first N (the rest is the curve)
+    bool fitted = false;
+    double fa = 0, fb = 0;  // the fitted curve a/x + b
     double shift = -std::numeric_limits<double>::infinity();
     for (int i = 0; i < n_tail; ++i) shift = std::max(shift, static_cast<double>(scale * tail[i]));
     scored = 0;
     if (o_.cluster_optimal) {
       const float* s = w.all_scores.data() + static_cast<size_t>(j) * w.n_scored;  // by token id
       for (int i = 0; i < L; ++i) shift = std::max(shift, static_cast<double>(scale * s[w.list[i]]));
+      w.weights.resize(static_cast<size_t>(L));
       for (int i = 0; i < L; ++i) w.weights[i] = std::exp(scale * s[w.list[i]] - shift);
     } else if (L > 0) {
       // Exactly scored list positions: [0, N) and the two windows (Alg. 1 lines 4 and 8);
@@ -241,9 +264,9 @@ class Tactic final : public DecodeMethod {
       w.ew.resize(w.pos.size());
       for (size_t u = 0; u < w.pos.size(); ++u) w.ew[u] = std::exp(scale * w.exact[u] - shift);
       if (exact_all) {
-        for (int i = 0; i < L; ++i) w.weights[i] = w.ew[i];
+        w.weights.assign(w.ew.begin(), w.ew.begin() + L);
       } else {
-        for (int i = 0; i < N; ++i) w.weights[i] = w.ew[i];
+        w.weights.assign(w.ew.begin(), w.ew.begin() + N);
         // Window means of y and of 1/x (x = 1-based position): the mean of a/x + b over a
         // window is a * mean(1/x) + b, so the curve passes through both window means.
         auto means = [&](int off, int b, int e) {
@@ -253,16 +276,47 @@ class Tactic final : public DecodeMethod {
         };
         const auto [mu1, h1] = means(N, b1, e1);
         const auto [mu2, h2] = means(N + (e1 - b1), b2, e2);
-        const double a = (mu1 - mu2) / (h1 - h2);
-        const double b = mu1 - a * h1;
-        // Estimates past N; a/x + b may cross zero (b < 0): a score is never negative.
-        for (int i = N; i < L; ++i) w.weights[i] = std::max(0.0, a / (i + 1) + b);
+        fa = (mu1 - mu2) / (h1 - h2);
+        fb = mu1 - fa * h1;
+        fitted = true;
       }
     }
     double tail_sum = 0;
     for (int i = 0; i < n_tail; ++i) tail_sum += std::exp(scale * tail[i] - shift);
+    // Estimates past N (fit): w_i = max(0, a / (i + 1) + b), never negative where the
+    // curve crosses zero. Their sums over [N, m) in closed form, a (H(m') - H(s)) + b (m' - s)
+    // over the part [s, e) of [N, L) where the curve is positive, m' = min(m, e), H the
+    // harmonic numbers: no pass over the list (the same sums as adding the estimates one
+    // by one, up to rounding).
+    const int n_known = static_cast<int>(w.weights.size());
+    int s = n_known, e = n_known;
+    if (fitted) {
+      auto f = [&](int i) { return fa / (i + 1) + fb; };
+      const double cut = -fb / fa;  // f(i) > 0 on one side of i + 1 = cut
+      auto clamp_i = [&](double x) {
+        return static_cast<int>(std::clamp(x, static_cast<double>(n_known), static_cast<double>(L)));
+      };
+      if (fa >= 0 && fb >= 0) {
+        e = L;
+      } else if (fa >= 0 && fb < 0) {  // decreasing: positive below the cut
+        e = clamp_i(std::ceil(cut) - 1);
+        while (e > n_known && f(e - 1) <= 0) --e;
+        while (e < L && f(e) > 0) ++e;
+      } else if (fa < 0 && fb > 0) {  // increasing: positive above the cut
+        s = clamp_i(std::floor(cut));
+        while (s > n_known && f(s - 1) > 0) --s;
+        while (s < L && f(s) <= 0) ++s;
+        e = L;
+      }  // else (or NaN): never positive
+    }
+    auto fitted_sum = [&](int m) {  // sum of the estimates over [n_known, m)
+      const int top = std::min(m, e);
+      if (top <= s) return 0.0;
+      return fa * (harmonic_[top] - harmonic_[s]) + fb * (top - s);
+    };
     double total = 0;
     for (double x : w.weights) total += x;
+    total += fitted_sum(L);
     int k = L;
     double prefix = total;
     if (o_.p < 1.0 && total > 0) {
@@ -271,7 +325,19 @@ class Tactic final : public DecodeMethod {
       const double target = o_.p * total;
       prefix = 0;
       k = 0;
-      while (k < L && prefix < target) prefix += w.weights[k++];
+      while (k < n_known && prefix < target) prefix += w.weights[k++];
+      if (prefix < target && k < L) {  // inside the fit: the sums grow with m, so bisect
+        const double known = prefix;
+        int lo = k, hi = L;  // known + fitted_sum(lo) < target; hi: reaches, or L
+        if (known + fitted_sum(hi) >= target) {
+          while (hi - lo > 1) {
+            const int mid = lo + (hi - lo) / 2;
+            (known + fitted_sum(mid) >= target ? hi : lo) = mid;
+          }
+        }
+        k = hi;
+        prefix = known + fitted_sum(k);
+      }
     }
     claimed = total + tail_sum > 0 ? (prefix + tail_sum) / (total + tail_sum) : 1.0;
     return k;
@@ -286,6 +352,7 @@ class Tactic final : public DecodeMethod {
   std::vector<float> x_, cent_;
   std::vector<int32_t> assign_, counts_, perm_;
   std::vector<Scratch> scratch_;  // [n_kv_heads] decode scratch, one per task
+  std::vector<double> harmonic_;  // [x] = sum_{m=1..x} 1/m (budget)
 };
 
 }  // namespace
