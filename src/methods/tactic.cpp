@@ -57,10 +57,52 @@ struct HeadIndex {
 struct Scratch {
   std::vector<float> cscores, tail_scores, all_scores, exact;
   std::vector<double> weights, ew;  // [list] estimated weights; exact weights of the scored positions
-  std::vector<int32_t> order, list, tail_idx, gather;
+  std::vector<int32_t> list, tail_idx;  // list: cluster_optimal's unpacked list
   std::vector<int32_t> fmem, fbegin;  // each cluster's list entries (see decode)
-  std::vector<int> pos;
+  // Per query head of the group: its clusters in rank order, RankedList::cum, the
+  // positions Algorithm 1 scores exactly and their tokens.
+  struct HeadList {
+    std::vector<int32_t> order, cum, gather;
+    std::vector<int> pos;
+    TacticWindows tw;
+  };
+  std::vector<HeadList> heads;
+  std::vector<int32_t> group_tokens, slot_of;  // the heads' exactly scored tokens; token -> index
+  std::vector<float> group_scores;             // [g][group_tokens]
   int n_scored = 0;  // cluster_optimal: tokens in all_scores per query head
+};
+
+// A head's list x_1..x_L (4.3) without unpacking it: the clusters in rank order, each one's
+// entries src[fbegin[c] .. fbegin[c + 1]); cum[r] entries precede rank r. Algorithm 1 reads
+// only the positions it scores and the first k, a small part of the list.
+struct RankedList {
+  const int32_t* src = nullptr;
+  const int32_t* fbegin = nullptr;
+  const int32_t* order = nullptr;
+  std::vector<int32_t>* cum = nullptr;
+  int size() const { return cum->back(); }
+  void rank(int n_clusters) {
+    cum->assign(1, 0);
+    for (int r = 0; r < n_clusters; ++r) cum->push_back(cum->back() + fbegin[order[r] + 1] - fbegin[order[r]]);
+  }
+  // out[u] = x_{pos[u]} for ascending positions.
+  void gather(const int* pos, int n, int32_t* out) const {
+    const int32_t* c = cum->data();
+    int r = 0;
+    for (int u = 0; u < n; ++u) {
+      while (c[r + 1] <= pos[u]) ++r;
+      out[u] = src[fbegin[order[r]] + (pos[u] - c[r])];
+    }
+  }
+  // Appends x_1..x_k to into.
+  void prefix(int k, std::vector<int32_t>& into) const {
+    for (int r = 0; k > 0; ++r) {
+      const int32_t* b = src + fbegin[order[r]];
+      const int n = std::min(k, fbegin[order[r] + 1] - fbegin[order[r]]);
+      into.insert(into.end(), b, b + n);
+      k -= n;
+    }
+  }
 };
 
 class Tactic final : public DecodeMethod {
@@ -166,21 +208,57 @@ class Tactic final : public DecodeMethod {
         }
         src = w.fmem.data();
       }
+      // 4.3 per query head: clusters by q . centroid (descending, ties to the lower index),
+      // the list they unpack into, and the positions Algorithm 1 scores exactly.
+      w.heads.resize(static_cast<size_t>(g));
+      w.group_tokens.clear();
+      for (int j = 0; j < g; ++j) {
+        Scratch::HeadList& hl = w.heads[static_cast<size_t>(j)];
+        hl.order.clear();
+        if (n_clusters > 0)
+          cpu::select_topk(w.cscores.data() + static_cast<size_t>(j) * n_clusters, n_clusters, n_clusters, hl.order);
+        RankedList list{src, w.fbegin.data(), hl.order.data(), &hl.cum};
+        list.rank(static_cast<int>(hl.order.size()));
+        hl.tw = TacticWindows{};
+        hl.gather.clear();
+        if (!o_.cluster_optimal && list.size() > 0) {
+          // [0, N) and the two windows (Alg. 1 lines 4 and 8); every position of a list
+          // too short for two disjoint windows past N (no fit).
+          hl.tw = tactic_windows(list.size(), o_.init_ratio, o_.window, o_.p1, o_.p2);
+          hl.pos.resize(static_cast<size_t>(hl.tw.n_exact));
+          for (int u = 0; u < hl.tw.n_exact; ++u) hl.pos[u] = tactic_position(hl.tw, u);
+          hl.gather.resize(hl.pos.size());
+          list.gather(hl.pos.data(), hl.tw.n_exact, hl.gather.data());
+          w.group_tokens.insert(w.group_tokens.end(), hl.gather.begin(), hl.gather.end());
+        }
+      }
+      // The heads' exactly scored tokens, read once for the group (a token two heads score
+      // is read once) and scored for every head.
+      const int m = static_cast<int>(w.group_tokens.size());
+      if (m > 0) {
+        selection_normalize(w.group_tokens);
+        const int mu = static_cast<int>(w.group_tokens.size());
+        w.group_scores.resize(static_cast<size_t>(g) * mu);
+        cpu::token_score(v, qg, g, w.group_tokens.data(), mu, w.group_scores.data());
+        w.slot_of.resize(static_cast<size_t>(n));
+        for (int i = 0; i < mu; ++i) w.slot_of[w.group_tokens[i]] = i;
+        methods::add_kv_head_bytes(shape_, h, static_cast<double>(mu) * row, out);
+      }
+      const int mu = static_cast<int>(w.group_tokens.size());
       for (int j = 0; j < g; ++j) {
         const int qh = h * g + j;
-        // 4.3: clusters by q . centroid (descending, ties to the lower index), unpacked.
-        w.list.clear();
-        if (n_clusters > 0) {
-          cpu::select_topk(w.cscores.data() + static_cast<size_t>(j) * n_clusters, n_clusters, n_clusters, w.order);
-          for (int32_t c : w.order)
-            w.list.insert(w.list.end(), src + w.fbegin[c], src + w.fbegin[c + 1]);
+        Scratch::HeadList& hl = w.heads[static_cast<size_t>(j)];
+        RankedList list{src, w.fbegin.data(), hl.order.data(), &hl.cum};
+        if (o_.cluster_optimal) {  // reads every position
+          w.list.clear();
+          list.prefix(list.size(), w.list);
         }
+        w.exact.resize(hl.gather.size());
+        const float* sj = w.group_scores.data() + static_cast<size_t>(j) * mu;
+        for (size_t u = 0; u < hl.gather.size(); ++u) w.exact[u] = sj[w.slot_of[hl.gather[u]]];
         const float* tail_j = w.tail_scores.data() + static_cast<size_t>(j) * n_tail;
-        int scored = 0;
-        const int k = budget(v, qg + static_cast<size_t>(j) * d, scale, j, tail_j, n_tail, w,
-                             out.stats[qh].mass_claimed, scored);
-        out.stats[qh].bytes_read += scored * row;
-        uni.insert(uni.end(), w.list.begin(), w.list.begin() + k);
+        const int k = budget(list, hl.tw, scale, j, tail_j, n_tail, w, out.stats[qh].mass_claimed);
+        list.prefix(k, uni);
       }
       uni.insert(uni.end(), w.tail_idx.begin(), w.tail_idx.end());  // the dense tail
       selection_normalize(uni);
@@ -230,39 +308,29 @@ class Tactic final : public DecodeMethod {
     }
   }
 
-  // Algorithm 1 for query head j over w.list (the ranked, unpacked clusters): returns the
-  // budget k, sets `claimed` and `scored` (keys scored exactly for this head alone).
+  // Algorithm 1 for query head j over its list (cluster_optimal: also unpacked in w.list):
+  // returns the budget k and sets `claimed`.
   //   tail: [n_tail] raw scores of the dense tail for this head
-  int budget(const PagedHeadView& v, const float* q, float scale, int j, const float* tail, int n_tail, Scratch& w,
-             double& claimed, int& scored) const {
-    const int L = static_cast<int>(w.list.size());
+  //   tw: the positions scored exactly, w.exact their scores (fit)
+  int budget(const RankedList& list, const TacticWindows& tw, float scale, int j, const float* tail, int n_tail,
+             Scratch& w, double& claimed) const {
+    const int L = list.size();
     w.weights.clear();  // the list's weights; the fit keeps only its first N (the rest is the curve)
     bool fitted = false;
     double fa = 0, fb = 0;  // the fitted curve a/x + b
     double shift = -std::numeric_limits<double>::infinity();
     for (int i = 0; i < n_tail; ++i) shift = std::max(shift, static_cast<double>(scale * tail[i]));
-    scored = 0;
     if (o_.cluster_optimal) {
       const float* s = w.all_scores.data() + static_cast<size_t>(j) * w.n_scored;  // by token id
       for (int i = 0; i < L; ++i) shift = std::max(shift, static_cast<double>(scale * s[w.list[i]]));
       w.weights.resize(static_cast<size_t>(L));
       for (int i = 0; i < L; ++i) w.weights[i] = std::exp(scale * s[w.list[i]] - shift);
     } else if (L > 0) {
-      // Exactly scored list positions: [0, N) and the two windows (Alg. 1 lines 4 and 8);
-      // every position of a list too short for two disjoint windows past N (no fit).
-      const TacticWindows tw = tactic_windows(L, o_.init_ratio, o_.window, o_.p1, o_.p2);
       const int N = tw.N, b1 = tw.b1, e1 = tw.e1, b2 = tw.b2, e2 = tw.e2;
       const bool exact_all = tw.exact_all;
-      w.pos.resize(tw.n_exact);
-      for (int u = 0; u < tw.n_exact; ++u) w.pos[u] = tactic_position(tw, u);
-      w.gather.resize(w.pos.size());
-      for (size_t u = 0; u < w.pos.size(); ++u) w.gather[u] = w.list[w.pos[u]];
-      w.exact.resize(w.pos.size());
-      cpu::token_score(v, q, 1, w.gather.data(), static_cast<int>(w.gather.size()), w.exact.data());
-      scored = static_cast<int>(w.pos.size());
       for (float s : w.exact) shift = std::max(shift, static_cast<double>(scale * s));
-      w.ew.resize(w.pos.size());
-      for (size_t u = 0; u < w.pos.size(); ++u) w.ew[u] = std::exp(scale * w.exact[u] - shift);
+      w.ew.resize(w.exact.size());
+      for (size_t u = 0; u < w.exact.size(); ++u) w.ew[u] = std::exp(scale * w.exact[u] - shift);
       if (exact_all) {
         w.weights.assign(w.ew.begin(), w.ew.begin() + L);
       } else {
