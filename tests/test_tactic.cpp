@@ -15,6 +15,7 @@
 #include "cumulus/core/error.h"
 #include "cumulus/kv/kv_cache.h"
 #include "cumulus/methods/registry.h"
+#include "methods/tactic_fit.h"
 
 using namespace cumulus;
 
@@ -307,4 +308,48 @@ TEST(Tactic, DecodeAfterTheCacheLostTokensAsksForOnPrefill) {
   }
   m->on_prefill(0, f.kv, ctx);
   EXPECT_NO_THROW(decode_step(*m, 0, f.q.data(), f.kv, ctx, out));
+}
+
+// Algorithm 1's estimates past the exactly scored head, w_i = max(0, a / (i + 1) + b), are
+// summed in closed form (tactic_fit.h): against adding them one by one in float64, for
+// curves of every sign (decreasing to zero and below, increasing from below zero, all
+// positive, none), the sums agree to 1e-9 of the total and the budget is the same position
+// unless the target lies within that rounding of a prefix.
+TEST(TacticFit, ClosedFormSumsEqualTheEstimatesAddedOneByOne) {
+  std::mt19937 rng(4);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  std::vector<double> h;
+  tactic_harmonic(h, 40000);
+  int checked = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const int L = 1 + static_cast<int>(rng() % 40000);
+    const int n0 = static_cast<int>(rng() % static_cast<unsigned>(L));
+    // a: the scale of the head's weights; b: where the curve crosses zero, if it does.
+    const double a = u(rng) * 50.0;
+    const double b = u(rng) * std::abs(a) / (1.0 + (rng() % static_cast<unsigned>(L)));
+    const TacticFit fit(a, b, n0, L, h.data());
+    std::vector<double> prefix(static_cast<size_t>(L - n0) + 1, 0.0);
+    for (int i = n0; i < L; ++i) prefix[i - n0 + 1] = prefix[i - n0] + std::max(0.0, a / (i + 1) + b);
+    const double total = prefix.back();
+    const double tol = 1e-9 * std::max(total, 1e-300);
+    SCOPED_TRACE(::testing::Message() << "L=" << L << " n0=" << n0 << " a=" << a << " b=" << b);
+    for (int m : {n0, n0 + (L - n0) / 3, L}) ASSERT_NEAR(fit.sum(m), prefix[m - n0], tol);
+    ASSERT_GE(fit.s, n0);
+    ASSERT_LE(fit.e, L);
+    if (total <= 0) continue;
+    for (double p : {0.1, 0.5, 0.9, 0.999}) {
+      const double known = 0.25 * total;
+      const double target = known + p * total;
+      const int k = fit.first_reaching(known, target);
+      int want = n0;
+      while (want < L && known + prefix[want - n0] < target) ++want;
+      // They differ only where the target lies within rounding of the prefix between them.
+      ASSERT_LE(std::abs(k - want), 1);
+      if (k != want) {
+        ASSERT_NEAR(known + prefix[std::min(k, want) - n0], target, tol);
+      }
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 800);
 }

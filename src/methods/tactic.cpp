@@ -22,7 +22,6 @@
 // exactly, in the estimate's total), as StreamingLLM and LFPS keep sinks and a window.
 #include <algorithm>
 #include <cmath>
-#include <iterator>
 #include <limits>
 
 #include "core/check.h"
@@ -34,6 +33,7 @@
 #include "kernels/tactic_rules.h"
 #include "method_options.h"
 #include "method_util.h"
+#include "tactic_fit.h"
 
 namespace cumulus {
 namespace {
@@ -151,9 +151,7 @@ class Tactic final : public DecodeMethod {
     // The harmonic numbers the tasks read (budget's sums of the fitted curve).
     int most = 0;
     for (int h = 0; h < shape_.n_kv_heads; ++h) most = std::max(most, index_[layer][h].n_indexed);
-    if (harmonic_.empty()) harmonic_.push_back(0.0);
-    while (static_cast<int>(harmonic_.size()) <= most)
-      harmonic_.push_back(harmonic_.back() + 1.0 / static_cast<double>(harmonic_.size()));
+    tactic_harmonic(harmonic_, most);
     ctx.pool->parallel_for(shape_.n_kv_heads, [&](int64_t hh, int) {
       const int h = static_cast<int>(hh);
       const HeadIndex& idx = index_[layer][h];
@@ -351,40 +349,12 @@ class Tactic final : public DecodeMethod {
     }
     double tail_sum = 0;
     for (int i = 0; i < n_tail; ++i) tail_sum += std::exp(scale * tail[i] - shift);
-    // Estimates past N (fit): w_i = max(0, a / (i + 1) + b), never negative where the
-    // curve crosses zero. Their sums over [N, m) in closed form, a (H(m') - H(s)) + b (m' - s)
-    // over the part [s, e) of [N, L) where the curve is positive, m' = min(m, e), H the
-    // harmonic numbers: no pass over the list (the same sums as adding the estimates one
-    // by one, up to rounding).
+    // Estimates past N (fit): summed in closed form (tactic_fit.h).
     const int n_known = static_cast<int>(w.weights.size());
-    int s = n_known, e = n_known;
-    if (fitted) {
-      auto f = [&](int i) { return fa / (i + 1) + fb; };
-      const double cut = -fb / fa;  // f(i) > 0 on one side of i + 1 = cut
-      auto clamp_i = [&](double x) {
-        return static_cast<int>(std::clamp(x, static_cast<double>(n_known), static_cast<double>(L)));
-      };
-      if (fa >= 0 && fb >= 0) {
-        e = L;
-      } else if (fa >= 0 && fb < 0) {  // decreasing: positive below the cut
-        e = clamp_i(std::ceil(cut) - 1);
-        while (e > n_known && f(e - 1) <= 0) --e;
-        while (e < L && f(e) > 0) ++e;
-      } else if (fa < 0 && fb > 0) {  // increasing: positive above the cut
-        s = clamp_i(std::floor(cut));
-        while (s > n_known && f(s - 1) > 0) --s;
-        while (s < L && f(s) <= 0) ++s;
-        e = L;
-      }  // else (or NaN): never positive
-    }
-    auto fitted_sum = [&](int m) {  // sum of the estimates over [n_known, m)
-      const int top = std::min(m, e);
-      if (top <= s) return 0.0;
-      return fa * (harmonic_[top] - harmonic_[s]) + fb * (top - s);
-    };
+    const TacticFit fit(fitted ? fa : 0.0, fitted ? fb : 0.0, n_known, fitted ? L : n_known, harmonic_.data());
     double total = 0;
     for (double x : w.weights) total += x;
-    total += fitted_sum(L);
+    total += fit.sum(fit.L);
     int k = L;
     double prefix = total;
     if (o_.p < 1.0 && total > 0) {
@@ -394,17 +364,10 @@ class Tactic final : public DecodeMethod {
       prefix = 0;
       k = 0;
       while (k < n_known && prefix < target) prefix += w.weights[k++];
-      if (prefix < target && k < L) {  // inside the fit: the sums grow with m, so bisect
+      if (prefix < target && k < L) {  // inside the fit
         const double known = prefix;
-        int lo = k, hi = L;  // known + fitted_sum(lo) < target; hi: reaches, or L
-        if (known + fitted_sum(hi) >= target) {
-          while (hi - lo > 1) {
-            const int mid = lo + (hi - lo) / 2;
-            (known + fitted_sum(mid) >= target ? hi : lo) = mid;
-          }
-        }
-        k = hi;
-        prefix = known + fitted_sum(k);
+        k = fit.first_reaching(known, target);
+        prefix = known + fit.sum(k);
       }
     }
     claimed = total + tail_sum > 0 ? (prefix + tail_sum) / (total + tail_sum) : 1.0;
