@@ -51,6 +51,10 @@ struct HeadIndex {
   std::vector<int32_t> begin;    // [n_clusters + 1] offsets into members
   std::vector<int32_t> members;  // tokens grouped by cluster, ascending within a cluster
   int n_clusters() const { return static_cast<int>(begin.size()) - 1; }
+  // With sinks or recent tokens taken out (decode): each cluster's other members, for the
+  // range [f_lo, f_hi) and f_clusters clusters they were filtered for.
+  std::vector<int32_t> fmem, fbegin;
+  int f_lo = -1, f_hi = -1, f_clusters = -1;
 };
 
 // Decode scratch of one kv head (the heads of a step run as parallel tasks).
@@ -58,7 +62,6 @@ struct Scratch {
   std::vector<float> cscores, tail_scores, all_scores, exact;
   std::vector<double> weights, ew;  // [list] estimated weights; exact weights of the scored positions
   std::vector<int32_t> list, tail_idx;  // list: cluster_optimal's unpacked list
-  std::vector<int32_t> fmem, fbegin;  // each cluster's list entries (see decode)
   // Per query head of the group: its clusters in rank order, RankedList::cum, the
   // positions Algorithm 1 scores exactly and their tokens.
   struct HeadList {
@@ -154,7 +157,7 @@ class Tactic final : public DecodeMethod {
     tactic_harmonic(harmonic_, most);
     ctx.pool->parallel_for(shape_.n_kv_heads, [&](int64_t hh, int) {
       const int h = static_cast<int>(hh);
-      const HeadIndex& idx = index_[layer][h];
+      HeadIndex& idx = index_[layer][h];
       Scratch& w = scratch_[static_cast<size_t>(h)];
       const PagedHeadView v = kv.view(layer, h);
       const float* qg = q + static_cast<size_t>(h) * g * d;
@@ -186,26 +189,27 @@ class Tactic final : public DecodeMethod {
 
       auto& uni = out.selection.tokens[h];
       uni.clear();
-      // Each cluster's list entries, once for the group (the heads differ only in the
-      // clusters' order): its tokens without the sinks and recent ones; src[fbegin[c] ..
-      // fbegin[c + 1]) for cluster c.
-      const int32_t* src = nullptr;
+      // Each cluster's list entries, the same for every head of the group (the heads
+      // differ only in the clusters' order): its tokens without the sinks and recent ones;
+      // src[fbegin[c] .. fbegin[c + 1]) for cluster c. Kept in the index until the
+      // clusters or the range change.
       const bool whole = lo == 0 && hi == n_list;  // no sinks or recent tokens taken out
-      if (whole) {
-        src = idx.members.data();
-        w.fbegin.assign(idx.begin.begin(), idx.begin.end());
-      } else {
-        w.fmem.clear();
-        w.fbegin.assign(1, 0);
+      if (!whole && (idx.f_lo != lo || idx.f_hi != hi || idx.f_clusters != n_clusters)) {
+        idx.fmem.clear();
+        idx.fbegin.assign(1, 0);
         for (int c = 0; c < n_clusters; ++c) {
           for (int u = idx.begin[c]; u < idx.begin[c + 1]; ++u) {
             const int32_t t = idx.members[u];
-            if (t >= lo && t < hi) w.fmem.push_back(t);
+            if (t >= lo && t < hi) idx.fmem.push_back(t);
           }
-          w.fbegin.push_back(static_cast<int32_t>(w.fmem.size()));
+          idx.fbegin.push_back(static_cast<int32_t>(idx.fmem.size()));
         }
-        src = w.fmem.data();
+        idx.f_lo = lo;
+        idx.f_hi = hi;
+        idx.f_clusters = n_clusters;
       }
+      const int32_t* src = whole ? idx.members.data() : idx.fmem.data();
+      const int32_t* fbegin = whole ? idx.begin.data() : idx.fbegin.data();
       // 4.3 per query head: clusters by q . centroid (descending, ties to the lower index),
       // the list they unpack into, and the positions Algorithm 1 scores exactly.
       w.heads.resize(static_cast<size_t>(g));
@@ -215,7 +219,7 @@ class Tactic final : public DecodeMethod {
         hl.order.clear();
         if (n_clusters > 0)
           cpu::select_topk(w.cscores.data() + static_cast<size_t>(j) * n_clusters, n_clusters, n_clusters, hl.order);
-        RankedList list{src, w.fbegin.data(), hl.order.data(), &hl.cum};
+        RankedList list{src, fbegin, hl.order.data(), &hl.cum};
         list.rank(static_cast<int>(hl.order.size()));
         hl.tw = TacticWindows{};
         hl.gather.clear();
@@ -246,7 +250,7 @@ class Tactic final : public DecodeMethod {
       for (int j = 0; j < g; ++j) {
         const int qh = h * g + j;
         Scratch::HeadList& hl = w.heads[static_cast<size_t>(j)];
-        RankedList list{src, w.fbegin.data(), hl.order.data(), &hl.cum};
+        RankedList list{src, fbegin, hl.order.data(), &hl.cum};
         if (o_.cluster_optimal) {  // reads every position
           w.list.clear();
           list.prefix(list.size(), w.list);
