@@ -420,8 +420,8 @@ TEST(CudaModel, DecodeMethodsMatchTheCpuThroughTheRunner) {
 // restart_decode switches the method: dense for 8 steps, then sketch_topp from the prompt,
 // equals a runner that decodes with sketch_topp from the start (the sketch is built again
 // over the truncated cache); back to dense repeats the dense steps. A method the GPU does
-// not run, or a value its GPU pipeline does not implement, is an Error that leaves the
-// runner as it was.
+// not run, a value its GPU pipeline does not implement, or decoders the free memory cannot
+// hold, is an Error that leaves the runner as it was.
 TEST(CudaModel, RestartDecodeSwitchesTheMethod) {
   CUMULUS_REQUIRE_GPU();
   const RandomRun rr = random_run(13, 1600, 1500, 8);
@@ -454,6 +454,38 @@ TEST(CudaModel, RestartDecodeSwitchesTheMethod) {
   EXPECT_THROW(gpu->restart_decode("sketch_topp", {{"p", "2"}}), Error);   // out of range
   gpu->restart_decode("dense", {});
   for (size_t i = 0; i < forced.size(); ++i) EXPECT_EQ(gpu->decode(forced[i]), dense[i]) << "step " << i;
+  // With the device's memory taken (buffers of 64 MiB, then 2 MiB, until none fits), a
+  // method whose decoders need memory is refused with the memory free named; the runner
+  // keeps decoding densely, and once the memory is back the restart goes through.
+  {
+    std::vector<cuda::DeviceBuffer> hog;
+    for (size_t chunk : {size_t{64} << 20, size_t{2} << 20}) {
+      for (;;) {
+        try {
+          hog.emplace_back(chunk);
+        } catch (const Error&) {
+          break;
+        }
+      }
+    }
+    ASSERT_FALSE(hog.empty());
+    try {
+      gpu->restart_decode("sketch_topp", sk);
+      ADD_FAILURE() << "restart_decode(sketch_topp) with the device's memory taken did not throw";
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("restart_decode(method=sketch_topp)"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("free of"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("'dense'"), std::string::npos) << msg;
+    }
+  }
+  gpu->restart_decode("sketch_topp", sk);
+  for (size_t i = 0; i < forced.size(); ++i) {
+    const std::vector<float>& f = gpu->decode(forced[i]);
+    double d = 0;
+    for (size_t j = 0; j < f.size(); ++j) d = std::max(d, static_cast<double>(std::fabs(f[j] - sparse[i][j])));
+    EXPECT_LT(d, 1e-3) << "after the refused restart, step " << i;
+  }
 }
 
 // A prompt longer than a prefill chunk (2048 rows): the chunks after the first attend the

@@ -12,6 +12,9 @@
 namespace cumulus::cuda {
 
 void cuda_fail(cudaError_t e, const char* call, const char* file, int line) {
+  // Reported here, so consumed: a failed allocation (not sticky) would otherwise surface
+  // again at the next launch's check (cudaGetLastError) as that kernel's error.
+  cudaGetLastError();
   throw Error(fmt::format("CUDA error {} ({}) in {} at {}:{}", cudaGetErrorName(e), cudaGetErrorString(e), call, file,
                           line));
 }

@@ -580,6 +580,24 @@ void CudaRunner::restart_decode(const std::string& method, const std::map<std::s
                 method);
   cuda::model::cuda_decode_method_check(*registry_, method, params, c_.shape());
   stream_.synchronize();
+  // The new decoders are built beside the current ones (so that a failure leaves the runner
+  // as it was): their memory, measured on one layer's cache as the constructor's check
+  // measures it, must be free now, beside the current method's. Checked before any is built.
+  size_t need = 0, free_b = 0, total_b = 0;
+  try {
+    need = cuda::model::cuda_decoder_bytes(*registry_, method, params, kv_[0].view(), c_.shape().group(),
+                                           c_.n_layers);
+    CUMULUS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  } catch (const Error& e) {  // even one layer's decoder did not fit
+    CUMULUS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    CUMULUS_FAIL("restart_decode(method={}): one layer's decoder does not fit beside the current method '{}' ({} of "
+                 "device memory free of {}): {}",
+                 method, method_, gib(free_b), gib(total_b), e.what());
+  }
+  CUMULUS_CHECK(need <= free_b,
+                "restart_decode(method={}): its decoders need {} of device memory beside those of the current method "
+                "'{}', the device has {} free of {}",
+                method, gib(need), method_, gib(free_b), gib(total_b));
   make_decoders(method, params);  // first: a failure leaves the runner as it was
   for (cuda::DeviceKvCache& kv : kv_)
     for (int s = 0; s < n_seqs_; ++s) {
