@@ -454,12 +454,12 @@ TEST(CudaModel, RestartDecodeSwitchesTheMethod) {
   EXPECT_THROW(gpu->restart_decode("sketch_topp", {{"p", "2"}}), Error);   // out of range
   gpu->restart_decode("dense", {});
   for (size_t i = 0; i < forced.size(); ++i) EXPECT_EQ(gpu->decode(forced[i]), dense[i]) << "step " << i;
-  // With the device's memory taken (buffers of 64 MiB, then 2 MiB, until none fits), a
-  // method whose decoders need memory is refused with the memory free named; the runner
-  // keeps decoding densely, and once the memory is back the restart goes through.
+  // With the device's memory taken (buffers of 64 MiB, then 2 MiB, 64 KiB and 4 KiB, each
+  // size until none fits), a method whose decoders need memory is refused with the memory
+  // free named, and once the memory is back the restart goes through.
   {
     std::vector<cuda::DeviceBuffer> hog;
-    for (size_t chunk : {size_t{64} << 20, size_t{2} << 20}) {
+    for (size_t chunk : {size_t{64} << 20, size_t{2} << 20, size_t{64} << 10, size_t{4} << 10}) {
       for (;;) {
         try {
           hog.emplace_back(chunk);
@@ -474,7 +474,8 @@ TEST(CudaModel, RestartDecodeSwitchesTheMethod) {
       ADD_FAILURE() << "restart_decode(sketch_topp) with the device's memory taken did not throw";
     } catch (const Error& e) {
       const std::string msg = e.what();
-      EXPECT_NE(msg.find("restart_decode(method=sketch_topp)"), std::string::npos) << msg;
+      std::printf("[ model ] restart refused with the memory taken: %s\n", msg.c_str());
+      EXPECT_NE(msg.find("restart_decode: method=sketch_topp: "), std::string::npos) << msg;
       EXPECT_NE(msg.find("free of"), std::string::npos) << msg;
       EXPECT_NE(msg.find("'dense'"), std::string::npos) << msg;
     }

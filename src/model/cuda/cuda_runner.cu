@@ -590,12 +590,12 @@ void CudaRunner::restart_decode(const std::string& method, const std::map<std::s
     CUMULUS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   } catch (const Error& e) {  // even one layer's decoder did not fit
     CUMULUS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    CUMULUS_FAIL("restart_decode(method={}): one layer's decoder does not fit beside the current method '{}' ({} of "
+    CUMULUS_FAIL("method={}: one layer's decoder does not fit beside the current method '{}' ({} of "
                  "device memory free of {}): {}",
                  method, method_, gib(free_b), gib(total_b), e.what());
   }
   CUMULUS_CHECK(need <= free_b,
-                "restart_decode(method={}): its decoders need {} of device memory beside those of the current method "
+                "method={}: its decoders need {} of device memory beside those of the current method "
                 "'{}', the device has {} free of {}",
                 method, gib(need), method_, gib(free_b), gib(total_b));
   make_decoders(method, params);  // first: a failure leaves the runner as it was
