@@ -437,8 +437,8 @@ TEST(SelectGroupThreshold, EqualsTheKeyThenSelectMassThreshold) {
               for (int j = 0; j < rows; ++j) need[j] = p * tot[j];
               const float k0 = cpu::select_mass_threshold(key_ref.data(), w.data(), rows, n, need.data());
               for (float hint : {0.0f, k0, k0 * 1.01f, k0 * 64.0f, k0 / 64.0f}) {
-                SCOPED_TRACE(::testing::Message() << "rows=" << rows << " n=" << n << " shares=" << shares << " lo=" << lo
-                                                  << " hi=" << hi << " p=" << p << " hint=" << hint);
+                SCOPED_TRACE(::testing::Message() << "rows=" << rows << " n=" << n << " shares=" << shares
+                                                  << " lo=" << lo << " hi=" << hi << " p=" << p << " hint=" << hint);
                 std::vector<double> at_ref(rows), at(rows);
                 const float want = cpu::select_mass_threshold(key_ref.data(), w.data(), rows, n, need.data(),
                                                               at_ref.data(), hint, &ws_ref);

@@ -324,8 +324,8 @@ class SketchTopp final : public DecodeMethod {
       w.inv.resize(static_cast<size_t>(g));
       for (int j = 0; j < g; ++j) w.inv[j] = static_cast<float>(1.0 / w.est_sum[j]);
       HeadSketch& sk = heads[static_cast<size_t>(h)];
-      const float kappa = cpu::select_group_threshold(w.est.data(), g, n, w.inv.data(), lo, hi, w.key.data(), w.need.data(),
-                                                      w.est_union.data(), sk.last_kappa, &w.threshold);
+      const float kappa = cpu::select_group_threshold(w.est.data(), g, n, w.inv.data(), lo, hi, w.key.data(),
+                                                      w.need.data(), w.est_union.data(), sk.last_kappa, &w.threshold);
       auto& t = out.selection.tokens[h];
       t.clear();
       cpu::select_any_above(w.key.data(), 1, n, &kappa, 0, t);

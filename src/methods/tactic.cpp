@@ -236,17 +236,15 @@ class Tactic final : public DecodeMethod {
       }
       // The heads' exactly scored tokens, read once for the group (a token two heads score
       // is read once) and scored for every head.
-      const int m = static_cast<int>(w.group_tokens.size());
-      if (m > 0) {
-        selection_normalize(w.group_tokens);
-        const int mu = static_cast<int>(w.group_tokens.size());
+      selection_normalize(w.group_tokens);
+      const int mu = static_cast<int>(w.group_tokens.size());
+      if (mu > 0) {
         w.group_scores.resize(static_cast<size_t>(g) * mu);
         cpu::token_score(v, qg, g, w.group_tokens.data(), mu, w.group_scores.data());
         w.slot_of.resize(static_cast<size_t>(n));
         for (int i = 0; i < mu; ++i) w.slot_of[w.group_tokens[i]] = i;
         methods::add_kv_head_bytes(shape_, h, static_cast<double>(mu) * row, out);
       }
-      const int mu = static_cast<int>(w.group_tokens.size());
       for (int j = 0; j < g; ++j) {
         const int qh = h * g + j;
         Scratch::HeadList& hl = w.heads[static_cast<size_t>(j)];
@@ -318,8 +316,7 @@ class Tactic final : public DecodeMethod {
              Scratch& w, double& claimed) const {
     const int L = list.size();
     w.weights.clear();  // the list's weights; the fit keeps only its first N (the rest is the curve)
-    bool fitted = false;
-    double fa = 0, fb = 0;  // the fitted curve a/x + b
+    double fa = 0, fb = 0;  // the fitted curve a/x + b (0 where nothing is fitted)
     double shift = -std::numeric_limits<double>::infinity();
     for (int i = 0; i < n_tail; ++i) shift = std::max(shift, static_cast<double>(scale * tail[i]));
     if (o_.cluster_optimal) {
@@ -348,14 +345,14 @@ class Tactic final : public DecodeMethod {
         const auto [mu2, h2] = means(N + (e1 - b1), b2, e2);
         fa = (mu1 - mu2) / (h1 - h2);
         fb = mu1 - fa * h1;
-        fitted = true;
       }
     }
     double tail_sum = 0;
     for (int i = 0; i < n_tail; ++i) tail_sum += std::exp(scale * tail[i] - shift);
-    // Estimates past N (fit): summed in closed form (tactic_fit.h).
+    // Estimates past N (fit): summed in closed form (tactic_fit.h). Without a fit every
+    // position is known (n_known == L) and the fit's range is empty.
     const int n_known = static_cast<int>(w.weights.size());
-    const TacticFit fit(fitted ? fa : 0.0, fitted ? fb : 0.0, n_known, fitted ? L : n_known, harmonic_.data());
+    const TacticFit fit(fa, fb, n_known, L, harmonic_.data());
     double total = 0;
     for (double x : w.weights) total += x;
     total += fit.sum(fit.L);

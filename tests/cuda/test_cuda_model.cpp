@@ -463,7 +463,7 @@ TEST(CudaModel, RestartDecodeSwitchesTheMethod) {
       for (;;) {
         try {
           hog.emplace_back(chunk);
-        } catch (const Error&) {
+        } catch (const cuda::DeviceMemoryError&) {  // what a failed allocation throws
           break;
         }
       }

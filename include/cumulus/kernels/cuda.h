@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cumulus/core/dtype.h"
+#include "cumulus/core/error.h"
 #include "cumulus/core/shape.h"
 
 namespace cumulus::cuda {
@@ -44,6 +45,13 @@ void device_synchronize();
 // Synchronous copies between host memory and device memory (device_* are device pointers).
 void memcpy_to_host(void* dst, const void* device_src, size_t bytes);
 void memcpy_to_device(void* device_dst, const void* src, size_t bytes);
+
+// What a failed device allocation throws: an Error (callers that need not tell it apart
+// catch Error), so that a caller can answer "does not fit" to exactly that failure.
+class DeviceMemoryError : public Error {
+ public:
+  using Error::Error;
+};
 
 // Owning device allocation (cudaMalloc), move-only.
 class DeviceBuffer {

@@ -54,8 +54,8 @@ void select_any_above(const float* w, int n_rows, int n, const float* tau, int32
 // The answer and sum_at equal those of computing that key and calling select_mass_threshold
 // (key, w, n_rows, n, need, sum_at, hint, workspace). With a hint, and some entry always
 // taken, one pass over the rows computes the key, its largest value, the rows' totals and
-// the hint's band together (sketch_topp's step: four passes before; up to 8 rows, more take the
-// passes one by one). inv: [n_rows] finite and > 0.
+// the hint's band together (sketch_topp's step: four passes before; up to 8 rows, more
+// take the passes one by one). inv: [n_rows] finite and > 0.
 float select_group_threshold(const float* w, int n_rows, int n, const float* inv, int always_lo, int always_hi,
                              float* key, const double* need, double* sum_at = nullptr, float hint = 0.0f,
                              MassThresholdWorkspace* workspace = nullptr);

@@ -43,32 +43,6 @@ HWY_INLINE float dot(const float* a, const float* b, size_t dim) {
   return s;
 }
 
-// Four dot products of one row against four centroids; the row is loaded once.
-HWY_INLINE void dot4(const float* x, const float* c0, const float* c1, const float* c2, const float* c3, size_t dim,
-                     float* out) {
-  const hn::ScalableTag<float> d;
-  const size_t N = hn::Lanes(d);
-  auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
-  size_t j = 0;
-  for (; j + N <= dim; j += N) {
-    const auto xv = hn::LoadU(d, x + j);
-    a0 = hn::MulAdd(xv, hn::LoadU(d, c0 + j), a0);
-    a1 = hn::MulAdd(xv, hn::LoadU(d, c1 + j), a1);
-    a2 = hn::MulAdd(xv, hn::LoadU(d, c2 + j), a2);
-    a3 = hn::MulAdd(xv, hn::LoadU(d, c3 + j), a3);
-  }
-  out[0] = hn::GetLane(hn::SumOfLanes(d, a0));
-  out[1] = hn::GetLane(hn::SumOfLanes(d, a1));
-  out[2] = hn::GetLane(hn::SumOfLanes(d, a2));
-  out[3] = hn::GetLane(hn::SumOfLanes(d, a3));
-  for (; j < dim; ++j) {
-    out[0] += x[j] * c0[j];
-    out[1] += x[j] * c1[j];
-    out[2] += x[j] * c2[j];
-    out[3] += x[j] * c3[j];
-  }
-}
-
 // Rows [i0, i1): nearest centroid by ||c||^2 - 2 x.c, GEMM-shaped. The centroids are held
 // transposed in tiles of W = kV vectors: ct [k_pad / W][dim][W] (padding columns 0 with
 // cnorm +inf, never chosen), so one tile (dim x W floats, 32 KiB at d = 128 and W = 64)
@@ -190,8 +164,8 @@ void accumulate_rows_impl(const float* x, int n, int dim, const int32_t* assign,
 constexpr int kScoreAhead = 8;
 
 // Scores of Q queries against 4 centroids at c, each centroid row loaded once for all Q;
-// every dot product is accumulated as dot4 accumulates it (lane-wise FMAs over the
-// dimension, then the lanes summed), so the values equal dot4's bit for bit.
+// every dot product is accumulated as dot() accumulates it (lane-wise FMAs over the
+// dimension, then the lanes summed), so the values equal dot()'s bit for bit.
 template <int Q>
 HWY_INLINE void score_tile(const float* centroids, int k, size_t dim, const float* q, int c, float* scores) {
   const hn::ScalableTag<float> d;

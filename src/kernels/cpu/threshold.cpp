@@ -133,6 +133,8 @@ size_t threshold_band(const float* key, const float* const* rows, int n_rows, si
 
 // Bisection brackets are exponents e of the threshold kmax 2^e in [kLo, 0].
 constexpr float kLo = -32;
+// select_group_threshold's key of the always-taken entries: above any share (at most 1).
+constexpr float kAlwaysKey = 2.0f;
 
 // The band a hint puts the bisection in: [kmax 2^e_lo, kmax 2^e_hi), 4 octaves around it.
 void hint_band(float hint, float kmax, float* e_lo, float* e_hi) {
@@ -363,7 +365,6 @@ size_t group_key_pass(const float* HWY_RESTRICT w, size_t nn, const float* inv, 
     vinv[j] = hn::Set(d, inv[j]);
     tot[j] = hn::Zero(d);
     up_sum[j] = hn::Zero(d);
-    total[j] = 0;
   }
   auto vmax = hn::Zero(d);
   auto bad = hn::FirstN(d, 0);
@@ -388,7 +389,7 @@ size_t group_key_pass(const float* HWY_RESTRICT w, size_t nn, const float* inv, 
     hn::StoreU(k, d, key + i);
     if (i < a_lo || i + N > a_hi) {  // the always-taken entries
       for (size_t t = i; t < i + N; ++t)
-        if (t < a_lo || t >= a_hi) key[t] = 2.0f;
+        if (t < a_lo || t >= a_hi) key[t] = kAlwaysKey;
       k = hn::LoadU(d, key + i);
     }
     bad = hn::Or(bad, threshold_bad(d, k));
@@ -418,7 +419,7 @@ size_t group_key_pass(const float* HWY_RESTRICT w, size_t nn, const float* inv, 
       total[j] += x;
       k = std::max(k, x * inv[j]);
     }
-    if (i < a_lo || i >= a_hi) k = 2.0f;
+    if (i < a_lo || i >= a_hi) k = kAlwaysKey;
     key[i] = k;
     scalar_bad = scalar_bad || !(k >= 0 && k <= std::numeric_limits<float>::max());
     top = std::max(top, k);
@@ -448,15 +449,15 @@ float select_group_threshold_impl(const float* w, int n_rows, int n, const float
     std::fill(key, key + nn, 0.0f);
     for (size_t j = 0; j < rows; ++j)
       for (size_t t = 0; t < nn; ++t) key[t] = std::max(key[t], w[j * nn + t] * inv[j]);
-    std::fill(key, key + a_lo, 2.0f);
-    std::fill(key + a_hi, key + nn, 2.0f);
+    std::fill(key, key + a_lo, kAlwaysKey);
+    std::fill(key + a_hi, key + nn, kAlwaysKey);
     return select_mass_threshold_impl(key, w, n_rows, n, need, sum_at, hint, workspace);
   }
   MassThresholdWorkspace call_ws;
   MassThresholdWorkspace& ws = workspace != nullptr ? *workspace : call_ws;
-  // The largest key is 2 when some entry is always taken (every other key is a share of at
-  // most 1, up to rounding); the band is made for it and dropped if the pass finds otherwise.
-  const float kmax_guess = a_lo > 0 || a_hi < nn ? 2.0f : 0.0f;
+  // The largest key is kAlwaysKey when some entry is always taken (every other key is a share
+  // of at most 1, up to rounding); the band is made for it and dropped if the pass finds otherwise.
+  const float kmax_guess = a_lo > 0 || a_hi < nn ? kAlwaysKey : 0.0f;
   float lo = 0, hi = 0;
   if (hint > 0 && kmax_guess > 0 && hint <= kmax_guess) {
     float e_lo = 0, e_hi = 0;
@@ -464,26 +465,20 @@ float select_group_threshold_impl(const float* w, int n_rows, int n, const float
     lo = kmax_guess * std::exp2(e_lo);
     hi = kmax_guess * std::exp2(e_hi);
   }
-  ws.total.assign(rows, 0.0);
+  ws.total.assign(rows, 0.0);  // the pass adds to both
   ws.base.assign(rows, 0.0);
   ws.band_key.resize(nn + N);
   ws.band_w.resize(rows * (nn + N));
   ws.band_rows.resize(rows);
   for (size_t j = 0; j < rows; ++j) ws.band_rows[j] = ws.band_w.data() + j * (nn + N);
+  using Pass = size_t (*)(const float*, size_t, const float*, size_t, size_t, float*, double*, float*, bool*, float,
+                          float, float*, float* const*, double*);
+  static constexpr Pass kPass[kMaxRows] = {group_key_pass<1>, group_key_pass<2>, group_key_pass<3>, group_key_pass<4>,
+                                           group_key_pass<5>, group_key_pass<6>, group_key_pass<7>, group_key_pass<8>};
   float kmax = 0;
   bool any_bad = false;
-  size_t m = 0;
-  auto* const* band = ws.band_rows.data();
-  switch (n_rows) {
-    case 1: m = group_key_pass<1>(w, nn, inv, a_lo, a_hi, key, ws.total.data(), &kmax, &any_bad, lo, hi, ws.band_key.data(), band, ws.base.data()); break;
-    case 2: m = group_key_pass<2>(w, nn, inv, a_lo, a_hi, key, ws.total.data(), &kmax, &any_bad, lo, hi, ws.band_key.data(), band, ws.base.data()); break;
-    case 3: m = group_key_pass<3>(w, nn, inv, a_lo, a_hi, key, ws.total.data(), &kmax, &any_bad, lo, hi, ws.band_key.data(), band, ws.base.data()); break;
-    case 4: m = group_key_pass<4>(w, nn, inv, a_lo, a_hi, key, ws.total.data(), &kmax, &any_bad, lo, hi, ws.band_key.data(), band, ws.base.data()); break;
-    case 5: m = group_key_pass<5>(w, nn, inv, a_lo, a_hi, key, ws.total.data(), &kmax, &any_bad, lo, hi, ws.band_key.data(), band, ws.base.data()); break;
-    case 6: m = group_key_pass<6>(w, nn, inv, a_lo, a_hi, key, ws.total.data(), &kmax, &any_bad, lo, hi, ws.band_key.data(), band, ws.base.data()); break;
-    case 7: m = group_key_pass<7>(w, nn, inv, a_lo, a_hi, key, ws.total.data(), &kmax, &any_bad, lo, hi, ws.band_key.data(), band, ws.base.data()); break;
-    default: m = group_key_pass<8>(w, nn, inv, a_lo, a_hi, key, ws.total.data(), &kmax, &any_bad, lo, hi, ws.band_key.data(), band, ws.base.data()); break;
-  }
+  const size_t m = kPass[n_rows - 1](w, nn, inv, a_lo, a_hi, key, ws.total.data(), &kmax, &any_bad, lo, hi,
+                                     ws.band_key.data(), ws.band_rows.data(), ws.base.data());
   if (any_bad) threshold_check(key, w, rows, nn);
   const bool pre = lo < hi && kmax == kmax_guess;
   return threshold_solve(key, w, n_rows, n, need, sum_at, hint, ws, kmax, pre ? m + 1 : 0);

@@ -15,8 +15,10 @@ void cuda_fail(cudaError_t e, const char* call, const char* file, int line) {
   // Reported here, so consumed: a failed allocation (not sticky) would otherwise surface
   // again at the next launch's check (cudaGetLastError) as that kernel's error.
   cudaGetLastError();
-  throw Error(fmt::format("CUDA error {} ({}) in {} at {}:{}", cudaGetErrorName(e), cudaGetErrorString(e), call, file,
-                          line));
+  const std::string what =
+      fmt::format("CUDA error {} ({}) in {} at {}:{}", cudaGetErrorName(e), cudaGetErrorString(e), call, file, line);
+  if (e == cudaErrorMemoryAllocation) throw DeviceMemoryError(what);
+  throw Error(what);
 }
 
 bool device_available() noexcept {

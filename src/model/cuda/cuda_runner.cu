@@ -588,7 +588,7 @@ void CudaRunner::restart_decode(const std::string& method, const std::map<std::s
     need = cuda::model::cuda_decoder_bytes(*registry_, method, params, kv_[0].view(), c_.shape().group(),
                                            c_.n_layers);
     CUMULUS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-  } catch (const Error& e) {  // even one layer's decoder did not fit
+  } catch (const cuda::DeviceMemoryError& e) {  // even one layer's decoder did not fit
     CUMULUS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
     CUMULUS_FAIL("method={}: one layer's decoder does not fit beside the current method '{}' ({} of "
                  "device memory free of {}): {}",
