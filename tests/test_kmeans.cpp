@@ -3,11 +3,15 @@
 // every SIMD target this binary carries, never on zeros. Assignments compare exactly
 // except at near-ties (where float32 may pick the other centroid: then both distances must
 // agree within rounding); updates and scores compare by normalised error. Lloyd's loop
-// built from the ops converges on clustered data; bad input names the value.
+// built from the ops converges on clustered data; kmeans_lloyd (bounds) equals that loop bit
+// for bit and skips most distances; bad input names the value.
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -174,4 +178,144 @@ TEST(Kmeans, BadInputNamesTheValue) {
   a[3] = 9;
   expect_error([&] { cpu::kmeans_update(x.data(), 8, 8, a.data(), 8, c.data(), counts.data()); }, "assign[3]=9");
   expect_error([&] { ref::kmeans_update(x.data(), 8, 8, a.data(), 8, c.data(), counts.data()); }, "assign[3]=9");
+}
+
+namespace {
+
+// Rows around `centres` centres (spread 1, noise 0.3), plus `offset` on every coordinate.
+std::vector<float> clustered_rows(int n, int dim, int centres, float offset, std::mt19937& rng) {
+  std::vector<float> mu = random_rows(centres, dim, rng, 0.0f);
+  std::normal_distribution<float> nd(0.0f, 0.3f);
+  std::uniform_int_distribution<int> pick(0, centres - 1);
+  std::vector<float> x(static_cast<size_t>(n) * dim);
+  for (int i = 0; i < n; ++i) {
+    const int c = pick(rng);
+    for (int j = 0; j < dim; ++j)
+      x[static_cast<size_t>(i) * dim + j] = mu[static_cast<size_t>(c) * dim + j] + nd(rng) + offset;
+  }
+  return x;
+}
+
+struct LloydResult {
+  std::vector<float> centroids;
+  std::vector<int32_t> assign, counts;
+  int rounds = 0;
+};
+
+// The plain loop kmeans_lloyd must equal: assign + update until nothing changes.
+LloydResult plain_loop(const std::vector<float>& x, int n, int dim, std::vector<float> c, int k, int max_iter) {
+  LloydResult r{std::move(c), std::vector<int32_t>(n, -1), std::vector<int32_t>(k, -7), 0};
+  for (int it = 0; it < max_iter; ++it) {
+    ++r.rounds;
+    if (cpu::kmeans_assign(x.data(), n, dim, r.centroids.data(), k, r.assign.data()) == 0) break;
+    cpu::kmeans_update(x.data(), n, dim, r.assign.data(), k, r.centroids.data(), r.counts.data());
+  }
+  return r;
+}
+
+LloydResult bounded(const std::vector<float>& x, int n, int dim, std::vector<float> c, int k, int max_iter,
+                    ThreadPool* pool, cpu::KmeansRun* run = nullptr) {
+  LloydResult r{std::move(c), std::vector<int32_t>(n, 5), std::vector<int32_t>(k, -7), 0};
+  const cpu::KmeansRun got =
+      cpu::kmeans_lloyd(x.data(), n, dim, r.centroids.data(), k, max_iter, r.assign.data(), r.counts.data(), pool,
+                        cpu::KmeansBounds::kAlways);
+  r.rounds = got.rounds;
+  if (run != nullptr) *run = got;
+  return r;
+}
+
+// k initial centroids: rows picked at random, with repeats allowed (equal centroids: ties).
+std::vector<float> pick_rows(const std::vector<float>& x, int n, int dim, int k, std::mt19937& rng) {
+  std::uniform_int_distribution<int> pick(0, n - 1);
+  std::vector<float> c(static_cast<size_t>(k) * dim);
+  for (int cc = 0; cc < k; ++cc) {
+    const int i = pick(rng);
+    std::copy_n(x.data() + static_cast<size_t>(i) * dim, dim, c.data() + static_cast<size_t>(cc) * dim);
+  }
+  return c;
+}
+
+void expect_same(const LloydResult& want, const LloydResult& got, const std::string& what) {
+  EXPECT_EQ(got.rounds, want.rounds) << what;
+  EXPECT_EQ(got.assign, want.assign) << what;
+  EXPECT_EQ(got.counts, want.counts) << what;
+  ASSERT_EQ(got.centroids.size(), want.centroids.size());
+  // Bit for bit: every float equal as a bit pattern (0 == -0 would hide a difference).
+  EXPECT_EQ(std::memcmp(got.centroids.data(), want.centroids.data(), want.centroids.size() * sizeof(float)), 0)
+      << what;
+}
+
+}  // namespace
+
+TEST(KmeansLloyd, EqualsThePlainLoopBitForBit) {
+  // Clustered rows, uniform rows, rows far from the origin (offset 300: the distances are
+  // small differences of large norms, where float32 rounding matters most), and rows that
+  // repeat with centroids that repeat (exact ties, which go to the lower index).
+  std::mt19937 rng(21);
+  for_each_target([&] {
+    struct Case {
+      int n, dim, k, centres;
+      float offset;
+      bool repeats;
+    };
+    for (const Case& cs : {Case{1, 8, 1, 1, 0, false}, Case{65, 20, 7, 4, 0, false}, Case{64, 8, 64, 8, 0, true},
+                           Case{700, 64, 45, 30, 0, false}, Case{700, 64, 45, 700, 0, false},
+                           Case{900, 24, 130, 60, 300, false}, Case{600, 16, 150, 20, 0, true},
+                           Case{2500, 128, 160, 200, 0.5f, false}}) {
+      std::vector<float> x = clustered_rows(cs.n, cs.dim, cs.centres, cs.offset, rng);
+      const size_t row = static_cast<size_t>(cs.dim);
+      if (cs.repeats)  // every row equal to one of the first eight
+        for (int i = 8; i < cs.n; ++i) std::copy_n(x.data() + (i % 8) * row, row, x.data() + i * row);
+      const std::vector<float> c = pick_rows(x, cs.n, cs.dim, cs.k, rng);
+      const std::string what = fmt::format("n={} dim={} k={} centres={} offset={} repeats={}", cs.n, cs.dim, cs.k,
+                                           cs.centres, cs.offset, cs.repeats);
+      const LloydResult want = plain_loop(x, cs.n, cs.dim, c, cs.k, 10);
+      ThreadPool pool(2);
+      expect_same(want, bounded(x, cs.n, cs.dim, c, cs.k, 10, &pool), what + " pool");
+      expect_same(want, bounded(x, cs.n, cs.dim, c, cs.k, 10, nullptr), what + " no pool");
+      for (int max_iter : {1, 2})
+        expect_same(plain_loop(x, cs.n, cs.dim, c, cs.k, max_iter),
+                    bounded(x, cs.n, cs.dim, c, cs.k, max_iter, &pool), what + fmt::format(" max_iter={}", max_iter));
+    }
+  });
+}
+
+TEST(KmeansLloyd, SkipsMostDistances) {
+  // What the bounds are for: on clustered rows, Tactic's shape (clusters of ~16 rows), the
+  // rounds after the first compute a small share of the distances.
+  std::mt19937 rng(5);
+  const int n = 8192, dim = 64, k = 512;
+  const std::vector<float> x = clustered_rows(n, dim, 1024, 0.0f, rng);
+  const std::vector<float> c = pick_rows(x, n, dim, k, rng);
+  ThreadPool pool(2);
+  cpu::KmeansRun run;
+  const LloydResult got = bounded(x, n, dim, c, k, 10, &pool, &run);
+  expect_same(plain_loop(x, n, dim, c, k, 10), got, "clustered");
+  EXPECT_GE(run.rounds, 4);
+  EXPECT_EQ(run.distances_full, static_cast<int64_t>(run.rounds) * n * k);
+  const double share = static_cast<double>(run.distances) / run.distances_full;
+  std::printf("k-means: %d rounds, %.1f%% of the distances\n", run.rounds, 100 * share);
+  // The first round computes all of them (1 / rounds of the total); the rest, less than half.
+  EXPECT_LT(share, 1.0 / run.rounds + 0.5 * (run.rounds - 1.0) / run.rounds);
+  // kAuto: the plain loop here (k x dim = 32768 < 65536), bounds with the same floats read
+  // as n / 2 rows of 2 dim (65536).
+  std::vector<float> c_auto = c;
+  std::vector<int32_t> a_auto(n), n_auto(k);
+  const cpu::KmeansRun plain = cpu::kmeans_lloyd(x.data(), n, dim, c_auto.data(), k, 10, a_auto.data(),
+                                                 n_auto.data(), &pool, cpu::KmeansBounds::kAuto);
+  EXPECT_EQ(plain.distances, plain.distances_full);
+  EXPECT_EQ(a_auto, got.assign);
+  c_auto.assign(x.begin(), x.begin() + static_cast<size_t>(k) * 2 * dim);
+  const cpu::KmeansRun with = cpu::kmeans_lloyd(x.data(), n / 2, 2 * dim, c_auto.data(), k, 10, a_auto.data(),
+                                                n_auto.data(), &pool, cpu::KmeansBounds::kAuto);
+  EXPECT_LT(with.distances, with.distances_full);
+}
+
+TEST(KmeansLloyd, BadInputNamesTheValue) {
+  std::vector<float> x(64, 1.5f), c(64, 0.5f);
+  std::vector<int32_t> a(8), counts(8);
+  using check::expect_error;
+  expect_error([&] { cpu::kmeans_lloyd(x.data(), 8, 8, c.data(), 8, -1, a.data(), counts.data()); }, "max_iter=-1");
+  expect_error([&] { cpu::kmeans_lloyd(x.data(), 8, 8, c.data(), 8, 3, a.data(), nullptr); }, "counts");
+  expect_error([&] { cpu::kmeans_lloyd(x.data(), 8, 8, c.data(), 0, 3, a.data(), counts.data()); }, "k=0");
 }

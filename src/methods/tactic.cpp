@@ -283,12 +283,11 @@ class Tactic final : public DecodeMethod {
     cent_.resize(static_cast<size_t>(k) * d);
     for (int c = 0; c < k; ++c)
       std::copy_n(x_.data() + static_cast<size_t>(perm_[c]) * d, d, cent_.data() + static_cast<size_t>(c) * d);
-    assign_.assign(n, -1);
+    assign_.resize(n);
     counts_.resize(k);
-    for (int it = 0; it < o_.max_iter; ++it) {
-      if (cpu::kmeans_assign(x_.data(), n, d, cent_.data(), k, assign_.data(), pool) == 0) break;
-      cpu::kmeans_update(x_.data(), n, d, assign_.data(), k, cent_.data(), counts_.data());
-    }
+    // Lloyd's rounds, the same result as assign + update until nothing changes, with most
+    // distances skipped by bounds (kernels/kmeans.h).
+    cpu::kmeans_lloyd(x_.data(), n, d, cent_.data(), k, o_.max_iter, assign_.data(), counts_.data(), pool);
     // counts_ matches assign_ (the loop ends after an update or with no change).
     std::vector<int32_t> slot(k, -1);
     for (int c = 0; c < k; ++c) {

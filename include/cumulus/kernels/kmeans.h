@@ -27,6 +27,35 @@ void kmeans_centroid_score(const float* centroids, int k, int dim, const float* 
 }  // namespace ref
 
 namespace cpu {
+// What kmeans_lloyd did: assignment passes run (the last one changed nothing, unless
+// max_iter ran out), and the (row, centroid) distances it computed against the
+// rounds x n x k a plain loop computes.
+struct KmeansRun {
+  int rounds = 0;
+  int64_t distances = 0;
+  int64_t distances_full = 0;
+};
+
+// Lloyd's algorithm: from assign = -1, up to max_iter rounds of kmeans_assign then
+// kmeans_update, stopping at the first assignment that changes nothing. The assignments,
+// centroids and counts equal those of that plain loop of cpu:: ops bit for bit, but most
+// distances are never computed: the centroids are split into groups (k-means of the
+// initial centroids, about 32 per group), and each row keeps an upper bound on its distance
+// to its centroid and a lower bound per group on its distance to the group's other
+// centroids, moved by how far the centroids moved (Ding et al., "Yinyang K-Means", ICML
+// 2015). A group is skipped only where its bound proves that no centroid in it could win,
+// with room for float32's rounding of the distances, so the result cannot change.
+// The bounds' bookkeeping costs about the same per (row, group) whatever dim, so they pay
+// only where a row's round holds enough distance work: kAuto bounds when k x dim >= 65536
+// (measured on 2 Zen 4 cores: k = 2048, dim = 128: 1.85-2.03x faster; k = 512: 1.13-1.20x;
+// k = 500, dim = 64: 0.93-0.97x), the plain loop otherwise. kAlways / kNever force one path
+// (the result is the same).
+//   x: [n][dim]; centroids: [k][dim] in/out; assign: [n] out; counts: [k] out (after the
+//   last update; untouched when no update ran). max_iter >= 0.
+enum class KmeansBounds { kAuto, kAlways, kNever };
+KmeansRun kmeans_lloyd(const float* x, int n, int dim, float* centroids, int k, int max_iter, int32_t* assign,
+                       int32_t* counts, ThreadPool* pool = nullptr, KmeansBounds bounds = KmeansBounds::kAuto);
+
 int64_t kmeans_assign(const float* x, int n, int dim, const float* centroids, int k, int32_t* assign,
                       ThreadPool* pool = nullptr);
 void kmeans_update(const float* x, int n, int dim, const int32_t* assign, int k, float* centroids, int32_t* counts);
