@@ -269,6 +269,25 @@ TEST(CudaAttention, LongChunksMatchReference) {
   }
 }
 
+// The merge holds the weights of at most 128 partials in shared memory; a list cut into
+// more chunks is merged tile by tile. One kv head of 20000 tokens in chunks of 64 entries
+// (max_chunk, 2 warps) gives 313 partials (3 tiles), and a second
+// sequence of 3000 tokens the one-tile path in the same launch.
+TEST(CudaAttention, MergeOfManyPartialsMatchesReference) {
+  CUMULUS_REQUIRE_GPU();
+  std::mt19937 rng(707);
+  for (int d : {64, 128}) {
+    std::vector<KvCache> seqs;
+    for (int n : {20000, 3000}) seqs.push_back(random_cache(1, d, n, DType::f16, 16, rng));
+    const auto q = random_vec(seqs.size() * 4 * d, rng);
+    const GpuResult r = run_ref(seqs, q, 4, {});
+    for (bool tc : {true, false}) {
+      const GpuResult g = run_gpu(seqs, q, 4, {}, cuda::AttentionPlanOptions{2, 0, 1, tc, 64});
+      expect_close(g, r, fmt::format("many partials: d {} tensor cores {}", d, tc));
+    }
+  }
+}
+
 // The plan keeps options.warps where the rings fit the device's shared memory and takes
 // fewer where they do not (head_dim 256: a warp's ring is 25.3 KB, so 8 warps fit an H100
 // but not an A100; 4 fit both); head_dim 256 runs the CUDA-core kernel even when tensor
