@@ -161,7 +161,6 @@ HWY_NOINLINE void group_tile(D d, const float* const* rows, int dim, const float
   using DI = hn::RebindToSigned<D>;
   const DI di;
   using VI = hn::Vec<DI>;
-  constexpr size_t N = hn::MaxLanes(D());
   const size_t L = hn::Lanes(d);
   V acc[kR][kV];
   for (int r = 0; r < kR; ++r)
@@ -177,11 +176,9 @@ HWY_NOINLINE void group_tile(D d, const float* const* rows, int dim, const float
   }
   const VI lane = hn::Iota(di, 0);
   const V minus2 = hn::Set(d, -2.0f);
-  HWY_ALIGN float bv[N];
-  HWY_ALIGN float sv[N];
-  HWY_ALIGN int32_t ai[N];
+  constexpr float kInf = std::numeric_limits<float>::infinity();
   for (int r = 0; r < kR; ++r) {
-    V best = hn::Set(d, std::numeric_limits<float>::infinity());
+    V best = hn::Set(d, kInf);
     V second = best;
     VI arg = hn::Zero(di);
     for (int v = 0; v < kV; ++v) {
@@ -192,19 +189,22 @@ HWY_NOINLINE void group_tile(D d, const float* const* rows, int dim, const float
       best = hn::IfThenElse(better, dist, best);
       arg = hn::IfThenElse(hn::RebindMask(di, better), hn::Add(lane, hn::Set(di, sv0)), arg);
     }
-    hn::Store(best, d, bv);
-    hn::Store(second, d, sv);
-    hn::Store(arg, di, ai);
-    for (size_t l = 0; l < L; ++l) {
-      if (bv[l] < m1[r] || (bv[l] == m1[r] && ai[l] < a1[r])) {
-        m2[r] = std::min(m2[r], m1[r]);
-        m1[r] = bv[l];
-        a1[r] = ai[l];
-      } else {
-        m2[r] = std::min(m2[r], bv[l]);
-      }
-      m2[r] = std::min(m2[r], sv[l]);
+    // Across the lanes: the least distance, its lowest slot, and the second least (every
+    // lane's second, and the best of every other lane).
+    const V b = hn::MinOfLanes(d, best);
+    const VI a = hn::MinOfLanes(
+        di, hn::IfThenElse(hn::RebindMask(di, hn::Eq(best, b)), arg, hn::Set(di, std::numeric_limits<int32_t>::max())));
+    const V others = hn::IfThenElse(hn::RebindMask(d, hn::Eq(arg, a)), hn::Set(d, kInf), best);
+    const float bl = hn::GetLane(b), sl = hn::GetLane(hn::MinOfLanes(d, hn::Min(second, others)));
+    const int32_t al = hn::GetLane(a);
+    if (bl < m1[r] || (bl == m1[r] && al < a1[r])) {
+      m2[r] = std::min(m2[r], m1[r]);
+      m1[r] = bl;
+      a1[r] = al;
+    } else {
+      m2[r] = std::min(m2[r], bl);
     }
+    m2[r] = std::min(m2[r], sl);
   }
 }
 
@@ -387,18 +387,15 @@ namespace {
 constexpr int kGroupSize = 64;
 // Rounds of that k-means (the paper's 5).
 constexpr int kGroupRounds = 5;
-// KmeansBounds::kAuto: bounds when k x dim is at least this (kmeans.h).
-constexpr int64_t kBoundsMinWork = 65536;
+// KmeansBounds::kAuto: bounds from this many centroids on (kmeans.h).
+constexpr int kBoundsMinCentroids = 384;
 
-// Bounds are kept in float, rounded outward so that they stay bounds.
-float round_up(double v) {
-  float f = static_cast<float>(v);
-  return static_cast<double>(f) < v ? std::nextafter(f, std::numeric_limits<float>::infinity()) : f;
-}
-float round_down(double v) {
-  float f = static_cast<float>(v);
-  return static_cast<double>(f) > v ? std::nextafter(f, -std::numeric_limits<float>::infinity()) : f;
-}
+// Bounds are kept in float, moved outward by 2^-20 of their size before the conversion
+// (which rounds by at most 2^-24 of it), so that they stay bounds; cheaper than nextafter on
+// the n x groups bounds of every round.
+constexpr double kOut = 0x1p-20;
+float round_up(double v) { return static_cast<float>(v >= 0 ? v * (1 + kOut) : v * (1 - kOut)); }
+float round_down(double v) { return static_cast<float>(v >= 0 ? v * (1 - kOut) : v * (1 + kOut)); }
 
 // True when every centroid at distance >= lo from a row is farther (in computed distance)
 // than the row's centroid, at distance <= up: lo^2 - up^2 > 2 err, err bounding the float32
@@ -483,18 +480,19 @@ KmeansRun kmeans_lloyd(const float* x, int n, int dim, float* centroids, int k, 
   KmeansRun run;
   for (int i = 0; i < n; ++i) assign[i] = -1;
   const size_t D = static_cast<size_t>(dim);
-  std::vector<double> xn(static_cast<size_t>(n));
+  std::vector<double> xn(static_cast<size_t>(n)), xs(static_cast<size_t>(n));  // ||x||^2, ||x||
   bool finite = true;
   for (int i = 0; i < n; ++i) {
     double s = 0;
     for (size_t j = 0; j < D; ++j) s += static_cast<double>(x[i * D + j]) * x[i * D + j];
     xn[i] = s;
-    finite = finite && std::isfinite(s);
+    xs[i] = std::sqrt(s);
+    finite = finite && s <= 1e36;  // finite, and every distance (bound) fits a float
   }
   for (size_t j = 0; j < static_cast<size_t>(k) * D; ++j) finite = finite && std::isfinite(centroids[j]);
-  const bool pays = static_cast<int64_t>(k) * dim >= kBoundsMinWork;
+  const bool pays = k >= kBoundsMinCentroids;
   if (!finite || n == 0 || bounds == KmeansBounds::kNever || (bounds == KmeansBounds::kAuto && !pays)) {
-    // The plain loop (and on infinities, which have no bounds).
+    // The plain loop (and on infinities or norms beyond float's range, which have no bounds).
     for (int it = 0; it < max_iter; ++it) {
       ++run.rounds;
       run.distances += static_cast<int64_t>(n) * k;
@@ -510,8 +508,8 @@ KmeansRun kmeans_lloyd(const float* x, int n, int dim, float* centroids, int k, 
   // A computed distance ||c||^2 - 2 x.c is within err_of(i) of the true one (float32 dot
   // products of dim terms and the norms: gamma (cmax + 2 |x| |c|max), a factor 2 to spare).
   const double gamma = 2.0 * (dim + 8) * 0x1p-24;
-  double cmax = 0;
-  auto err_of = [&](int i) { return gamma * (cmax + 2 * std::sqrt(xn[i] * cmax)) + 1e-12 * xn[i]; };
+  double cmax = 0, cs = 0;  // the largest ||c||^2 and ||c|| of this round
+  auto err_of = [&](int i) { return gamma * (cmax + 2 * xs[i] * cs) + 1e-12 * xn[i]; };
   // The bound on the true distance that a computed distance v gives, below and above.
   auto below = [&](int i, float v) { return round_down(std::sqrt(std::max(0.0, xn[i] + v - err_of(i)))); };
   auto above = [&](int i, float v) { return round_up(std::sqrt(std::max(0.0, xn[i] + v + err_of(i)))); };
@@ -542,6 +540,7 @@ KmeansRun kmeans_lloyd(const float* x, int n, int dim, float* centroids, int k, 
     HWY_DYNAMIC_DISPATCH(centroid_norms_impl)(centroids, k, dim, cnorm.data());
     cmax = 0;
     for (int c = 0; c < k; ++c) cmax = std::max(cmax, static_cast<double>(cnorm[c]));
+    cs = std::sqrt(cmax);
     std::fill(gcn.begin(), gcn.end(), std::numeric_limits<float>::infinity());
     std::fill(gt.begin(), gt.end(), 0.0f);
     for (int q = 0; q < G; ++q) {
