@@ -39,16 +39,16 @@ struct KmeansRun {
 // Lloyd's algorithm: from assign = -1, up to max_iter rounds of kmeans_assign then
 // kmeans_update, stopping at the first assignment that changes nothing. The assignments,
 // centroids and counts equal those of that plain loop of cpu:: ops bit for bit, but most
-// distances are never computed: the centroids are split into groups (k-means of the
-// initial centroids, about 32 per group), and each row keeps an upper bound on its distance
-// to its centroid and a lower bound per group on its distance to the group's other
-// centroids, moved by how far the centroids moved (Ding et al., "Yinyang K-Means", ICML
-// 2015). A group is skipped only where its bound proves that no centroid in it could win,
+// distances are never computed: the centroids are cut into groups of 64 (one GEMM tile)
+// in the order of a k-means of the initial centroids, and each row keeps an upper bound on
+// its distance to its centroid and a lower bound per group on its distance to the group's
+// other centroids, moved by how far the centroids moved (Ding et al., "Yinyang K-Means",
+// ICML 2015). A group is skipped only where its bound proves that no centroid in it could win,
 // with room for float32's rounding of the distances, so the result cannot change.
 // The bounds pay where the rounds skip enough of the k distances per row to cover their
 // bookkeeping: kAuto bounds from 384 centroids on, the plain loop below (measured on 2 Zen 4
 // cores, keys of the synthetic llama3-8b workload and of SmolLM2: k = 2048, dim 128:
-// 2.3-2.5x faster; k = 512, dim 128: 1.6x; k = 500, dim 64: 1.45x; k = 256, dim 64:
+// 2.55-2.77x faster; k = 512, dim 128: 1.6x; k = 500, dim 64: 1.45x; k = 256, dim 64:
 // 0.86-0.90x; k = 128: 0.7-1.1x). kAlways / kNever force one path (the result is the same).
 //   x: [n][dim]; centroids: [k][dim] in/out; assign: [n] out; counts: [k] out (after the
 //   last update; untouched when no update ran). max_iter >= 0.
