@@ -51,6 +51,27 @@ HWY_INLINE float dot(const float* a, const float* b, size_t dim) {
   return s;
 }
 
+// The dot products of a GEMM tile: acc[r][v] = rows[r] . the lanes of vector v of the
+// centroids in ct, held transposed with `stride` floats per dimension; per dimension kV
+// centroid loads and kR broadcasts feed kR x kV lane-wise MulAdds, in dimension order. Both
+// assignments (assign_tile, group_tile) compute their distances from these, so they agree
+// bit for bit.
+template <int kR, int kV, class D, class V = hn::Vec<D>>
+HWY_INLINE void tile_dots(D d, const float* const* rows, size_t dim, const float* ct, size_t stride,
+                          V (&acc)[kR][kV]) {
+  for (int r = 0; r < kR; ++r)
+    for (int v = 0; v < kV; ++v) acc[r][v] = hn::Zero(d);
+  for (size_t j = 0; j < dim; ++j) {
+    const float* row = ct + j * stride;
+    V cv[kV];
+    for (int v = 0; v < kV; ++v) cv[v] = hn::LoadU(d, row + v * hn::Lanes(d));
+    for (int r = 0; r < kR; ++r) {
+      const V xv = hn::Set(d, rows[r][j]);
+      for (int v = 0; v < kV; ++v) acc[r][v] = hn::MulAdd(xv, cv[v], acc[r][v]);
+    }
+  }
+}
+
 // Rows [i0, i1): nearest centroid by ||c||^2 - 2 x.c, GEMM-shaped. The centroids are held
 // transposed in tiles of W = kV vectors: ct [k_pad / W][dim][W] (padding columns 0 with
 // cnorm +inf, never chosen), so one tile (dim x W floats, 32 KiB at d = 128 and W = 64)
@@ -70,20 +91,11 @@ HWY_INLINE void assign_tile(D d, const float* x, int i0, int dim, const float* c
   const DI di;
   using VI = hn::Vec<DI>;
   constexpr size_t N = hn::MaxLanes(D());
-  const size_t W = kV * hn::Lanes(d);
   const size_t D_ = static_cast<size_t>(dim);
+  const float* rows[kR];
+  for (int r = 0; r < kR; ++r) rows[r] = x + static_cast<size_t>(i0 + r) * D_;
   V acc[kR][kV];
-  for (int r = 0; r < kR; ++r)
-    for (int v = 0; v < kV; ++v) acc[r][v] = hn::Zero(d);
-  for (size_t j = 0; j < D_; ++j) {
-    const float* row = ct_tile + j * W;
-    V cv[kV];
-    for (int v = 0; v < kV; ++v) cv[v] = hn::LoadU(d, row + v * hn::Lanes(d));
-    for (int r = 0; r < kR; ++r) {
-      const V xv = hn::Set(d, x[static_cast<size_t>(i0 + r) * D_ + j]);
-      for (int v = 0; v < kV; ++v) acc[r][v] = hn::MulAdd(xv, cv[v], acc[r][v]);
-    }
-  }
+  tile_dots<kR, kV>(d, rows, D_, ct_tile, kV * hn::Lanes(d), acc);
   const VI lane = hn::Iota(di, 0);
   const V minus2 = hn::Set(d, -2.0f);
   HWY_ALIGN float bv[N];
@@ -149,9 +161,8 @@ int assign_tile_width() {
 
 // Yinyang groups (kmeans_lloyd): gathered rows against one group's centroids, held
 // transposed as gt [dim][width] (width a multiple of the lanes; padding slots have cnorm
-// +inf and are never chosen). Every distance is accumulated exactly as assign_tile
-// accumulates it (the same MulAdd chain over the dimension, then MulAdd(-2, acc, cnorm)),
-// so it equals the plain assignment's value bit for bit. Per row: the least distance m1 at
+// +inf and are never chosen). Every distance is assign_tile's (tile_dots, then
+// MulAdd(-2, acc, cnorm)), so it equals the plain assignment's value bit for bit. Per row: the least distance m1 at
 // slot a1 (ties: the lower slot) and the second least m2 (equal to m1 on a tie), over the
 // slots [s0, s0 + kV lanes), merged into m1/a1/m2.
 template <int kR, int kV, class D>
@@ -163,17 +174,7 @@ HWY_NOINLINE void group_tile(D d, const float* const* rows, int dim, const float
   using VI = hn::Vec<DI>;
   const size_t L = hn::Lanes(d);
   V acc[kR][kV];
-  for (int r = 0; r < kR; ++r)
-    for (int v = 0; v < kV; ++v) acc[r][v] = hn::Zero(d);
-  for (size_t j = 0; j < static_cast<size_t>(dim); ++j) {
-    const float* row = gt + j * width + s0;
-    V cv[kV];
-    for (int v = 0; v < kV; ++v) cv[v] = hn::LoadU(d, row + v * L);
-    for (int r = 0; r < kR; ++r) {
-      const V xv = hn::Set(d, rows[r][j]);
-      for (int v = 0; v < kV; ++v) acc[r][v] = hn::MulAdd(xv, cv[v], acc[r][v]);
-    }
-  }
+  tile_dots<kR, kV>(d, rows, static_cast<size_t>(dim), gt + s0, width, acc);
   const VI lane = hn::Iota(di, 0);
   const V minus2 = hn::Set(d, -2.0f);
   constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -349,6 +350,20 @@ HWY_EXPORT(group_scores_impl);
 HWY_EXPORT(row_distance_impl);
 HWY_EXPORT(lanes_impl);
 
+namespace {
+
+// Runs fn(task, worker) for tasks [0, n): on the pool when there is more than one.
+template <class Fn>
+void for_tasks(ThreadPool* pool, int64_t n, Fn&& fn) {
+  if (pool != nullptr && n > 1) {
+    pool->parallel_for(n, fn);
+  } else {
+    for (int64_t t = 0; t < n; ++t) fn(t, 0);
+  }
+}
+
+}  // namespace
+
 int64_t kmeans_assign(const float* x, int n, int dim, const float* centroids, int k, int32_t* assign,
                       ThreadPool* pool) {
   kmeans_validate(__func__, x, n, dim, centroids, k);
@@ -371,11 +386,7 @@ int64_t kmeans_assign(const float* x, int n, int dim, const float* centroids, in
     const int i1 = i0 + kKmeansTaskRows < n ? i0 + kKmeansTaskRows : n;
     changed[t] = HWY_DYNAMIC_DISPATCH(assign_rows_impl)(x, i0, i1, dim, ct.data(), cnorm.data(), k_pad, assign);
   };
-  if (pool != nullptr && n_tasks > 1) {
-    pool->parallel_for(n_tasks, task);
-  } else {
-    for (int64_t t = 0; t < n_tasks; ++t) task(t, 0);
-  }
+  for_tasks(pool, n_tasks, task);
   int64_t total = 0;
   for (int64_t c : changed) total += c;
   return total;
@@ -458,16 +469,6 @@ struct LloydScratch {
   std::vector<int32_t> a1;
   int64_t distances = 0;
 };
-
-// Runs fn(task, worker) for tasks [0, n): on the pool when there is more than one.
-template <class Fn>
-void for_tasks(ThreadPool* pool, int64_t n, Fn&& fn) {
-  if (pool != nullptr && n > 1) {
-    pool->parallel_for(n, fn);
-  } else {
-    for (int64_t t = 0; t < n; ++t) fn(t, 0);
-  }
-}
 
 }  // namespace
 
@@ -565,8 +566,7 @@ KmeansRun kmeans_lloyd(const float* x, int n, int dim, float* centroids, int k, 
           best_arg[i] = std::numeric_limits<int32_t>::max();
           continue;
         }
-        std::fill(nd, nd + G, uint8_t{0});
-        active[i] = 0;
+        active[i] = 0;  // need[i] is read only for active rows
         const double err = err_of(i);
         const int a = assign[i];
         double up = static_cast<double>(upper[i]) + drift[a];
