@@ -50,6 +50,7 @@
 #include "cumulus/kernels/cuda.h"
 #include "cumulus/kernels/cuda_methods.h"
 #include "cumulus/methods/method.h"
+#include "cumulus/methods/registry.h"
 #include "cumulus/kv/kv_cache.h"
 #include "kernels/cuda/bench_options.h"
 
@@ -397,8 +398,14 @@ std::unique_ptr<cuda::SparseDecoder> make_method(const std::string& name, const 
     o.microbatch = 4;
     return cuda::make_psa_gpu(kv, group, o, po);
   }
-  if (name == "quest") return cuda::make_quest_gpu(kv, group, quest_budget, po);
-  if (name == "oracle_topp") return cuda::make_oracle_topp_gpu(kv, group, p, po);
+  if (name == "quest" || name == "oracle_topp") {  // defined once over the selection ops (methods/policy.h)
+    const Shape shape{1, kv.n_kv_heads * group, kv.n_kv_heads, kv.head_dim};
+    const std::map<std::string, std::string> params =
+        name == "quest" ? std::map<std::string, std::string>{{"budget", std::to_string(quest_budget)}}
+                        : std::map<std::string, std::string>{{"p", fmt::format("{}", p)}};
+    return cuda::make_ops_gpu(kv, group, name, policy_step(Registry::builtin().make_policy(name, shape, params), 0),
+                              po);
+  }
   CUMULUS_FAIL(
       "unknown method '{}' (sketch_topp, sketch_topp_wN_hN_dM, tactic, tactic_split, tactic_s4, tactic_cmarks, "
       "tactic_msN, psa, psa_mb4, quest, oracle_topp)",

@@ -42,26 +42,4 @@ void merge_partial(float& lse1, float* o1, float lse2, const float* o2, int head
 // Adds `bytes` read on behalf of kv head h, split evenly over its query heads.
 void add_kv_head_bytes(const Shape& shape, int kv_head, double bytes, AttnOutput& out);
 
-// Exact softmax over `scores` [n] (raw q.k) with `scale`: probs [n] and returns the
-// log-sum-exp of scale * scores (double accumulation).
-double softmax_scaled(const float* scores, int n, float scale, std::vector<float>& probs);
-
-// The oracles (oracle_topk, oracle_topp): every key of the layer is scored exactly, once
-// per kv head for its group; `choose` picks one query head's set from its raw scores
-// [n] and softmax probabilities [n]; each head claims the exact mass of its own set, and
-// the group attends the union (Tactic 4.5). Bytes read: every key once per kv head.
-// Kv heads run as parallel tasks on ctx.pool, so `choose` must be safe to call from
-// several threads at once (the selection ops are).
-struct OracleScratch {
-  struct Worker {
-    std::vector<float> scores, probs;  // [group][n], [n]
-    std::vector<int32_t> chosen;
-  };
-  std::vector<Worker> workers;  // [pool threads]
-};
-using OracleChoose =
-    std::function<void(const float* scores, int n, const std::vector<float>& probs, std::vector<int32_t>& chosen)>;
-void oracle_decode(const Shape& shape, int layer, const float* q, const KvCache& kv, const DecodeContext& ctx,
-                   AttnOutput& out, OracleScratch& scratch, const OracleChoose& choose);
-
 }  // namespace cumulus::methods

@@ -2,31 +2,24 @@
 // reaches P (the "Optimal" row of Tactic Table 1, section 3). It reads every key to
 // score it, so it is a yardstick for adaptive methods, not a practical one. The group
 // attends the union of its heads' sets (Tactic 4.5); each head claims the exact mass of
-// its own set, so the union's true mass is >= the claim.
-#include "cumulus/core/error.h"
-#include "cumulus/kernels/selection.h"
+// its own set, so the union's true mass is >= the claim. Defined once over the selection
+// ops (methods/policy.h): the CPU and the GPU run this definition.
 #include "cumulus/methods/registry.h"
-#include "method_util.h"
 
 namespace cumulus {
 namespace {
 
-class OracleTopP final : public DecodeMethod {
+class OracleTopP final : public SelectPolicy {
  public:
-  OracleTopP(const Shape& shape, double p) : shape_(shape), p_(p) {}
-  std::string name() const override { return "oracle_topp"; }
-
-  void decode(int layer, const float* q, const KvCache& kv, const DecodeContext& ctx, AttnOutput& out) override {
-    methods::oracle_decode(shape_, layer, q, kv, ctx, out, scratch_,
-                           [&](const float* scores, int n, const std::vector<float>& probs, std::vector<int32_t>& chosen) {
-                             cpu::select_top_mass(probs.data(), n, p_, chosen);
-                           });
+  explicit OracleTopP(double p) : p_(p) {}
+  void select(int, SelectOps& ops) const override {
+    ops.score_tokens();
+    ops.choose_top_mass(p_);
+    ops.mark_chosen(/*claim_mass=*/true);
   }
 
  private:
-  Shape shape_;
   double p_;
-  methods::OracleScratch scratch_;
 };
 
 }  // namespace
@@ -43,9 +36,7 @@ void register_oracle_topp(Registry& r) {
                      .min = 0.0,
                      .max = 1.0,
                      .min_exclusive = true}},
-         .make_decode = [](const Shape& s, const Params& p) {
-           return std::make_unique<OracleTopP>(s, p.get_double("p"));
-         },
+         .make_policy = [](const Shape&, const Params& p) { return std::make_shared<OracleTopP>(p.get_double("p")); },
          .target_param = "p"});
 }
 

@@ -79,6 +79,11 @@ const std::string& Params::get_string(const std::string& name) const {
 void Registry::add(MethodInfo info) {
   for (const auto& m : methods_) CUMULUS_CHECK(m.name != info.name, "method '{}' registered twice", info.name);
   for (const auto& p : info.params) check_value(info, p, p.default_value);
+  if (info.make_policy != nullptr && info.make_decode == nullptr) {
+    info.make_decode = [make = info.make_policy, name = info.name](const Shape& s, const Params& p) {
+      return make_policy_method(s, name, make(s, p));
+    };
+  }
   methods_.push_back(std::move(info));
 }
 
@@ -113,6 +118,13 @@ std::unique_ptr<DecodeMethod> Registry::make(const std::string& name, const Shap
   const MethodInfo& m = find(name);
   CUMULUS_CHECK(m.make_decode != nullptr, "method '{}' is a {} method, not a decode method", name, m.kind);
   return m.make_decode(shape, parse(name, overrides));
+}
+
+std::shared_ptr<const SelectPolicy> Registry::make_policy(const std::string& name, const Shape& shape,
+                                                          const std::map<std::string, std::string>& overrides) const {
+  const MethodInfo& m = find(name);
+  CUMULUS_CHECK(m.make_policy != nullptr, "method '{}' is not defined over the selection ops (methods/policy.h)", name);
+  return m.make_policy(shape, parse(name, overrides));
 }
 
 std::unique_ptr<PrefillMethod> Registry::make_prefill(const std::string& name, const Shape& shape,

@@ -12,6 +12,8 @@
 
 #include "cumulus/kernels/attention.h"
 #include "cumulus/kernels/cuda.h"
+#include "cumulus/kernels/cuda_methods.h"
+#include "cumulus/methods/registry.h"
 #include "cumulus/kv/kv_cache.h"
 
 #define CUMULUS_REQUIRE_GPU()                                                                   \
@@ -39,6 +41,16 @@ inline KvCache random_cache(int n_kv, int head_dim, int n_tokens, DType dt, int 
     }
   if (n_tokens > 0) kv.append(0, k.data(), v.data(), n_tokens);
   return kv;
+}
+
+// The GPU decoder of a method defined once over the selection ops (methods/policy.h), with
+// the registry's parameters, for one layer.
+inline std::unique_ptr<cuda::SparseDecoder> policy_gpu(const std::string& method,
+                                                       const std::map<std::string, std::string>& params,
+                                                       const cuda::DeviceKvView& kv, int group, int layer = 0) {
+  const Shape shape{1, kv.n_kv_heads * group, kv.n_kv_heads, kv.head_dim};
+  return cuda::make_ops_gpu(kv, group, method,
+                            policy_step(Registry::builtin().make_policy(method, shape, params), layer));
 }
 
 inline std::vector<PagedHeadView> views_of(const KvCache& kv) {

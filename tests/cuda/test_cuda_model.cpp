@@ -375,6 +375,8 @@ TEST(CudaModel, DecodeMethodsMatchTheCpuThroughTheRunner) {
       {"psa", {}, 0.05, 0.01},
       {"quest", {{"budget", "256"}, {"dense_layers", "1"}}, 0.05, 0.01},
       {"oracle_topp", {}, 0.05, 0.01},
+      {"oracle_topk", {{"k", "300"}}, 0.05, 0.01},
+      {"streaming", {{"window", "500"}}, 0.01, 0.01},
   };
   for (const Case& k : cases) {
     std::string label = k.method;
@@ -833,10 +835,12 @@ TEST(CudaModel, FlexPrefillValuesTheGpuCannotHonourAreRefused) {
 
 // eval --device cuda's default methods: the GPU pipelines that take the model's shape, so a
 // model whose head_dim none takes (stories260K's 8) gets dense alone, and llama3-8b's shape
-// every pipeline. Needs no GPU (the method checks read no device).
+// every pipeline and every method defined over the selection ops. Needs no GPU (the method
+// checks read no device).
 TEST(CudaModel, DefaultMethodsAreThoseThatTakeTheModel) {
   const std::vector<std::string> llama = cuda_runner_methods(llama_config(2, 32, 8, 4096, 14336, 1000, 4096));
-  const std::vector<std::string> want{"dense", "oracle_topp", "quest", "tactic", "psa", "sketch_topp"};
+  const std::vector<std::string> want{"dense",     "oracle_topp", "oracle_topk", "quest",
+                                      "streaming", "tactic",      "psa",         "sketch_topp"};
   for (const std::string& m : want)
     EXPECT_NE(std::find(llama.begin(), llama.end(), m), llama.end()) << m << " missing";
   EXPECT_EQ(llama.size(), want.size());

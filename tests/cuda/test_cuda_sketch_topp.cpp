@@ -472,6 +472,6 @@ TEST(CudaSketchTopp, RejectsBadOptions) {
   auto m = cuda::make_sketch_topp_gpu(dev.view(), 1, o);
   cuda::DeviceBuffer q(64 * sizeof(float));
   EXPECT_THROW(m->select(q.as<float>()), Error);  // before prefill()
-  auto t = cuda::make_oracle_topp_gpu(dev.view(), 1, 0.9);
+  auto t = policy_gpu("oracle_topp", {{"p", "0.9"}}, dev.view(), 1);
   EXPECT_THROW(cuda::sketch_topp_gpu_download(*t, 0, 0), Error);
 }

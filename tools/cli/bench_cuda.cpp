@@ -70,7 +70,7 @@ std::vector<std::string> method_names(const BenchOptions& o) {
   std::vector<std::string> listed = o.methods;
   if (listed.empty()) {
     for (const MethodInfo& m : Registry::builtin().list())
-      if (m.make_decode != nullptr && cuda::model::cuda_decode_method_supported(m.name))
+      if (m.make_decode != nullptr && cuda::model::cuda_decode_method_supported(Registry::builtin(), m.name))
         listed.push_back(m.name);
   }
   for (const std::string& m : listed)

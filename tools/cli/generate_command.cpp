@@ -583,7 +583,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--temperature", o->temperature, "0 = greedy")->capture_default_str();
   cmd->add_option("--top-p", o->top_p, "nucleus sampling")->capture_default_str();
   cmd->add_option("--seed", o->seed, "sampling seed")->check(seed_check())->capture_default_str();
-  cmd->add_option("--device", o->device, "cpu or cuda (a CUDA build with a GPU; decode methods dense, sketch_topp, tactic, psa, quest, oracle_topp; "
+  cmd->add_option("--device", o->device, "cpu or cuda (a CUDA build with a GPU; decode methods dense, sketch_topp, tactic, psa, quest, oracle_topp, oracle_topk, streaming; "
                   "prefill dense or flexprefill; --bench too)")
       ->capture_default_str();
   cmd->add_flag("--eval", o->eval, "also measure the true mass of every attended set (slower)");

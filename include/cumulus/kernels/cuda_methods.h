@@ -1,5 +1,6 @@
 // Sparse decode methods on the GPU (src/kernels/cuda; docs/cuda.md, docs/methods.md): the
-// select-then-attend pipelines of tactic, psa, quest, oracle_topp and sketch_topp over a DeviceKvCache,
+// fused select-then-attend pipelines of tactic, psa and sketch_topp, and the backend of the
+// methods written once against the selection ops (make_ops_gpu), over a DeviceKvCache,
 // for a batch of sequences, entirely on the device. A decode step is select() then
 // attend(): selection ends in per-kv-head sorted token lists (each the union of its GQA
 // group's choices, Tactic 4.5), attention runs the shared split-KV kernel over them
@@ -12,12 +13,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "cumulus/kernels/cuda.h"
+#include "cumulus/kernels/select_ops.h"
 #include "cumulus/kernels/sketch_topp.h"
 #include "cumulus/kernels/tactic.h"
 
@@ -118,13 +121,15 @@ struct PsaGpuOptions {
 std::unique_ptr<SparseDecoder> make_psa_gpu(const DeviceKvView& kv, int group, const PsaGpuOptions& o,
                                             const AttentionPlanOptions& plan = {});
 
-// quest: the ceil(budget / page_size) pages with the largest Quest bound per query head.
-std::unique_ptr<SparseDecoder> make_quest_gpu(const DeviceKvView& kv, int group, int budget_tokens,
-                                              const AttentionPlanOptions& plan = {});
-
-// oracle_topp: every key scored; the fewest tokens whose true softmax mass reaches p.
-std::unique_ptr<SparseDecoder> make_oracle_topp_gpu(const DeviceKvView& kv, int group, double p,
-                                                    const AttentionPlanOptions& plan = {});
+// A decode method written once against the selection ops (kernels/select_ops.h; the methods
+// are methods/policy.h's: quest, oracle_topp, oracle_topk, streaming): `step` issues one
+// decode step's ops, here on the device for the whole batch, with no host wait. It must
+// issue the same ops at every step: the decoder calls it once at construction, launching
+// nothing, to size its buffers. select_bytes_per_token() counts what its scoring reads
+// (every key, or the pages' key min and max), as the host backends do.
+using SelectStep = std::function<void(SelectOps&)>;
+std::unique_ptr<SparseDecoder> make_ops_gpu(const DeviceKvView& kv, int group, std::string name, SelectStep step,
+                                            const AttentionPlanOptions& plan = {});
 
 // sketch_topp (ours, issue 17; docs/methods.md "sketch_topp", docs/cuda.md "sketch_topp on
 // the GPU"). prefill() builds a 4-bit sketch of

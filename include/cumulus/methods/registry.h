@@ -11,6 +11,7 @@
 
 #include "cumulus/core/shape.h"
 #include "cumulus/methods/method.h"
+#include "cumulus/methods/policy.h"
 #include "cumulus/methods/prefill.h"
 
 namespace cumulus {
@@ -49,6 +50,9 @@ struct MethodInfo {
   std::vector<ParamSpec> params;
   std::function<std::unique_ptr<DecodeMethod>(const Shape&, const Params&)> make_decode = nullptr;    // decode
   std::function<std::unique_ptr<PrefillMethod>(const Shape&, const Params&)> make_prefill = nullptr;  // prefill
+  // A decode method defined once over the selection ops (methods/policy.h): every backend
+  // runs this definition, and make_decode, when not set, is its CPU adapter.
+  std::function<std::shared_ptr<const SelectPolicy>(const Shape&, const Params&)> make_policy = nullptr;
   // The parameter holding the attention mass the method targets ("p", PSA's "threshold");
   // empty for methods that target none (fixed budgets). Evaluation reports "reached P"
   // against it.
@@ -69,6 +73,9 @@ class Registry {
   Params parse(const std::string& name, const std::map<std::string, std::string>& overrides) const;
   std::unique_ptr<DecodeMethod> make(const std::string& name, const Shape& shape,
                                      const std::map<std::string, std::string>& overrides = {}) const;
+  // The policy of a method defined once over the selection ops (Error for any other).
+  std::shared_ptr<const SelectPolicy> make_policy(const std::string& name, const Shape& shape,
+                                                  const std::map<std::string, std::string>& overrides = {}) const;
   // The same for prefill methods (Error for a method without a prefill factory).
   std::unique_ptr<PrefillMethod> make_prefill(const std::string& name, const Shape& shape,
                                               const std::map<std::string, std::string>& overrides = {}) const;

@@ -1,8 +1,7 @@
 // The part every GPU sparse method shares (kernels/cuda_methods.h): union bitmaps compacted
-// into per-kv-head lists, sparse attention over them, host statistics; and the two
-// baselines that are plain compositions of the ops: quest (Quest bound, top-k pages per
-// query head, Quest section 3.2) and oracle_topp (every key scored, the fewest tokens whose
-// true mass reaches p; Tactic section 3's "Optimal").
+// into per-kv-head lists, sparse attention over them, host statistics; and the selection
+// ops' CUDA backend (kernels/select_ops.h, make_ops_gpu), which runs the methods written
+// once against them (methods/policy.h: quest, oracle_topp, oracle_topk, streaming).
 #include <cmath>
 #include <limits>
 
@@ -187,21 +186,25 @@ __global__ void softmax_weights_kernel(float* __restrict__ scores, const int32_t
   for (int i = threadIdx.x; i < n; i += blockDim.x) r[i] = expf(scale * (r[i] - mx));
 }
 
-__global__ void topp_mark_kernel(const float* __restrict__ weights, const int32_t* __restrict__ rowlen, int stride,
-                                 const int32_t* __restrict__ chosen, const int32_t* __restrict__ n_chosen, int n_q,
-                                 int group, int n_kv, uint32_t* bits, int words, float* claimed, int32_t* budget) {
+// One CTA per (seq, q head) row: the chosen tokens into the group's bitmap, and the row's
+// claim: the chosen tokens' share of the row's weights (claim_mass), else NaN.
+__global__ void token_mark_kernel(const float* __restrict__ weights, const int32_t* __restrict__ rowlen, int stride,
+                                  const int32_t* __restrict__ chosen, int chosen_stride,
+                                  const int32_t* __restrict__ n_chosen, int n_q, int group, int n_kv, uint32_t* bits,
+                                  int words, int claim_mass, float* claimed, int32_t* budget) {
   __shared__ double s_part[2][32];
   const int row = blockIdx.x;
   const int s = row / n_q, qh = row % n_q;
   const int n = rowlen[row], c = n_chosen[row];
   const float* wr = weights + static_cast<size_t>(row) * stride;
-  const int32_t* ch = chosen + static_cast<size_t>(row) * stride;
+  const int32_t* ch = chosen + static_cast<size_t>(row) * chosen_stride;
   uint32_t* w = bits + (static_cast<size_t>(s) * n_kv + qh / group) * words;
   double tot = 0, sel = 0;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) tot += wr[i];
+  if (claim_mass)
+    for (int i = threadIdx.x; i < n; i += blockDim.x) tot += wr[i];
   for (int i = threadIdx.x; i < c; i += blockDim.x) {
     const int t = ch[i];
-    sel += wr[t];
+    if (claim_mass) sel += wr[t];
     atomicOr(w + (t >> 5), 1u << (t & 31));
   }
   for (int o = 16; o >= 1; o >>= 1) {
@@ -216,101 +219,194 @@ __global__ void topp_mark_kernel(const float* __restrict__ weights, const int32_
   if (threadIdx.x == 0) {
     double t = 0, sl = 0;
     for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i) t += s_part[0][i], sl += s_part[1][i];
-    claimed[row] = t > 0 ? static_cast<float>(sl / t) : 1.0f;
+    claimed[row] = !claim_mass ? __int_as_float(0x7fc00000) : t > 0 ? static_cast<float>(sl / t) : 1.0f;
     budget[row] = c;
   }
 }
 
-class QuestGpu final : public SparseDecoder {
+// One CTA per (seq, kv head): tokens [0, min(head, n)) and [max(0, n - tail), n) into its
+// bitmap, a word per thread; its group's rows claim `claim` (NaN: none) and count the
+// tokens marked.
+__global__ void ends_mark_kernel(const int32_t* __restrict__ n_tokens, int n_kv, int group, int head, int tail,
+                                 float claim, uint32_t* bits, int words, float* claimed, int32_t* budget) {
+  const int list = blockIdx.x;
+  const int s = list / n_kv;
+  const int n = n_tokens[s];
+  const int a1 = min(head, n), b0 = max(a1, n - tail);  // [0, a1) and [b0, n), disjoint
+  uint32_t* w = bits + static_cast<size_t>(list) * words;
+  auto bits_of = [](int word, int t0, int t1) -> uint32_t {  // bits of [t0, t1) in `word`
+    const int lo = max(t0 - word * 32, 0), hi = min(t1 - word * 32, 32);
+    if (lo >= hi) return 0u;
+    return (hi - lo == 32 ? 0xffffffffu : ((1u << (hi - lo)) - 1u)) << lo;
+  };
+  for (int i = threadIdx.x; i < (n + 31) / 32; i += blockDim.x) {
+    const uint32_t m = bits_of(i, 0, a1) | bits_of(i, b0, n);
+    if (m != 0) atomicOr(w + i, m);
+  }
+  if (static_cast<int>(threadIdx.x) < group) {
+    const int row = list * group + threadIdx.x;
+    claimed[row] = claim;
+    budget[row] = a1 + (n - b0);
+  }
+}
+
+// A decode method written once against the selection ops (kernels/select_ops.h): the
+// decoder is the ops' CUDA backend. The constructor runs the step once without launching
+// anything to learn which buffers it needs (the ops of a step do not depend on the data);
+// select() then enqueues each op's kernels and compacts the unions.
+class OpsDecoder final : public SparseDecoder, public SelectOps {
  public:
-  QuestGpu(const DeviceKvView& kv, int group, int budget_tokens, const AttentionPlanOptions& po)
-      : SparseDecoder(kv, group, po) {
-    CUMULUS_CHECK(budget_tokens >= 1, "quest: budget={} must be >= 1", budget_tokens);
-    CUMULUS_CHECK(kv.kmin != nullptr && kv.kmax != nullptr, "quest: kv.kmin and kv.kmax must be non-null");
-    k_ = std::max(1, (budget_tokens + kv.page_size - 1) / kv.page_size);
+  OpsDecoder(const DeviceKvView& kv, int group, std::string name, SelectStep step, const AttentionPlanOptions& po)
+      : SparseDecoder(kv, group, po), name_(std::move(name)), step_(std::move(step)) {
+    CUMULUS_CHECK(step_ != nullptr, "{}: the select step must be set", name_);
+    step_(*this);  // sizing: records what the ops need
+    sizing_ = false;
     const size_t rows = static_cast<size_t>(kv.n_seqs) * base().n_q;
-    scores_ = DeviceBuffer(rows * kv.max_pages * sizeof(float));
+    scores_ = DeviceBuffer(rows * std::max(1, max_units_) * sizeof(float));
     rowlen_ = DeviceBuffer(rows * sizeof(int32_t));
-    chosen_ = DeviceBuffer(rows * k_ * sizeof(int32_t));
+    chosen_ = DeviceBuffer(rows * std::max(1, max_chosen_) * sizeof(int32_t));
     n_chosen_ = DeviceBuffer(rows * sizeof(int32_t));
   }
-  std::string name() const override { return "quest"; }
-  double select_bytes_per_token() const override {  // kmin and kmax, float32 per page
-    return 2.0 * base().kv.head_dim * sizeof(float) / base().kv.page_size;
-  }
+  std::string name() const override { return name_; }
+  double select_bytes_per_token() const override { return select_bytes_; }
+
   void select(const float* q, void* stream) override {
-    Base& b = base();
-    const cudaStream_t s = as_stream(stream);
-    const int rows = b.kv.n_seqs * b.n_q;
-    row_len_kernel<<<ceil_div(rows, 256), 256, 0, s>>>(b.kv.n_tokens, b.kv.n_seqs, b.n_q, b.kv.page_size,
-                                                       b.kv.page_shift, 1, rowlen_.as<int32_t>());
-    CUMULUS_CUDA_LAUNCH("row_len_kernel");
-    page_score(b.kv, b.group, PageScoreKind::kBound, q, scores_.as<float>(), stream);
-    select_topk_rows(scores_.as<float>(), rowlen_.as<int32_t>(), rows, b.kv.max_pages, k_, chosen_.as<int32_t>(),
-                     n_chosen_.as<int32_t>(), stream);
-    quest_mark_kernel<<<rows, 128, 0, s>>>(chosen_.as<int32_t>(), n_chosen_.as<int32_t>(), k_, b.kv.n_tokens, b.n_q,
-                                           b.group, b.kv.n_kv_heads, b.kv.page_size, b.bits.as<uint32_t>(), b.words,
-                                           b.claimed.as<float>(), b.budget.as<int32_t>());
-    CUMULUS_CUDA_LAUNCH("quest_mark_kernel");
-    b.compact(s);
+    q_ = q;
+    stream_ = as_stream(stream);
+    step_(*this);
+    base().compact(stream_);
   }
+
+  int page_size() const override { return base().kv.page_size; }
+
+  void score_tokens() override { score(Units::kTokens); }
+  void score_pages_bound() override { score(Units::kPages); }
+
+  void choose_topk(int k) override {
+    CUMULUS_CHECK(units_ != Units::kNone, "{}: choose_topk before any scores", name_);
+    CUMULUS_CHECK(k >= 1, "{}: choose_topk k={} must be >= 1", name_, k);
+    chosen_stride_ = std::min(k, units_stride());
+    if (sizing_) {
+      max_chosen_ = std::max(max_chosen_, chosen_stride_);
+      return;
+    }
+    const Base& b = base();
+    select_topk_rows(scores_.as<float>(), rowlen_.as<int32_t>(), b.kv.n_seqs * b.n_q, units_stride(), chosen_stride_,
+                     chosen_.as<int32_t>(), n_chosen_.as<int32_t>(), stream_);
+  }
+
+  void choose_top_mass(double p) override {
+    CUMULUS_CHECK(units_ == Units::kTokens, "{}: choose_top_mass needs token scores", name_);
+    CUMULUS_CHECK(p > 0 && p <= 1, "{}: choose_top_mass p={} must be in (0, 1]", name_, p);
+    chosen_stride_ = units_stride();
+    if (sizing_) {
+      max_chosen_ = std::max(max_chosen_, chosen_stride_);
+      return;
+    }
+    const Base& b = base();
+    to_weights();
+    select_top_mass_rows(scores_.as<float>(), rowlen_.as<int32_t>(), b.kv.n_seqs * b.n_q, units_stride(), p,
+                         chosen_.as<int32_t>(), n_chosen_.as<int32_t>(), stream_);
+  }
+
+  void mark_chosen(bool claim_mass) override {
+    CUMULUS_CHECK(units_ != Units::kNone, "{}: mark_chosen before any scores", name_);
+    CUMULUS_CHECK(!claim_mass || units_ == Units::kTokens, "{}: a mass claim needs token scores", name_);
+    if (sizing_) return;
+    Base& b = base();
+    const int rows = b.kv.n_seqs * b.n_q;
+    if (units_ == Units::kPages) {
+      quest_mark_kernel<<<rows, 128, 0, stream_>>>(chosen_.as<int32_t>(), n_chosen_.as<int32_t>(), chosen_stride_,
+                                                   b.kv.n_tokens, b.n_q, b.group, b.kv.n_kv_heads, b.kv.page_size,
+                                                   b.bits.as<uint32_t>(), b.words, b.claimed.as<float>(),
+                                                   b.budget.as<int32_t>());
+      CUMULUS_CUDA_LAUNCH("quest_mark_kernel");
+      return;
+    }
+    if (claim_mass) to_weights();
+    token_mark_kernel<<<rows, 256, 0, stream_>>>(scores_.as<float>(), rowlen_.as<int32_t>(), units_stride(),
+                                                 chosen_.as<int32_t>(), chosen_stride_, n_chosen_.as<int32_t>(),
+                                                 b.n_q, b.group, b.kv.n_kv_heads, b.bits.as<uint32_t>(), b.words,
+                                                 claim_mass ? 1 : 0, b.claimed.as<float>(), b.budget.as<int32_t>());
+    CUMULUS_CUDA_LAUNCH("token_mark_kernel");
+  }
+
+  void mark_ends(int head, int tail) override {
+    CUMULUS_CHECK(head >= 0 && tail >= 0, "{}: mark_ends head={}, tail={} must be >= 0", name_, head, tail);
+    ends(head, tail, std::numeric_limits<float>::quiet_NaN());
+  }
+  void mark_all() override { ends(std::numeric_limits<int>::max(), 0, 1.0f); }
 
  private:
-  int k_ = 1;
-  DeviceBuffer scores_, rowlen_, chosen_, n_chosen_;
-};
+  enum class Units { kNone, kTokens, kPages };
 
-class OracleToppGpu final : public SparseDecoder {
- public:
-  OracleToppGpu(const DeviceKvView& kv, int group, double p, const AttentionPlanOptions& po)
-      : SparseDecoder(kv, group, po), p_(p) {
-    CUMULUS_CHECK(p > 0 && p <= 1, "oracle_topp: p={} must be in (0, 1]", p);
-    const size_t rows = static_cast<size_t>(kv.n_seqs) * base().n_q;
-    scores_ = DeviceBuffer(rows * base().stride * sizeof(float));
-    chosen_ = DeviceBuffer(rows * base().stride * sizeof(int32_t));
-    rowlen_ = DeviceBuffer(rows * sizeof(int32_t));
-    n_chosen_ = DeviceBuffer(rows * sizeof(int32_t));
-  }
-  std::string name() const override { return "oracle_topp"; }
-  double select_bytes_per_token() const override {  // every key
-    return static_cast<double>(base().kv.head_dim) * dtype_size(base().kv.dtype);
-  }
-  void select(const float* q, void* stream) override {
-    Base& b = base();
-    const cudaStream_t s = as_stream(stream);
+  int units_stride() const { return units_ == Units::kPages ? base().kv.max_pages : base().stride; }
+
+  void score(Units u) {
+    units_ = u;
+    weights_ = false;
+    const Base& b = base();
+    if (sizing_) {
+      max_units_ = std::max(max_units_, units_stride());
+      // Bytes per cached token the scoring reads, as the host backends count them: every
+      // key, or the pages' key min and max in float32.
+      select_bytes_ += u == Units::kPages ? 2.0 * b.kv.head_dim * sizeof(float) / b.kv.page_size
+                                          : static_cast<double>(b.kv.head_dim) * dtype_size(b.kv.dtype);
+      return;
+    }
     const int rows = b.kv.n_seqs * b.n_q;
-    row_len_kernel<<<ceil_div(rows, 256), 256, 0, s>>>(b.kv.n_tokens, b.kv.n_seqs, b.n_q, b.kv.page_size,
-                                                       b.kv.page_shift, 0, rowlen_.as<int32_t>());
+    row_len_kernel<<<ceil_div(rows, 256), 256, 0, stream_>>>(b.kv.n_tokens, b.kv.n_seqs, b.n_q, b.kv.page_size,
+                                                             b.kv.page_shift, u == Units::kPages ? 1 : 0,
+                                                             rowlen_.as<int32_t>());
     CUMULUS_CUDA_LAUNCH("row_len_kernel");
-    token_score(b.kv, b.group, q, nullptr, nullptr, 0, scores_.as<float>(), b.stride, stream);
-    softmax_weights_kernel<<<rows, 512, 0, s>>>(scores_.as<float>(), rowlen_.as<int32_t>(), b.stride,
-                                                1.0f / std::sqrt(static_cast<float>(b.kv.head_dim)));
+    if (u == Units::kPages) {
+      CUMULUS_CHECK(b.kv.kmin != nullptr && b.kv.kmax != nullptr, "{}: score_pages_bound needs kv.kmin and kv.kmax",
+                    name_);
+      page_score(b.kv, b.group, PageScoreKind::kBound, q_, scores_.as<float>(), stream_);
+    } else {
+      token_score(b.kv, b.group, q_, nullptr, nullptr, 0, scores_.as<float>(), b.stride, stream_);
+    }
+  }
+
+  // The token scores become softmax weights (in place; monotone, so a later top-k ranks
+  // as the scores would, up to exp's ties).
+  void to_weights() {
+    if (weights_) return;
+    weights_ = true;
+    const Base& b = base();
+    softmax_weights_kernel<<<b.kv.n_seqs * b.n_q, 512, 0, stream_>>>(
+        scores_.as<float>(), rowlen_.as<int32_t>(), b.stride, 1.0f / std::sqrt(static_cast<float>(b.kv.head_dim)));
     CUMULUS_CUDA_LAUNCH("softmax_weights_kernel");
-    select_top_mass_rows(scores_.as<float>(), rowlen_.as<int32_t>(), rows, b.stride, p_, chosen_.as<int32_t>(),
-                         n_chosen_.as<int32_t>(), stream);
-    topp_mark_kernel<<<rows, 256, 0, s>>>(scores_.as<float>(), rowlen_.as<int32_t>(), b.stride,
-                                          chosen_.as<int32_t>(), n_chosen_.as<int32_t>(), b.n_q, b.group,
-                                          b.kv.n_kv_heads, b.bits.as<uint32_t>(), b.words, b.claimed.as<float>(),
-                                          b.budget.as<int32_t>());
-    CUMULUS_CUDA_LAUNCH("topp_mark_kernel");
-    b.compact(s);
   }
 
- private:
-  double p_;
-  DeviceBuffer scores_, chosen_, rowlen_, n_chosen_;
+  void ends(int head, int tail, float claim) {
+    if (sizing_) return;
+    Base& b = base();
+    ends_mark_kernel<<<b.n_lists, 256, 0, stream_>>>(b.kv.n_tokens, b.kv.n_kv_heads, b.group, head, tail, claim,
+                                                     b.bits.as<uint32_t>(), b.words, b.claimed.as<float>(),
+                                                     b.budget.as<int32_t>());
+    CUMULUS_CUDA_LAUNCH("ends_mark_kernel");
+  }
+
+  std::string name_;
+  SelectStep step_;
+  bool sizing_ = true;
+  int max_units_ = 0, max_chosen_ = 0;
+  double select_bytes_ = 0;
+  // The step being enqueued.
+  const float* q_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  Units units_ = Units::kNone;
+  bool weights_ = false;
+  int chosen_stride_ = 1;
+  DeviceBuffer scores_, rowlen_, chosen_, n_chosen_;
 };
 
 }  // namespace
 
-std::unique_ptr<SparseDecoder> make_quest_gpu(const DeviceKvView& kv, int group, int budget_tokens,
-                                              const AttentionPlanOptions& plan) {
-  return std::make_unique<QuestGpu>(kv, group, budget_tokens, plan);
-}
-
-std::unique_ptr<SparseDecoder> make_oracle_topp_gpu(const DeviceKvView& kv, int group, double p,
-                                                    const AttentionPlanOptions& plan) {
-  return std::make_unique<OracleToppGpu>(kv, group, p, plan);
+std::unique_ptr<SparseDecoder> make_ops_gpu(const DeviceKvView& kv, int group, std::string name, SelectStep step,
+                                            const AttentionPlanOptions& plan) {
+  return std::make_unique<OpsDecoder>(kv, group, std::move(name), std::move(step), plan);
 }
 
 }  // namespace cumulus::cuda

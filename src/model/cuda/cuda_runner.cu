@@ -811,7 +811,9 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs
 std::vector<std::string> cuda_runner_methods(const ModelConfig& config) {
   std::vector<std::string> out{"dense"};
   for (const auto& m : Registry::builtin().list()) {
-    if (m.kind != "decode" || m.name == "dense" || !cuda::model::cuda_decode_method_supported(m.name)) continue;
+    if (m.kind != "decode" || m.name == "dense" ||
+        !cuda::model::cuda_decode_method_supported(Registry::builtin(), m.name))
+      continue;
     try {
       cuda::model::cuda_decode_method_check(Registry::builtin(), m.name, {}, config.shape());
     } catch (const Error&) {

@@ -13,19 +13,29 @@
 namespace cumulus::cuda::model {
 namespace {
 
-const char* const kGpuMethods[] = {"dense", "sketch_topp", "tactic", "psa", "quest", "oracle_topp"};
+// The methods with a fused GPU pipeline of their own (kernels/cuda_methods.h).
+const char* const kFusedMethods[] = {"dense", "sketch_topp", "tactic", "psa"};
+
+// The head geometry of `kv` for a policy's factory (the layer count is not known here).
+Shape shape_of(const DeviceKvView& kv, int group) {
+  return Shape{1, kv.n_kv_heads * group, kv.n_kv_heads, kv.head_dim};
+}
 
 }  // namespace
 
-bool cuda_decode_method_supported(const std::string& method) {
-  for (const char* m : kGpuMethods)
+bool cuda_decode_method_supported(const Registry& registry, const std::string& method) {
+  for (const char* m : kFusedMethods)
     if (method == m) return true;
+  for (const MethodInfo& m : registry.list())
+    if (m.name == method) return m.make_policy != nullptr;
   return false;
 }
 
-std::string cuda_decode_method_names() {
+std::string cuda_decode_method_names(const Registry& registry) {
   std::string s;
-  for (const char* m : kGpuMethods) s += (s.empty() ? "" : ", ") + std::string(m);
+  for (const char* m : kFusedMethods) s += (s.empty() ? "" : ", ") + std::string(m);
+  for (const MethodInfo& m : registry.list())
+    if (m.make_policy != nullptr) s += ", " + m.name;
   return s;
 }
 
@@ -33,8 +43,9 @@ void cuda_decode_method_check(const Registry& registry, const std::string& metho
                               const std::map<std::string, std::string>& params, const Shape& shape) {
   const MethodInfo& info = registry.find(method);  // unknown: Error listing the known ones
   CUMULUS_CHECK(info.make_decode != nullptr, "--device cuda: '{}' is not a decode method", method);
-  CUMULUS_CHECK(cuda_decode_method_supported(method), "--device cuda: decode method '{}' is not yet on cuda (on cuda: {})", method,
-                cuda_decode_method_names());
+  CUMULUS_CHECK(cuda_decode_method_supported(registry, method),
+                "--device cuda: decode method '{}' is not yet on cuda (on cuda: {})", method,
+                cuda_decode_method_names(registry));
   CUMULUS_CHECK(method == "dense" || head_dim_supported_cuda(shape.head_dim),
                 "--device cuda: decode method '{}' needs head_dim 64, 128 or 256 on the GPU, not {}", method,
                 shape.head_dim);
@@ -69,7 +80,12 @@ size_t cuda_decoder_bytes(const Registry& registry, const std::string& method,
                           int n_layers) {
   if (method == "dense") return 0;
   int layers = n_layers;
-  if (method == "quest") layers = std::max(0, n_layers - registry.parse(method, params).get_int("dense_layers"));
+  if (const MethodInfo& m = registry.find(method); m.make_policy != nullptr) {
+    const std::shared_ptr<const SelectPolicy> policy =
+        m.make_policy(shape_of(kv, group), registry.parse(method, params));
+    layers = 0;
+    for (int l = 0; l < n_layers; ++l) layers += policy->dense_layer(l) ? 0 : 1;
+  }
   if (layers == 0) return 0;
   size_t free0 = 0, free1 = 0, total = 0;
   CUMULUS_CUDA_CHECK(cudaMemGetInfo(&free0, &total));
@@ -102,12 +118,14 @@ std::unique_ptr<SparseDecoder> make_cuda_decoder(const Registry& registry, const
     o.criticality = p.get_string("criticality") == "mean" ? PageScoreKind::kMean : PageScoreKind::kBound;
     return make_psa_gpu(kv, group, o);
   }
-  if (method == "quest") {
-    if (layer < p.get_int("dense_layers")) return nullptr;
-    return make_quest_gpu(kv, group, p.get_int("budget"));
+  if (const MethodInfo& m = registry.find(method); m.make_policy != nullptr) {
+    // Defined once (methods/policy.h): the policy's ops on the device.
+    std::shared_ptr<const SelectPolicy> policy = m.make_policy(shape_of(kv, group), p);
+    if (policy->dense_layer(layer)) return nullptr;
+    return make_ops_gpu(kv, group, method, policy_step(std::move(policy), layer));
   }
-  if (method == "oracle_topp") return make_oracle_topp_gpu(kv, group, p.get_double("p"));
-  CUMULUS_FAIL("--device cuda: decode method '{}' is not yet on cuda (on cuda: {})", method, cuda_decode_method_names());
+  CUMULUS_FAIL("--device cuda: decode method '{}' is not yet on cuda (on cuda: {})", method,
+               cuda_decode_method_names(registry));
 }
 
 }  // namespace cumulus::cuda::model

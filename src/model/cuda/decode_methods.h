@@ -1,5 +1,6 @@
 // The decode methods of the CUDA runtime (issue 16): the registry's methods whose GPU
-// pipelines exist (kernels/cuda_methods.h), built from the registry's parameters, so a name
+// pipelines exist (kernels/cuda_methods.h) and those defined once over the selection ops
+// (methods/policy.h, run by cuda::make_ops_gpu), built from the registry's parameters, so a name
 // and its key=value parameters mean the same on either device. Checked before any work: an
 // unknown method or parameter, a bad value (the CPU method's own checks run), a method not
 // on the GPU, or a parameter value the GPU pipeline does not implement is an Error naming it.
@@ -15,9 +16,10 @@
 
 namespace cumulus::cuda::model {
 
-// The decode methods the CUDA runtime runs ("dense" and the GPU pipelines), for messages.
-std::string cuda_decode_method_names();
-bool cuda_decode_method_supported(const std::string& method);
+// The decode methods the CUDA runtime runs: "dense", the fused GPU pipelines, and every
+// method of `registry` defined once over the selection ops (MethodInfo::make_policy).
+std::string cuda_decode_method_names(const Registry& registry);
+bool cuda_decode_method_supported(const Registry& registry, const std::string& method);
 
 // Throws Error as above. `shape` is the model's (the CPU method is constructed once to run
 // its parameter checks).
@@ -34,8 +36,8 @@ CudaDecodePlan cuda_decode_plan(const Registry& registry, const std::string& met
 // Device memory the method's decoders take in a model of n_layers layers whose caches are
 // like `kv` (every sequence at the view's max_tokens): measured, by making the decoder of
 // the last layer over `kv` and reading the device's free memory before and after (the
-// pipelines size their buffers at construction), times the layers that get one (quest's
-// dense_layers get none); 0 for dense.
+// pipelines size their buffers at construction), times the layers that get one (a policy's
+// dense layers, as quest's dense_layers, get none); 0 for dense.
 size_t cuda_decoder_bytes(const Registry& registry, const std::string& method,
                           const std::map<std::string, std::string>& params, const cuda::DeviceKvView& kv, int group,
                           int n_layers);
