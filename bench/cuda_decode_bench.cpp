@@ -48,11 +48,11 @@
 #include "cumulus/eval/trace.h"
 #include "cumulus/kernels/attention.h"
 #include "cumulus/kernels/cuda.h"
-#include "cumulus/kernels/cuda_methods.h"
+#include "cumulus/methods/cuda_methods.h"
 #include "cumulus/methods/method.h"
 #include "cumulus/methods/registry.h"
 #include "cumulus/kv/kv_cache.h"
-#include "kernels/cuda/bench_options.h"
+#include "methods/cuda/bench_options.h"
 
 using namespace cumulus;
 using json = nlohmann::json;

@@ -1,5 +1,5 @@
 // Tactic's rules (001 section 4, Algorithm 1) written once for the CPU method
-// (src/methods/tactic.cpp) and the GPU pipeline (src/kernels/cuda/tactic.cu), so that both
+// (src/methods/tactic.cpp) and the GPU pipeline (src/methods/cuda/tactic.cu), so that both
 // select from the same positions and start k-means from the same sample: the exactly scored
 // positions of a ranked list (host and device: the GPU computes them in its kernels), the
 // number of clusters, and the seeded initial sample. The parameters are

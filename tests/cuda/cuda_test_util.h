@@ -12,7 +12,7 @@
 
 #include "cumulus/kernels/attention.h"
 #include "cumulus/kernels/cuda.h"
-#include "cumulus/kernels/cuda_methods.h"
+#include "cumulus/methods/cuda_methods.h"
 #include "cumulus/methods/registry.h"
 #include "cumulus/kv/kv_cache.h"
 

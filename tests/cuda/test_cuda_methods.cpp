@@ -14,9 +14,9 @@
 #include "cumulus/core/error.h"
 #include "cumulus/eval/synthetic.h"
 #include "cumulus/kernels/attention.h"
-#include "cumulus/kernels/cuda_methods.h"
+#include "cumulus/methods/cuda_methods.h"
 #include "cumulus/methods/registry.h"
-#include "kernels/cuda/bench_options.h"
+#include "methods/cuda/bench_options.h"
 
 using namespace cumulus;
 using namespace cumulus::cuda_test;

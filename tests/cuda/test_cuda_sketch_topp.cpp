@@ -1,4 +1,4 @@
-// sketch_topp on the GPU (src/kernels/cuda/sketch_topp.cu) against its CPU twin
+// sketch_topp on the GPU (src/methods/cuda/sketch_topp.cu) against its CPU twin
 // (src/methods/sketch_topp.cpp through the registry) and the CPU sketch (kernels/sketch.h):
 //   - the device sketch equals the CPU encoder's output bit for bit (channels, codes,
 //     offsets, steps), for a batch of different sequences of awkward lengths, f16 and bf16,
@@ -25,7 +25,7 @@
 #include "cumulus/core/error.h"
 #include "cumulus/eval/synthetic.h"
 #include "cumulus/kernels/attention.h"
-#include "cumulus/kernels/cuda_methods.h"
+#include "cumulus/methods/cuda_methods.h"
 #include "cumulus/kernels/sketch.h"
 #include "cumulus/methods/registry.h"
 

@@ -2,7 +2,7 @@
 // the GPU. The synthetic workload (eval/synthetic.h, the same seeds and defaults as the CPU
 // run) is uploaded to a DeviceKvCache of one sequence; each decode method runs as the model
 // runtime runs it (src/model/cuda/decode_methods.h: the registry's names and parameters, the
-// GPU pipelines of kernels/cuda_methods.h; dense is attention_decode).
+// GPU decoders of methods/cuda_methods.h and kernels/cuda_decoder.h; dense is attention_decode).
 //   accuracy pass: select + attend with the dense log-sum-exp as reference, so the kernel
 //     returns each query head's true mass over what it read; ||o - o_dense|| / ||o_dense||
 //     against our dense output; tokens and claims from SparseDecoder::stats();
@@ -29,7 +29,7 @@
 #include "cumulus/eval/synthetic.h"
 #include "cumulus/kernels/attention.h"
 #include "cumulus/kernels/cuda.h"
-#include "cumulus/kernels/cuda_methods.h"
+#include "cumulus/methods/cuda_methods.h"
 #include "cumulus/kv/kv_cache.h"
 #include "cumulus/methods/registry.h"
 #include "cumulus/model/cuda_runner.h"

@@ -1,7 +1,7 @@
 // The selection ops a decode method's select step is written against (DESIGN.md "one
 // engine, two backends"; methods/policy.h holds the methods written this way). One
 // interface, three backends: ref (float64 scoring, serial), cpu (Highway, on a thread pool)
-// and cuda (kernels/cuda_methods.h, make_ops_gpu: batched on the device, no host wait).
+// and cuda (kernels/cuda_decoder.h, make_ops_gpu: batched on the device, no host wait).
 //
 // A step works on a batch of sequences of one layer. Its rows are (sequence, query head)
 // pairs; row (s, j) reads the cache of kv head j / group of sequence s. The ops keep the

@@ -7,7 +7,7 @@
 // sets make_policy; its make_decode is then the CPU adapter.
 //
 // Methods whose GPU step fuses what the ops would separate (tactic, psa, sketch_topp) and
-// LFPS keep a CPU DecodeMethod and, on the GPU, a fused pipeline (kernels/cuda_methods.h);
+// LFPS keep a CPU DecodeMethod and, on the GPU, a fused pipeline (methods/cuda_methods.h);
 // docs/architecture.md says why.
 #pragma once
 

@@ -1,7 +1,7 @@
 // The model runtime on the GPU (src/model/cuda, docs/cuda.md "Model runtime"): a Llama
 // forward pass with the weights on the device in f16, cuBLAS for the products, the KV cache
 // of every layer in a DeviceKvCache filled on the device, and decode attention through the
-// session's decode method: dense, or one of the GPU pipelines of kernels/cuda_methods.h
+// session's decode method: dense, or one of the GPU decoders (methods/cuda_methods.h, or a method defined over the selection ops)
 // (sketch_topp, tactic, psa, quest, oracle_topp) built from the registry's parameters
 // (src/model/cuda/decode_methods.h), and prefill attention dense or flexprefill
 // (src/model/cuda/prefill_methods.h; prefill_stats() as the CPU method's). In eval mode
@@ -60,7 +60,7 @@ class CudaModelRunner : public ModelRunner {
 };
 
 // The decode methods the CUDA runner runs for this model at their defaults: "dense" and the
-// registry's methods whose GPU pipeline (kernels/cuda_methods.h) takes the model's shape
+// registry's methods whose GPU decoder (methods/cuda_methods.h, methods/policy.h) takes the model's shape
 // (head_dim 64/128/256; sketch_topp's group), in the registry's order.
 std::vector<std::string> cuda_runner_methods(const ModelConfig& config);
 

@@ -90,7 +90,7 @@ void kmeans_group(const int32_t* assign, int n, int k, int32_t* members, int32_t
 #include <utility>
 #include <vector>
 
-#include "cumulus/kernels/cuda_methods.h"
+#include "cumulus/kernels/cuda_decoder.h"
 
 namespace cumulus::cuda {
 

@@ -1,4 +1,4 @@
-// The part every GPU sparse method shares (kernels/cuda_methods.h): union bitmaps compacted
+// The part every GPU sparse method shares (kernels/cuda_decoder.h): union bitmaps compacted
 // into per-kv-head lists, sparse attention over them, host statistics; and the selection
 // ops' CUDA backend (kernels/select_ops.h, make_ops_gpu), which runs the methods written
 // once against them (methods/policy.h: quest, oracle_topp, oracle_topk, streaming).
@@ -7,7 +7,7 @@
 
 #include "bench_options.h"
 #include "cuda_internal.cuh"
-#include "cumulus/kernels/cuda_methods.h"
+#include "cumulus/kernels/cuda_decoder.h"
 
 namespace cumulus::cuda {
 

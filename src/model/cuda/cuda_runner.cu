@@ -32,7 +32,7 @@
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/cuda.h"
 #include "cumulus/kernels/cuda_prefill.h"
-#include "cumulus/kernels/cuda_methods.h"
+#include "cumulus/methods/cuda_methods.h"
 #include "cumulus/methods/method.h"
 #include "cumulus/methods/registry.h"
 #include "cumulus/model/cuda_runner.h"

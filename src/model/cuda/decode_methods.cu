@@ -13,7 +13,7 @@
 namespace cumulus::cuda::model {
 namespace {
 
-// The methods with a fused GPU pipeline of their own (kernels/cuda_methods.h).
+// The methods with a fused GPU pipeline of their own (methods/cuda_methods.h).
 const char* const kFusedMethods[] = {"dense", "sketch_topp", "tactic", "psa"};
 
 // The head geometry of `kv` for a policy's factory (the layer count is not known here).

@@ -1,5 +1,5 @@
 // The decode methods of the CUDA runtime (issue 16): the registry's methods whose GPU
-// pipelines exist (kernels/cuda_methods.h) and those defined once over the selection ops
+// pipelines exist (methods/cuda_methods.h) and those defined once over the selection ops
 // (methods/policy.h, run by cuda::make_ops_gpu), built from the registry's parameters, so a name
 // and its key=value parameters mean the same on either device. Checked before any work: an
 // unknown method or parameter, a bad value (the CPU method's own checks run), a method not
@@ -11,7 +11,7 @@
 #include <string>
 
 #include "cumulus/core/shape.h"
-#include "cumulus/kernels/cuda_methods.h"
+#include "cumulus/methods/cuda_methods.h"
 #include "cumulus/methods/registry.h"
 
 namespace cumulus::cuda::model {

@@ -28,8 +28,8 @@
 #include <cmath>
 
 #include "bench_options.h"
-#include "cuda_internal.cuh"
-#include "cumulus/kernels/cuda_methods.h"
+#include "cumulus/methods/cuda_methods.h"
+#include "kernels/cuda/cuda_internal.cuh"
 #include "kernels/tactic_rules.h"
 
 #include <cub/block/block_radix_sort.cuh>

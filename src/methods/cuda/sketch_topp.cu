@@ -37,9 +37,9 @@
 #include <utility>
 #include <vector>
 
-#include "cuda_internal.cuh"
-#include "cumulus/kernels/cuda_methods.h"
 #include "cumulus/kernels/sketch.h"
+#include "cumulus/methods/cuda_methods.h"
+#include "kernels/cuda/cuda_internal.cuh"
 
 namespace cumulus::cuda {
 namespace {

@@ -17,8 +17,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "cuda_internal.cuh"
-#include "cumulus/kernels/cuda_methods.h"
+#include "cumulus/methods/cuda_methods.h"
+#include "kernels/cuda/cuda_internal.cuh"
 
 namespace cumulus::cuda {
 namespace {

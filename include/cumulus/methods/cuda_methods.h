@@ -1,0 +1,94 @@
+// The fused GPU pipelines of the sparse decode methods (src/methods/cuda; docs/cuda.md,
+// docs/methods.md): tactic, psa and sketch_topp, each a SparseDecoder
+// (kernels/cuda_decoder.h) whose select() fuses what the selection ops would separate, for
+// a batch of sequences, entirely on the device. The methods defined once over the ops
+// (quest, oracle_topp, oracle_topk, streaming) need nothing here: cuda::make_ops_gpu runs
+// their policy. Plain C++: no CUDA header here.
+//
+// These mirror the CPU methods in src/methods (same equations, same parameters); the
+// deviations are listed in docs/cuda.md (centroids scored in f16, no re-clustering on the
+// GPU, psa's estimate rule only, progressive rounds).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "cumulus/kernels/cuda_decoder.h"
+#include "cumulus/kernels/sketch_topp.h"
+#include "cumulus/kernels/tactic.h"
+
+namespace cumulus::cuda {
+
+// tactic (001 section 4, Algorithm 1): k-means of the keys at prefill; per step clusters
+// ranked by q . centroid, the exactly scored head and windows of the unpacked list, the
+// a/x + b fit, the budget reaching P, the group's union, plus the dense tail. The ranking
+// and the marks run as docs/cuda.md describes (the variants kept for benchmarks are
+// src/methods/cuda/bench_options.h's). The parameters are the CPU method's (kernels/tactic.h:
+// p, cluster_size, max_iter, init_ratio, window, p1, p2, sinks, recent, seed), plus:
+struct TacticGpuOptions : TacticOptions {
+  int layer = 0;  // seeds the k-means initial sample as on the CPU (seed, layer, kv head, 0)
+};
+std::unique_ptr<SparseDecoder> make_tactic_gpu(const DeviceKvView& kv, int group, const TacticGpuOptions& o,
+                                               const AttentionPlanOptions& plan = {});
+
+// psa (004 section 3.2, Algorithm 1; estimate rule): pages ranked by criticality, visited
+// in microbatches until AS_acc / (AS_acc + AS_min N_left) >= threshold. The visits run in
+// rounds of growing size; after each round a verifying pass (the round's last CTA for each
+// head) finds the exact stopping microbatch on the device and marks the head done, and
+// later rounds skip done heads: no host round trip per microbatch (section 3.3).
+struct PsaGpuOptions {
+  double threshold = 0.95;
+  int microbatch = 1;
+  PageScoreKind criticality = PageScoreKind::kMean;
+};
+std::unique_ptr<SparseDecoder> make_psa_gpu(const DeviceKvView& kv, int group, const PsaGpuOptions& o,
+                                            const AttentionPlanOptions& plan = {});
+
+// sketch_topp (ours, issue 17; docs/methods.md "sketch_topp", docs/cuda.md "sketch_topp on
+// the GPU"). prefill() builds a 4-bit sketch of
+// every key of every sequence (kernels/sketch.h's layout and encoder: the CPU's codes bit
+// for bit); a step estimates every token's weight from the sketch, chooses each kv head's
+// union (the smallest prefix of the tokens ordered by their largest estimated share at
+// which every query head's estimated share reaches candidate_p, to 1/64 of an octave as the
+// CPU's select_mass_threshold), attends it, and claims A / (A + the sketch's estimate of
+// the tokens not read). Tokens appended after prefill are encoded by the next select()
+// with the prompt's normalisation; after DeviceKvCache::truncate call prefill() again.
+// Deviation from the CPU: no rounds (a head whose claim falls short of p keeps its union).
+// The parameters are the CPU method's (kernels/sketch_topp.h: p, candidate_p, sinks, recent,
+// min_context, dense_above, rest_mean), except that rest_mean defaults to false here: the
+// kernel benchmark and the twin tests time and check the selection; the model runtime
+// passes the registry's value. With rest_mean the value sums are kept per (sequence, kv
+// head) on the device: all tokens at prefill(), the appended ones at each select(). Plus:
+struct SketchToppGpuOptions : SketchToppOptions {
+  SketchToppGpuOptions() { rest_mean = false; }
+  // GPU only, a cost rule of the whole step: when the batch's K/V (every sequence at the
+  // view's max_tokens, K and V) is at most this many bytes, select() enqueues nothing and
+  // attend() runs the dense kernel (claims 1). A step's selection costs a few fixed
+  // launches whatever the context; below this size they cost more than the bytes they
+  // save (docs/cuda.md "sketch_topp on the GPU" has the measurements). 0: never.
+  size_t dense_kv_bytes = size_t{256} << 20;
+  // Tokens per CTA of the weights pass and of the histogram pass (0: planned from the batch
+  // and the multiprocessor count; multiples of 512).
+  int weights_chunk = 0;
+  int hist_chunk = 0;
+};
+// The most query heads per kv head make_sketch_topp_gpu takes (its kernels hold the group
+// in registers).
+inline constexpr int kSketchToppMaxGroup = 8;
+std::unique_ptr<SparseDecoder> make_sketch_topp_gpu(const DeviceKvView& kv, int group, const SketchToppGpuOptions& o,
+                                                    const AttentionPlanOptions& plan = {});
+
+// Tests and tools: the device sketch of sequence `seq`, kv head `h` of a decoder made by
+// make_sketch_topp_gpu, copied to the host (synchronous), in kernels/sketch.h's layout:
+//   codes [ceil(n / 16)][head_dim / 8][16][4], offset and step [ceil(n / 16) * 16] f16 bits,
+//   center and scale [head_dim]; n = the tokens encoded.
+struct DeviceSketchCopy {
+  int n_tokens = 0;
+  std::vector<uint8_t> codes;
+  std::vector<uint16_t> offset, step;
+  std::vector<float> center, scale;
+};
+DeviceSketchCopy sketch_topp_gpu_download(const SparseDecoder& m, int seq, int h);
+
+}  // namespace cumulus::cuda
