@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
@@ -52,16 +53,19 @@ double mass(const std::vector<float>& w, const std::vector<int32_t>& idx, size_t
 
 TEST(Selection, TopkCpuEqualsReferenceAndHoldsTheLargest) {
   std::mt19937 rng(11);
+  SelectWorkspace ws;
   for (int n : kSizes) {
     for (int kind = 0; kind < 3; ++kind) {
       const std::vector<float> s = random_values(rng, n, kind, false);
       for (int k : {1, 2, 7, 16, n / 3 + 1, n / 16 + 1, n - 1, n, n + 5}) {
         if (k < 1) continue;
         SCOPED_TRACE("n=" + std::to_string(n) + " kind=" + std::to_string(kind) + " k=" + std::to_string(k));
-        std::vector<int32_t> r, c = {42};  // c starts dirty: the op must overwrite it
+        std::vector<int32_t> r, c = {42}, cw = {3};  // c, cw start dirty: the op must overwrite them
         ref::select_topk(s.data(), n, k, r);
         cpu::select_topk(s.data(), n, k, c);
+        cpu::select_topk(s.data(), n, k, cw, &ws);  // one workspace through every size
         ASSERT_EQ(c, r);
+        ASSERT_EQ(cw, r);
         ASSERT_EQ(static_cast<int>(r.size()), std::min(n, k));
         // Ordered by score descending, ties by lower index; nothing left out beats the last.
         for (size_t i = 1; i < r.size(); ++i) {
@@ -81,6 +85,7 @@ TEST(Selection, TopkCpuEqualsReferenceAndHoldsTheLargest) {
 
 TEST(Selection, TopMassCpuEqualsReferenceAndIsMinimal) {
   std::mt19937 rng(12);
+  SelectWorkspace ws;
   for (int n : kSizes) {
     for (int kind = 0; kind < 3; ++kind) {
       const std::vector<float> w = random_values(rng, n, kind, true);
@@ -88,10 +93,12 @@ TEST(Selection, TopMassCpuEqualsReferenceAndIsMinimal) {
       for (float x : w) total += x;
       for (double p : {1e-9, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0}) {
         SCOPED_TRACE("n=" + std::to_string(n) + " kind=" + std::to_string(kind) + " p=" + std::to_string(p));
-        std::vector<int32_t> r, c = {7, 7};
+        std::vector<int32_t> r, c = {7, 7}, cw = {1};
         ref::select_top_mass(w.data(), n, p, r);
         cpu::select_top_mass(w.data(), n, p, c);
+        cpu::select_top_mass(w.data(), n, p, cw, &ws);  // one workspace through every size
         ASSERT_EQ(c, r);
+        ASSERT_EQ(cw, r);
         ASSERT_GE(r.size(), 1u);
         std::vector<int32_t> sorted = r;
         std::sort(sorted.begin(), sorted.end());
@@ -133,7 +140,11 @@ TEST(Selection, TopMassCpuEqualsReferenceAndIsMinimal) {
 TEST(Selection, TopMassTiesGoToLowerIndexAndFullMassTakesEverythingPositive) {
   // Four equal weights of 0.25: p = 0.5 needs two, and the lower indices win.
   const std::vector<float> w = {0.25f, 0.25f, 0.25f, 0.25f};
-  for (auto fn : {ref::select_top_mass, cpu::select_top_mass}) {
+  using TopMass = std::function<void(const float*, int, double, std::vector<int32_t>&)>;
+  for (const TopMass& fn : {TopMass(ref::select_top_mass), TopMass([](const float* x, int n, double p,
+                                                                       std::vector<int32_t>& o) {
+                              cpu::select_top_mass(x, n, p, o);
+                            })}) {
     std::vector<int32_t> out;
     fn(w.data(), 4, 0.5, out);
     EXPECT_EQ(out, (std::vector<int32_t>{0, 1}));
@@ -183,8 +194,12 @@ TEST(Selection, BadInputNamesTheValue) {
   const std::vector<float> neg = {0.5f, -0.25f};
   std::vector<int32_t> out;
   for (int backend = 0; backend < 2; ++backend) {
-    auto topk = backend ? cpu::select_topk : ref::select_topk;
-    auto top_mass = backend ? cpu::select_top_mass : ref::select_top_mass;
+    auto topk = [backend](const float* x, int n, int k, std::vector<int32_t>& o) {
+      backend ? cpu::select_topk(x, n, k, o) : ref::select_topk(x, n, k, o);
+    };
+    auto top_mass = [backend](const float* x, int n, double p, std::vector<int32_t>& o) {
+      backend ? cpu::select_top_mass(x, n, p, o) : ref::select_top_mass(x, n, p, o);
+    };
     auto prefix = backend ? cpu::select_cumulative_prefix : ref::select_cumulative_prefix;
     expect_error([&] { topk(w.data(), 2, 0, out); }, "k=0 must be >= 1");
     expect_error([&] { topk(w.data(), 4, 2, out); }, "scores[2]=nan");

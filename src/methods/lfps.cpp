@@ -275,7 +275,7 @@ class Lfps final : public DecodeMethod {
     if (cand_.empty()) return;  // nothing to attend beyond the sinks, nothing to learn
     scores_.resize(cand_.size());
     cpu::token_score(v, q, 1, cand_.data(), static_cast<int>(cand_.size()), scores_.data());
-    cpu::select_topk(scores_.data(), static_cast<int>(cand_.size()), k, top_);
+    cpu::select_topk(scores_.data(), static_cast<int>(cand_.size()), k, top_, &select_ws_);
     chosen_.resize(top_.size());
     c2_scores_.resize(top_.size());
     for (size_t u = 0; u < top_.size(); ++u) chosen_[u] = cand_[top_[u]], c2_scores_[u] = scores_[top_[u]];
@@ -306,6 +306,7 @@ class Lfps final : public DecodeMethod {
   std::vector<double> probs_;
   std::vector<int32_t> rho_idx_, cand_, top_, chosen_;
   std::vector<uint8_t> mark_;
+  SelectWorkspace select_ws_;
 };
 
 }  // namespace

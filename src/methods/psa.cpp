@@ -47,6 +47,7 @@ struct Scratch {
   std::vector<float> crit_scores, bounds, scores;
   std::vector<double> log_rest;
   std::vector<int32_t> order, idx;
+  SelectWorkspace select;  // the ranking's sort keys
 };
 
 class Psa final : public DecodeMethod {
@@ -92,7 +93,7 @@ class Psa final : public DecodeMethod {
     } else {
       cpu::page_score_bound(v, q, w.crit_scores.data());
     }
-    cpu::select_topk(w.crit_scores.data(), n_pages, n_pages, w.order);  // line 6: rank by CS
+    cpu::select_topk(w.crit_scores.data(), n_pages, n_pages, w.order, &w.select);  // line 6: rank by CS
 
     // certified: w.log_rest[r] = log sum_{r' >= r} |b_r'| exp(scale * ub_b_r'), the bound on
     // what the blocks from rank r on can hold.

@@ -73,6 +73,7 @@ struct Scratch {
   std::vector<int32_t> group_tokens, slot_of;  // the heads' exactly scored tokens; token -> index
   std::vector<float> group_scores;             // [g][group_tokens]
   int n_scored = 0;  // cluster_optimal: tokens in all_scores per query head
+  SelectWorkspace select;  // the clusters' ranking's sort keys
 };
 
 // A head's list x_1..x_L (4.3) without unpacking it: the clusters in rank order, each one's
@@ -218,7 +219,8 @@ class Tactic final : public DecodeMethod {
         Scratch::HeadList& hl = w.heads[static_cast<size_t>(j)];
         hl.order.clear();
         if (n_clusters > 0)
-          cpu::select_topk(w.cscores.data() + static_cast<size_t>(j) * n_clusters, n_clusters, n_clusters, hl.order);
+          cpu::select_topk(w.cscores.data() + static_cast<size_t>(j) * n_clusters, n_clusters, n_clusters, hl.order,
+                           &w.select);
         RankedList list{src, fbegin, hl.order.data(), &hl.cum};
         list.rank(static_cast<int>(hl.order.size()));
         hl.tw = TacticWindows{};

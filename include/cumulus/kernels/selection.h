@@ -73,10 +73,21 @@ int select_cumulative_prefix(const float* values, int n, double threshold);
 void select_top_mass(const float* weights, int n, double p, std::vector<int32_t>& out);
 }  // namespace ref
 
+// The CPU's scratch of select_topk and select_top_mass (sort keys, bucket counts and sums:
+// up to 3 n words), owned by the caller so that it lives as long as its owner (a method's
+// head, a pool worker), not as long as a thread. A call without one allocates its own.
+struct SelectWorkspace {
+  std::vector<uint32_t> key, key2;  // [n] radix sort keys
+  std::vector<int32_t> idx2;        // [n] the sort's second index buffer
+  std::vector<int> count;           // [buckets]
+  std::vector<float> in_b;          // the k-th largest score's bucket
+  std::vector<double> bucket_sum;   // [buckets]
+};
 namespace cpu {
-void select_topk(const float* scores, int n, int k, std::vector<int32_t>& out);
+void select_topk(const float* scores, int n, int k, std::vector<int32_t>& out, SelectWorkspace* workspace = nullptr);
 int select_cumulative_prefix(const float* values, int n, double threshold);
-void select_top_mass(const float* weights, int n, double p, std::vector<int32_t>& out);
+void select_top_mass(const float* weights, int n, double p, std::vector<int32_t>& out,
+                     SelectWorkspace* workspace = nullptr);
 }  // namespace cpu
 
 }  // namespace cumulus

@@ -129,6 +129,7 @@ class HostOps final : public HostSelectOps {
     std::vector<uint64_t> marks;               // the union, a bit per token
     std::vector<double> claims;                // [group]
     std::vector<int32_t> list;                 // the union as a list, before the swap
+    SelectWorkspace select;                    // top-k's and top-mass's scratch
     double bytes = 0;
     bool probs_ok = false;
   };
@@ -169,13 +170,15 @@ class HostOps final : public HostSelectOps {
         case Kind::kTopk: {
           const int m = units == Units::kPages ? v.n_pages() : n;
           for (int j = 0; j < g; ++j)
-            k_.select_topk(h.scores.data() + static_cast<size_t>(j) * m, m, op.k, h.chosen[static_cast<size_t>(j)]);
+            k_.select_topk(h.scores.data() + static_cast<size_t>(j) * m, m, op.k, h.chosen[static_cast<size_t>(j)],
+                           &h.select);
           break;
         }
         case Kind::kTopMass:
           ensure_probs(h, v);
           for (int j = 0; j < g; ++j)
-            k_.select_top_mass(h.probs.data() + static_cast<size_t>(j) * n, n, op.p, h.chosen[static_cast<size_t>(j)]);
+            k_.select_top_mass(h.probs.data() + static_cast<size_t>(j) * n, n, op.p, h.chosen[static_cast<size_t>(j)],
+                               &h.select);
           break;
         case Kind::kMarkChosen:
           if (op.claim) ensure_probs(h, v);

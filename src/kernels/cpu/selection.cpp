@@ -62,9 +62,10 @@ inline int order_bucket(float x) { return static_cast<int>(order_key(x) >> kBuck
 // skipped. Tactic and PSA rank every cluster or page of a head each step: 2,048 of them
 // sorted this way instead of by std::sort with the comparator took a decode step's
 // sorting from ~19% of Tactic's step to ~3% (docs/performance-log.md).
-void sort_descending(const float* v, int n, std::vector<int32_t>& out) {
-  thread_local std::vector<uint32_t> key, key2;
-  thread_local std::vector<int32_t> idx2;
+void sort_descending(const float* v, int n, std::vector<int32_t>& out, SelectWorkspace& ws) {
+  std::vector<uint32_t>& key = ws.key;
+  std::vector<uint32_t>& key2 = ws.key2;
+  std::vector<int32_t>& idx2 = ws.idx2;
   key.resize(n);
   key2.resize(n);
   idx2.resize(n);
@@ -102,18 +103,21 @@ void sort_descending(const float* v, int n, std::vector<int32_t>& out) {
 
 }  // namespace
 
-void select_topk(const float* scores, int n, int k, std::vector<int32_t>& out) {
+void select_topk(const float* scores, int n, int k, std::vector<int32_t>& out, SelectWorkspace* workspace) {
   CUMULUS_CHECK(k >= 1, "k={} must be >= 1", k);
   CUMULUS_CHECK(n >= 0, "n={} must be >= 0", n);
   CUMULUS_CHECK(n == 0 || scores != nullptr, "scores must be non-null for n={}", n);
   for (int i = 0; i < n; ++i) CUMULUS_CHECK(!std::isnan(scores[i]), "scores[{}]=nan", i);
   const DescendingThenIndex before{scores};
   if (k >= n) {
-    sort_descending(scores, n, out);
+    SelectWorkspace own;
+    sort_descending(scores, n, out, workspace != nullptr ? *workspace : own);
     return;
   }
   // b: the bucket of the k-th largest score; n_above scores lie in higher buckets.
-  thread_local std::vector<int> count;
+  SelectWorkspace own;
+  SelectWorkspace& ws = workspace != nullptr ? *workspace : own;
+  std::vector<int>& count = ws.count;
   count.assign(kBuckets, 0);
   for (int i = 0; i < n; ++i) ++count[order_bucket(scores[i])];
   int b = kBuckets - 1, n_above = 0;
@@ -121,7 +125,7 @@ void select_topk(const float* scores, int n, int k, std::vector<int32_t>& out) {
   // t: the k-th largest score, the (k - n_above)-th largest of bucket b (nth_element on
   // plain floats, only that bucket's). The chosen set is every score > t, then the
   // lowest indices of the scores == t.
-  thread_local std::vector<float> in_b;
+  std::vector<float>& in_b = ws.in_b;
   in_b.clear();
   for (int i = 0; i < n; ++i)
     if (order_bucket(scores[i]) == b) in_b.push_back(scores[i]);
@@ -191,12 +195,13 @@ void top_mass_chunked(const float* weights, int n, double target, std::vector<in
 
 }  // namespace
 
-void select_top_mass(const float* weights, int n, double p, std::vector<int32_t>& out) {
+void select_top_mass(const float* weights, int n, double p, std::vector<int32_t>& out, SelectWorkspace* workspace) {
   CUMULUS_CHECK(p > 0 && p <= 1, "p={} must be in (0, 1]", p);
   CUMULUS_CHECK(n >= 0, "n={} must be >= 0", n);
   CUMULUS_CHECK(n == 0 || weights != nullptr, "weights must be non-null for n={}", n);
   // [kBuckets] float64 sums of the weights per bucket (they only pick candidates).
-  thread_local std::vector<double> bucket_sum;
+  SelectWorkspace own;
+  std::vector<double>& bucket_sum = (workspace != nullptr ? *workspace : own).bucket_sum;
   bucket_sum.assign(kBuckets, 0.0);
   double total = 0;  // index order 0..n-1, as the reference
   for (int i = 0; i < n; ++i) {

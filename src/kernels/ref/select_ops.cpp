@@ -17,8 +17,10 @@ std::unique_ptr<HostSelectOps> make_select_ops() {
                ref::page_score_bound(kv, q + static_cast<size_t>(j) * kv.head_dim,
                                      s + static_cast<size_t>(j) * kv.n_pages());
            },
-       .select_topk = &ref::select_topk,
-       .select_top_mass = &ref::select_top_mass,
+       .select_topk = [](const float* s, int n, int k, std::vector<int32_t>& out,
+                         SelectWorkspace*) { ref::select_topk(s, n, k, out); },
+       .select_top_mass = [](const float* w, int n, double p, std::vector<int32_t>& out,
+                             SelectWorkspace*) { ref::select_top_mass(w, n, p, out); },
        .parallel = false});
 }
 
