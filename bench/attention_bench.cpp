@@ -242,6 +242,8 @@ int main(int argc, char** argv) {
   args.q = q.data();
   args.out = out.data();
   args.lse = lse.data();
+  AttentionWorkspace workspace;  // the partials reused from run to run, as a Session does
+  args.workspace = &workspace;
 
   // Each row's share is taken against the read bandwidth measured just before and just
   // after its timed runs, the larger of the two (so a share is never overstated): on a

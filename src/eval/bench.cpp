@@ -181,7 +181,8 @@ BenchReport bench_run(const BenchOptions& o, std::FILE* log) {
   std::vector<double> dense_norm(static_cast<size_t>(o.steps) * n_q);
   {
     auto dense = Registry::builtin().make("dense", s);
-    DecodeContext ctx{.pool = &pool, .eval = false};
+    AttentionWorkspace attention;
+    DecodeContext ctx{.pool = &pool, .eval = false, .attention = &attention};
     AttnOutput out;
     for (int step = 0; step < o.steps; ++step) {
       decode_step(*dense, 0, w.query(0, kPromptQueryRows + step), kv, ctx, out);
@@ -203,7 +204,8 @@ BenchReport bench_run(const BenchOptions& o, std::FILE* log) {
     r.params = reg.parse(name, overrides).values();
     auto method = reg.make(name, s, overrides);
 
-    DecodeContext ctx{.pool = &pool, .eval = false};
+    AttentionWorkspace attention;
+    DecodeContext ctx{.pool = &pool, .eval = false, .attention = &attention};
     DecodeContext prefill_ctx{.pool = &pool, .eval = false, .prompt_q = w.query(0, 0), .prompt_q_rows = kPromptQueryRows};
     const auto t_pre = Clock::now();
     method->on_prefill(0, kv, prefill_ctx);
@@ -211,7 +213,7 @@ BenchReport bench_run(const BenchOptions& o, std::FILE* log) {
 
     // Accuracy pass.
     AttnOutput out;
-    DecodeContext eval_ctx{.pool = &pool, .eval = true};
+    DecodeContext eval_ctx{.pool = &pool, .eval = true, .attention = &attention};
     double tokens = 0, bytes = 0, mass = 0, claimed = 0, err = 0;
     int n_mass = 0, n_bypass = 0, n_reached = 0;
     const double target = method_target(name, r.params);

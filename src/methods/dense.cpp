@@ -27,6 +27,7 @@ class Dense final : public DecodeMethod {
     a.q = q;
     a.out = out.out.data();
     a.lse = lse.data();
+    a.workspace = ctx.attention;
     cpu::attention_decode_dense(a, *ctx.pool);
     const int n = kv.n_tokens(layer);
     for (int h = 0; h < shape_.n_kv_heads; ++h) {

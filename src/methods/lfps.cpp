@@ -224,7 +224,7 @@ class Lfps final : public DecodeMethod {
       }
       selection_normalize(uni);
     }
-    methods::attend_selection(kv, layer, q, *ctx.pool, out);
+    methods::attend_selection(kv, layer, q, ctx, out);
     for (int h = 0; h < shape_.n_kv_heads; ++h) {
       const float* vm = vmean_[static_cast<size_t>(layer) * shape_.n_kv_heads + h].data();
       for (int j = 0; j < g; ++j) {

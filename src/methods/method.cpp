@@ -44,6 +44,7 @@ void decode_step(DecodeMethod& method, int layer, const float* q, const KvCache&
   a.q = q;
   a.out = o_dense.data();
   a.lse = lse_dense.data();
+  a.workspace = ctx.attention;
   cpu::attention_decode_dense(a, *ctx.pool);
 
   std::vector<float> o_set(out.out.size()), lse_set(s.n_q_heads), mass(s.n_q_heads);

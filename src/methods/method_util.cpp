@@ -38,7 +38,7 @@ void add_kv_head_bytes(const Shape& shape, int kv_head, double bytes, AttnOutput
   for (int j = 0; j < g; ++j) out.stats[kv_head * g + j].bytes_read += bytes / g;
 }
 
-void attend_selection(const KvCache& kv, int layer, const float* q, ThreadPool& pool, AttnOutput& out,
+void attend_selection(const KvCache& kv, int layer, const float* q, const DecodeContext& ctx, AttnOutput& out,
                       float* lse) {
   const Shape& s = kv.shape();
   std::vector<PagedHeadView> views = layer_views(kv, layer);
@@ -55,7 +55,8 @@ void attend_selection(const KvCache& kv, int layer, const float* q, ThreadPool& 
   a.q = q;
   a.out = out.out.data();
   a.lse = lse;
-  cpu::attention_decode_sparse(a, out.selection, pool);
+  a.workspace = ctx.attention;
+  cpu::attention_decode_sparse(a, out.selection, *ctx.pool);
   for (int h = 0; h < s.n_kv_heads; ++h) {
     const auto n = out.selection.tokens[h].size();
     for (int j = 0; j < s.group(); ++j) out.stats[h * s.group() + j].tokens_attended = static_cast<int>(n);

@@ -30,8 +30,8 @@ void attn_output_reset(const Shape& shape, AttnOutput& out);
 // Attends every query head of kv head h over out.selection.tokens[h] (the group's
 // union) with the CPU sparse kernel. Sets tokens_attended and adds the K+V bytes of the
 // attended rows to bytes_read (split evenly over the group). mass_claimed is left to the
-// caller. lse: optional [n_q_heads] output.
-void attend_selection(const KvCache& kv, int layer, const float* q, ThreadPool& pool, AttnOutput& out,
+// caller. lse: optional [n_q_heads] output. Runs on ctx.pool with ctx.attention.
+void attend_selection(const KvCache& kv, int layer, const float* q, const DecodeContext& ctx, AttnOutput& out,
                       float* lse = nullptr);
 
 // Merges two attention outputs over disjoint sets of one query head (log-sum-exp lse1,

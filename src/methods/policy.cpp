@@ -26,7 +26,7 @@ class PolicyMethod final : public DecodeMethod {
     ops_->finish(out.selection.tokens.data(), claims_.data(), bytes_.data());
     for (int h = 0; h < shape_.n_kv_heads; ++h)
       methods::add_kv_head_bytes(shape_, h, bytes_[static_cast<size_t>(h)], out);
-    methods::attend_selection(kv, layer, q, *ctx.pool, out);
+    methods::attend_selection(kv, layer, q, ctx, out);
     for (int j = 0; j < shape_.n_q_heads; ++j)
       out.stats[static_cast<size_t>(j)].mass_claimed = claims_[static_cast<size_t>(j)];
   }

@@ -78,7 +78,7 @@ class Psa final : public DecodeMethod {
                               (stop_ == Stop::kCertified && crit_ == Criticality::kMean ? 2 : 0);
       methods::add_kv_head_bytes(shape_, h, static_cast<double>(meta_arrays) * v.n_pages() * d * sizeof(float), out);
     });
-    methods::attend_selection(kv, layer, q, *ctx.pool, out);
+    methods::attend_selection(kv, layer, q, ctx, out);
   }
 
  private:

@@ -135,7 +135,7 @@ class SketchTopp final : public DecodeMethod {
     // 3. Every head's union in one call of the sparse kernel (split over the context, so
     // the threads share the rows however the heads differ).
     lse_.resize(static_cast<size_t>(shape_.n_q_heads));
-    methods::attend_selection(kv, layer, q, *ctx.pool, out, lse_.data());
+    methods::attend_selection(kv, layer, q, ctx, out, lse_.data());
     // 4. Claims, and more tokens for the heads that fall short: one task per kv head. A
     // head short of P adds tokens (extend_union), scores and attends them on its own
     // thread and merges them by log-sum-exp, at most kRounds times.

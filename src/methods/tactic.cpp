@@ -265,7 +265,7 @@ class Tactic final : public DecodeMethod {
       uni.insert(uni.end(), w.tail_idx.begin(), w.tail_idx.end());  // the dense tail
       selection_normalize(uni);
     });
-    methods::attend_selection(kv, layer, q, *ctx.pool, out);
+    methods::attend_selection(kv, layer, q, ctx, out);
   }
 
  private:

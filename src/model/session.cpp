@@ -207,7 +207,7 @@ void Session::reserve_rows(int rows) {
 void Session::build_indexes() {
   CUMULUS_CHECK(pos_ > 0, "build_indexes before prefill (position 0): prefill at least one token first");
   if (prefilled_) return;
-  DecodeContext ctx{&pool_, opt_.eval};
+  DecodeContext ctx{.pool = &pool_, .eval = opt_.eval, .attention = &attention_ws_};
   for (int l = 0; l < w_.config.n_layers; ++l) {
     if (w_.config.is_local(l)) continue;  // methods run on global layers only
     ctx.prompt_q = prompt_q_rows_ > 0 ? prompt_q_[l].data() : nullptr;
@@ -274,6 +274,7 @@ void Session::attention_local(int layer, int c, const float* q, float* out) {
     a.q = q + i * qd;
     a.out = out + i * qd;
     a.lse = lse.data();
+    a.workspace = c == 1 ? &attention_ws_ : nullptr;  // parallel rows: each call its own
     cpu::attention_decode_sparse(a, sel, pool);
   };
   if (c == 1) {
@@ -314,7 +315,7 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_mode) {
   }
   // The kernels scale q.k by 1/sqrt(head_dim); a model with another scale has q rescaled.
   const float q_scale = c.attention_scale > 0 ? c.attention_scale / attention_scale(c.head_dim) : 1.0f;
-  DecodeContext ctx{&pool_, opt_.eval};
+  DecodeContext ctx{.pool = &pool_, .eval = opt_.eval, .attention = &attention_ws_};
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = w_.layers[l];
     for (int i = 0; i < n; ++i) rmsnorm(x_.data() + i * c.dim, L.attn_norm.data(), c.dim, c.rms_eps, xn_.data() + i * c.dim);

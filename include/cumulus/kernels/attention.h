@@ -5,12 +5,20 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "cumulus/core/selection.h"
 #include "cumulus/core/shape.h"
 #include "cumulus/core/thread_pool.h"
 
 namespace cumulus {
+
+// The CPU decode ops' scratch that grows with the context: the split-KV partials (a task's
+// output, max and sum per query head, per chunk of the context), owned by the caller and
+// reused from call to call (a Session keeps one). A call without one allocates its own.
+struct AttentionWorkspace {
+  std::vector<float> partials;
+};
 
 // Arguments shared by the dense and sparse decode ops.
 //   kv:  [n_kv_heads] views of one layer (all with the same head_dim, dtype, page size)
@@ -31,6 +39,7 @@ struct DecodeAttnArgs {
   float* lse = nullptr;
   const float* lse_ref = nullptr;
   float* mass = nullptr;
+  AttentionWorkspace* workspace = nullptr;  // cpu:: only (above); ref:: ignores it
 };
 
 // Weighted sums of value rows for n_q queries of one kv head, with weights computed by

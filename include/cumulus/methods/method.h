@@ -12,6 +12,7 @@
 #include "cumulus/core/selection.h"
 #include "cumulus/core/shape.h"
 #include "cumulus/core/thread_pool.h"
+#include "cumulus/kernels/attention.h"
 #include "cumulus/kv/kv_cache.h"
 
 namespace cumulus {
@@ -50,6 +51,9 @@ struct DecodeContext {
   //             n_tokens - prompt_q_rows + j. nullptr when the caller keeps none.
   const float* prompt_q = nullptr;
   int prompt_q_rows = 0;
+  // The attention ops' split-KV partials (kernels/attention.h), reused from step to step;
+  // nullptr: each call allocates its own. A Session passes its own.
+  AttentionWorkspace* attention = nullptr;
 };
 
 class DecodeMethod {

@@ -399,7 +399,8 @@ void attention_decode_run(const DecodeAttnArgs& a, const Selection* sel, ThreadP
   // Partials per task: o [group][head_dim], m [group], l [group], padded to 64 bytes so
   // tasks on different threads never share a cache line.
   const size_t stride = (static_cast<size_t>(group) * (udim + 2) + 15) & ~size_t{15};
-  thread_local std::vector<float> part;
+  AttentionWorkspace own;
+  std::vector<float>& part = (a.workspace != nullptr ? *a.workspace : own).partials;
   if (part.size() < tasks.size() * stride) part.resize(tasks.size() * stride);
   float* base = part.data();
 

@@ -273,6 +273,8 @@ class OpsDecoder final : public SparseDecoder, public SelectOps {
   void select(const float* q, void* stream) override {
     q_ = q;
     stream_ = as_stream(stream);
+    units_ = Units::kNone;
+    weights_ = false;
     step_(*this);
     base().compact(stream_);
   }
