@@ -53,6 +53,7 @@
 #include "cumulus/methods/registry.h"
 #include "cumulus/kv/kv_cache.h"
 #include "methods/cuda/bench_options.h"
+#include "model/cuda/decode_methods.h"
 
 using namespace cumulus;
 using json = nlohmann::json;
@@ -403,8 +404,7 @@ std::unique_ptr<cuda::SparseDecoder> make_method(const std::string& name, const 
     const std::map<std::string, std::string> params =
         name == "quest" ? std::map<std::string, std::string>{{"budget", std::to_string(quest_budget)}}
                         : std::map<std::string, std::string>{{"p", fmt::format("{}", p)}};
-    return cuda::make_ops_gpu(kv, group, name, policy_step(Registry::builtin().make_policy(name, shape, params), 0),
-                              po);
+    return cuda::model::make_policy_decoder(Registry::builtin(), name, params, kv, shape, 0, po);
   }
   CUMULUS_FAIL(
       "unknown method '{}' (sketch_topp, sketch_topp_wN_hN_dM, tactic, tactic_split, tactic_s4, tactic_cmarks, "

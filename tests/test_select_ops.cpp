@@ -175,6 +175,24 @@ TEST(SelectOps, PoliciesSelectWhatTheirMethodsPromise) {
         EXPECT_LT(r.lists[t].size(), static_cast<size_t>(n));
         EXPECT_EQ(r.bytes[t], static_cast<double>(n) * v.row_bytes());
       }
+      {  // oracle_topk: each head's 50 largest scores are in the union, and it claims their mass
+        const Result r = run(*ops, *policy("oracle_topk", shape, {{"k", "50"}}), bt, pool);
+        for (int j = 0; j < g; ++j) {
+          std::vector<float> sc(n);
+          ref::token_score(v, q + static_cast<size_t>(j) * shape.head_dim, 1, nullptr, n, sc.data());
+          const std::vector<double> w = softmax(sc, shape.head_dim);
+          std::vector<int32_t> order(static_cast<size_t>(n));
+          for (int i = 0; i < n; ++i) order[static_cast<size_t>(i)] = i;
+          std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return sc[a] > sc[b]; });
+          double top = 0;
+          for (int k = 0; k < 50; ++k) {
+            top += w[static_cast<size_t>(order[k])];
+            EXPECT_TRUE(std::binary_search(r.lists[t].begin(), r.lists[t].end(), order[k]));
+          }
+          EXPECT_NEAR(r.claims[static_cast<size_t>(s * shape.n_q_heads + h * g + j)], top, 1e-5);
+        }
+        EXPECT_LE(r.lists[t].size(), static_cast<size_t>(50 * g));
+      }
       {  // streaming: exactly the first 4 and the last 100
         const Result r = run(*ops, *policy("streaming", shape, {{"sinks", "4"}, {"window", "100"}}), bt, pool);
         std::vector<int32_t> want;
@@ -184,15 +202,23 @@ TEST(SelectOps, PoliciesSelectWhatTheirMethodsPromise) {
         EXPECT_TRUE(std::isnan(r.claims[t * g]));
         EXPECT_EQ(r.bytes[t], 0.0);
       }
-      {  // quest: whole pages, at most ceil(48 / 16) = 3 per query head; a dense layer reads all
+      {  // quest: each head's ceil(48 / 16) = 3 pages of largest bound (float64 reference
+         // bounds, ranked here), whole; a dense layer reads all
         const auto pol = policy("quest", shape, {{"budget", "48"}, {"dense_layers", "1"}});
         const Result r = run(*ops, *pol, bt, pool, /*layer=*/1);
-        EXPECT_LE(r.lists[t].size(), static_cast<size_t>(3 * 16 * g));
-        for (int32_t i : r.lists[t]) {  // every page it touches, whole
-          const int p = i / 16;
-          for (int k = p * 16; k < std::min(n, p * 16 + 16); ++k)
-            EXPECT_TRUE(std::binary_search(r.lists[t].begin(), r.lists[t].end(), k));
+        std::vector<int32_t> want;
+        for (int j = 0; j < g; ++j) {
+          std::vector<float> bound(static_cast<size_t>(v.n_pages()));
+          ref::page_score_bound(v, q + static_cast<size_t>(j) * shape.head_dim, bound.data());
+          std::vector<int32_t> order(bound.size());
+          for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+          std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return bound[a] > bound[b]; });
+          for (int k = 0; k < 3; ++k)
+            for (int i = order[k] * 16; i < std::min(n, order[k] * 16 + 16); ++i) want.push_back(i);
         }
+        std::sort(want.begin(), want.end());
+        want.erase(std::unique(want.begin(), want.end()), want.end());
+        EXPECT_EQ(r.lists[t], want);
         EXPECT_EQ(r.bytes[t], 2.0 * v.n_pages() * shape.head_dim * sizeof(float));
         const Result d = run(*ops, *pol, bt, pool, /*layer=*/0);
         EXPECT_EQ(d.lists[t].size(), static_cast<size_t>(n));
@@ -222,6 +248,11 @@ TEST(SelectOps, BadUseNamesTheProblem) {
     check::expect_error([&] { ops->choose_top_mass(0); }, "p=0");
     check::expect_error([&] { ops->choose_topk(0); }, "k=0");
     check::expect_error([&] { ops->mark_ends(-1, 3); }, "head=-1");
+    check::expect_error([&] { ops->mark_chosen(false); }, "before a choice");  // scores, no choice
+    ops->score_pages_bound();
+    ops->choose_topk(2);
+    ops->score_tokens();  // the choice was of the page scores
+    check::expect_error([&] { ops->mark_chosen(false); }, "before a choice");
     HostSelectBatch bad = b;
     bad.group = 0;
     check::expect_error([&] { ops->begin(bad); }, "group=0");

@@ -124,6 +124,7 @@ std::shared_ptr<const SelectPolicy> Registry::make_policy(const std::string& nam
                                                           const std::map<std::string, std::string>& overrides) const {
   const MethodInfo& m = find(name);
   CUMULUS_CHECK(m.make_policy != nullptr, "method '{}' is not defined over the selection ops (methods/policy.h)", name);
+  shape.validate();
   return m.make_policy(shape, parse(name, overrides));
 }
 

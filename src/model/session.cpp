@@ -116,6 +116,7 @@ Session::Session(const ModelWeights& weights, const SessionOptions& options)
   CUMULUS_CHECK(c.layer_local.empty() || c.sliding_window >= 1, "model config: sliding_window={} with local layers",
                 c.sliding_window);
   for (int w = 0; w < pool_.n_threads(); ++w) inline_pools_.push_back(std::make_unique<ThreadPool>(1));
+  local_ws_.resize(static_cast<size_t>(pool_.n_threads()));
   reserve_rows(opt_.prefill_chunk);
   logits_.resize(c.vocab_size);
   last_.resize(c.n_layers);
@@ -258,7 +259,7 @@ void Session::attention_local(int layer, int c, const float* q, float* out) {
   const Shape shape = mc.shape();
   const std::vector<PagedHeadView> views = layer_views(layer);
   const int qd = mc.n_heads * mc.head_dim;
-  auto row = [&](int64_t i, ThreadPool& pool) {
+  auto row = [&](int64_t i, ThreadPool& pool, AttentionWorkspace& ws) {
     const int p = pos_ + static_cast<int>(i);
     const int first = std::max(0, p - mc.sliding_window + 1);
     Selection sel;
@@ -274,14 +275,16 @@ void Session::attention_local(int layer, int c, const float* q, float* out) {
     a.q = q + i * qd;
     a.out = out + i * qd;
     a.lse = lse.data();
-    a.workspace = c == 1 ? &attention_ws_ : nullptr;  // parallel rows: each call its own
+    a.workspace = &ws;
     cpu::attention_decode_sparse(a, sel, pool);
   };
   if (c == 1) {
-    row(0, pool_);
+    row(0, pool_, attention_ws_);
     return;
   }
-  pool_.parallel_for(c, [&](int64_t i, int worker) { row(i, *inline_pools_[static_cast<size_t>(worker)]); });
+  pool_.parallel_for(c, [&](int64_t i, int worker) {
+    row(i, *inline_pools_[static_cast<size_t>(worker)], local_ws_[static_cast<size_t>(worker)]);
+  });
 }
 
 std::vector<PagedHeadView> Session::layer_views(int layer) const {

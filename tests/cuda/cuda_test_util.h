@@ -14,6 +14,7 @@
 #include "cumulus/kernels/cuda.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "cumulus/methods/registry.h"
+#include "model/cuda/decode_methods.h"
 #include "cumulus/kv/kv_cache.h"
 
 #define CUMULUS_REQUIRE_GPU()                                                                   \
@@ -48,9 +49,8 @@ inline KvCache random_cache(int n_kv, int head_dim, int n_tokens, DType dt, int 
 inline std::unique_ptr<cuda::SparseDecoder> policy_gpu(const std::string& method,
                                                        const std::map<std::string, std::string>& params,
                                                        const cuda::DeviceKvView& kv, int group, int layer = 0) {
-  const Shape shape{1, kv.n_kv_heads * group, kv.n_kv_heads, kv.head_dim};
-  return cuda::make_ops_gpu(kv, group, method,
-                            policy_step(Registry::builtin().make_policy(method, shape, params), layer));
+  const Shape shape{layer + 1, kv.n_kv_heads * group, kv.n_kv_heads, kv.head_dim};
+  return cuda::model::make_policy_decoder(Registry::builtin(), method, params, kv, shape, layer);
 }
 
 inline std::vector<PagedHeadView> views_of(const KvCache& kv) {

@@ -3,11 +3,14 @@
 // and psa attend everything and equal dense attention; at P = 0.9 every method's output is
 // exactly sparse attention over its own lists (checked with the float64 reference), its
 // lists hold what the CPU method selects (Jaccard per kv head), and its claims agree with
-// the CPU's; tactic keeps the tail appended after prefill; quest and oracle_topp select
-// what the CPU versions select. Each also at head_dim 256 in Gemma 3 270M's attention shape
+// the CPU's; tactic keeps the tail appended after prefill; the methods defined over the
+// selection ops (quest, oracle_topp, oracle_topk, streaming, and a policy of several marks)
+// select what the CPU selects, and the ops' misuse is refused before any launch. Each also at head_dim 256 in Gemma 3 270M's attention shape
 // (4 query heads, 1 kv head).
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <memory>
 #include <numeric>
 
 #include "cuda_test_util.h"
@@ -405,4 +408,108 @@ TEST(CudaMethods, PolicyMethodsMatchCpuMethods) {
       }
     }
   }
+}
+
+namespace {
+
+// A policy of several marks in one step (not a registry method): the first 8 and last 40
+// tokens, quest's top 2 pages, and each head's tokens up to 0.5 of its mass claimed; on
+// layer 1 every token (mark_all).
+class ManyMarks final : public SelectPolicy {
+ public:
+  void select(int layer, SelectOps& ops) const override {
+    if (layer == 1) {
+      ops.mark_all();
+      return;
+    }
+    ops.mark_ends(8, 40);
+    ops.score_pages_bound();
+    ops.choose_topk(2);
+    ops.mark_chosen(false);
+    ops.score_tokens();
+    ops.choose_top_mass(0.5);
+    ops.mark_chosen(true);
+  }
+};
+
+}  // namespace
+
+// The CUDA backend of the selection ops against the CPU backend, op for op: the same lists
+// and claims for a policy of several marks, and for mark_all; misuse is refused when the
+// decoder is made, before any launch.
+TEST(CudaMethods, SelectOpsMatchTheCpuOpsAndRefuseMisuse) {
+  CUMULUS_REQUIRE_GPU();
+  ThreadPool pool(2);
+  const Workload wl = make_workload(3000, "llama3-8b", 23, pool);
+  const Shape& sh = wl.w.options.shape;
+  const int n_seqs = 2;
+  cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
+  const auto q = batch_queries(wl, n_seqs);
+  cuda::DeviceBuffer qd = cuda::to_device(q);
+  std::vector<float> dout, dlse;
+  dense_ref(wl, q, n_seqs, dout, dlse);
+  const auto policy = std::make_shared<ManyMarks>();
+  std::vector<PagedHeadView> views;
+  for (int s = 0; s < n_seqs; ++s)
+    for (const PagedHeadView& v : views_of(wl.kv)) views.push_back(v);
+  auto host = cpu::make_select_ops();
+  for (int layer : {0, 1}) {
+    SCOPED_TRACE("layer " + std::to_string(layer));
+    auto m = cuda::make_ops_gpu(dev.view(), sh.group(), "many_marks", policy_step(policy, layer));
+    const GpuRun g = run_method(*m, dev.view(), wl, n_seqs, qd, dlse);
+    expect_consistent(g, wl, q, n_seqs, "many_marks");
+    host->begin({.kv = views.data(), .n_seqs = n_seqs, .n_kv_heads = sh.n_kv_heads, .group = sh.group(),
+                 .q = q.data(), .pool = &pool});
+    policy->select(layer, *host);
+    std::vector<std::vector<int32_t>> lists(views.size());
+    std::vector<double> claims(static_cast<size_t>(n_seqs) * sh.n_q_heads), bytes(views.size());
+    host->finish(lists.data(), claims.data(), bytes.data());
+    double jac = 0;
+    for (size_t i = 0; i < lists.size(); ++i) jac += jaccard(g.lists[i], lists[i]);
+    jac /= static_cast<double>(lists.size());
+    std::printf("many_marks layer %d: mean Jaccard GPU vs CPU ops %.5f, %zu tokens in the first list\n", layer, jac,
+                lists[0].size());
+    EXPECT_GT(jac, 0.999);
+    if (layer == 1) {
+      EXPECT_EQ(lists[0].size(), static_cast<size_t>(wl.kv.n_tokens(0)));
+    }
+    for (size_t r = 0; r < claims.size(); ++r) {
+      EXPECT_NEAR(g.stats.claimed[r], claims[r], 1e-4) << "row " << r;
+      if (layer == 0) {
+        EXPECT_GE(g.stats.claimed[r], 0.5f - 1e-5f);
+      }
+    }
+  }
+  // Misuse, caught by the sizing pass at construction.
+  struct Bad {
+    std::string what;
+    std::function<void(SelectOps&)> step;
+  };
+  const std::vector<Bad> bad{
+      {"choose_topk before any scores", [](SelectOps& o) { o.choose_topk(4); }},
+      {"k=0", [](SelectOps& o) { o.score_tokens(), o.choose_topk(0); }},
+      {"p=1.5", [](SelectOps& o) { o.score_tokens(), o.choose_top_mass(1.5); }},
+      {"before a choice", [](SelectOps& o) { o.score_tokens(), o.mark_chosen(false); }},
+      {"before a choice",
+       [](SelectOps& o) { o.score_pages_bound(), o.choose_topk(2), o.score_tokens(), o.mark_chosen(false); }},
+      {"a mass claim needs token scores",
+       [](SelectOps& o) { o.score_pages_bound(), o.choose_topk(2), o.mark_chosen(true); }},
+      {"tail=-1", [](SelectOps& o) { o.mark_ends(4, -1); }},
+  };
+  auto expect_error = [](const std::function<void()>& fn, const std::string& needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "no error, wanted one mentioning " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  for (const Bad& b : bad) {
+    SCOPED_TRACE(b.what);
+    expect_error([&] { (void)cuda::make_ops_gpu(dev.view(), sh.group(), "bad", b.step); }, b.what);
+  }
+  cuda::DeviceKvView no_stats = dev.view();
+  no_stats.kmin = nullptr;
+  expect_error([&] { (void)cuda::make_ops_gpu(no_stats, sh.group(), "bad", [](SelectOps& o) { o.score_pages_bound(); }); },
+               "needs kv.kmin and kv.kmax");
 }

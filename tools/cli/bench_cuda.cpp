@@ -157,7 +157,7 @@ BenchReport bench_run_cuda(const BenchOptions& o, std::FILE* log) {
     r.method = name;
     const std::map<std::string, std::string> overrides = overrides_of(name);
     r.params = reg.parse(name, overrides).values();
-    std::unique_ptr<cuda::SparseDecoder> dec = cuda::model::make_cuda_decoder(reg, name, overrides, view, group, 0);
+    std::unique_ptr<cuda::SparseDecoder> dec = cuda::model::make_cuda_decoder(reg, name, overrides, view, s, 0);
     const auto t_pre = Clock::now();
     if (dec) {
       dec->prefill(st);

@@ -25,7 +25,8 @@ struct SparseStepStats {
   std::vector<int> tokens;     // [n_seqs][n_kv_heads] tokens each kv head attended (the union)
   std::vector<float> claimed;  // [n_seqs][n_q_heads] mass claimed (NaN: the method makes no claim)
   std::vector<int> budget;     // [n_seqs][n_q_heads] the head's own choice (tactic: tokens; psa,
-                               // quest: pages; oracle_topp: tokens)
+                               // quest: pages; oracle_topp, oracle_topk: tokens; streaming:
+                               // the tokens it marks)
 };
 
 class SparseDecoder {

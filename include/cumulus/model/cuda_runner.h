@@ -1,8 +1,9 @@
 // The model runtime on the GPU (src/model/cuda, docs/cuda.md "Model runtime"): a Llama
 // forward pass with the weights on the device in f16, cuBLAS for the products, the KV cache
 // of every layer in a DeviceKvCache filled on the device, and decode attention through the
-// session's decode method: dense, or one of the GPU decoders (methods/cuda_methods.h, or a method defined over the selection ops)
-// (sketch_topp, tactic, psa, quest, oracle_topp) built from the registry's parameters
+// session's decode method: dense, a fused GPU pipeline (sketch_topp, tactic, psa;
+// methods/cuda_methods.h) or a method defined over the selection ops (quest, oracle_topp,
+// oracle_topk, streaming; methods/policy.h), built from the registry's parameters
 // (src/model/cuda/decode_methods.h), and prefill attention dense or flexprefill
 // (src/model/cuda/prefill_methods.h; prefill_stats() as the CPU method's). In eval mode
 // (SessionOptions::eval) each step also runs the dense pass and fills last_step() with each

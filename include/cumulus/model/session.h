@@ -176,6 +176,7 @@ class Session {
   std::unique_ptr<PrefillMethod> prefill_;
   std::unique_ptr<PrefillWorkspace> prefill_workspace_;  // while prefill runs
   AttentionWorkspace attention_ws_;  // decode attention's split-KV partials (DecodeContext::attention)
+  std::vector<AttentionWorkspace> local_ws_;  // [pool_ workers] the same for a window's rows in parallel
   int pos_ = 0;
   int capacity_ = 0;
   bool prefilled_ = false;

@@ -12,14 +12,14 @@
 #include "cumulus/kernels/scoring.h"
 #include "cumulus/kernels/selection.h"
 #include "kernels/host_select_ops.h"
+#include "kernels/select_ops_check.h"
 
 namespace cumulus {
 namespace kernels {
 namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-enum class Units { kNone, kTokens, kPages };
+using Units = SelectOpsCheck::Units;
 
 // Bits [b, e) of a bitmap.
 void set_range(std::vector<uint64_t>& bits, int b, int e) {
@@ -37,7 +37,7 @@ void set_range(std::vector<uint64_t>& bits, int b, int e) {
 // dispatch on the pool, as a method written by hand would.
 class HostOps final : public HostSelectOps {
  public:
-  explicit HostOps(const HostSelectKernels& k) : k_(k) {}
+  explicit HostOps(const HostSelectKernels& k) : k_(k), check_(std::string("select ops (") + k.backend + ")") {}
 
   void begin(const HostSelectBatch& b) override {
     CUMULUS_CHECK(b.kv != nullptr && b.q != nullptr, "select ops ({}): kv and q must be non-null", k_.backend);
@@ -45,8 +45,12 @@ class HostOps final : public HostSelectOps {
                   "select ops ({}): n_seqs={}, n_kv_heads={}, group={} must be >= 1", k_.backend, b.n_seqs,
                   b.n_kv_heads, b.group);
     CUMULUS_CHECK(!k_.parallel || b.pool != nullptr, "select ops ({}): a thread pool is required", k_.backend);
+    for (int t = 1; t < b.n_seqs * b.n_kv_heads; ++t)
+      CUMULUS_CHECK(b.kv[t].head_dim == b.kv[0].head_dim && b.kv[t].page_size == b.kv[0].page_size,
+                    "select ops ({}): view {} has head_dim={}, page_size={}; view 0 has {}, {}", k_.backend, t,
+                    b.kv[t].head_dim, b.kv[t].page_size, b.kv[0].head_dim, b.kv[0].page_size);
     b_ = b;
-    units_ = Units::kNone;
+    check_.begin();
     ops_.clear();
   }
 
@@ -56,7 +60,7 @@ class HostOps final : public HostSelectOps {
   }
 
   void score_tokens() override {
-    units_ = Units::kTokens;
+    check_.score(Units::kTokens);
     ops_.push_back({.kind = Kind::kScoreTokens});
   }
 
@@ -64,32 +68,27 @@ class HostOps final : public HostSelectOps {
     for (int t = 0; t < b_.n_seqs * b_.n_kv_heads; ++t)
       CUMULUS_CHECK(b_.kv[t].n_pages() == 0 || (b_.kv[t].kmin != nullptr && b_.kv[t].kmax != nullptr),
                     "select ops ({}): score_pages_bound needs the pages' key min and max", k_.backend);
-    units_ = Units::kPages;
+    check_.score(Units::kPages);
     ops_.push_back({.kind = Kind::kScorePages});
   }
 
   void choose_topk(int k) override {
-    CUMULUS_CHECK(units_ != Units::kNone, "select ops ({}): choose_topk before any scores", k_.backend);
-    CUMULUS_CHECK(k >= 1, "select ops ({}): choose_topk k={} must be >= 1", k_.backend, k);
+    check_.choose_topk(k);
     ops_.push_back({.kind = Kind::kTopk, .k = k});
   }
 
   void choose_top_mass(double p) override {
-    CUMULUS_CHECK(units_ == Units::kTokens, "select ops ({}): choose_top_mass needs token scores", k_.backend);
-    CUMULUS_CHECK(p > 0 && p <= 1, "select ops ({}): choose_top_mass p={} must be in (0, 1]", k_.backend, p);
+    check_.choose_top_mass(p);
     ops_.push_back({.kind = Kind::kTopMass, .p = p});
   }
 
   void mark_chosen(bool claim_mass) override {
-    CUMULUS_CHECK(units_ != Units::kNone, "select ops ({}): mark_chosen before any scores", k_.backend);
-    CUMULUS_CHECK(!claim_mass || units_ == Units::kTokens, "select ops ({}): a mass claim needs token scores",
-                  k_.backend);
+    check_.mark_chosen(claim_mass);
     ops_.push_back({.kind = Kind::kMarkChosen, .claim = claim_mass});
   }
 
   void mark_ends(int head, int tail) override {
-    CUMULUS_CHECK(head >= 0 && tail >= 0, "select ops ({}): mark_ends head={}, tail={} must be >= 0", k_.backend,
-                  head, tail);
+    check_.mark_ends(head, tail);
     ops_.push_back({.kind = Kind::kMarkEnds, .k = head, .k2 = tail});
   }
 
@@ -114,7 +113,6 @@ class HostOps final : public HostSelectOps {
   }
 
  private:
-  enum class Units { kNone, kTokens, kPages };
   enum class Kind { kScoreTokens, kScorePages, kTopk, kTopMass, kMarkChosen, kMarkEnds, kMarkAll };
   struct Op {
     Kind kind;
@@ -241,7 +239,7 @@ class HostOps final : public HostSelectOps {
 
   HostSelectKernels k_;
   HostSelectBatch b_;
-  Units units_ = Units::kNone;  // of the ops recorded so far (for their checks)
+  SelectOpsCheck check_;  // the ops recorded so far, checked as they come
   std::vector<Op> ops_;
   std::vector<Head> heads_;  // [n_seqs][n_kv_heads]
 };

@@ -8,6 +8,7 @@
 #include "bench_options.h"
 #include "cuda_internal.cuh"
 #include "cumulus/kernels/cuda_decoder.h"
+#include "kernels/select_ops_check.h"
 
 namespace cumulus::cuda {
 
@@ -243,10 +244,9 @@ __global__ void ends_mark_kernel(const int32_t* __restrict__ n_tokens, int n_kv,
     const uint32_t m = bits_of(i, 0, a1) | bits_of(i, b0, n);
     if (m != 0) atomicOr(w + i, m);
   }
-  if (static_cast<int>(threadIdx.x) < group) {
-    const int row = list * group + threadIdx.x;
-    claimed[row] = claim;
-    budget[row] = a1 + (n - b0);
+  for (int j = threadIdx.x; j < group; j += blockDim.x) {
+    claimed[list * group + j] = claim;
+    budget[list * group + j] = a1 + (n - b0);
   }
 }
 
@@ -257,9 +257,10 @@ __global__ void ends_mark_kernel(const int32_t* __restrict__ n_tokens, int n_kv,
 class OpsDecoder final : public SparseDecoder, public SelectOps {
  public:
   OpsDecoder(const DeviceKvView& kv, int group, std::string name, SelectStep step, const AttentionPlanOptions& po)
-      : SparseDecoder(kv, group, po), name_(std::move(name)), step_(std::move(step)) {
+      : SparseDecoder(kv, group, po), name_(std::move(name)), step_(std::move(step)), check_(name_) {
     CUMULUS_CHECK(step_ != nullptr, "{}: the select step must be set", name_);
-    step_(*this);  // sizing: records what the ops need
+    check_.begin();
+    step_(*this);  // sizing: records what the ops need, and checks them before any launch
     sizing_ = false;
     const size_t rows = static_cast<size_t>(kv.n_seqs) * base().n_q;
     scores_ = DeviceBuffer(rows * std::max(1, max_units_) * sizeof(float));
@@ -273,8 +274,12 @@ class OpsDecoder final : public SparseDecoder, public SelectOps {
   void select(const float* q, void* stream) override {
     q_ = q;
     stream_ = as_stream(stream);
-    units_ = Units::kNone;
+    check_.begin();
     weights_ = false;
+    // A row's claim is NaN and its budget 0 unless a mark op sets them (as the host ops).
+    Base& b = base();
+    memset_async(b.claimed.data(), 0xff, static_cast<size_t>(b.kv.n_seqs) * b.n_q * sizeof(float), stream);
+    memset_async(b.budget.data(), 0, static_cast<size_t>(b.kv.n_seqs) * b.n_q * sizeof(int32_t), stream);
     step_(*this);
     base().compact(stream_);
   }
@@ -285,26 +290,26 @@ class OpsDecoder final : public SparseDecoder, public SelectOps {
   void score_pages_bound() override { score(Units::kPages); }
 
   void choose_topk(int k) override {
-    CUMULUS_CHECK(units_ != Units::kNone, "{}: choose_topk before any scores", name_);
-    CUMULUS_CHECK(k >= 1, "{}: choose_topk k={} must be >= 1", name_, k);
+    check_.choose_topk(k);
     chosen_stride_ = std::min(k, units_stride());
     if (sizing_) {
       max_chosen_ = std::max(max_chosen_, chosen_stride_);
       return;
     }
+    check_sized();
     const Base& b = base();
     select_topk_rows(scores_.as<float>(), rowlen_.as<int32_t>(), b.kv.n_seqs * b.n_q, units_stride(), chosen_stride_,
                      chosen_.as<int32_t>(), n_chosen_.as<int32_t>(), stream_);
   }
 
   void choose_top_mass(double p) override {
-    CUMULUS_CHECK(units_ == Units::kTokens, "{}: choose_top_mass needs token scores", name_);
-    CUMULUS_CHECK(p > 0 && p <= 1, "{}: choose_top_mass p={} must be in (0, 1]", name_, p);
+    check_.choose_top_mass(p);
     chosen_stride_ = units_stride();
     if (sizing_) {
       max_chosen_ = std::max(max_chosen_, chosen_stride_);
       return;
     }
+    check_sized();
     const Base& b = base();
     to_weights();
     select_top_mass_rows(scores_.as<float>(), rowlen_.as<int32_t>(), b.kv.n_seqs * b.n_q, units_stride(), p,
@@ -312,12 +317,11 @@ class OpsDecoder final : public SparseDecoder, public SelectOps {
   }
 
   void mark_chosen(bool claim_mass) override {
-    CUMULUS_CHECK(units_ != Units::kNone, "{}: mark_chosen before any scores", name_);
-    CUMULUS_CHECK(!claim_mass || units_ == Units::kTokens, "{}: a mass claim needs token scores", name_);
+    check_.mark_chosen(claim_mass);
     if (sizing_) return;
     Base& b = base();
     const int rows = b.kv.n_seqs * b.n_q;
-    if (units_ == Units::kPages) {
+    if (check_.units() == Units::kPages) {
       quest_mark_kernel<<<rows, 128, 0, stream_>>>(chosen_.as<int32_t>(), n_chosen_.as<int32_t>(), chosen_stride_,
                                                    b.kv.n_tokens, b.n_q, b.group, b.kv.n_kv_heads, b.kv.page_size,
                                                    b.bits.as<uint32_t>(), b.words, b.claimed.as<float>(),
@@ -334,20 +338,31 @@ class OpsDecoder final : public SparseDecoder, public SelectOps {
   }
 
   void mark_ends(int head, int tail) override {
-    CUMULUS_CHECK(head >= 0 && tail >= 0, "{}: mark_ends head={}, tail={} must be >= 0", name_, head, tail);
+    check_.mark_ends(head, tail);
     ends(head, tail, std::numeric_limits<float>::quiet_NaN());
   }
   void mark_all() override { ends(std::numeric_limits<int>::max(), 0, 1.0f); }
 
  private:
-  enum class Units { kNone, kTokens, kPages };
+  using Units = kernels::SelectOpsCheck::Units;
 
-  int units_stride() const { return units_ == Units::kPages ? base().kv.max_pages : base().stride; }
+  int units_stride() const { return check_.units() == Units::kPages ? base().kv.max_pages : base().stride; }
+
+  // A step must issue the ops the sizing pass saw: its buffers hold no more.
+  void check_sized() const {
+    CUMULUS_CHECK(units_stride() <= max_units_ && chosen_stride_ <= max_chosen_,
+                  "{}: this step's ops need {} scores and {} chosen per row, the decoder was sized for {} and {} (a "
+                  "policy must issue the same ops at every step)",
+                  name_, units_stride(), chosen_stride_, max_units_, max_chosen_);
+  }
 
   void score(Units u) {
-    units_ = u;
+    check_.score(u);
     weights_ = false;
     const Base& b = base();
+    if (u == Units::kPages)
+      CUMULUS_CHECK(b.kv.kmin != nullptr && b.kv.kmax != nullptr, "{}: score_pages_bound needs kv.kmin and kv.kmax",
+                    name_);
     if (sizing_) {
       max_units_ = std::max(max_units_, units_stride());
       // Bytes per cached token the scoring reads, as the host backends count them: every
@@ -361,9 +376,8 @@ class OpsDecoder final : public SparseDecoder, public SelectOps {
                                                              b.kv.page_shift, u == Units::kPages ? 1 : 0,
                                                              rowlen_.as<int32_t>());
     CUMULUS_CUDA_LAUNCH("row_len_kernel");
+    check_sized();
     if (u == Units::kPages) {
-      CUMULUS_CHECK(b.kv.kmin != nullptr && b.kv.kmax != nullptr, "{}: score_pages_bound needs kv.kmin and kv.kmax",
-                    name_);
       page_score(b.kv, b.group, PageScoreKind::kBound, q_, scores_.as<float>(), stream_);
     } else {
       token_score(b.kv, b.group, q_, nullptr, nullptr, 0, scores_.as<float>(), b.stride, stream_);
@@ -398,7 +412,7 @@ class OpsDecoder final : public SparseDecoder, public SelectOps {
   // The step being enqueued.
   const float* q_ = nullptr;
   cudaStream_t stream_ = nullptr;
-  Units units_ = Units::kNone;
+  kernels::SelectOpsCheck check_;  // the ops of the step being issued
   bool weights_ = false;
   int chosen_stride_ = 1;
   DeviceBuffer scores_, rowlen_, chosen_, n_chosen_;

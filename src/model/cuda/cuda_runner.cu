@@ -362,7 +362,7 @@ void CudaRunner::make_decoders(const std::string& method, const std::map<std::st
   // leaves the runner's method and decoders as they were.
   std::vector<std::unique_ptr<cuda::SparseDecoder>> dec;
   for (int l = 0; l < c_.n_layers; ++l)
-    dec.push_back(cuda::model::make_cuda_decoder(*registry_, method, params, kv_[l].view(), c_.shape().group(), l));
+    dec.push_back(cuda::model::make_cuda_decoder(*registry_, method, params, kv_[l].view(), c_.shape(), l));
   mplan_ = cuda::model::cuda_decode_plan(*registry_, method, params);
   dec_.swap(dec);
   method_ = method;
@@ -585,8 +585,7 @@ void CudaRunner::restart_decode(const std::string& method, const std::map<std::s
   // measures it, must be free now, beside the current method's. Checked before any is built.
   size_t need = 0, free_b = 0, total_b = 0;
   try {
-    need = cuda::model::cuda_decoder_bytes(*registry_, method, params, kv_[0].view(), c_.shape().group(),
-                                           c_.n_layers);
+    need = cuda::model::cuda_decoder_bytes(*registry_, method, params, kv_[0].view(), c_.shape());
     CUMULUS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   } catch (const cuda::DeviceMemoryError& e) {  // even one layer's decoder did not fit
     CUMULUS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
@@ -792,7 +791,7 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs
   if (o.method != "dense" && kv_layer < free_b) {
     cuda::DeviceKvCache kv = cuda::DeviceKvCache::create(n_seqs, c.n_kv_heads, c.head_dim, o.kv.dtype,
                                                          o.kv.page_size, ctx);
-    decoders = cuda::model::cuda_decoder_bytes(registry, o.method, o.params, kv.view(), c.shape().group(), c.n_layers);
+    decoders = cuda::model::cuda_decoder_bytes(registry, o.method, o.params, kv.view(), c.shape());
   }
   const size_t need = cuda_runner_bytes(c, o, n_seqs) + decoders;
   CUMULUS_CHECK(need <= free_b,

@@ -16,11 +16,6 @@ namespace {
 // The methods with a fused GPU pipeline of their own (methods/cuda_methods.h).
 const char* const kFusedMethods[] = {"dense", "sketch_topp", "tactic", "psa"};
 
-// The head geometry of `kv` for a policy's factory (the layer count is not known here).
-Shape shape_of(const DeviceKvView& kv, int group) {
-  return Shape{1, kv.n_kv_heads * group, kv.n_kv_heads, kv.head_dim};
-}
-
 }  // namespace
 
 bool cuda_decode_method_supported(const Registry& registry, const std::string& method) {
@@ -76,28 +71,33 @@ CudaDecodePlan cuda_decode_plan(const Registry& registry, const std::string& met
 }
 
 size_t cuda_decoder_bytes(const Registry& registry, const std::string& method,
-                          const std::map<std::string, std::string>& params, const DeviceKvView& kv, int group,
-                          int n_layers) {
+                          const std::map<std::string, std::string>& params, const DeviceKvView& kv,
+                          const Shape& shape) {
   if (method == "dense") return 0;
-  int layers = n_layers;
+  // The layers that get a decoder, and one of them to measure.
+  int layers = shape.n_layers, measured = shape.n_layers - 1;
   if (const MethodInfo& m = registry.find(method); m.make_policy != nullptr) {
-    const std::shared_ptr<const SelectPolicy> policy =
-        m.make_policy(shape_of(kv, group), registry.parse(method, params));
+    const std::shared_ptr<const SelectPolicy> policy = m.make_policy(shape, registry.parse(method, params));
     layers = 0;
-    for (int l = 0; l < n_layers; ++l) layers += policy->dense_layer(l) ? 0 : 1;
+    for (int l = shape.n_layers - 1; l >= 0; --l) {
+      if (policy->dense_layer(l)) continue;
+      ++layers;
+      measured = l;
+    }
   }
   if (layers == 0) return 0;
   size_t free0 = 0, free1 = 0, total = 0;
   CUMULUS_CUDA_CHECK(cudaMemGetInfo(&free0, &total));
-  const std::unique_ptr<SparseDecoder> d = make_cuda_decoder(registry, method, params, kv, group, n_layers - 1);
+  const std::unique_ptr<SparseDecoder> d = make_cuda_decoder(registry, method, params, kv, shape, measured);
   CUMULUS_CUDA_CHECK(cudaMemGetInfo(&free1, &total));
   return free0 > free1 ? (free0 - free1) * layers : 0;
 }
 
 std::unique_ptr<SparseDecoder> make_cuda_decoder(const Registry& registry, const std::string& method,
                                                  const std::map<std::string, std::string>& params,
-                                                 const DeviceKvView& kv, int group, int layer) {
+                                                 const DeviceKvView& kv, const Shape& shape, int layer) {
   if (method == "dense") return nullptr;
+  const int group = shape.group();
   const Params p = registry.parse(method, params);
   if (method == "sketch_topp") {
     SketchToppGpuOptions o;
@@ -118,14 +118,20 @@ std::unique_ptr<SparseDecoder> make_cuda_decoder(const Registry& registry, const
     o.criticality = p.get_string("criticality") == "mean" ? PageScoreKind::kMean : PageScoreKind::kBound;
     return make_psa_gpu(kv, group, o);
   }
-  if (const MethodInfo& m = registry.find(method); m.make_policy != nullptr) {
-    // Defined once (methods/policy.h): the policy's ops on the device.
-    std::shared_ptr<const SelectPolicy> policy = m.make_policy(shape_of(kv, group), p);
+  if (registry.find(method).make_policy != nullptr) {
+    std::shared_ptr<const SelectPolicy> policy = registry.make_policy(method, shape, params);
     if (policy->dense_layer(layer)) return nullptr;
-    return make_ops_gpu(kv, group, method, policy_step(std::move(policy), layer));
+    return make_policy_decoder(registry, method, params, kv, shape, layer);
   }
   CUMULUS_FAIL("--device cuda: decode method '{}' is not yet on cuda (on cuda: {})", method,
                cuda_decode_method_names(registry));
+}
+
+std::unique_ptr<SparseDecoder> make_policy_decoder(const Registry& registry, const std::string& method,
+                                                   const std::map<std::string, std::string>& params,
+                                                   const DeviceKvView& kv, const Shape& shape, int layer,
+                                                   const AttentionPlanOptions& plan) {
+  return make_ops_gpu(kv, shape.group(), method, policy_step(registry.make_policy(method, shape, params), layer), plan);
 }
 
 }  // namespace cumulus::cuda::model

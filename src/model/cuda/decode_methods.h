@@ -39,12 +39,21 @@ CudaDecodePlan cuda_decode_plan(const Registry& registry, const std::string& met
 // pipelines size their buffers at construction), times the layers that get one (a policy's
 // dense layers, as quest's dense_layers, get none); 0 for dense.
 size_t cuda_decoder_bytes(const Registry& registry, const std::string& method,
-                          const std::map<std::string, std::string>& params, const cuda::DeviceKvView& kv, int group,
-                          int n_layers);
+                          const std::map<std::string, std::string>& params, const cuda::DeviceKvView& kv,
+                          const Shape& shape);
 
-// The decoder of one layer (nullptr: dense attention, for "dense" and quest's dense layers).
+// The decoder of one layer of a model of `shape` (nullptr: dense attention, for "dense" and
+// a policy's dense layers, as quest's dense_layers).
 std::unique_ptr<cuda::SparseDecoder> make_cuda_decoder(const Registry& registry, const std::string& method,
                                                        const std::map<std::string, std::string>& params,
-                                                       const cuda::DeviceKvView& kv, int group, int layer);
+                                                       const cuda::DeviceKvView& kv, const Shape& shape, int layer);
+
+// The GPU decoder of a method defined over the selection ops (MethodInfo::make_policy), for
+// one layer, with its registry parameters (Error for another method): cuda::make_ops_gpu
+// running the policy's step. Benchmarks and tests pass their own attention plan options.
+std::unique_ptr<cuda::SparseDecoder> make_policy_decoder(const Registry& registry, const std::string& method,
+                                                         const std::map<std::string, std::string>& params,
+                                                         const cuda::DeviceKvView& kv, const Shape& shape, int layer,
+                                                         const cuda::AttentionPlanOptions& plan = {});
 
 }  // namespace cumulus::cuda::model
