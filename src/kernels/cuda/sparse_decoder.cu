@@ -276,10 +276,13 @@ class OpsDecoder final : public SparseDecoder, public SelectOps {
     stream_ = as_stream(stream);
     check_.begin();
     weights_ = false;
-    // A row's claim is NaN and its budget 0 unless a mark op sets them (as the host ops).
-    Base& b = base();
-    memset_async(b.claimed.data(), 0xff, static_cast<size_t>(b.kv.n_seqs) * b.n_q * sizeof(float), stream);
-    memset_async(b.budget.data(), 0, static_cast<size_t>(b.kv.n_seqs) * b.n_q * sizeof(int32_t), stream);
+    // Every mark op writes every row's claim and budget; a step with none leaves the claims
+    // NaN and the budgets 0, as the host ops do.
+    if (!marks_) {
+      Base& b = base();
+      memset_async(b.claimed.data(), 0xff, static_cast<size_t>(b.kv.n_seqs) * b.n_q * sizeof(float), stream);
+      memset_async(b.budget.data(), 0, static_cast<size_t>(b.kv.n_seqs) * b.n_q * sizeof(int32_t), stream);
+    }
     step_(*this);
     base().compact(stream_);
   }
@@ -318,6 +321,7 @@ class OpsDecoder final : public SparseDecoder, public SelectOps {
 
   void mark_chosen(bool claim_mass) override {
     check_.mark_chosen(claim_mass);
+    marks_ = marks_ || sizing_;
     if (sizing_) return;
     Base& b = base();
     const int rows = b.kv.n_seqs * b.n_q;
@@ -396,6 +400,7 @@ class OpsDecoder final : public SparseDecoder, public SelectOps {
   }
 
   void ends(int head, int tail, float claim) {
+    marks_ = marks_ || sizing_;
     if (sizing_) return;
     Base& b = base();
     ends_mark_kernel<<<b.n_lists, 256, 0, stream_>>>(b.kv.n_tokens, b.kv.n_kv_heads, b.group, head, tail, claim,
@@ -407,6 +412,7 @@ class OpsDecoder final : public SparseDecoder, public SelectOps {
   std::string name_;
   SelectStep step_;
   bool sizing_ = true;
+  bool marks_ = false;  // the step has a mark op (seen by the sizing pass)
   int max_units_ = 0, max_chosen_ = 0;
   double select_bytes_ = 0;
   // The step being enqueued.
