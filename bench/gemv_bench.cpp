@@ -209,7 +209,7 @@ int main(int argc, char** argv) {
     QuantActivation xq;
     auto gemv_at = [&](const Matrix& m, int bits) {
       cpu::quant_activation(x.data(), s.cols, bits, xq);
-      const int per = cpu::gemv_quant_task_rows(s.rows);
+      const int per = cpu::gemv_quant_task_rows(s.rows, pool.n_threads());
       pool.parallel_for((s.rows + per - 1) / per, [&](int64_t t, int) {
         const int r0 = static_cast<int>(t) * per;
         cpu::gemv_quant_rows(m.view, r0, std::min(s.rows, r0 + per), xq, y.data() + r0);

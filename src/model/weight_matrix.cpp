@@ -150,7 +150,7 @@ void weight_matmul(ThreadPool& pool, const float* x, int n_rows, std::span<const
     const WeightMatrix& w = *outs[o].w;
     CUMULUS_CHECK(w.cols() == outs[0].w->cols(), "weight_matmul: matrices with {} and {} columns share one x", w.cols(),
                   outs[0].w->cols());
-    const int per = w.quantized() && n_rows == 1 ? cpu::gemv_quant_task_rows(w.rows()) : kSliceRows;
+    const int per = w.quantized() && n_rows == 1 ? cpu::gemv_quant_task_rows(w.rows(), pool.n_threads()) : kSliceRows;
     for (int r0 = 0; r0 < w.rows(); r0 += per) tasks.push_back({static_cast<int>(o), r0, std::min(per, w.rows() - r0)});
   }
   // Decode: x rounded to codes once for all quantised products, 8 or 16 bits as the GEMV

@@ -944,9 +944,14 @@ void quant_dequantize_rows(const QuantMatrixView& w, int row_begin, int row_end,
   HWY_DYNAMIC_DISPATCH(quant_dequantize_rows_impl)(w, row_begin, row_end, out);
 }
 
-int gemv_quant_task_rows(int rows) {
-  // At least 16 rows per task (each claim is an atomic on a shared counter), at most 64 tasks.
-  const int t = std::max(16, (rows + 63) / 64);
+int gemv_quant_task_rows(int rows, int n_threads) {
+  // One task per thread. The split was at most 64 tasks of at least 16 rows: SmolLM2's
+  // decode at a 256-token context ran 120-133 tok/s with it and 158-199 tok/s with one task
+  // per thread (2 threads, the same runs alternated; mlp 4.1-4.6 -> 2.5-3.2 ms per token,
+  // docs/performance-log.md 2026-11-27): short tasks restart the row-group prefetch, whose
+  // first groups then wait on memory, and cost a claim each.
+  const int threads = std::max(1, n_threads);
+  const int t = std::max(16, (rows + threads - 1) / threads);
   return (t + kGroupRows - 1) / kGroupRows * kGroupRows;
 }
 
@@ -958,7 +963,7 @@ void gemv_quant(const QuantMatrixView& w, const float* x, float* y, ThreadPool& 
   QuantActivation codes;
   const QuantActivation* a = &codes;
   quant_activation(x, w.cols, gemv_quant_activation_bits(), codes);
-  const int per = gemv_quant_task_rows(w.rows);
+  const int per = gemv_quant_task_rows(w.rows, pool.n_threads());
   pool.parallel_for((w.rows + per - 1) / per, [&](int64_t t, int) {
     const int r0 = static_cast<int>(t) * per;
     gemv_quant_rows(w, r0, std::min(w.rows, r0 + per), *a, y + r0);

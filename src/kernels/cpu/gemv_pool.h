@@ -10,7 +10,7 @@
 namespace cumulus::cpu {
 
 // y [rows] = W x, x [cols] float32 (rounded by quant_activation to
-// gemv_quant_activation_bits() first). Rows are split into tasks by the matrix shape alone
+// gemv_quant_activation_bits() first). Rows are split into one task per thread
 // (gemv_quant_task_rows) and every row is computed by the same instruction sequence wherever
 // it falls, so y is bit-identical for any thread count.
 void gemv_quant(const QuantMatrixView& w, const float* x, float* y, ThreadPool& pool);
