@@ -13,7 +13,9 @@
 //
 // Determinism: the pool decides only WHO runs a task, never how work is split. Kernels
 // split work into tasks whose count depends on the problem size alone and merge partial
-// results in task order, so results are bit-identical for any number of threads.
+// results in task order, so results are bit-identical for any number of threads. The one
+// split by thread count, the quantised GEMV's rows (gemv_quant_task_rows), merges nothing:
+// each row is computed by the same instructions in whichever task it falls.
 #pragma once
 
 #include <atomic>
