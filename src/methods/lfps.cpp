@@ -78,6 +78,15 @@ void table_stats(const std::vector<double>& x, int b, int e, double& mean, doubl
 }
 
 class Lfps final : public DecodeMethod {
+  // A kv head task's scratch (on_prefill, decode).
+  struct Scratch {
+    std::vector<float> scores, rho_scores, c2_scores;
+    std::vector<double> probs;
+    std::vector<int32_t> rho_idx, cand, top, chosen;
+    std::vector<uint8_t> mark;
+    SelectWorkspace select_ws;
+  };
+
  public:
   Lfps(const Shape& shape, const LfpsOptions& o)
       : shape_(shape),
@@ -107,8 +116,12 @@ class Lfps final : public DecodeMethod {
     const float scale = attention_scale(d);
     const int n_sink = std::min(o_.sinks, n);
     const int rows = std::min(o_.s, ctx.prompt_q_rows);
-    std::vector<float> key(d), val(d);
-    for (int h = 0; h < shape_.n_kv_heads; ++h) {
+    scratch_.resize(static_cast<size_t>(shape_.n_kv_heads));
+    // One task per kv head (its group's tables); the same arithmetic as one thread.
+    ctx.pool->parallel_for(shape_.n_kv_heads, [&](int64_t hh, int) {
+      const int h = static_cast<int>(hh);
+      Scratch& w = scratch_[static_cast<size_t>(h)];
+      std::vector<float> key(d), val(d);
       // Mean key over the non-sink token positions [1, n) (w_global models "all tokens
       // excluding the sink token", Appendix B.1); mean value over all n (Algorithm 1 line 5).
       std::vector<double> ks(d, 0.0), vs(d, 0.0);
@@ -140,13 +153,13 @@ class Lfps final : public DecodeMethod {
           if (pos < n_sink) break;  // no non-sink key to attend
           const float* qr =
               ctx.prompt_q + (static_cast<size_t>(ctx.prompt_q_rows - jd) * shape_.n_q_heads + qh) * d;
-          scores_.resize(pos + 1);
-          cpu::token_score(v, qr, 1, nullptr, pos + 1, scores_.data());
+          w.scores.resize(pos + 1);
+          cpu::token_score(v, qr, 1, nullptr, pos + 1, w.scores.data());
           // Weights over the non-sink keys [n_sink, pos], renormalised (see the top).
-          softmax_f64(scores_.data() + n_sink, pos + 1 - n_sink, scale, probs_);
+          softmax_f64(w.scores.data() + n_sink, pos + 1 - n_sink, scale, w.probs);
           for (int i = n_sink; i <= pos; ++i) {
-            tb.vertical[i] += probs_[i - n_sink];
-            tb.slash[i + jd - 1] += probs_[i - n_sink];
+            tb.vertical[i] += w.probs[i - n_sink];
+            tb.slash[i + jd - 1] += w.probs[i - n_sink];
           }
           ++used;
         }
@@ -156,18 +169,18 @@ class Lfps final : public DecodeMethod {
         // sigma-hat^2 from the last prompt query over the non-sink keys [1, n).
         const float* ql = ctx.prompt_q + (static_cast<size_t>(ctx.prompt_q_rows - 1) * shape_.n_q_heads + qh) * d;
         if (n > 2) {
-          scores_.resize(n);
-          cpu::token_score(v, ql, 1, nullptr, n, scores_.data());
+          w.scores.resize(n);
+          cpu::token_score(v, ql, 1, nullptr, n, w.scores.data());
           double mu = 0, m2 = 0;
-          for (int i = 1; i < n; ++i) mu += scale * scores_[i];
+          for (int i = 1; i < n; ++i) mu += scale * w.scores[i];
           mu /= n - 1;
-          for (int i = 1; i < n; ++i) m2 += (scale * scores_[i] - mu) * (scale * scores_[i] - mu);
+          for (int i = 1; i < n; ++i) m2 += (scale * w.scores[i] - mu) * (scale * w.scores[i] - mu);
           double qn2 = 0;
           for (int j = 0; j < d; ++j) qn2 += static_cast<double>(ql[j]) * ql[j];
           tb.sigma_hat2 = qn2 > 0 ? (m2 / (n - 1)) / qn2 : 0.0;
         }
       }
-    }
+    });
     prefilled_[layer] = true;
     generation_[layer] = kv.generation(layer);
   }
@@ -186,16 +199,21 @@ class Lfps final : public DecodeMethod {
     const int n = kv.n_tokens(layer);
     const int n_sink = std::min(o_.sinks, n);
     const int k = o_.budget > 0 ? o_.budget : std::max(1, static_cast<int>(std::ceil(o_.budget_ratio * n)));
-    for (int h = 0; h < shape_.n_kv_heads; ++h) {
+    scratch_.resize(static_cast<size_t>(shape_.n_kv_heads));
+    // One task per kv head: its group's query heads, tables and union (the tables are per
+    // query head, so the tasks share nothing but the read-only cache).
+    ctx.pool->parallel_for(shape_.n_kv_heads, [&](int64_t hh, int) {
+      const int h = static_cast<int>(hh);
+      Scratch& w = scratch_[static_cast<size_t>(h)];
       const PagedHeadView v = kv.view(layer, h);
       const float* km = kmean_[static_cast<size_t>(layer) * shape_.n_kv_heads + h].data();
       const double row = static_cast<double>(v.row_bytes());
       // Eq. 5 reads the sink key (token 0) and the last kLocalWindow keys (not the sink).
-      rho_idx_.assign(1, 0);
-      for (int t = std::max(1, n - kLocalWindow); t < n; ++t) rho_idx_.push_back(t);
-      const int m = static_cast<int>(rho_idx_.size());
-      rho_scores_.resize(static_cast<size_t>(g) * m);
-      cpu::token_score(v, q + static_cast<size_t>(h) * g * d, g, rho_idx_.data(), m, rho_scores_.data());
+      w.rho_idx.assign(1, 0);
+      for (int t = std::max(1, n - kLocalWindow); t < n; ++t) w.rho_idx.push_back(t);
+      const int m = static_cast<int>(w.rho_idx.size());
+      w.rho_scores.resize(static_cast<size_t>(g) * m);
+      cpu::token_score(v, q + static_cast<size_t>(h) * g * d, g, w.rho_idx.data(), m, w.rho_scores.data());
       methods::add_kv_head_bytes(shape_, h, m * row + 2.0 * d * sizeof(float), out);
 
       auto& uni = out.selection.tokens[h];
@@ -205,7 +223,7 @@ class Lfps final : public DecodeMethod {
         const float* qj = q + static_cast<size_t>(qh) * d;
         methods::LfpsTables& tb = tables_[static_cast<size_t>(layer) * shape_.n_q_heads + qh];
         // Eq. 5-6 in log space: log w_sink, log w_global, log w_local.
-        const float* sc = rho_scores_.data() + static_cast<size_t>(j) * m;
+        const float* sc = w.rho_scores.data() + static_cast<size_t>(j) * m;
         const double l_sink = scale * sc[0];
         double l_local = kNegInf;
         for (int u = 1; u < m; ++u) l_local = log_sum_exp(l_local, scale * sc[u]);
@@ -217,13 +235,13 @@ class Lfps final : public DecodeMethod {
         out.stats[qh].bypass = tb.bypass;
         if (tb.bypass) continue;  // Algorithm 1 lines 4-5: steps 2-4 skipped
 
-        select_head(v, qj, scale, n, n_sink, k, tb);
-        out.stats[qh].bytes_read += cand_.size() * row + 2.0 * n * sizeof(double);
+        select_head(v, qj, scale, n, n_sink, k, tb, w);
+        out.stats[qh].bytes_read += w.cand.size() * row + 2.0 * n * sizeof(double);
         for (int i = 0; i < n_sink; ++i) uni.push_back(i);  // the first `sinks` tokens, always
-        uni.insert(uni.end(), chosen_.begin(), chosen_.end());
+        uni.insert(uni.end(), w.chosen.begin(), w.chosen.end());
       }
       selection_normalize(uni);
-    }
+    });
     methods::attend_selection(kv, layer, q, ctx, out);
     for (int h = 0; h < shape_.n_kv_heads; ++h) {
       const float* vm = vmean_[static_cast<size_t>(layer) * shape_.n_kv_heads + h].data();
@@ -238,17 +256,17 @@ class Lfps final : public DecodeMethod {
   }
 
  private:
-  // Steps 2-4 of Algorithm 1 for one query head: chosen_ = C2 (exact top-k over the
+  // Steps 2-4 of Algorithm 1 for one query head: w.chosen = C2 (exact top-k over the
   // expanded candidates), and the tables updated by Eq. 10.
   void select_head(const PagedHeadView& v, const float* q, float scale, int n, int n_sink, int k,
-                   methods::LfpsTables& tb) {
+                   methods::LfpsTables& tb, Scratch& w) {
     if (static_cast<int>(tb.vertical.size()) < n) tb.vertical.resize(n, 0.0);
     if (static_cast<int>(tb.slash.size()) < n) tb.slash.resize(n, 0.0);
-    cand_.clear();
+    w.cand.clear();
     if (k >= n - n_sink) {
       // The exact top-k of every non-sink token is all of them: no candidate filter can add
       // anything (this makes budget >= n equal dense).
-      for (int i = n_sink; i < n; ++i) cand_.push_back(i);
+      for (int i = n_sink; i < n; ++i) w.cand.push_back(i);
     } else {
       double mean_v, kappa_v, mean_s, kappa_s;
       table_stats(tb.vertical, n_sink, n, mean_v, kappa_v);
@@ -257,41 +275,41 @@ class Lfps final : public DecodeMethod {
       const double inf = std::numeric_limits<double>::infinity();
       const double tau_v = kappa_v > 0 ? o_.a * mean_v / kappa_v : inf;
       const double tau_s = kappa_s > 0 ? o_.a * mean_s / kappa_s : inf;
-      mark_.assign(n, 0);
+      w.mark.assign(n, 0);
       for (int i = n_sink; i < n; ++i) {
         if (!(tb.vertical[i] > tau_v || tb.slash[i] > tau_s)) continue;  // Eq. 7
         for (int off : kOffsets) {                                        // Eq. 9
           const int x = i + off;
-          if (x < n_sink || x >= n || mark_[x]) continue;
+          if (x < n_sink || x >= n || w.mark[x]) continue;
           if (tb.vertical[x] > mean_v || tb.slash[x] > mean_s) {
-            mark_[x] = 1;
+            w.mark[x] = 1;
           }
         }
       }
       for (int i = n_sink; i < n; ++i)
-        if (mark_[i]) cand_.push_back(i);
+        if (w.mark[i]) w.cand.push_back(i);
     }
-    chosen_.clear();
-    if (cand_.empty()) return;  // nothing to attend beyond the sinks, nothing to learn
-    scores_.resize(cand_.size());
-    cpu::token_score(v, q, 1, cand_.data(), static_cast<int>(cand_.size()), scores_.data());
-    cpu::select_topk(scores_.data(), static_cast<int>(cand_.size()), k, top_, &select_ws_);
-    chosen_.resize(top_.size());
-    c2_scores_.resize(top_.size());
-    for (size_t u = 0; u < top_.size(); ++u) chosen_[u] = cand_[top_[u]], c2_scores_[u] = scores_[top_[u]];
+    w.chosen.clear();
+    if (w.cand.empty()) return;  // nothing to attend beyond the sinks, nothing to learn
+    w.scores.resize(w.cand.size());
+    cpu::token_score(v, q, 1, w.cand.data(), static_cast<int>(w.cand.size()), w.scores.data());
+    cpu::select_topk(w.scores.data(), static_cast<int>(w.cand.size()), k, w.top, &w.select_ws);
+    w.chosen.resize(w.top.size());
+    w.c2_scores.resize(w.top.size());
+    for (size_t u = 0; u < w.top.size(); ++u) w.chosen[u] = w.cand[w.top[u]], w.c2_scores[u] = w.scores[w.top[u]];
     // Eq. 10: w_i = softmax over C2 (sums to 1); positions outside C2 have w_i = 1/(2|C2|),
     // so they only decay. The slash table shifts by one (aligned to the next query).
-    softmax_f64(c2_scores_.data(), static_cast<int>(c2_scores_.size()), scale, probs_);
-    const double c = 1.0 / (2.0 * chosen_.size());
+    softmax_f64(w.c2_scores.data(), static_cast<int>(w.c2_scores.size()), scale, w.probs);
+    const double c = 1.0 / (2.0 * w.chosen.size());
     for (auto& x : tb.vertical) x *= o_.r;
     tb.slash.push_back(0.0);
     for (size_t i = tb.slash.size() - 1; i > 0; --i) tb.slash[i] = o_.r * tb.slash[i - 1];
     tb.slash[0] = 0.0;
-    for (size_t u = 0; u < chosen_.size(); ++u) {
-      tb.vertical[chosen_[u]] += probs_[u] - c;
-      tb.slash[chosen_[u]] += probs_[u] - c;
+    for (size_t u = 0; u < w.chosen.size(); ++u) {
+      tb.vertical[w.chosen[u]] += w.probs[u] - c;
+      tb.slash[w.chosen[u]] += w.probs[u] - c;
     }
-    selection_normalize(chosen_);
+    selection_normalize(w.chosen);
   }
 
   Shape shape_;
@@ -301,12 +319,7 @@ class Lfps final : public DecodeMethod {
   std::vector<std::vector<float>> vmean_;     // [n_layers][n_kv_heads] -> [head_dim]
   std::vector<bool> prefilled_;       // [n_layers]
   std::vector<uint64_t> generation_;  // [n_layers] the cache's generation at on_prefill
-  // Scratch.
-  std::vector<float> scores_, rho_scores_, c2_scores_;
-  std::vector<double> probs_;
-  std::vector<int32_t> rho_idx_, cand_, top_, chosen_;
-  std::vector<uint8_t> mark_;
-  SelectWorkspace select_ws_;
+  std::vector<Scratch> scratch_;      // [n_kv_heads], one per task
 };
 
 }  // namespace
