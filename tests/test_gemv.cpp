@@ -230,6 +230,26 @@ TEST(GemvQuant, TallMatrix) {
   }
 }
 
+// The split the runtime uses: one contiguous run of whole row groups per thread (at least
+// 16 rows, the shortest that covers every row); the bit-identity above is what makes a split by thread
+// count safe.
+TEST(GemvQuant, TaskRowsGiveEachThreadOneRunOfWholeGroups) {
+  for (int rows : {1, 15, 16, 17, 192, 576, 1037, 1536, 49152, 262144}) {
+    for (int threads : {1, 2, 3, 16, 64}) {
+      const int per = cpu::gemv_quant_task_rows(rows, threads);
+      const int tasks = (rows + per - 1) / per;
+      EXPECT_EQ(per % 4, 0) << rows << " rows, " << threads << " threads";
+      EXPECT_GE(per, 16) << rows << " rows, " << threads << " threads";
+      EXPECT_LE(tasks, threads) << rows << " rows, " << threads << " threads";
+      // The shortest such run: a group less would need more tasks than threads, or fewer
+      // than 16 rows per task.
+      const int less = per - 4;
+      EXPECT_TRUE(less < 16 || (rows + less - 1) / less > threads) << rows << " rows, " << threads << " threads";
+    }
+  }
+  EXPECT_EQ(cpu::gemv_quant_task_rows(576, 0), 576);  // no threads counts as one
+}
+
 TEST(GemvQuant, BitIdenticalForAnyThreadCountAndRowGrouping) {
   std::mt19937 rng(99);
   ThreadPool p1(1), p2(2), p3(3);
