@@ -230,10 +230,10 @@ TEST(GemvQuant, TallMatrix) {
   }
 }
 
-// The split the runtime uses: one contiguous run of whole row groups per thread (at least
-// 16 rows, the shortest that covers every row); the bit-identity above is what makes a split by thread
-// count safe.
-TEST(GemvQuant, TaskRowsGiveEachThreadOneRunOfWholeGroups) {
+// The split the runtime uses: at most one contiguous run of whole row groups per thread (at
+// least 16 rows, the shortest that covers every row); the bit-identity test below is what
+// makes a split by thread count safe.
+TEST(GemvQuant, TaskRowsGiveAThreadAtMostOneRunOfWholeGroups) {
   for (int rows : {1, 15, 16, 17, 192, 576, 1037, 1536, 49152, 262144}) {
     for (int threads : {1, 2, 3, 16, 64}) {
       const int per = cpu::gemv_quant_task_rows(rows, threads);

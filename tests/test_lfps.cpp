@@ -210,6 +210,43 @@ TEST(Lfps, TablesSumToHalfOverOneMinusROverAThousandSteps) {
   EXPECT_GT(attended, 1000L * s.n_q_heads * 8) << "the tables should yield candidates beyond the sinks";
 }
 
+// The kv heads run as pool tasks: 1, 2 and 3 threads give the same outputs, selections
+// and tables, step after step.
+TEST(Lfps, ThreadCountDoesNotChangeResults) {
+  const Shape s{1, 8, 4, 32};
+  std::vector<std::vector<float>> outs[3];
+  std::vector<Selection> sels[3];
+  std::vector<double> tables[3];
+  for (int threads = 1; threads <= 3; ++threads) {
+    Fixture f = make_fixture(s, 700, 23);
+    ThreadPool pool(threads);
+    auto m = prefilled(f, {{"budget", "40"}}, pool);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    DecodeContext ctx{&pool, false};
+    AttnOutput out;
+    for (int step = 0; step < 30; ++step) {
+      append_tokens(f, 1);
+      m->on_append(0, f.kv.n_tokens(0) - 1, f.kv);
+      for (auto& x : f.q) x += 0.05f * nd(f.rng);
+      decode_step(*m, 0, f.q.data(), f.kv, ctx, out);
+      outs[threads - 1].push_back(out.out);
+      sels[threads - 1].push_back(out.selection);
+    }
+    for (int qh = 0; qh < s.n_q_heads; ++qh) {
+      const auto& tb = methods::lfps_tables(*m, 0, qh);
+      tables[threads - 1].insert(tables[threads - 1].end(), tb.vertical.begin(), tb.vertical.end());
+      tables[threads - 1].insert(tables[threads - 1].end(), tb.slash.begin(), tb.slash.end());
+    }
+  }
+  ASSERT_FALSE(tables[0].empty());
+  for (int t = 1; t < 3; ++t) {
+    EXPECT_EQ(outs[t], outs[0]) << t + 1 << " threads";
+    for (size_t step = 0; step < sels[0].size(); ++step)
+      EXPECT_EQ(sels[t][step].tokens, sels[0][step].tokens) << t + 1 << " threads, step " << step;
+    EXPECT_EQ(tables[t], tables[0]) << t + 1 << " threads";
+  }
+}
+
 TEST(Lfps, AtFullBudgetEqualsDense) {
   for (const Shape& s : {Shape{1, 4, 4, 32}, Shape{1, 8, 2, 64}, Shape{1, 9, 3, 64}}) {
     Fixture f = make_fixture(s, 333, 9);

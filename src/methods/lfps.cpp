@@ -78,7 +78,7 @@ void table_stats(const std::vector<double>& x, int b, int e, double& mean, doubl
 }
 
 class Lfps final : public DecodeMethod {
-  // A kv head task's scratch (on_prefill, decode).
+  // A worker's scratch in the kv head tasks (on_prefill, decode).
   struct Scratch {
     std::vector<float> scores, rho_scores, c2_scores;
     std::vector<double> probs;
@@ -116,11 +116,12 @@ class Lfps final : public DecodeMethod {
     const float scale = attention_scale(d);
     const int n_sink = std::min(o_.sinks, n);
     const int rows = std::min(o_.s, ctx.prompt_q_rows);
-    scratch_.resize(static_cast<size_t>(shape_.n_kv_heads));
+    CUMULUS_CHECK(ctx.pool != nullptr, "lfps: on_prefill needs DecodeContext::pool");
+    scratch_.resize(std::max(scratch_.size(), static_cast<size_t>(ctx.pool->n_threads())));
     // One task per kv head (its group's tables); the same arithmetic as one thread.
-    ctx.pool->parallel_for(shape_.n_kv_heads, [&](int64_t hh, int) {
+    ctx.pool->parallel_for(shape_.n_kv_heads, [&](int64_t hh, int worker) {
       const int h = static_cast<int>(hh);
-      Scratch& w = scratch_[static_cast<size_t>(h)];
+      Scratch& w = scratch_[static_cast<size_t>(worker)];
       std::vector<float> key(d), val(d);
       // Mean key over the non-sink token positions [1, n) (w_global models "all tokens
       // excluding the sink token", Appendix B.1); mean value over all n (Algorithm 1 line 5).
@@ -199,12 +200,14 @@ class Lfps final : public DecodeMethod {
     const int n = kv.n_tokens(layer);
     const int n_sink = std::min(o_.sinks, n);
     const int k = o_.budget > 0 ? o_.budget : std::max(1, static_cast<int>(std::ceil(o_.budget_ratio * n)));
-    scratch_.resize(static_cast<size_t>(shape_.n_kv_heads));
-    // One task per kv head: its group's query heads, tables and union (the tables are per
-    // query head, so the tasks share nothing but the read-only cache).
-    ctx.pool->parallel_for(shape_.n_kv_heads, [&](int64_t hh, int) {
+    CUMULUS_CHECK(ctx.pool != nullptr, "lfps: decode needs DecodeContext::pool");
+    scratch_.resize(std::max(scratch_.size(), static_cast<size_t>(ctx.pool->n_threads())));
+    // One task per kv head: its group's query heads, tables and union. The tables are per
+    // query head, so the tasks share nothing they write; each task's scratch is its
+    // worker's, every entry written before it is read.
+    ctx.pool->parallel_for(shape_.n_kv_heads, [&](int64_t hh, int worker) {
       const int h = static_cast<int>(hh);
-      Scratch& w = scratch_[static_cast<size_t>(h)];
+      Scratch& w = scratch_[static_cast<size_t>(worker)];
       const PagedHeadView v = kv.view(layer, h);
       const float* km = kmean_[static_cast<size_t>(layer) * shape_.n_kv_heads + h].data();
       const double row = static_cast<double>(v.row_bytes());
@@ -319,7 +322,7 @@ class Lfps final : public DecodeMethod {
   std::vector<std::vector<float>> vmean_;     // [n_layers][n_kv_heads] -> [head_dim]
   std::vector<bool> prefilled_;       // [n_layers]
   std::vector<uint64_t> generation_;  // [n_layers] the cache's generation at on_prefill
-  std::vector<Scratch> scratch_;      // [n_kv_heads], one per task
+  std::vector<Scratch> scratch_;      // [pool threads], one per worker
 };
 
 }  // namespace

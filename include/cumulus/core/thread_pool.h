@@ -6,7 +6,8 @@
 // share of the step. Idle workers therefore spin on the job counter for up to kSpinUs
 // before sleeping on the condition variable, and the caller spins likewise while the
 // last tasks finish. Tasks are claimed and counted with atomics, not the mutex (a decode
-// step runs ~10^4 tasks; two contended lock round trips each cost ~1 ms per step): the
+// step ran ~10^4 tasks when this was measured; two contended lock round trips each cost
+// ~1 ms per step): the
 // claim counter holds the job's generation in its high 32 bits and the next task in its
 // low 32 bits, so a worker still looping after its job ended can never claim a task of the
 // next job. The mutex guards the job description (fn, n) and the sleeps.

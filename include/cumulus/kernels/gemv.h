@@ -122,10 +122,11 @@ void gemv_quant_rows(const QuantMatrixView& w, int row_begin, int row_end, const
 // (for the prefill GEMM, which multiplies a slice at a time). No checks.
 void quant_dequantize_rows(const QuantMatrixView& w, int row_begin, int row_end, float* out);
 // Rows per task when a product with a matrix of `rows` rows is split over `n_threads`
-// threads: one contiguous run of whole row groups per thread (at least 16 rows), so each
-// thread streams its rows in address order, which the prefetchers follow. The result does
-// not depend on the split: every row is computed by the same instruction sequence wherever
-// it falls (tested for 1-3 threads). The model runtime's split, src/model/weight_matrix.cpp.
+// threads: at most one contiguous run of whole row groups per thread and matrix (the
+// shortest such run, at least 16 rows), so each thread streams its rows in address order,
+// which the prefetchers follow. The result does not depend on the split: every row is
+// computed by the same instruction sequence wherever it falls (tested for 1-3 threads).
+// The model runtime's split, src/model/weight_matrix.cpp.
 int gemv_quant_task_rows(int rows, int n_threads);
 }  // namespace cpu
 

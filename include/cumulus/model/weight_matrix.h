@@ -94,9 +94,11 @@ struct MatmulWorkspace {
 };
 
 // Every product in `outs` against the same x [n_rows][cols] (all W have cols columns), in
-// one parallel_for: tasks are slices of output rows whose size depends on the matrix shape
-// alone, so the result is bit-identical for any thread count. n_rows == 1 takes the GEMV
-// path, n_rows > 1 the GEMM path (see the design note above).
+// one parallel_for, as tasks of output rows. n_rows > 1 (the GEMM path): slices whose size
+// depends on the matrix shape alone. n_rows == 1 with quantised weights (the GEMV path): one
+// run of rows per thread and matrix (cpu::gemv_quant_task_rows), each row computed by the
+// same instructions whichever task holds it. Either way the result is bit-identical for any
+// thread count (see the design note above).
 void weight_matmul(ThreadPool& pool, const float* x, int n_rows, std::span<const MatmulOut> outs,
                    MatmulWorkspace* workspace = nullptr);
 

@@ -946,10 +946,11 @@ void quant_dequantize_rows(const QuantMatrixView& w, int row_begin, int row_end,
 
 int gemv_quant_task_rows(int rows, int n_threads) {
   // One task per thread. The split was at most 64 tasks of at least 16 rows: SmolLM2's
-  // decode at a 256-token context ran 120-133 tok/s with it and 158-199 tok/s with one task
-  // per thread (2 threads, the same runs alternated; mlp 4.1-4.6 -> 2.5-3.2 ms per token,
-  // docs/performance-log.md 2026-11-27): short tasks restart the row-group prefetch, whose
-  // first groups then wait on memory, and cost a claim each.
+  // decode at a 256-token context ran 120-133 tok/s with it, 158-199 tok/s with one task
+  // per thread and 162-192 with two (2 threads, the same runs alternated; mlp 4.1-4.6 ->
+  // 2.5-3.2 ms per token, docs/performance-log.md 2026-11-27). Our reading: short tasks
+  // restart the row-group prefetch, whose first groups then wait on memory, and cost a
+  // claim each. The split assumes the threads run: a descheduled one holds up its half.
   const int threads = std::max(1, n_threads);
   const int t = std::max(16, (rows + threads - 1) / threads);
   return (t + kGroupRows - 1) / kGroupRows * kGroupRows;
