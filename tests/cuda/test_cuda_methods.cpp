@@ -108,6 +108,21 @@ void dense_ref(const Workload& wl, const std::vector<float>& q, int n_seqs, std:
   }
 }
 
+// What most tests start from: the workload's cache replicated for n_seqs sequences on the
+// device, each sequence's query (host and device), and the float64 dense reference.
+struct GpuSetup {
+  cuda::DeviceKvCache dev;
+  std::vector<float> q;
+  cuda::DeviceBuffer qd;
+  std::vector<float> dout, dlse;
+  GpuSetup(const Workload& wl, int n_seqs)
+      : dev(cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs)),
+        q(batch_queries(wl, n_seqs)),
+        qd(cuda::to_device(q)) {
+    dense_ref(wl, q, n_seqs, dout, dlse);
+  }
+};
+
 // The GPU output equals float64 sparse attention over the GPU's own lists, and the lists
 // are sorted, unique and in range.
 void expect_consistent(const GpuRun& g, const Workload& wl, const std::vector<float>& q, int n_seqs,
@@ -155,11 +170,8 @@ TEST(CudaMethods, TacticAndPsaAtFullMassEqualDense) {
     SCOPED_TRACE(shape);
     const Workload wl = make_workload(3000, shape, 7, pool);
     const int n_seqs = 2;
-    cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
-    const auto q = batch_queries(wl, n_seqs);
-    cuda::DeviceBuffer qd = cuda::to_device(q);
-    std::vector<float> dout, dlse;
-    dense_ref(wl, q, n_seqs, dout, dlse);
+    GpuSetup setup(wl, n_seqs);
+    auto& [dev, q, qd, dout, dlse] = setup;
     const Shape& sh = wl.w.options.shape;
     std::vector<std::unique_ptr<cuda::SparseDecoder>> ms;
     cuda::TacticGpuOptions to;
@@ -194,11 +206,8 @@ TEST(CudaMethods, TacticMatchesCpuMethod) {
     const std::string what = fmt::format("{} sinks {} recent {}", shape, cfg.sinks, cfg.recent);
     const Workload wl = make_workload(4096, shape, 11, pool);
     const int n_seqs = 3;
-    cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
-    const auto q = batch_queries(wl, n_seqs);
-    cuda::DeviceBuffer qd = cuda::to_device(q);
-    std::vector<float> dout, dlse;
-    dense_ref(wl, q, n_seqs, dout, dlse);
+    GpuSetup setup(wl, n_seqs);
+    auto& [dev, q, qd, dout, dlse] = setup;
     const Shape& sh = wl.w.options.shape;
     cuda::TacticGpuOptions to;
     to.sinks = cfg.sinks;
@@ -250,11 +259,8 @@ TEST(CudaMethods, TacticBucketRankingMatchesRadixSort) {
                          Cfg{"gemma3-270m", 4096, 4000, 0.2, 1.0}}) {
     const Workload wl = make_workload(cfg.n, cfg.shape, 23, pool, cfg.sink_mass, cfg.concentration);
     const int n_seqs = 2;
-    cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
-    const auto q = batch_queries(wl, n_seqs);
-    cuda::DeviceBuffer qd = cuda::to_device(q);
-    std::vector<float> dout, dlse;
-    dense_ref(wl, q, n_seqs, dout, dlse);
+    GpuSetup setup(wl, n_seqs);
+    auto& [dev, q, qd, dout, dlse] = setup;
     const Shape& sh = wl.w.options.shape;
     std::vector<GpuRun> runs;  // bucket ranking with the marks by token range, radix sort, bucket with cluster marks
     for (int variant : {0, 1, 2}) {
@@ -333,11 +339,8 @@ TEST(CudaMethods, PsaMatchesCpuMethod) {
   for (const char* shape : {"llama3-8b", "gemma3-270m"}) {
     const Workload wl = make_workload(4096, shape, 17, pool);
     const int n_seqs = 2;
-    cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
-    const auto q = batch_queries(wl, n_seqs);
-    cuda::DeviceBuffer qd = cuda::to_device(q);
-    std::vector<float> dout, dlse;
-    dense_ref(wl, q, n_seqs, dout, dlse);
+    GpuSetup setup(wl, n_seqs);
+    auto& [dev, q, qd, dout, dlse] = setup;
     const Shape& sh = wl.w.options.shape;
     for (int mb : {1, 4})
       for (const char* crit : {"mean", "bound"}) {
@@ -378,11 +381,8 @@ TEST(CudaMethods, PolicyMethodsMatchCpuMethods) {
     SCOPED_TRACE(shape);
     const Workload wl = make_workload(4096, shape, 19, pool);
     const int n_seqs = 2;
-    cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
-    const auto q = batch_queries(wl, n_seqs);
-    cuda::DeviceBuffer qd = cuda::to_device(q);
-    std::vector<float> dout, dlse;
-    dense_ref(wl, q, n_seqs, dout, dlse);
+    GpuSetup setup(wl, n_seqs);
+    auto& [dev, q, qd, dout, dlse] = setup;
     const Shape& sh = wl.w.options.shape;
     for (const Case& k : cases) {
       SCOPED_TRACE(k.method);
@@ -443,11 +443,8 @@ TEST(CudaMethods, SelectOpsMatchTheCpuOpsAndRefuseMisuse) {
   const Workload wl = make_workload(3000, "llama3-8b", 23, pool);
   const Shape& sh = wl.w.options.shape;
   const int n_seqs = 2;
-  cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
-  const auto q = batch_queries(wl, n_seqs);
-  cuda::DeviceBuffer qd = cuda::to_device(q);
-  std::vector<float> dout, dlse;
-  dense_ref(wl, q, n_seqs, dout, dlse);
+  GpuSetup setup(wl, n_seqs);
+  auto& [dev, q, qd, dout, dlse] = setup;
   const auto policy = std::make_shared<ManyMarks>();
   std::vector<PagedHeadView> views;
   for (int s = 0; s < n_seqs; ++s)
