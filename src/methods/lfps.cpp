@@ -20,20 +20,18 @@
 #include <limits>
 
 #include "core/check.h"
+#include "cumulus/kernels/lfps.h"
 #include "cumulus/kernels/scoring.h"
 #include "cumulus/kernels/selection.h"
 #include "cumulus/methods/registry.h"
 #include "lfps_tables.h"
+#include "method_options.h"
 #include "method_util.h"
 
 namespace cumulus {
 namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-// w_local sums the keys at positions t-6 .. t-1 (Eq. 5).
-constexpr int kLocalWindow = 6;
-// Expansion offsets of Eq. 9.
-constexpr int kOffsets[] = {-1, 0, 1, 2};
 
 // probs[i] = exp(scale * s[i]) / sum_j exp(scale * s[j]) in float64: the table updates
 // must keep Eq. 15's sums to double precision over thousands of steps.
@@ -52,14 +50,6 @@ double log_sum_exp(double a, double b) {
   const double m = std::max(a, b);
   return m + std::log(std::exp(a - m) + std::exp(b - m));
 }
-
-struct LfpsOptions {
-  double a = 0.2, r = 0.95, epsilon = 0.85;
-  int s = 32;
-  int budget = 0;  // 0: budget_ratio * n_tokens
-  double budget_ratio = 0.02;
-  int sinks = 4;
-};
 
 // Mean and the kurtosis-like kappa of Eq. 8 over x[b, e):
 //   kappa = sum (x - mean)^4 / (sum (x - mean)^2)^2   (no factor n, as printed).
@@ -199,7 +189,7 @@ class Lfps final : public DecodeMethod {
     const float scale = attention_scale(d);
     const int n = kv.n_tokens(layer);
     const int n_sink = std::min(o_.sinks, n);
-    const int k = o_.budget > 0 ? o_.budget : std::max(1, static_cast<int>(std::ceil(o_.budget_ratio * n)));
+    const int k = lfps_budget(o_, n);
     CUMULUS_CHECK(ctx.pool != nullptr, "lfps: decode needs DecodeContext::pool");
     scratch_.resize(std::max(scratch_.size(), static_cast<size_t>(ctx.pool->n_threads())));
     // One task per kv head: its group's query heads, tables and union. The tables are per
@@ -211,9 +201,9 @@ class Lfps final : public DecodeMethod {
       const PagedHeadView v = kv.view(layer, h);
       const float* km = kmean_[static_cast<size_t>(layer) * shape_.n_kv_heads + h].data();
       const double row = static_cast<double>(v.row_bytes());
-      // Eq. 5 reads the sink key (token 0) and the last kLocalWindow keys (not the sink).
+      // Eq. 5 reads the sink key (token 0) and the last kLfpsLocalWindow keys (not the sink).
       w.rho_idx.assign(1, 0);
-      for (int t = std::max(1, n - kLocalWindow); t < n; ++t) w.rho_idx.push_back(t);
+      for (int t = std::max(1, n - kLfpsLocalWindow); t < n; ++t) w.rho_idx.push_back(t);
       const int m = static_cast<int>(w.rho_idx.size());
       w.rho_scores.resize(static_cast<size_t>(g) * m);
       cpu::token_score(v, q + static_cast<size_t>(h) * g * d, g, w.rho_idx.data(), m, w.rho_scores.data());
@@ -281,7 +271,7 @@ class Lfps final : public DecodeMethod {
       w.mark.assign(n, 0);
       for (int i = n_sink; i < n; ++i) {
         if (!(tb.vertical[i] > tau_v || tb.slash[i] > tau_s)) continue;  // Eq. 7
-        for (int off : kOffsets) {                                        // Eq. 9
+        for (int off = kLfpsOffsetMin; off <= kLfpsOffsetMax; ++off) {                                        // Eq. 9
           const int x = i + off;
           if (x < n_sink || x >= n || w.mark[x]) continue;
           if (tb.vertical[x] > mean_v || tb.slash[x] > mean_s) {
@@ -387,16 +377,7 @@ void register_lfps(Registry& r) {
                      .min = 1,
                      .max = 1 << 20}},
          .make_decode = [](const Shape& s, const Params& p) {
-           LfpsOptions o;
-           o.a = p.get_double("a");
-           o.r = p.get_double("r");
-           o.epsilon = p.get_double("epsilon");
-           o.s = p.get_int("s");
-           o.budget = p.get_int("budget");
-           o.budget_ratio = p.get_double("budget_ratio");
-           o.sinks = p.get_int("sinks");
-           CUMULUS_CHECK(o.r < 1.0, "method 'lfps': parameter r={} must be in [0, 1)", o.r);
-           return std::make_unique<Lfps>(s, o);
+           return std::make_unique<Lfps>(s, methods::read_lfps_options(p));
          }});
 }
 

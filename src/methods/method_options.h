@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "cumulus/kernels/lfps.h"
 #include "cumulus/kernels/sketch_topp.h"
 #include "cumulus/kernels/tactic.h"
 #include "cumulus/methods/prefill.h"
@@ -46,6 +47,20 @@ inline void read_sketch_topp_options(const Params& p, SketchToppOptions& o) {
   CUMULUS_CHECK(rest == "none" || rest == "mean", "method 'sketch_topp': parameter rest='{}' must be none or mean",
                 rest);
   o.rest_mean = rest == "mean";
+}
+
+// lfps's parameters (LfpsOptions, the CPU method's and the GPU pipeline's); checks r < 1.
+inline LfpsOptions read_lfps_options(const Params& p) {
+  LfpsOptions o;
+  o.a = p.get_double("a");
+  o.r = p.get_double("r");
+  o.epsilon = p.get_double("epsilon");
+  o.s = p.get_int("s");
+  o.budget = p.get_int("budget");
+  o.budget_ratio = p.get_double("budget_ratio");
+  o.sinks = p.get_int("sinks");
+  CUMULUS_CHECK(o.r < 1.0, "method 'lfps': parameter r={} must be in [0, 1)", o.r);
+  return o;
 }
 
 // flexprefill's parameters: the selection's Config (checked by flexprefill::validate) and

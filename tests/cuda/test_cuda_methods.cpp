@@ -5,10 +5,12 @@
 // lists hold what the CPU method selects (Jaccard per kv head), and its claims agree with
 // the CPU's; tactic keeps the tail appended after prefill; the methods defined over the
 // selection ops (quest, oracle_topp, oracle_topk, streaming, and a policy of several marks)
-// select what the CPU selects, and the ops' misuse is refused before any launch. Each also at head_dim 256 in Gemma 3 270M's attention shape
+// select what the CPU selects; lfps's tables, bypasses, lists and outputs follow the CPU's
+// over several steps; and the ops' misuse is refused before any launch. Each also at head_dim 256 in Gemma 3 270M's attention shape
 // (4 query heads, 1 kv head).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -20,6 +22,7 @@
 #include "cumulus/methods/cuda_methods.h"
 #include "cumulus/methods/registry.h"
 #include "methods/cuda/bench_options.h"
+#include "methods/lfps_tables.h"
 
 using namespace cumulus;
 using namespace cumulus::cuda_test;
@@ -39,11 +42,11 @@ Shape test_shape(std::string_view name) {
 }
 
 Workload make_workload(int n_tokens, const char* shape, uint64_t seed, ThreadPool& pool, double sink_mass = 0.2,
-                       double concentration = 1.0) {
+                       double concentration = 1.0, int n_steps = 4) {
   SyntheticOptions o;
   o.shape = test_shape(shape);
   o.n_tokens = n_tokens;
-  o.n_steps = 4;
+  o.n_steps = n_steps;
   o.seed = seed;
   o.sink_mass = sink_mass;
   o.concentration = concentration;
@@ -509,4 +512,133 @@ TEST(CudaMethods, SelectOpsMatchTheCpuOpsAndRefuseMisuse) {
   no_stats.kmin = nullptr;
   expect_error([&] { (void)cuda::make_ops_gpu(no_stats, sh.group(), "bad", [](SelectOps& o) { o.score_pages_bound(); }); },
                "needs kv.kmin and kv.kmax");
+}
+
+// lfps against the CPU method over 8 decode steps (the first 32 workload queries stand for
+// the prompt's last queries, as in `cumulus bench`): after prefill the tables and
+// sigma-hat^2 equal the CPU's; at every step the bypass flags agree, the lists agree (mean
+// Jaccard per kv head), a head outputs the CPU's output where its kv head's lists are
+// equal (the prompt's mean value when bypassed), and the tables follow the CPU's. With the
+// default epsilon few heads of this workload bypass (4 of 512 head-steps); epsilon at the
+// median sink ratio of the first step makes many of them bypass (260 of 512; Gemma 3's
+// shape, 4 query heads: 57 of 64).
+TEST(CudaMethods, LfpsMatchesCpuMethod) {
+  CUMULUS_REQUIRE_GPU();
+  ThreadPool pool(2);
+  constexpr int kPrompt = 32, kSteps = 8;
+  for (const char* shape : {"llama3-8b", "gemma3-270m"}) {
+    SCOPED_TRACE(shape);
+    const Workload wl = make_workload(4096, shape, 29, pool, 0.2, 1.0, kPrompt + kSteps + 1);
+    const Shape& sh = wl.w.options.shape;
+    const int n_seqs = 2, d = sh.head_dim, nq = sh.n_q_heads;
+    cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
+    // Prompt queries: the same for both sequences; decode step t of sequence s: query kPrompt + t + s.
+    std::vector<float> pq;
+    for (int s = 0; s < n_seqs; ++s) pq.insert(pq.end(), wl.w.query(0, 0), wl.w.query(0, 0) + kPrompt * nq * d);
+    cuda::DeviceBuffer pqd = cuda::to_device(pq);
+    // The median sink ratio of the first step, from a CPU run with epsilon = 1 (no bypass).
+    double median_rho = 0;
+    {
+      auto m = Registry::builtin().make("lfps", sh, {{"epsilon", "1"}});
+      DecodeContext ctx{.pool = &pool, .eval = false, .prompt_q = wl.w.query(0, 0), .prompt_q_rows = kPrompt};
+      m->on_prefill(0, wl.kv, ctx);
+      AttnOutput out;
+      m->decode(0, wl.w.query(0, kPrompt), wl.kv, ctx, out);
+      std::vector<double> rho;
+      for (int j = 0; j < nq; ++j) rho.push_back(methods::lfps_tables(*m, 0, j).rho);
+      std::sort(rho.begin(), rho.end());
+      median_rho = rho[rho.size() / 2];
+    }
+    for (const double eps : {0.85, median_rho}) {
+      const std::string what = fmt::format("lfps {} epsilon {:.4f}", shape, eps);
+      SCOPED_TRACE(what);
+      const std::map<std::string, std::string> params{{"epsilon", fmt::format("{:.17g}", eps)}};
+      LfpsOptions o;
+      o.epsilon = eps;
+      auto g = cuda::make_lfps_gpu(dev.view(), sh.group(), o);
+      EXPECT_EQ(g->prompt_queries(), 32);
+      EXPECT_THROW(g->select(wl.w.query(0, 0)), Error);  // before prefill: no tables
+      g->prefill(nullptr, cuda::DevicePromptQueries{pqd.as<float>(), kPrompt});
+      std::vector<std::unique_ptr<DecodeMethod>> cpu;
+      DecodeContext ctx{.pool = &pool, .eval = false, .prompt_q = wl.w.query(0, 0), .prompt_q_rows = kPrompt};
+      for (int s = 0; s < n_seqs; ++s) {
+        cpu.push_back(Registry::builtin().make("lfps", sh, params));
+        cpu.back()->on_prefill(0, wl.kv, ctx);
+      }
+      // Tables: largest |GPU - CPU| over every entry of every head, against the largest entry.
+      auto table_diff = [&](double& diff, double& top) {
+        diff = 0, top = 0;
+        for (int s = 0; s < n_seqs; ++s)
+          for (int j = 0; j < nq; ++j) {
+            const cuda::LfpsTablesCopy gt = cuda::lfps_gpu_download(*g, s, j);
+            const methods::LfpsTables& ct = methods::lfps_tables(*cpu[s], 0, j);
+            for (int i = 0; i < 4096; ++i) {
+              diff = std::max({diff, std::fabs(gt.vertical[i] - ct.vertical[i]), std::fabs(gt.slash[i] - ct.slash[i])});
+              top = std::max({top, std::fabs(ct.vertical[i]), std::fabs(ct.slash[i])});
+            }
+            EXPECT_NEAR(gt.sigma_hat2, ct.sigma_hat2, 1e-4 * std::fabs(ct.sigma_hat2) + 1e-12);
+          }
+      };
+      double diff, top;
+      table_diff(diff, top);
+      std::printf("%s: after prefill max |table GPU - CPU| %.3g of max %.3g\n", what.c_str(), diff, top);
+      EXPECT_LE(diff, 1e-5 * top);
+      int bypassed = 0, agree = 0, rows = 0, same_lists = 0, lists = 0, out_checked = 0;
+      double jac = 0, out_diff = 0;
+      for (int t = 0; t < kSteps; ++t) {
+        std::vector<float> q;
+        for (int s = 0; s < n_seqs; ++s) q.insert(q.end(), wl.w.query(0, kPrompt + t + s), wl.w.query(0, kPrompt + t + s) + nq * d);
+        cuda::DeviceBuffer qd = cuda::to_device(q);
+        const size_t rq = static_cast<size_t>(n_seqs) * nq;
+        cuda::DeviceBuffer out(rq * d * sizeof(float)), lse(rq * sizeof(float));
+        g->select(qd.as<float>());
+        g->attend(qd.as<float>(), out.as<float>(), lse.as<float>());
+        g->check();
+        const std::vector<float> go = cuda::to_host<float>(out, rq * d);
+        const auto gl = download_lists(g->list_idx(), g->list_len(), n_seqs * sh.n_kv_heads, g->list_stride());
+        const cuda::SparseStepStats st = g->stats();
+        ASSERT_EQ(st.bypass.size(), rq);
+        for (int s = 0; s < n_seqs; ++s) {
+          AttnOutput co;
+          cpu[s]->decode(0, q.data() + static_cast<size_t>(s) * nq * d, wl.kv, ctx, co);
+          for (int h = 0; h < sh.n_kv_heads; ++h) {
+            const auto& a = gl[static_cast<size_t>(s) * sh.n_kv_heads + h];
+            const auto& b = co.selection.tokens[h];
+            jac += jaccard(a, b);
+            ++lists;
+            const bool same = a == b;
+            same_lists += same;
+            for (int j = 0; j < sh.group(); ++j) {
+              const int qh = h * sh.group() + j;
+              const bool gb = st.bypass[static_cast<size_t>(s) * nq + qh] != 0;
+              agree += gb == co.stats[qh].bypass;
+              bypassed += co.stats[qh].bypass;
+              ++rows;
+              EXPECT_TRUE(std::isnan(st.claimed[static_cast<size_t>(s) * nq + qh]));
+              if (!same || gb != co.stats[qh].bypass) continue;
+              ++out_checked;
+              for (int e = 0; e < d; ++e)
+                out_diff = std::max(out_diff, static_cast<double>(std::fabs(
+                                                  go[(static_cast<size_t>(s) * nq + qh) * d + e] - co.out[static_cast<size_t>(qh) * d + e])));
+            }
+          }
+        }
+      }
+      table_diff(diff, top);
+      std::printf("%s: %d steps, bypassed %d of %d head-steps (GPU agrees on %d), lists equal %d of %d, mean Jaccard "
+                  "%.5f, max |out GPU - CPU| %.3g over %d head-steps with equal lists, final max |table diff| %.3g "
+                  "of %.3g\n",
+                  what.c_str(), kSteps, bypassed, rows, agree, same_lists, lists, jac / lists, out_diff, out_checked,
+                  diff, top);
+      EXPECT_GE(agree, rows - rows / 100);
+      EXPECT_GT(jac / lists, 0.995);
+      EXPECT_GE(out_checked, rows / 2);
+      EXPECT_LE(out_diff, 2e-3);
+      EXPECT_LE(diff, 1e-3 * top);
+      if (eps < 0.85) {  // some heads bypass, some do not
+        EXPECT_GT(bypassed, 0);
+        EXPECT_LT(bypassed, rows);
+      }
+    }
+  }
 }

@@ -365,18 +365,21 @@ TEST(CudaModel, DecodeMethodsMatchTheCpuThroughTheRunner) {
     std::map<std::string, std::string> params;
     double tokens_tol, claim_tol;  // tokens_tol 0: not compared
     double logit_factor = 2;
-    bool kv_lower_bound = false;  // the GPU's K/V share in [0.7, 1] of the CPU's
+    // > 0: the GPU counts a lower bound of the selection's reads (tactic's exactly scored
+    // tail, lfps's candidates' keys): its K/V share in [kv_lower, 1] of the CPU's.
+    double kv_lower = 0;
   };
   const std::vector<Case> cases{
       {"sketch_topp", {{"gpu_dense_mib", "0"}}, 0.10, 0.03, 3},
       {"sketch_topp", {{"gpu_dense_mib", "0"}, {"rest", "none"}}, 0.10, 0.03, 3},
-      {"tactic", {{"sinks", "4"}}, 0.05, 0.01, 2, true},
-      {"tactic", {{"recluster_interval", "8"}}, 0, 0.01, 2, true},
+      {"tactic", {{"sinks", "4"}}, 0.05, 0.01, 2, 0.7},
+      {"tactic", {{"recluster_interval", "8"}}, 0, 0.01, 2, 0.7},
       {"psa", {}, 0.05, 0.01},
       {"quest", {{"budget", "256"}, {"dense_layers", "1"}}, 0.05, 0.01},
       {"oracle_topp", {}, 0.05, 0.01},
       {"oracle_topk", {{"k", "300"}}, 0.05, 0.01},
       {"streaming", {{"window", "500"}}, 0.01, 0.01},
+      {"lfps", {}, 0.05, 0.01, 2, 0.3},
   };
   for (const Case& k : cases) {
     std::string label = k.method;
@@ -406,9 +409,9 @@ TEST(CudaModel, DecodeMethodsMatchTheCpuThroughTheRunner) {
     if (k.tokens_tol > 0) {
       EXPECT_NEAR(gs.mean_tokens(), cs.mean_tokens(), k.tokens_tol * cs.mean_tokens()) << label;
     }
-    if (k.kv_lower_bound) {
+    if (k.kv_lower > 0) {
       EXPECT_LE(gs.mean_kv_fraction(), cs.mean_kv_fraction()) << label;
-      EXPECT_GE(gs.mean_kv_fraction(), 0.7 * cs.mean_kv_fraction()) << label;
+      EXPECT_GE(gs.mean_kv_fraction(), k.kv_lower * cs.mean_kv_fraction()) << label;
     } else {
       EXPECT_NEAR(gs.mean_kv_fraction(), cs.mean_kv_fraction(), 0.05 * cs.mean_kv_fraction()) << label;
     }
@@ -417,6 +420,33 @@ TEST(CudaModel, DecodeMethodsMatchTheCpuThroughTheRunner) {
     const Comparison cg = direct_vs_graph(w, o, prompt, forced);
     expect_close(label + ": GPU without a graph vs GPU with one", cg, 1e-3);
   }
+}
+
+// lfps learns from the prompt's last queries: a dense runner that kept them
+// (keep_prompt_queries) restarts into lfps and decodes as a runner made with lfps, whose
+// tables come from the same queries.
+TEST(CudaModel, RestartIntoLfpsEqualsAnLfpsRunner) {
+  CUMULUS_REQUIRE_GPU();
+  const RandomRun rr = random_run(17, 1100, 1000, 8);
+  SessionOptions o;
+  o.keep_prompt_queries = 32;
+  auto gpu = model_runner_cuda(rr.w, o);
+  gpu->prefill(rr.prompt);
+  for (int32_t t : rr.forced) gpu->decode(t);
+  gpu->restart_decode("lfps", {});
+  SessionOptions ol;
+  ol.method = "lfps";
+  auto fresh = model_runner_cuda(rr.w, ol);
+  fresh->prefill(rr.prompt);
+  for (size_t i = 0; i < rr.forced.size(); ++i) {
+    const std::vector<float> a = gpu->decode(rr.forced[i]);
+    const std::vector<float>& b = fresh->decode(rr.forced[i]);
+    double d = 0;
+    for (size_t j = 0; j < b.size(); ++j) d = std::max(d, static_cast<double>(std::fabs(a[j] - b[j])));
+    EXPECT_LT(d, 1e-3) << "step " << i;
+  }
+  EXPECT_EQ(gpu->summary().head_steps, fresh->summary().head_steps);
+  EXPECT_NEAR(gpu->summary().mean_tokens(), fresh->summary().mean_tokens(), 1e-9);
 }
 
 // restart_decode switches the method: dense for 8 steps, then sketch_topp from the prompt,
@@ -451,7 +481,7 @@ TEST(CudaModel, RestartDecodeSwitchesTheMethod) {
     for (size_t j = 0; j < f.size(); ++j) d = std::max(d, static_cast<double>(std::fabs(f[j] - sparse[i][j])));
     EXPECT_LT(d, 1e-3) << "step " << i;
   }
-  EXPECT_THROW(gpu->restart_decode("lfps", {}), Error);                    // not on the GPU
+  EXPECT_THROW(gpu->restart_decode("lfps", {}), Error);  // the runner kept none of the prompt's queries
   EXPECT_THROW(gpu->restart_decode("psa", {{"stop", "certified"}}), Error);  // not in its GPU pipeline
   EXPECT_THROW(gpu->restart_decode("sketch_topp", {{"p", "2"}}), Error);   // out of range
   gpu->restart_decode("dense", {});
@@ -839,8 +869,8 @@ TEST(CudaModel, FlexPrefillValuesTheGpuCannotHonourAreRefused) {
 // checks read no device).
 TEST(CudaModel, DefaultMethodsAreThoseThatTakeTheModel) {
   const std::vector<std::string> llama = cuda_runner_methods(llama_config(2, 32, 8, 4096, 14336, 1000, 4096));
-  const std::vector<std::string> want{"dense",     "oracle_topp", "oracle_topk", "quest",
-                                      "streaming", "tactic",      "psa",         "sketch_topp"};
+  const std::vector<std::string> want{"dense",  "oracle_topp", "oracle_topk", "quest",      "streaming",
+                                      "tactic", "psa",         "sketch_topp", "lfps"};
   for (const std::string& m : want)
     EXPECT_NE(std::find(llama.begin(), llama.end(), m), llama.end()) << m << " missing";
   EXPECT_EQ(llama.size(), want.size());

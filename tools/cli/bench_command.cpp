@@ -95,7 +95,7 @@ void add_bench_command(CLI::App& app) {
                   "64..1024)");
   cmd->add_option("--json", args->json, "Also write the JSON report to this path ('-': JSON to stdout, table to stderr)");
   cmd->add_option("--device", args->device,
-                  "cpu, or cuda: the GPU decode methods (dense, sketch_topp, tactic, psa, quest, oracle_topp, oracle_topk, streaming) on the same "
+                  "cpu, or cuda: the GPU decode methods (dense, sketch_topp, tactic, psa, lfps, quest, oracle_topp, oracle_topk, streaming) on the same "
                   "workload, timed between CUDA events with the L2 flushed, against the copy bandwidth")
       ->capture_default_str();
   cmd->callback([args] { bench_command_run(*args); });

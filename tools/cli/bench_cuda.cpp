@@ -122,6 +122,9 @@ BenchReport bench_run_cuda(const BenchOptions& o, std::FILE* log) {
     q_host.insert(q_host.end(), q, q + q_step);
   }
   const cuda::DeviceBuffer q = cuda::to_device(q_host);
+  // The prompt's last queries for a method that learns from them (lfps), as the CPU run's.
+  const cuda::DeviceBuffer prompt_q = cuda::to_device(
+      std::vector<float>(w.query(0, 0), w.query(0, 0) + static_cast<size_t>(kPromptQueryRows) * s.n_q_heads * s.head_dim));
   const float* qd = q.as<float>();
   cuda::Stream stream;
   void* st = stream.handle();
@@ -160,7 +163,7 @@ BenchReport bench_run_cuda(const BenchOptions& o, std::FILE* log) {
     std::unique_ptr<cuda::SparseDecoder> dec = cuda::model::make_cuda_decoder(reg, name, overrides, view, s, 0);
     const auto t_pre = Clock::now();
     if (dec) {
-      dec->prefill(st);
+      dec->prefill(st, cuda::DevicePromptQueries{prompt_q.as<float>(), kPromptQueryRows});
       stream.synchronize();
     }
     r.prefill_ms = std::chrono::duration<double>(Clock::now() - t_pre).count() * 1e3;
@@ -168,13 +171,14 @@ BenchReport bench_run_cuda(const BenchOptions& o, std::FILE* log) {
     // Accuracy pass.
     const double target = method_target(name, r.params);
     double tokens = 0, bytes = 0, mass_sum = 0, claimed = 0, err = 0;
-    int n_reached = 0;
+    int n_reached = 0, n_mass = 0, n_bypass = 0;
     bool claims = true;
     r.mass_true_min = std::numeric_limits<double>::infinity();
     for (int step = 0; step < o.steps; ++step) {
       const float* q_s = qd + step * q_step;
       std::vector<int> kv_tokens(s.n_kv_heads, o.context);
       std::vector<float> claim(n_q, 1.0f), m(n_q, 1.0f);
+      std::vector<uint8_t> bypass(n_q, 0);
       if (dec) {
         dec->select(q_s, st);
         dec->attend(q_s, out.as<float>(), lse.as<float>(), lse_d.as<float>() + static_cast<size_t>(step) * n_q,
@@ -183,6 +187,7 @@ BenchReport bench_run_cuda(const BenchOptions& o, std::FILE* log) {
         const cuda::SparseStepStats ss = dec->stats(st);
         kv_tokens = ss.tokens;
         claim = ss.claimed;
+        if (!ss.bypass.empty()) bypass = ss.bypass;
         m = cuda::to_host<float>(mass, n_q);
       } else {
         dense_step(step, out.as<float>(), lse.as<float>());
@@ -194,7 +199,7 @@ BenchReport bench_run_cuda(const BenchOptions& o, std::FILE* log) {
       const bool selects = dec && o.context > dec->select_min_tokens();
       bytes += step_tokens * token_head_bytes + (selects ? dec->select_bytes_per_token() * o.context * s.n_kv_heads : 0.0);
       for (int qh = 0; qh < n_q; ++qh) {
-        tokens += kv_tokens[qh / group];
+        tokens += bypass[qh] ? 0 : kv_tokens[qh / group];  // a bypassed head (lfps) attended no set
         double e2 = 0, n2 = 0;
         for (int i = 0; i < d; ++i) {
           const double ref = dense_out[step * q_step + static_cast<size_t>(qh) * d + i];
@@ -205,7 +210,12 @@ BenchReport bench_run_cuda(const BenchOptions& o, std::FILE* log) {
         const double rel = std::sqrt(e2) / std::max(std::sqrt(n2), 1e-30);
         err += rel;
         r.rel_err_max = std::max(r.rel_err_max, rel);
+        if (bypass[qh]) {
+          ++n_bypass;  // no attended set whose mass could be checked
+          continue;
+        }
         mass_sum += m[qh];
+        ++n_mass;
         r.mass_true_min = std::min(r.mass_true_min, static_cast<double>(m[qh]));
         n_reached += m[qh] >= target ? 1 : 0;
         if (std::isnan(claim[qh])) claims = false;
@@ -217,9 +227,11 @@ BenchReport bench_run_cuda(const BenchOptions& o, std::FILE* log) {
     r.token_fraction = r.tokens_attended / o.context;
     r.bytes_per_step = bytes / o.steps;
     r.bytes_fraction = r.bytes_per_step / rep.dense_bytes_per_step;
-    r.mass_true = mass_sum / head_steps;
-    r.reached_p = std::isnan(target) ? nan : n_reached / head_steps;
-    r.mass_claimed = claims ? claimed / head_steps : nan;
+    r.bypass_fraction = n_bypass / head_steps;
+    r.mass_true = n_mass > 0 ? mass_sum / n_mass : nan;
+    r.reached_p = std::isnan(target) || n_mass == 0 ? nan : static_cast<double>(n_reached) / n_mass;
+    if (n_mass == 0) r.mass_true_min = nan;
+    r.mass_claimed = claims && n_mass > 0 ? claimed / n_mass : nan;
     r.rel_err = err / head_steps;
 
     // Timing passes.

@@ -26,7 +26,17 @@ struct SparseStepStats {
   std::vector<float> claimed;  // [n_seqs][n_q_heads] mass claimed (NaN: the method makes no claim)
   std::vector<int> budget;     // [n_seqs][n_q_heads] the head's own choice (tactic: tokens; psa,
                                // quest: pages; oracle_topp, oracle_topk: tokens; streaming:
-                               // the tokens it marks)
+                               // the tokens it marks; lfps: |C2|)
+  std::vector<uint8_t> bypass; // [n_seqs][n_q_heads] 1: the head output the mean value and attended
+                               // no set (lfps's sink bypass); empty for methods without one
+};
+
+// The prompt's last queries (after RoPE), for methods that learn from the prompt's attention
+// (lfps): q [n_seqs][rows][n_q_heads][head_dim] on the device, row j of a sequence being the
+// query at position n - rows + j, n its cached tokens at prefill().
+struct DevicePromptQueries {
+  const float* q = nullptr;
+  int rows = 0;
 };
 
 class SparseDecoder {
@@ -36,9 +46,11 @@ class SparseDecoder {
   SparseDecoder& operator=(const SparseDecoder&) = delete;
 
   virtual std::string name() const = 0;
-  // Builds indexes over the cached prompt (tactic: k-means per sequence and kv head).
-  // May synchronise (prefill is not a decode step).
-  virtual void prefill(void* stream = nullptr) {}
+  // Builds indexes over the cached prompt (tactic: k-means per sequence and kv head; lfps:
+  // its score tables from `pq`). May synchronise (prefill is not a decode step).
+  virtual void prefill(void* stream = nullptr, const DevicePromptQueries& pq = {}) { (void)stream, (void)pq; }
+  // The prompt queries prefill() needs per sequence (0: none; lfps: its s).
+  virtual int prompt_queries() const { return 0; }
   // Selection of one decode step. q: [n_seqs][n_q_heads][head_dim] on the device.
   virtual void select(const float* q, void* stream = nullptr) = 0;
   // Sparse attention over the lists of the last select() (DeviceDecodeArgs semantics:
@@ -55,9 +67,9 @@ class SparseDecoder {
   SparseStepStats stats(void* stream = nullptr) const;
   // The last step's statistics added to acc[4] on the device, with no host wait (a decode
   // step captured in a CUDA graph keeps it): acc[0] += tokens attended summed over query
-  // heads (each its kv head's list), acc[1] += the claims of query heads that make one,
-  // acc[2] += their count, acc[3] += the share of the cached K/V read, summed over the
-  // batch's sequences. The model runtime's AttentionSummary comes from these.
+  // heads (each its kv head's list; a bypassed head none), acc[1] += the claims of query
+  // heads that make one, acc[2] += their count, acc[3] += the share of the cached K/V read,
+  // summed over the batch's sequences. The model runtime's AttentionSummary comes from these.
   void accumulate_stats(double* acc, void* stream = nullptr) const;
   // Bytes per cached token of one kv head that a step's selection reads besides the K/V
   // rows of its lists, as the CPU method counts them (sketch_topp: the sketch; oracle_topp:
@@ -78,12 +90,14 @@ class SparseDecoder {
   Base& base() const { return *base_; }
   // Methods whose claims come from the attention's log-sum-exp (sketch_topp) enqueue their
   // claims here, at the end of attend(), and may adjust the output (sketch_topp's
-  // rest=mean); lse is never null (attend() supplies its own buffer when the caller passes
-  // none and needs_lse() is true).
+  // rest=mean; lfps's bypassed heads, whose mass, when asked for, becomes NaN); lse is
+  // never null (attend() supplies its own buffer when the caller passes none and
+  // needs_lse() is true), mass may be.
   virtual bool needs_lse() const { return false; }
-  virtual void after_attend(const float* lse, float* out, void* stream) {
+  virtual void after_attend(const float* lse, float* out, float* mass, void* stream) {
     (void)lse;
     (void)out;
+    (void)mass;
     (void)stream;
   }
 

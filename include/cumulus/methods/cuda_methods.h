@@ -1,5 +1,5 @@
 // The fused GPU pipelines of the sparse decode methods (src/methods/cuda; docs/cuda.md,
-// docs/methods.md): tactic, psa and sketch_topp, each a SparseDecoder
+// docs/methods.md): tactic, psa, sketch_topp and lfps, each a SparseDecoder
 // (kernels/cuda_decoder.h) whose select() fuses what the selection ops would separate, for
 // a batch of sequences, entirely on the device. The methods defined once over the ops
 // (quest, oracle_topp, oracle_topk, streaming) need nothing here: cuda::make_ops_gpu runs
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cumulus/kernels/cuda_decoder.h"
+#include "cumulus/kernels/lfps.h"
 #include "cumulus/kernels/sketch_topp.h"
 #include "cumulus/kernels/tactic.h"
 
@@ -90,5 +91,26 @@ struct DeviceSketchCopy {
   std::vector<float> center, scale;
 };
 DeviceSketchCopy sketch_topp_gpu_download(const SparseDecoder& m, int seq, int h);
+
+// lfps (002 section 4.2, Algorithm 1; docs/cuda.md "lfps on the GPU"): per query head two
+// float64 score tables over key positions, built by prefill() from the prompt's last s
+// queries (DevicePromptQueries, required); a step computes the sink ratio (a bypassed head
+// outputs the prompt's mean value vector and attends nothing), the tables' thresholds, the
+// candidates, their exact top-k, attends the group's union with the first `sinks` tokens
+// and updates the tables (Eq. 10), all on the device with no host wait. The parameters are
+// the CPU method's (kernels/lfps.h). No claim (NaN); stats().bypass marks the bypassed heads.
+std::unique_ptr<SparseDecoder> make_lfps_gpu(const DeviceKvView& kv, int group, const LfpsOptions& o,
+                                             const AttentionPlanOptions& plan = {});
+
+// Tests: one (sequence, query head)'s state of a decoder made by make_lfps_gpu, copied to the
+// host (synchronous): the tables at positions [0, n) (n: the sequence's cached tokens; the
+// slash aligned as the CPU's, methods/lfps_tables.h), sigma-hat^2, the last step's rho and
+// bypass.
+struct LfpsTablesCopy {
+  std::vector<double> vertical, slash;
+  double sigma_hat2 = 0, rho = 0;
+  bool bypass = false;
+};
+LfpsTablesCopy lfps_gpu_download(const SparseDecoder& m, int seq, int q_head);
 
 }  // namespace cumulus::cuda

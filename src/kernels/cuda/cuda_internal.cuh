@@ -76,6 +76,13 @@ void bitmap_emit(uint32_t* bits, int n_lists, int words, int32_t* idx, int strid
 constexpr int kBitmapTileWords = 256;
 int bitmap_tiles(int words);
 
+// select_topk_rows (kernels/cuda.h) with each row's k read on the device, so that a captured
+// step follows a k that grows with the cache: row r takes the min(k_row[r], k_max) largest
+// of its len[r] values (k_row[r] = 0: none), ascending, into out[r][0 .. out_len[r]).
+//   out: [n_rows][k_max]
+void select_topk_rows_k(const float* values, const int32_t* len, int n_rows, int stride, const int32_t* k_row,
+                        int k_max, int32_t* out, int32_t* out_len, cudaStream_t stream);
+
 // Groups rows by cluster (kmeans.cu): counts[c] rows per cluster, begin[c] = exclusive
 // prefix of counts, members = row indices sorted stably by cluster (ascending within one).
 //   assign: [n] in [0, k); members: [n]; begin, counts: [k]. Synchronises the stream.
@@ -122,6 +129,9 @@ struct SparseDecoder::Base {
   // dense_kv_bytes): select() writes no list, attend() runs the dense kernel, stats()
   // reports every token with claim 1.
   bool dense_step = false;
+  // [n_seqs * n_q] set by a method whose heads may attend no set (lfps's sink bypass): a
+  // nonzero entry leaves its head out of the tokens attended (accumulate_stats, stats()).
+  const int* bypass = nullptr;
   std::unique_ptr<AttentionPlan> plan;
   // Benchmarks (bench_options.h, sparse_decoder_phase_times): the phases of the last
   // select(), set by the methods that record them; empty for the others.

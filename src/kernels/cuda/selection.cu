@@ -186,13 +186,20 @@ __device__ void select_write(const float* row, int n, uint32_t kth, int take_tie
   if (threadIdx.x == 0) *out_len = sel_total;
 }
 
+// k_row non-null: row r takes the k_row[r] largest (at most k, out's stride).
 __global__ void __launch_bounds__(kSelectThreads) topk_kernel(const float* __restrict__ values,
                                                               const int32_t* __restrict__ len, int stride, int k,
+                                                              const int32_t* __restrict__ k_row,
                                                               int32_t* __restrict__ out, int32_t* __restrict__ out_len) {
   const int r = blockIdx.x;
   const int n = min(max(len[r], 0), stride);
   const float* row = values + static_cast<size_t>(r) * stride;
   int32_t* o = out + static_cast<size_t>(r) * k;
+  if (k_row != nullptr) k = min(max(k_row[r], 0), k);
+  if (k == 0) {
+    if (threadIdx.x == 0) out_len[r] = 0;
+    return;
+  }
   if (n <= k) {
     for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = i;
     if (threadIdx.x == 0) out_len[r] = n;
@@ -357,7 +364,15 @@ void select_topk_rows(const float* values, const int32_t* len, int n_rows, int s
   CUMULUS_CHECK(n_rows >= 1 && stride >= 1, "n_rows={} and stride={} must be >= 1", n_rows, stride);
   CUMULUS_CHECK(values != nullptr && len != nullptr && out != nullptr && out_len != nullptr,
                 "values, len, out and out_len must be non-null");
-  topk_kernel<<<n_rows, kSelectThreads, 0, as_stream(stream)>>>(values, len, stride, k, out, out_len);
+  topk_kernel<<<n_rows, kSelectThreads, 0, as_stream(stream)>>>(values, len, stride, k, nullptr, out, out_len);
+  CUMULUS_CUDA_LAUNCH("topk_kernel");
+}
+
+void select_topk_rows_k(const float* values, const int32_t* len, int n_rows, int stride, const int32_t* k_row,
+                        int k_max, int32_t* out, int32_t* out_len, cudaStream_t stream) {
+  CUMULUS_CHECK(k_max >= 1 && n_rows >= 1 && stride >= 1, "k_max={}, n_rows={} and stride={} must be >= 1", k_max,
+                n_rows, stride);
+  topk_kernel<<<n_rows, kSelectThreads, 0, stream>>>(values, len, stride, k_max, k_row, out, out_len);
   CUMULUS_CUDA_LAUNCH("topk_kernel");
 }
 

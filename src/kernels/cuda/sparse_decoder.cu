@@ -61,7 +61,7 @@ void SparseDecoder::attend(const float* q, float* out, float* lse, const float* 
   a.lse_ref = lse_ref;
   a.mass = mass;
   attention_decode(a, *b.plan, stream);
-  if (needs_lse()) after_attend(lse, out, stream);
+  if (needs_lse()) after_attend(lse, out, mass, stream);
 }
 
 const int32_t* SparseDecoder::list_idx() const { return base_->idx.as<int32_t>(); }
@@ -75,14 +75,17 @@ namespace {
 constexpr int kStatsThreads = 256;
 __global__ void __launch_bounds__(kStatsThreads)
     stats_accumulate_kernel(const int32_t* __restrict__ len, const int32_t* __restrict__ n_tokens,
-                            const float* __restrict__ claimed, int n_seqs, int n_kv, int group, double extra,
-                            int min_tokens, double* acc) {
+                            const float* __restrict__ claimed, const int* __restrict__ bypass, int n_seqs, int n_kv,
+                            int group, double extra, int min_tokens, double* acc) {
   __shared__ double red[4][kStatsThreads];
   double v[4] = {0, 0, 0, 0};
   for (int i = threadIdx.x; i < n_seqs * n_kv; i += kStatsThreads) {
     const int n = n_tokens[i / n_kv];
     const int l = len != nullptr ? len[i] : n;
-    v[0] += static_cast<double>(l) * group;
+    int heads = group;  // a bypassed head attended no set
+    if (bypass != nullptr)
+      for (int j = 0; j < group; ++j) heads -= bypass[i * group + j] != 0;
+    v[0] += static_cast<double>(l) * heads;
     v[3] += n > 0 ? (static_cast<double>(l) / n + (n > min_tokens ? extra : 0.0)) / n_kv : 0.0;
   }
   for (int r = threadIdx.x; r < n_seqs * n_kv * group; r += kStatsThreads) {
@@ -112,7 +115,8 @@ void SparseDecoder::accumulate_stats(double* acc, void* stream) const {
   const Base& b = *base_;
   const bool dense = b.dense_step;
   stats_accumulate_kernel<<<1, kStatsThreads, 0, as_stream(stream)>>>(
-      dense ? nullptr : b.len.as<int32_t>(), b.kv.n_tokens, dense ? nullptr : b.claimed.as<float>(), b.kv.n_seqs,
+      dense ? nullptr : b.len.as<int32_t>(), b.kv.n_tokens, dense ? nullptr : b.claimed.as<float>(),
+      dense ? nullptr : b.bypass, b.kv.n_seqs,
       b.kv.n_kv_heads, b.group, select_bytes_per_token() / (2.0 * b.kv.head_dim * dtype_size(b.kv.dtype)),
       select_min_tokens(), acc);
   CUMULUS_CUDA_LAUNCH("stats_accumulate_kernel");
@@ -135,6 +139,11 @@ SparseStepStats SparseDecoder::stats(void* stream) const {
   st.tokens = to_host<int>(b.len, b.n_lists);
   st.claimed = to_host<float>(b.claimed, static_cast<size_t>(b.kv.n_seqs) * b.n_q);
   st.budget = to_host<int>(b.budget, static_cast<size_t>(b.kv.n_seqs) * b.n_q);
+  if (b.bypass != nullptr) {
+    std::vector<int> by(static_cast<size_t>(b.kv.n_seqs) * b.n_q);
+    memcpy_to_host(by.data(), b.bypass, by.size() * sizeof(int));
+    st.bypass.assign(by.begin(), by.end());
+  }
   return st;
 }
 

@@ -925,7 +925,7 @@ class SketchToppGpu final : public SparseDecoder {
   }
   int select_min_tokens() const override { return o_.min_context; }
 
-  void prefill(void* stream) override {
+  void prefill(void* stream, const DevicePromptQueries& /*pq*/) override {
     const cudaStream_t st = as_stream(stream);
     const Base& b = base();
     const int d = b.kv.head_dim;
@@ -995,7 +995,7 @@ class SketchToppGpu final : public SparseDecoder {
 
  protected:
   bool needs_lse() const override { return true; }
-  void after_attend(const float* lse, float* out, void* stream) override {
+  void after_attend(const float* lse, float* out, float* /*mass*/, void* stream) override {
     Base& b = base();
     if (b.dense_step) return;  // stats() reports claim 1
     const int rows = b.kv.n_seqs * b.n_q;

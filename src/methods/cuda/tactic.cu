@@ -1065,7 +1065,7 @@ class TacticGpu final : public SparseDecoder {
     return r;
   }
 
-  void prefill(void* stream) override {
+  void prefill(void* stream, const DevicePromptQueries& /*pq*/) override {
     const Base& b = base();
     const DeviceKvView& kv = b.kv;
     const cudaStream_t s = as_stream(stream);

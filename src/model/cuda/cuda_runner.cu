@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -222,6 +223,10 @@ class CudaRunner final : public CudaModelRunner {
   // method's output, [n_layers][n_heads (x head_dim)]; last_ is made from them.
   DeviceBuffer ev_dense_out_, ev_dense_lse_, ev_mass_, ev_out_;
   std::vector<AttnOutput> last_;
+  // The prompt's last pq_rows_ queries (after RoPE), [n_layers][pq_rows_][n_heads][head_dim],
+  // for a method that learns from them (SparseDecoder::prompt_queries: lfps), kept by prefill().
+  DeviceBuffer pq_;
+  int pq_rows_ = 0;
   // The prefill method (SessionOptions::prefill_method and prefill_params) and what
   // flexprefill keeps: the probe for the prompt being prefilled, the host selection's threads
   // (SessionOptions::n_threads), the statistics the CPU method reports.
@@ -375,8 +380,12 @@ void CudaRunner::make_decoders(const std::string& method, const std::map<std::st
 void CudaRunner::build_indexes() {
   CUMULUS_CHECK(pos_ > 0, "build_indexes before a prefill (position 0): there is no prompt to index");
   if (indexed_) return;
-  for (auto& d : dec_)
-    if (d) d->prefill(st_);
+  const size_t qd = static_cast<size_t>(c_.n_heads) * c_.head_dim;
+  for (int l = 0; l < c_.n_layers; ++l)
+    if (dec_[l])
+      dec_[l]->prefill(st_, cuda::DevicePromptQueries{
+                                pq_rows_ > 0 ? pq_.as<float>() + static_cast<size_t>(l) * pq_rows_ * qd : nullptr,
+                                pq_rows_});
   stream_.synchronize();
   for (auto& d : dec_)
     if (d) d->check(st_);
@@ -441,6 +450,15 @@ const std::vector<float>& CudaRunner::prefill(std::span<const int32_t> tokens) {
     probe_ = std::make_unique<cuda::FlexPrefillProbe>(static_cast<int>(tokens.size()), c_.n_heads, c_.n_kv_heads,
                                                       c_.head_dim, pplan_.config.block_size);
   }
+  // The prompt's last queries per layer (after RoPE), for a method that learns from them
+  // (lfps) now or after restart_decode (keep_prompt_queries), as the CPU Session keeps them.
+  int want = opt_.keep_prompt_queries;
+  for (const auto& d : dec_)
+    if (d) want = std::max(want, d->prompt_queries());
+  prompt_end_ = pos_ + static_cast<int>(tokens.size());
+  pq_rows_ = std::min(want, prompt_end_);
+  pq_ = DeviceBuffer(static_cast<size_t>(std::max(1, pq_rows_)) * c_.n_layers * c_.n_heads * c_.head_dim *
+                     sizeof(float));
   for (size_t i = 0; i < tokens.size(); i += rows_)
     forward(tokens.subspan(i, std::min<size_t>(rows_, tokens.size() - i)), false);
   probe_.reset();
@@ -522,14 +540,17 @@ void CudaRunner::collect_eval_step() {
         const double diff = static_cast<double>(out[row + d]) - dense_out[row + d];
         err += diff * diff;
       }
-      st[h].tokens_attended = ss.tokens[h / group];
+      // A bypassed head (lfps) attended no set: no tokens, no mass to check (as the CPU).
+      st[h].bypass = !ss.bypass.empty() && ss.bypass[h] != 0;
+      st[h].tokens_attended = st[h].bypass ? 0 : ss.tokens[h / group];
       st[h].mass_claimed = ss.claimed[h];
-      st[h].mass_true = mass[static_cast<size_t>(l) * nh + h];
+      st[h].mass_true = st[h].bypass ? std::numeric_limits<double>::quiet_NaN() : mass[static_cast<size_t>(l) * nh + h];
       st[h].out_err = std::sqrt(err);
     }
   }
   for (const AttnOutput& layer : last_)
-    for (const StepStats& h : layer.stats) summary_.true_sum += h.mass_true, ++summary_.true_count;
+    for (const StepStats& h : layer.stats)
+      if (!std::isnan(h.mass_true)) summary_.true_sum += h.mass_true, ++summary_.true_count;
 }
 
 void CudaRunner::count_step() {
@@ -579,6 +600,11 @@ void CudaRunner::restart_decode(const std::string& method, const std::map<std::s
   CUMULUS_CHECK(prompt_end_ > 0, "restart_decode(method={}) before a prefill: there is no prompt to restart from",
                 method);
   cuda::model::cuda_decode_method_check(*registry_, method, params, c_.shape());
+  const int wants = registry_->make(method, c_.shape(), params)->prompt_queries();
+  CUMULUS_CHECK(wants <= pq_rows_ || pq_rows_ == prompt_end_,
+                "restart_decode(method={}) needs the prompt's last {} queries but the runner kept {} "
+                "(set SessionOptions::keep_prompt_queries)",
+                method, wants, pq_rows_);
   stream_.synchronize();
   // The new decoders are built beside the current ones (so that a failure leaves the runner
   // as it was): their memory, measured on one layer's cache as the constructor's check
@@ -660,6 +686,14 @@ void CudaRunner::enqueue_forward(int n, bool decode_mode, bool greedy) {
     // Decode: row i is sequence i at its own position; prefill: rows from sequence 0's.
     cuda::model::rope(q, n, c.n_heads, c.head_dim, c.rope_dim, pos0, decode_mode, c.rope_theta, st_);
     cuda::model::rope(k, n, c.n_kv_heads, c.head_dim, c.rope_dim, pos0, decode_mode, c.rope_theta, st_);
+    if (!decode_mode && pq_rows_ > 0) {
+      // Keep the queries of positions [prompt_end_ - pq_rows_, prompt_end_).
+      const int first = prompt_end_ - pq_rows_, i0 = std::max(0, first - pos_);
+      if (i0 < n)
+        cuda::memcpy_device_async(pq_.as<float>() + (static_cast<size_t>(l) * pq_rows_ + pos_ + i0 - first) * qd,
+                                  q + static_cast<size_t>(i0) * qd, static_cast<size_t>(n - i0) * qd * sizeof(float),
+                                  st_);
+    }
     kv.append(k, v, decode_mode ? 1 : n, st_);
     auto attend_dense = [&](float* out, float* lse) {
       cuda::DeviceDecodeArgs a;

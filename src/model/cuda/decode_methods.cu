@@ -14,7 +14,7 @@ namespace cumulus::cuda::model {
 namespace {
 
 // The methods with a fused GPU pipeline of their own (methods/cuda_methods.h).
-const char* const kFusedMethods[] = {"dense", "sketch_topp", "tactic", "psa"};
+const char* const kFusedMethods[] = {"dense", "sketch_topp", "tactic", "psa", "lfps"};
 
 }  // namespace
 
@@ -118,6 +118,7 @@ std::unique_ptr<SparseDecoder> make_cuda_decoder(const Registry& registry, const
     o.criticality = p.get_string("criticality") == "mean" ? PageScoreKind::kMean : PageScoreKind::kBound;
     return make_psa_gpu(kv, group, o);
   }
+  if (method == "lfps") return make_lfps_gpu(kv, group, methods::read_lfps_options(p));
   if (registry.find(method).make_policy != nullptr) {
     std::shared_ptr<const SelectPolicy> policy = registry.make_policy(method, shape, params);
     if (policy->dense_layer(layer)) return nullptr;

@@ -1,0 +1,32 @@
+// LFPS's parameters and rules (002 section 4.2, Algorithm 1; docs/methods.md "lfps"),
+// defined once for the CPU method (src/methods/lfps.cpp, whose registry parameters carry
+// the same names and defaults) and the GPU pipeline (methods/cuda_methods.h, make_lfps_gpu).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+
+namespace cumulus {
+
+struct LfpsOptions {
+  double a = 0.2;         // threshold scale of Eq. 8
+  double r = 0.95;        // table decay of Eq. 10, in [0, 1)
+  double epsilon = 0.85;  // sink ratio above which a head outputs the mean value (Eq. 6); 1 disables
+  int s = 32;             // prompt queries that build the tables (Eq. 4)
+  int budget = 0;         // top-k size per query head in tokens; 0: budget_ratio of the cache
+  double budget_ratio = 0.02;
+  int sinks = 4;          // first tokens always attended, kept out of the tables
+};
+
+// w_local sums the keys at positions t-6 .. t-1 (Eq. 5).
+inline constexpr int kLfpsLocalWindow = 6;
+// The expansion offsets of Eq. 9: position i + delta joins C1 for i in C0 and delta in
+// [kLfpsOffsetMin, kLfpsOffsetMax] = {-1, 0, 1, 2}.
+inline constexpr int kLfpsOffsetMin = -1, kLfpsOffsetMax = 2;
+
+// The top-k size of a step over n cached tokens.
+inline int lfps_budget(const LfpsOptions& o, int n) {
+  return o.budget > 0 ? o.budget : std::max(1, static_cast<int>(std::ceil(o.budget_ratio * n)));
+}
+
+}  // namespace cumulus

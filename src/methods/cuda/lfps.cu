@@ -1,0 +1,606 @@
+// lfps on the GPU (002 section 4.2, Algorithm 1, Eq. 4-10; the CPU method is
+// src/methods/lfps.cpp, docs/methods.md "lfps"; docs/cuda.md "lfps on the GPU"). Per
+// (sequence, query head) row the device keeps the two score tables in float64, as the CPU:
+// vertical indexed by key position, slash in a ring of max_tokens + 1 entries whose start
+// moves back by one per update (Eq. 10's shift, with no copy). A step, for the whole batch,
+// with no host wait:
+//   candidates (one CTA per row): the sink ratio rho (Eq. 5-6) from token 0, the last six
+//     tokens and the prompt's mean key; a bypassed row (rho > epsilon) stops there. Else
+//     the tables' mean and kappa (Eq. 8), the thresholds, and C1 (Eq. 7 and 9) written as
+//     ascending positions;
+//   scores: q . k of every candidate;
+//   top-k of the candidates (k from the row's own cache length, read on the device);
+//   update (one CTA per row): the sinks and C2 into the kv head's union, the softmax over
+//     C2 in float64, the tables decayed, the slash shifted, C2's weights added (Eq. 10);
+//   after the attention, a bypassed row's output becomes the prompt's mean value vector.
+// prefill() builds the tables from the prompt's last s queries (Eq. 4), the mean key over
+// positions [1, n) and the mean value over [0, n), and sigma-hat^2 from the last query.
+#include <algorithm>
+#include <cmath>
+
+#include "cumulus/kernels/lfps.h"
+#include "cumulus/methods/cuda_methods.h"
+#include "kernels/cuda/cuda_internal.cuh"
+
+namespace cumulus::cuda {
+namespace {
+
+constexpr int kRowThreads = 512;    // the per-row kernels (candidates, update)
+constexpr int kScoreThreads = 256;  // the scoring kernels
+constexpr int kMeansChunk = 1024;   // tokens per CTA of the prompt means' partial sums
+
+struct LfpsParams {
+  DeviceKvView kv;
+  int group = 1, n_q = 0;
+  int ring = 0;    // entries per table row: max_tokens + 1
+  int stride = 0;  // candidates per row at most: max_tokens
+  int k_max = 1;   // the largest top-k a step can take
+  float scale = 1;
+  double a = 0, r = 0, epsilon = 0, budget_ratio = 0;
+  int budget = 0, sinks = 0;
+  const float* q = nullptr;    // [n_seqs][n_q][D] this step's queries
+  double* tv = nullptr;        // [rows][ring] vertical table, by position
+  double* ts = nullptr;        // [rows][ring] slash table: position i at (i + sbase[row]) mod ring
+  int* sbase = nullptr;        // [rows]
+  double* sigma2 = nullptr;    // [rows] sigma-hat^2 (prefill)
+  double* rho = nullptr;       // [rows] the last step's sink ratio
+  int* bypass = nullptr;       // [rows] the last step bypassed
+  float* kmean = nullptr;      // [n_seqs * n_kv][D] the prompt's mean key over [1, n)
+  float* vmean = nullptr;      // [n_seqs * n_kv][D] the prompt's mean value over [0, n)
+  int32_t* cand = nullptr;     // [rows][stride] C1, ascending positions
+  int32_t* ncand = nullptr;    // [rows]
+  float* cscore = nullptr;     // [rows][stride] raw q . k of the candidates
+  int32_t* krow = nullptr;     // [rows] this step's k (0: bypassed)
+  int32_t* top = nullptr;      // [rows][k_max] C2 as indices into cand, ascending
+  int32_t* ntop = nullptr;     // [rows]
+  uint32_t* bits = nullptr;
+  int words = 0;
+  float* claimed = nullptr;
+  int32_t* budget_out = nullptr;
+};
+
+// Element offset of token t's row of (seq, kv head h) in the K or V pool.
+__device__ __forceinline__ size_t row_offset(const DeviceKvView& kv, int seq, int h, int t) {
+  const int32_t page =
+      __ldg(kv.page_table + (static_cast<size_t>(seq) * kv.n_kv_heads + h) * kv.max_pages + (t >> kv.page_shift));
+  return (static_cast<size_t>(page) * kv.page_size + (t & (kv.page_size - 1))) * kv.head_dim;
+}
+
+// Raw q . k (float32) of tokens idx(0 .. count) of (seq, h), out[j] for each, by the warps
+// of the CTAs given: D / 8 lanes per token, 16 bytes a lane. first/step: this CTA's share
+// of the token groups (grid-stride).
+template <int D, class T, class Idx>
+__device__ void score_tokens(const DeviceKvView& kv, int seq, int h, const float* __restrict__ q, int count, Idx idx,
+                             float* __restrict__ out, int first_warp, int warp_step) {
+  constexpr int RL = D / 8, TPL = 32 / RL;
+  const int lane = threadIdx.x & 31, rl = lane % RL, sub = lane / RL;
+  float qv[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) qv[e] = q[rl * 8 + e];
+  const T* kb = static_cast<const T*>(kv.k);
+  for (int j0 = first_warp * TPL; j0 < count; j0 += warp_step * TPL) {
+    const int j = j0 + sub;
+    float acc = 0.0f;
+    if (j < count) {
+      float kf[8];
+      widen8(load16(kb + row_offset(kv, seq, h, idx(j)) + rl * 8), kf, T());
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc = fmaf(qv[e], kf[e], acc);
+    }
+#pragma unroll
+    for (int off = RL / 2; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (j < count && rl == 0) out[j] = acc;
+  }
+}
+
+__device__ __forceinline__ double block_max_f64(double v) {
+  __shared__ double s_m[32];
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if ((threadIdx.x & 31) == 0) s_m[threadIdx.x >> 5] = v;
+  __syncthreads();
+  double m = -INFINITY;
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) m = fmax(m, s_m[w]);
+  __syncthreads();
+  return m;
+}
+
+__device__ __forceinline__ double slash_at(const double* ts, int base, int ring, int i) {
+  const int j = i + base;
+  return ts[j >= ring ? j - ring : j];
+}
+
+// Steps 1-2 of Algorithm 1 for one row: rho and the bypass; else k, and C1. grid: rows.
+template <int D, class T>
+__global__ void __launch_bounds__(kRowThreads) lfps_candidates_kernel(LfpsParams p) {
+  __shared__ float s_sc[1 + kLfpsLocalWindow];
+  __shared__ double s_q[2];
+  __shared__ int s_bypass;
+  const int row = blockIdx.x, seq = row / p.n_q, qh = row % p.n_q, h = qh / p.group;
+  const int n = p.kv.n_tokens[seq];
+  const int n_sink = min(p.sinks, n);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float* q = p.q + static_cast<size_t>(row) * D;
+  // Eq. 5's keys: the sink (token 0) and the last kLfpsLocalWindow tokens after it.
+  const int first_local = max(1, n - kLfpsLocalWindow);
+  const int m = n > 0 ? 1 + (n - first_local) : 0;
+  const T* kb = static_cast<const T*>(p.kv.k);
+  if (warp < m) {
+    const int t = warp == 0 ? 0 : first_local + warp - 1;
+    const T* kr = kb + row_offset(p.kv, seq, h, t);
+    float acc = 0.0f;
+    for (int e = lane; e < D; e += 32) acc = fmaf(q[e], to_float(kr[e]), acc);
+    acc = warp_sum(acc);
+    if (lane == 0) s_sc[warp] = acc;
+  } else if (warp == 1 + kLfpsLocalWindow) {
+    const float* km = p.kmean + (static_cast<size_t>(seq) * p.kv.n_kv_heads + h) * D;
+    double qk = 0, qn2 = 0;
+    for (int e = lane; e < D; e += 32) {
+      qk += static_cast<double>(q[e]) * km[e];
+      qn2 += static_cast<double>(q[e]) * q[e];
+    }
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) {
+      qk += __shfl_xor_sync(0xffffffffu, qk, o);
+      qn2 += __shfl_xor_sync(0xffffffffu, qn2, o);
+    }
+    if (lane == 0) s_q[0] = qk, s_q[1] = qn2;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int by = 0;
+    if (n > 0) {
+      // Eq. 5-6 in log space, with the CPU's float products.
+      const double l_sink = p.scale * s_sc[0];
+      double l_local = -INFINITY;
+      for (int u = 1; u < m; ++u) l_local = log_add(l_local, static_cast<double>(p.scale * s_sc[u]));
+      const double l_global = p.scale * s_q[0] + s_q[1] * p.sigma2[row] / 2 + log(static_cast<double>(n));
+      const double rho = exp(l_sink - log_add(log_add(l_sink, l_global), l_local));
+      p.rho[row] = rho;
+      by = rho > p.epsilon;
+    }
+    p.bypass[row] = by;
+    s_bypass = by || n == 0;
+    p.claimed[row] = __int_as_float(0x7fc00000);  // NaN: a fixed budget makes no claim
+    if (s_bypass) {
+      p.krow[row] = 0;
+      p.ncand[row] = 0;
+      p.budget_out[row] = 0;
+    }
+  }
+  __syncthreads();
+  if (s_bypass) return;
+  const int k = p.budget > 0 ? p.budget : max(1, static_cast<int>(ceil(p.budget_ratio * n)));
+  int32_t* cand = p.cand + static_cast<size_t>(row) * p.stride;
+  if (threadIdx.x == 0) p.krow[row] = min(k, p.k_max);
+  if (k >= n - n_sink) {
+    // The exact top-k of every non-sink token is all of them (budget >= n equals dense).
+    for (int i = n_sink + threadIdx.x; i < n; i += blockDim.x) cand[i - n_sink] = i;
+    if (threadIdx.x == 0) p.ncand[row] = n - n_sink;
+    return;
+  }
+  const double* tv = p.tv + static_cast<size_t>(row) * p.ring;
+  const double* ts = p.ts + static_cast<size_t>(row) * p.ring;
+  const int base = p.sbase[row];
+  // Eq. 8: mean and kappa = sum (x - mean)^4 / (sum (x - mean)^2)^2 over [n_sink, n).
+  const int cnt = n - n_sink;
+  double sv = 0, ss = 0;
+  for (int i = n_sink + threadIdx.x; i < n; i += blockDim.x) sv += tv[i], ss += slash_at(ts, base, p.ring, i);
+  const double mean_v = block_sum<double>(sv) / cnt;
+  const double mean_s = block_sum<double>(ss) / cnt;
+  double m2v = 0, m4v = 0, m2s = 0, m4s = 0;
+  for (int i = n_sink + threadIdx.x; i < n; i += blockDim.x) {
+    const double dv = tv[i] - mean_v, ds = slash_at(ts, base, p.ring, i) - mean_s;
+    m2v += dv * dv, m4v += dv * dv * dv * dv;
+    m2s += ds * ds, m4s += ds * ds * ds * ds;
+  }
+  m2v = block_sum<double>(m2v);
+  m4v = block_sum<double>(m4v);
+  m2s = block_sum<double>(m2s);
+  m4s = block_sum<double>(m4s);
+  const double kappa_v = m2v > 0 ? m4v / (m2v * m2v) : 0.0, kappa_s = m2s > 0 ? m4s / (m2s * m2s) : 0.0;
+  // A flat table (kappa = 0) gives no candidates.
+  const double tau_v = kappa_v > 0 ? p.a * mean_v / kappa_v : INFINITY;
+  const double tau_s = kappa_s > 0 ? p.a * mean_s / kappa_s : INFINITY;
+  // C1 (Eq. 7, 9): x joins when x - delta is in C0 for some delta and x's own entry
+  // exceeds its table's mean; written in ascending order by a block scan per pass.
+  int count = 0;
+  for (int x0 = n_sink; x0 < n; x0 += blockDim.x) {
+    const int x = x0 + threadIdx.x;
+    int flag = 0;
+    if (x < n && (tv[x] > mean_v || slash_at(ts, base, p.ring, x) > mean_s)) {
+#pragma unroll
+      for (int off = kLfpsOffsetMin; off <= kLfpsOffsetMax; ++off) {
+        const int i = x - off;
+        if (i >= n_sink && i < n && (tv[i] > tau_v || slash_at(ts, base, p.ring, i) > tau_s)) flag = 1;
+      }
+    }
+    int total;
+    const int pos = block_scan_exclusive<int>(flag, &total);
+    if (flag) cand[count + pos] = x;
+    count += total;
+  }
+  if (threadIdx.x == 0) p.ncand[row] = count;
+}
+
+// cscore[row][j] = q . k of candidate j. grid: (CTAs per row, rows).
+template <int D, class T>
+__global__ void __launch_bounds__(kScoreThreads) lfps_score_kernel(LfpsParams p) {
+  const int row = blockIdx.y, seq = row / p.n_q, h = (row % p.n_q) / p.group;
+  const int count = p.ncand[row];
+  if (count == 0) return;
+  const int32_t* cand = p.cand + static_cast<size_t>(row) * p.stride;
+  constexpr int kWarps = kScoreThreads / 32;
+  score_tokens<D, T>(p.kv, seq, h, p.q + static_cast<size_t>(row) * D, count, [&](int j) { return cand[j]; },
+                     p.cscore + static_cast<size_t>(row) * p.stride, blockIdx.x * kWarps + (threadIdx.x >> 5),
+                     gridDim.x * kWarps);
+}
+
+// Step 4 of Algorithm 1 for one row: the sinks and C2 into the union; Eq. 10. grid: rows.
+__global__ void __launch_bounds__(kRowThreads) lfps_update_kernel(LfpsParams p) {
+  const int row = blockIdx.x, seq = row / p.n_q, h = (row % p.n_q) / p.group;
+  if (p.bypass[row] || p.krow[row] == 0) return;  // Algorithm 1 lines 4-5: no update
+  const int n = p.kv.n_tokens[seq];
+  const int n_sink = min(p.sinks, n);
+  const int c2 = p.ntop[row];
+  uint32_t* w = p.bits + (static_cast<size_t>(seq) * p.kv.n_kv_heads + h) * p.words;
+  if (threadIdx.x == 0) {
+    bitmap_set_range(w, 0, n_sink);  // the first `sinks` tokens, always
+    p.budget_out[row] = c2;
+  }
+  if (c2 == 0) return;  // nothing to attend beyond the sinks, nothing to learn
+  const int32_t* cand = p.cand + static_cast<size_t>(row) * p.stride;
+  const int32_t* top = p.top + static_cast<size_t>(row) * p.k_max;
+  const float* cs = p.cscore + static_cast<size_t>(row) * p.stride;
+  const double scale = p.scale;
+  // Eq. 10's weights: the softmax over C2 in float64.
+  double mx = -INFINITY;
+  for (int u = threadIdx.x; u < c2; u += blockDim.x) mx = fmax(mx, scale * cs[top[u]]);
+  mx = block_max_f64(mx);
+  double sum = 0;
+  for (int u = threadIdx.x; u < c2; u += blockDim.x) sum += exp(scale * cs[top[u]] - mx);
+  sum = block_sum<double>(sum);
+  const double c = 1.0 / (2.0 * c2);
+  double* tv = p.tv + static_cast<size_t>(row) * p.ring;
+  double* ts = p.ts + static_cast<size_t>(row) * p.ring;
+  const int base = p.sbase[row];
+  // Decay; the slash's positions [0, n) become [1, n + 1) (its start moves back by one,
+  // and the entry that becomes position 0 is cleared).
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    tv[i] *= p.r;
+    const int j = i + base;
+    ts[j >= p.ring ? j - p.ring : j] *= p.r;
+  }
+  const int nb = base == 0 ? p.ring - 1 : base - 1;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ts[nb] = 0.0;
+    p.sbase[row] = nb;
+  }
+  __syncthreads();
+  for (int u = threadIdx.x; u < c2; u += blockDim.x) {
+    const int x = cand[top[u]];
+    const double d = exp(scale * cs[top[u]] - mx) / sum - c;
+    tv[x] += d;
+    const int j = x + nb;
+    ts[j >= p.ring ? j - p.ring : j] += d;
+    atomicOr(w + (x >> 5), 1u << (x & 31));
+  }
+}
+
+// After the attention: a bypassed row outputs the prompt's mean value vector and has no
+// true mass. grid: rows, block: D.
+__global__ void lfps_bypass_kernel(LfpsParams p, float* out, float* mass) {
+  const int row = blockIdx.x;
+  if (!p.bypass[row]) return;
+  const int seq = row / p.n_q, h = (row % p.n_q) / p.group, d = p.kv.head_dim;
+  const float* vm = p.vmean + (static_cast<size_t>(seq) * p.kv.n_kv_heads + h) * d;
+  for (int e = threadIdx.x; e < d; e += blockDim.x) out[static_cast<size_t>(row) * d + e] = vm[e];
+  if (mass != nullptr && threadIdx.x == 0) mass[row] = __int_as_float(0x7fc00000);
+}
+
+// Prefill, the prompt means: partial float64 sums of keys at positions >= 1 and of values
+// over chunks of kMeansChunk tokens. grid: (chunks, n_seqs * n_kv), block: D.
+template <class T>
+__global__ void lfps_means_partial_kernel(LfpsParams p, double* part, int chunks) {
+  const int list = blockIdx.y, seq = list / p.kv.n_kv_heads, h = list % p.kv.n_kv_heads, d = p.kv.head_dim;
+  const int n = p.kv.n_tokens[seq], e = threadIdx.x;
+  const T* kb = static_cast<const T*>(p.kv.k);
+  const T* vb = static_cast<const T*>(p.kv.v);
+  double ks = 0, vs = 0;
+  const int t1 = min(n, static_cast<int>(blockIdx.x + 1) * kMeansChunk);
+  for (int t = blockIdx.x * kMeansChunk; t < t1; ++t) {
+    const size_t o = row_offset(p.kv, seq, h, t) + e;
+    vs += to_float(vb[o]);
+    if (t >= 1 || n == 1) ks += to_float(kb[o]);
+  }
+  double* o = part + (static_cast<size_t>(list) * chunks + blockIdx.x) * 2 * d;
+  o[e] = ks;
+  o[d + e] = vs;
+}
+
+// The partial sums added in chunk order. grid: n_seqs * n_kv, block: D.
+__global__ void lfps_means_kernel(LfpsParams p, const double* part, int chunks) {
+  const int list = blockIdx.x, seq = list / p.kv.n_kv_heads, d = p.kv.head_dim, e = threadIdx.x;
+  const int n = p.kv.n_tokens[seq];
+  double ks = 0, vs = 0;
+  for (int c = 0; c < chunks; ++c) {
+    const double* o = part + (static_cast<size_t>(list) * chunks + c) * 2 * d;
+    ks += o[e];
+    vs += o[d + e];
+  }
+  const int k0 = n > 1 ? 1 : 0;
+  p.kmean[static_cast<size_t>(list) * d + e] = n - k0 > 0 ? static_cast<float>(ks / (n - k0)) : 0.0f;
+  p.vmean[static_cast<size_t>(list) * d + e] = n > 0 ? static_cast<float>(vs / n) : 0.0f;
+}
+
+// Prefill (Eq. 4) for one (sequence, kv head): the query jd positions before the end
+// (jd = blockIdx.x + 1, at position n - jd) of group member blockIdx.y scores keys [0, n - jd]
+// into scr[member][jd - 1][.]; ml[member][jd - 1] = the max and the exp-sum of its weights
+// over the non-sink keys; the last query (jd = 1) also gives sigma-hat^2 over keys [1, n).
+template <int D, class T>
+__global__ void __launch_bounds__(kScoreThreads)
+    lfps_prompt_scores_kernel(LfpsParams p, const float* pq, int pq_rows, int rows, int seq, int h, float* scr,
+                              double* ml) {
+  const int jd = blockIdx.x + 1, jq = blockIdx.y, qh = h * p.group + jq, row = seq * p.n_q + qh;
+  const int n = p.kv.n_tokens[seq];
+  const int n_sink = min(p.sinks, n);
+  const int pos = n - jd;
+  const float* q = pq + ((static_cast<size_t>(seq) * pq_rows + (pq_rows - jd)) * p.n_q + qh) * D;
+  float* s = scr + (static_cast<size_t>(jq) * rows + jd - 1) * p.stride;
+  if (pos < 0) return;
+  score_tokens<D, T>(p.kv, seq, h, q, pos + 1, [](int j) { return j; }, s, threadIdx.x >> 5, kScoreThreads / 32);
+  __syncthreads();
+  const double scale = p.scale;
+  if (pos >= n_sink) {
+    double mx = -INFINITY;
+    for (int i = n_sink + threadIdx.x; i <= pos; i += blockDim.x) mx = fmax(mx, scale * s[i]);
+    mx = block_max_f64(mx);
+    double sum = 0;
+    for (int i = n_sink + threadIdx.x; i <= pos; i += blockDim.x) sum += exp(scale * s[i] - mx);
+    sum = block_sum<double>(sum);
+    if (threadIdx.x == 0) {
+      ml[(static_cast<size_t>(jq) * rows + jd - 1) * 2] = mx;
+      ml[(static_cast<size_t>(jq) * rows + jd - 1) * 2 + 1] = sum;
+    }
+  }
+  if (jd != 1) return;
+  // sigma-hat^2 = Var_i(q . k_i / sqrt(d)) / ||q||^2 over keys [1, n), with the CPU's float
+  // products.
+  double sigma2 = 0;
+  if (n > 2) {
+    double mu = 0;
+    for (int i = 1 + threadIdx.x; i < n; i += blockDim.x) mu += p.scale * s[i];
+    mu = block_sum<double>(mu) / (n - 1);
+    double m2 = 0, qn2 = 0;
+    for (int i = 1 + threadIdx.x; i < n; i += blockDim.x) {
+      const double x = p.scale * s[i] - mu;
+      m2 += x * x;
+    }
+    for (int e = threadIdx.x; e < D; e += blockDim.x) qn2 += static_cast<double>(q[e]) * q[e];
+    m2 = block_sum<double>(m2);
+    qn2 = block_sum<double>(qn2);
+    sigma2 = qn2 > 0 ? (m2 / (n - 1)) / qn2 : 0.0;
+  }
+  if (threadIdx.x == 0) p.sigma2[row] = sigma2;
+}
+
+// Prefill (Eq. 4), the tables of one (sequence, kv head) from the scores: each entry sums
+// its weights over jd = 1 .. used in order, then is scaled by 1 / (2 used (1 - r)).
+// grid: (ceil(n / kScoreThreads), group).
+__global__ void __launch_bounds__(kScoreThreads)
+    lfps_tables_kernel(LfpsParams p, int rows, int used, int seq, int h, const float* scr, const double* ml) {
+  const int jq = blockIdx.y, row = seq * p.n_q + h * p.group + jq;
+  const int n = p.kv.n_tokens[seq];
+  const int n_sink = min(p.sinks, n);
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n_sink || i >= n) return;
+  const double scale = p.scale;
+  double v = 0, s = 0;
+  for (int jd = 1; jd <= used; ++jd) {
+    const float* sc = scr + (static_cast<size_t>(jq) * rows + jd - 1) * p.stride;
+    const double mx = ml[(static_cast<size_t>(jq) * rows + jd - 1) * 2];
+    const double sum = ml[(static_cast<size_t>(jq) * rows + jd - 1) * 2 + 1];
+    if (i <= n - jd) v += exp(scale * sc[i] - mx) / sum;
+    const int src = i - jd + 1;  // the slash entry of distance jd - 1 behind i
+    if (src >= n_sink) s += exp(scale * sc[src] - mx) / sum;
+  }
+  const double norm = used > 0 ? 1.0 / (2.0 * used * (1.0 - p.r)) : 0.0;
+  p.tv[static_cast<size_t>(row) * p.ring + i] = v * norm;
+  p.ts[static_cast<size_t>(row) * p.ring + i] = s * norm;
+}
+
+class LfpsGpu final : public SparseDecoder {
+ public:
+  LfpsGpu(const DeviceKvView& kv, int group, const LfpsOptions& o, const AttentionPlanOptions& po)
+      : SparseDecoder(kv, group, po), o_(o) {
+    CUMULUS_CHECK(o.a > 0, "lfps: a={} must be > 0", o.a);
+    CUMULUS_CHECK(o.r >= 0 && o.r < 1, "lfps: r={} must be in [0, 1)", o.r);
+    CUMULUS_CHECK(o.epsilon >= 0 && o.epsilon <= 1, "lfps: epsilon={} must be in [0, 1]", o.epsilon);
+    CUMULUS_CHECK(o.s >= 1, "lfps: s={} must be >= 1", o.s);
+    CUMULUS_CHECK(o.budget >= 0, "lfps: budget={} must be >= 0", o.budget);
+    CUMULUS_CHECK(o.budget_ratio > 0 && o.budget_ratio <= 1, "lfps: budget_ratio={} must be in (0, 1]",
+                  o.budget_ratio);
+    CUMULUS_CHECK(o.sinks >= 1, "lfps: sinks={} must be >= 1", o.sinks);
+    const Base& b = base();
+    const int rows = kv.n_seqs * b.n_q;
+    p_.kv = kv;
+    p_.group = group;
+    p_.n_q = b.n_q;
+    p_.ring = kv.max_tokens + 1;
+    p_.stride = std::max(1, kv.max_tokens);
+    p_.k_max = std::max(1, std::min(p_.stride, lfps_budget(o, kv.max_tokens)));
+    p_.scale = 1.0f / std::sqrt(static_cast<float>(kv.head_dim));
+    p_.a = o.a;
+    p_.r = o.r;
+    p_.epsilon = o.epsilon;
+    p_.budget_ratio = o.budget_ratio;
+    p_.budget = o.budget;
+    p_.sinks = o.sinks;
+    const size_t table = static_cast<size_t>(rows) * p_.ring * sizeof(double);
+    tv_ = DeviceBuffer(table);
+    ts_ = DeviceBuffer(table);
+    sbase_ = DeviceBuffer(rows * sizeof(int));
+    sigma2_ = DeviceBuffer(rows * sizeof(double));
+    rho_ = DeviceBuffer(rows * sizeof(double));
+    bypass_ = DeviceBuffer(rows * sizeof(int));
+    bypass_.fill_bytes(0);
+    kmean_ = DeviceBuffer(static_cast<size_t>(b.n_lists) * kv.head_dim * sizeof(float));
+    vmean_ = DeviceBuffer(static_cast<size_t>(b.n_lists) * kv.head_dim * sizeof(float));
+    cand_ = DeviceBuffer(static_cast<size_t>(rows) * p_.stride * sizeof(int32_t));
+    ncand_ = DeviceBuffer(rows * sizeof(int32_t));
+    cscore_ = DeviceBuffer(static_cast<size_t>(rows) * p_.stride * sizeof(float));
+    krow_ = DeviceBuffer(rows * sizeof(int32_t));
+    top_ = DeviceBuffer(static_cast<size_t>(rows) * p_.k_max * sizeof(int32_t));
+    ntop_ = DeviceBuffer(rows * sizeof(int32_t));
+    p_.tv = tv_.as<double>();
+    p_.ts = ts_.as<double>();
+    p_.sbase = sbase_.as<int>();
+    p_.sigma2 = sigma2_.as<double>();
+    p_.rho = rho_.as<double>();
+    p_.bypass = bypass_.as<int>();
+    p_.kmean = kmean_.as<float>();
+    p_.vmean = vmean_.as<float>();
+    p_.cand = cand_.as<int32_t>();
+    p_.ncand = ncand_.as<int32_t>();
+    p_.cscore = cscore_.as<float>();
+    p_.krow = krow_.as<int32_t>();
+    p_.top = top_.as<int32_t>();
+    p_.ntop = ntop_.as<int32_t>();
+    p_.bits = b.bits.as<uint32_t>();
+    p_.words = b.words;
+    p_.claimed = b.claimed.as<float>();
+    p_.budget_out = b.budget.as<int32_t>();
+    base().bypass = bypass_.as<int>();
+  }
+  std::string name() const override { return "lfps"; }
+  int prompt_queries() const override { return o_.s; }
+  // Both float64 tables of every query head of the kv head; the candidates' keys, which
+  // vary by step, are left out (a lower bound, as tactic's).
+  double select_bytes_per_token() const override { return 2.0 * sizeof(double) * base().group; }
+
+  void prefill(void* stream, const DevicePromptQueries& pq) override {
+    const cudaStream_t st = as_stream(stream);
+    const Base& b = base();
+    const int d = b.kv.head_dim;
+    CUMULUS_CHECK(pq.q != nullptr && pq.rows > 0,
+                  "lfps needs the prompt's last queries (DevicePromptQueries: q={}, rows={}) to build its score "
+                  "tables (002 Eq. 4)",
+                  static_cast<const void*>(pq.q), pq.rows);
+    std::vector<int> n(static_cast<size_t>(b.kv.n_seqs));
+    CUMULUS_CUDA_CHECK(cudaStreamSynchronize(st));
+    memcpy_to_host(n.data(), b.kv.n_tokens, n.size() * sizeof(int));
+    for (int s = 0; s < b.kv.n_seqs; ++s)
+      CUMULUS_CHECK(pq.rows <= n[s], "lfps: {} prompt queries for sequence {} of {} tokens", pq.rows, s, n[s]);
+    tv_.fill_bytes(0);
+    ts_.fill_bytes(0);
+    sbase_.fill_bytes(0);
+    bypass_.fill_bytes(0);
+    // The means.
+    const int chunks = std::max(1, ceil_div(b.kv.max_tokens, kMeansChunk));
+    DeviceBuffer part(static_cast<size_t>(b.n_lists) * chunks * 2 * d * sizeof(double));
+    const bool f16 = b.kv.dtype == DType::f16;
+    if (f16)
+      lfps_means_partial_kernel<__half><<<dim3(chunks, b.n_lists), d, 0, st>>>(p_, part.as<double>(), chunks);
+    else
+      lfps_means_partial_kernel<__nv_bfloat16><<<dim3(chunks, b.n_lists), d, 0, st>>>(p_, part.as<double>(), chunks);
+    CUMULUS_CUDA_LAUNCH("lfps_means_partial_kernel");
+    lfps_means_kernel<<<b.n_lists, d, 0, st>>>(p_, part.as<double>(), chunks);
+    CUMULUS_CUDA_LAUNCH("lfps_means_kernel");
+    // The tables, one (sequence, kv head) at a time: its group's scores of the last `rows`
+    // queries take group * rows * max_tokens floats.
+    const int rows = std::min(o_.s, pq.rows);
+    DeviceBuffer scr(static_cast<size_t>(b.group) * rows * p_.stride * sizeof(float));
+    DeviceBuffer ml(static_cast<size_t>(b.group) * rows * 2 * sizeof(double));
+    for (int s = 0; s < b.kv.n_seqs; ++s) {
+      const int n_sink = std::min(o_.sinks, n[s]);
+      const int used = std::max(0, std::min(rows, n[s] - n_sink));  // queries with a non-sink key
+      for (int h = 0; h < b.kv.n_kv_heads; ++h) {
+        with_head_dim_type(d, b.kv.dtype, [&](auto dd, auto t) {
+          lfps_prompt_scores_kernel<decltype(dd)::value, decltype(t)><<<dim3(rows, b.group), kScoreThreads, 0, st>>>(
+              p_, pq.q, pq.rows, rows, s, h, scr.as<float>(), ml.as<double>());
+        });
+        CUMULUS_CUDA_LAUNCH("lfps_prompt_scores_kernel");
+        if (n[s] > 0) {
+          lfps_tables_kernel<<<dim3(ceil_div(n[s], kScoreThreads), b.group), kScoreThreads, 0, st>>>(
+              p_, rows, used, s, h, scr.as<float>(), ml.as<double>());
+          CUMULUS_CUDA_LAUNCH("lfps_tables_kernel");
+        }
+      }
+    }
+    CUMULUS_CUDA_CHECK(cudaStreamSynchronize(st));  // the scratch outlives its kernels
+    prefilled_ = true;
+  }
+
+  void select(const float* q, void* stream) override {
+    CUMULUS_CHECK(prefilled_, "lfps: select() before prefill() built its score tables");
+    Base& b = base();
+    const cudaStream_t st = as_stream(stream);
+    p_.q = q;
+    const int rows = b.kv.n_seqs * b.n_q;
+    with_head_dim_type(b.kv.head_dim, b.kv.dtype, [&](auto dd, auto t) {
+      constexpr int D = decltype(dd)::value;
+      using T = decltype(t);
+      lfps_candidates_kernel<D, T><<<rows, kRowThreads, 0, st>>>(p_);
+      CUMULUS_CUDA_LAUNCH("lfps_candidates_kernel");
+      const int per_row = std::max(1, std::min(ceil_div(p_.stride, 256), 4 * sm_count() / std::max(1, rows)));
+      lfps_score_kernel<D, T><<<dim3(per_row, rows), kScoreThreads, 0, st>>>(p_);
+      CUMULUS_CUDA_LAUNCH("lfps_score_kernel");
+    });
+    select_topk_rows_k(p_.cscore, p_.ncand, rows, p_.stride, p_.krow, p_.k_max, p_.top, p_.ntop, st);
+    lfps_update_kernel<<<rows, kRowThreads, 0, st>>>(p_);
+    CUMULUS_CUDA_LAUNCH("lfps_update_kernel");
+    b.compact(st);
+  }
+
+  LfpsTablesCopy download(int seq, int q_head) const {
+    const Base& b = base();
+    CUMULUS_CHECK(seq >= 0 && seq < b.kv.n_seqs && q_head >= 0 && q_head < b.n_q, "seq={} q_head={} out of range",
+                  seq, q_head);
+    CUMULUS_CUDA_CHECK(cudaDeviceSynchronize());
+    const size_t row = static_cast<size_t>(seq) * b.n_q + q_head;
+    int n = 0, base_s = 0, by = 0;
+    memcpy_to_host(&n, b.kv.n_tokens + seq, sizeof(int));
+    memcpy_to_host(&base_s, sbase_.as<int>() + row, sizeof(int));
+    memcpy_to_host(&by, bypass_.as<int>() + row, sizeof(int));
+    LfpsTablesCopy c;
+    std::vector<double> v(static_cast<size_t>(p_.ring)), s(static_cast<size_t>(p_.ring));
+    memcpy_to_host(v.data(), tv_.as<double>() + row * p_.ring, v.size() * sizeof(double));
+    memcpy_to_host(s.data(), ts_.as<double>() + row * p_.ring, s.size() * sizeof(double));
+    c.vertical.assign(v.begin(), v.begin() + n);
+    for (int i = 0; i < n; ++i) c.slash.push_back(s[static_cast<size_t>((i + base_s) % p_.ring)]);
+    memcpy_to_host(&c.sigma_hat2, sigma2_.as<double>() + row, sizeof(double));
+    memcpy_to_host(&c.rho, rho_.as<double>() + row, sizeof(double));
+    c.bypass = by != 0;
+    return c;
+  }
+
+ protected:
+  bool needs_lse() const override { return true; }
+  void after_attend(const float* /*lse*/, float* out, float* mass, void* stream) override {
+    const Base& b = base();
+    lfps_bypass_kernel<<<b.kv.n_seqs * b.n_q, 128, 0, as_stream(stream)>>>(p_, out, mass);
+    CUMULUS_CUDA_LAUNCH("lfps_bypass_kernel");
+  }
+
+ private:
+  LfpsOptions o_;
+  LfpsParams p_;
+  bool prefilled_ = false;
+  DeviceBuffer tv_, ts_, sbase_, sigma2_, rho_, bypass_, kmean_, vmean_, cand_, ncand_, cscore_, krow_, top_, ntop_;
+};
+
+}  // namespace
+
+std::unique_ptr<SparseDecoder> make_lfps_gpu(const DeviceKvView& kv, int group, const LfpsOptions& o,
+                                             const AttentionPlanOptions& plan) {
+  return std::make_unique<LfpsGpu>(kv, group, o, plan);
+}
+
+LfpsTablesCopy lfps_gpu_download(const SparseDecoder& m, int seq, int q_head) {
+  const auto* l = dynamic_cast<const LfpsGpu*>(&m);
+  CUMULUS_CHECK(l != nullptr, "decoder '{}' is not lfps", m.name());
+  return l->download(seq, q_head);
+}
+
+}  // namespace cumulus::cuda
