@@ -4,14 +4,16 @@
 // vertical indexed by key position, slash in a ring of max_tokens + 1 entries whose start
 // moves back by one per update (Eq. 10's shift, with no copy). A step, for the whole batch,
 // with no host wait:
-//   candidates (one CTA per row): the sink ratio rho (Eq. 5-6) from token 0, the last six
-//     tokens and the prompt's mean key; a bypassed row (rho > epsilon) stops there. Else
-//     the tables' mean and kappa (Eq. 8), the thresholds, and C1 (Eq. 7 and 9) written as
-//     ascending positions;
-//   scores: q . k of every candidate;
-//   top-k of the candidates (k from the row's own cache length, read on the device);
-//   update (one CTA per row): the sinks and C2 into the kv head's union, the softmax over
-//     C2 in float64, the tables decayed, the slash shifted, C2's weights added (Eq. 10);
+//   rho (one CTA per row): the sink ratio (Eq. 5-6) from token 0, the last six tokens and
+//     the prompt's mean key; a bypassed row (rho > epsilon) stops there;
+//   moments and marks (one CTA per chunk of 2048 positions of a row): each chunk's moments of
+//     both tables, merged into the mean and kappa of Eq. 8, the thresholds, and C1 (Eq. 7,
+//     9) as a bitmap, compacted into ascending positions;
+//   scores: q . k of every candidate; top-k of the candidates (k from the row's own cache
+//     length, read on the device);
+//   decay (per chunk) and update (one CTA per row): the tables decayed, the slash's ring
+//     start moved back, C2's softmax weights (float64) added (Eq. 10), the sinks and C2
+//     into the kv head's union;
 //   after the attention, a bypassed row's output becomes the prompt's mean value vector.
 // prefill() builds the tables from the prompt's last s queries (Eq. 4), the mean key over
 // positions [1, n) and the mean value over [0, n), and sigma-hat^2 from the last query.
@@ -25,9 +27,17 @@
 namespace cumulus::cuda {
 namespace {
 
-constexpr int kRowThreads = 512;    // the per-row kernels (candidates, update)
+constexpr int kRowThreads = 256;    // the sink ratio kernel (8 warps: 7 keys and the mean key)
+constexpr int kChunkThreads = 256;  // the table passes, one CTA per chunk of a row
+constexpr int kChunk = 2048;        // table entries per CTA of the table passes (a multiple of 32)
 constexpr int kScoreThreads = 256;  // the scoring kernels
 constexpr int kMeansChunk = 1024;   // tokens per CTA of the prompt means' partial sums
+
+// Moments of one table over a chunk (Eq. 8's statistics, merged across chunks by
+// merge_moments): count, mean, and the sums of (x - mean)^2, ^3 and ^4.
+struct Moments {
+  double n = 0, mean = 0, m2 = 0, m3 = 0, m4 = 0;
+};
 
 struct LfpsParams {
   DeviceKvView kv;
@@ -47,7 +57,12 @@ struct LfpsParams {
   int* bypass = nullptr;       // [rows] the last step bypassed
   float* kmean = nullptr;      // [n_seqs * n_kv][D] the prompt's mean key over [1, n)
   float* vmean = nullptr;      // [n_seqs * n_kv][D] the prompt's mean value over [0, n)
-  int32_t* cand = nullptr;     // [rows][stride] C1, ascending positions
+  int* mode = nullptr;         // [rows] kModeNone, kModeAll or kModeTables (this step)
+  int chunks = 0;              // chunks of kChunk entries covering max_tokens
+  Moments* moments = nullptr;  // [rows][chunks][2] each chunk's moments of vertical, slash
+  uint32_t* cbits = nullptr;   // [rows][cwords] C1 as a bitmap
+  int cwords = 0;
+  int32_t* cand = nullptr;     // [rows][stride] C1, ascending positions (compacted cbits)
   int32_t* ncand = nullptr;    // [rows]
   float* cscore = nullptr;     // [rows][stride] raw q . k of the candidates
   int32_t* krow = nullptr;     // [rows] this step's k (0: bypassed)
@@ -110,12 +125,16 @@ __device__ __forceinline__ double slash_at(const double* ts, int base, int ring,
   return ts[j >= ring ? j - ring : j];
 }
 
-// Steps 1-2 of Algorithm 1 for one row: rho and the bypass; else k, and C1. grid: rows.
+// What a row's step does after its sink ratio (LfpsParams::mode).
+constexpr int kModeNone = 0;    // bypassed (or an empty cache): no candidates, no update
+constexpr int kModeAll = 1;     // k >= the non-sink tokens: every one of them is a candidate
+constexpr int kModeTables = 2;  // candidates from the tables (Eq. 7-9)
+
+// Step 1 of Algorithm 1 for one row: rho, the bypass, k and the row's mode. grid: rows.
 template <int D, class T>
-__global__ void __launch_bounds__(kRowThreads) lfps_candidates_kernel(LfpsParams p) {
+__global__ void __launch_bounds__(kRowThreads) lfps_rho_kernel(LfpsParams p) {
   __shared__ float s_sc[1 + kLfpsLocalWindow];
   __shared__ double s_q[2];
-  __shared__ int s_bypass;
   const int row = blockIdx.x, seq = row / p.n_q, qh = row % p.n_q, h = qh / p.group;
   const int n = p.kv.n_tokens[seq];
   const int n_sink = min(p.sinks, n);
@@ -147,80 +166,126 @@ __global__ void __launch_bounds__(kRowThreads) lfps_candidates_kernel(LfpsParams
     if (lane == 0) s_q[0] = qk, s_q[1] = qn2;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int by = 0;
-    if (n > 0) {
-      // Eq. 5-6 in log space, with the CPU's float products.
-      const double l_sink = p.scale * s_sc[0];
-      double l_local = -INFINITY;
-      for (int u = 1; u < m; ++u) l_local = log_add(l_local, static_cast<double>(p.scale * s_sc[u]));
-      const double l_global = p.scale * s_q[0] + s_q[1] * p.sigma2[row] / 2 + log(static_cast<double>(n));
-      const double rho = exp(l_sink - log_add(log_add(l_sink, l_global), l_local));
-      p.rho[row] = rho;
-      by = rho > p.epsilon;
-    }
-    p.bypass[row] = by;
-    s_bypass = by || n == 0;
-    p.claimed[row] = __int_as_float(0x7fc00000);  // NaN: a fixed budget makes no claim
-    if (s_bypass) {
-      p.krow[row] = 0;
-      p.ncand[row] = 0;
-      p.budget_out[row] = 0;
-    }
+  if (threadIdx.x != 0) return;
+  int by = 0;
+  if (n > 0) {
+    // Eq. 5-6 in log space, with the CPU's float products.
+    const double l_sink = p.scale * s_sc[0];
+    double l_local = -INFINITY;
+    for (int u = 1; u < m; ++u) l_local = log_add(l_local, static_cast<double>(p.scale * s_sc[u]));
+    const double l_global = p.scale * s_q[0] + s_q[1] * p.sigma2[row] / 2 + log(static_cast<double>(n));
+    const double rho = exp(l_sink - log_add(log_add(l_sink, l_global), l_local));
+    p.rho[row] = rho;
+    by = rho > p.epsilon;
   }
-  __syncthreads();
-  if (s_bypass) return;
+  p.bypass[row] = by;
+  p.claimed[row] = __int_as_float(0x7fc00000);  // NaN: a fixed budget makes no claim
   const int k = p.budget > 0 ? p.budget : max(1, static_cast<int>(ceil(p.budget_ratio * n)));
-  int32_t* cand = p.cand + static_cast<size_t>(row) * p.stride;
-  if (threadIdx.x == 0) p.krow[row] = min(k, p.k_max);
-  if (k >= n - n_sink) {
-    // The exact top-k of every non-sink token is all of them (budget >= n equals dense).
-    for (int i = n_sink + threadIdx.x; i < n; i += blockDim.x) cand[i - n_sink] = i;
-    if (threadIdx.x == 0) p.ncand[row] = n - n_sink;
+  const int mode = by || n == 0 ? kModeNone : k >= n - n_sink ? kModeAll : kModeTables;
+  p.mode[row] = mode;
+  p.krow[row] = mode == kModeNone ? 0 : min(k, p.k_max);
+  if (mode == kModeNone) p.budget_out[row] = 0;
+}
+
+// The moments of the union of two disjoint sets (the pairwise update of Chan et al. and
+// Pebay): exact in exact arithmetic, so the merged kappa is the CPU's two-pass one up to
+// rounding.
+__device__ Moments merge_moments(const Moments& a, const Moments& b) {
+  if (a.n == 0) return b;
+  if (b.n == 0) return a;
+  Moments r;
+  const double na = a.n, nb = b.n, n = na + nb, d = b.mean - a.mean, d2 = d * d;
+  r.n = n;
+  r.mean = a.mean + d * nb / n;
+  r.m2 = a.m2 + b.m2 + d2 * na * nb / n;
+  r.m3 = a.m3 + b.m3 + d2 * d * na * nb * (na - nb) / (n * n) + 3 * d * (na * b.m2 - nb * a.m2) / n;
+  r.m4 = a.m4 + b.m4 + d2 * d2 * na * nb * (na * na - na * nb + nb * nb) / (n * n * n) +
+         6 * d2 * (na * na * b.m2 + nb * nb * a.m2) / (n * n) + 4 * d * (na * b.m3 - nb * a.m3) / n;
+  return r;
+}
+
+// Eq. 8's statistics, per chunk of kChunk table entries of the non-sink positions
+// [n_sink, n): two passes over the chunk (its mean, then the central sums). grid: (chunks,
+// rows).
+__global__ void __launch_bounds__(kChunkThreads) lfps_moments_kernel(LfpsParams p) {
+  const int row = blockIdx.y, c = blockIdx.x, seq = row / p.n_q;
+  if (p.mode[row] != kModeTables) return;
+  const int n = p.kv.n_tokens[seq], n_sink = min(p.sinks, n);
+  const int lo = max(n_sink, c * kChunk), hi = min(n, (c + 1) * kChunk);
+  Moments* out = p.moments + (static_cast<size_t>(row) * p.chunks + c) * 2;
+  if (lo >= hi) {
+    if (threadIdx.x == 0) out[0] = out[1] = Moments{};
     return;
   }
   const double* tv = p.tv + static_cast<size_t>(row) * p.ring;
   const double* ts = p.ts + static_cast<size_t>(row) * p.ring;
   const int base = p.sbase[row];
-  // Eq. 8: mean and kappa = sum (x - mean)^4 / (sum (x - mean)^2)^2 over [n_sink, n).
-  const int cnt = n - n_sink;
   double sv = 0, ss = 0;
-  for (int i = n_sink + threadIdx.x; i < n; i += blockDim.x) sv += tv[i], ss += slash_at(ts, base, p.ring, i);
-  const double mean_v = block_sum<double>(sv) / cnt;
-  const double mean_s = block_sum<double>(ss) / cnt;
-  double m2v = 0, m4v = 0, m2s = 0, m4s = 0;
-  for (int i = n_sink + threadIdx.x; i < n; i += blockDim.x) {
-    const double dv = tv[i] - mean_v, ds = slash_at(ts, base, p.ring, i) - mean_s;
-    m2v += dv * dv, m4v += dv * dv * dv * dv;
-    m2s += ds * ds, m4s += ds * ds * ds * ds;
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) sv += tv[i], ss += slash_at(ts, base, p.ring, i);
+  const double cnt = hi - lo;
+  const double mv = block_sum<double>(sv) / cnt, ms = block_sum<double>(ss) / cnt;
+  double v2 = 0, v3 = 0, v4 = 0, s2 = 0, s3 = 0, s4 = 0;
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const double dv = tv[i] - mv, ds = slash_at(ts, base, p.ring, i) - ms;
+    v2 += dv * dv, v3 += dv * dv * dv, v4 += dv * dv * dv * dv;
+    s2 += ds * ds, s3 += ds * ds * ds, s4 += ds * ds * ds * ds;
   }
-  m2v = block_sum<double>(m2v);
-  m4v = block_sum<double>(m4v);
-  m2s = block_sum<double>(m2s);
-  m4s = block_sum<double>(m4s);
-  const double kappa_v = m2v > 0 ? m4v / (m2v * m2v) : 0.0, kappa_s = m2s > 0 ? m4s / (m2s * m2s) : 0.0;
-  // A flat table (kappa = 0) gives no candidates.
-  const double tau_v = kappa_v > 0 ? p.a * mean_v / kappa_v : INFINITY;
-  const double tau_s = kappa_s > 0 ? p.a * mean_s / kappa_s : INFINITY;
-  // C1 (Eq. 7, 9): x joins when x - delta is in C0 for some delta and x's own entry
-  // exceeds its table's mean; written in ascending order by a block scan per pass.
-  int count = 0;
-  for (int x0 = n_sink; x0 < n; x0 += blockDim.x) {
+  v2 = block_sum<double>(v2);
+  v3 = block_sum<double>(v3);
+  v4 = block_sum<double>(v4);
+  s2 = block_sum<double>(s2);
+  s3 = block_sum<double>(s3);
+  s4 = block_sum<double>(s4);
+  if (threadIdx.x == 0) {
+    out[0] = Moments{cnt, mv, v2, v3, v4};
+    out[1] = Moments{cnt, ms, s2, s3, s4};
+  }
+}
+
+// Step 2 of Algorithm 1: C1 (Eq. 7, 9) of a chunk as bits of the row's candidate bitmap: x
+// joins when x - delta is in C0 for some delta and x's own entry exceeds its table's mean
+// (the thresholds from every chunk's moments, merged in chunk order); every non-sink token
+// in mode kModeAll. grid: (chunks, rows).
+__global__ void __launch_bounds__(kChunkThreads) lfps_marks_kernel(LfpsParams p) {
+  __shared__ double s_t[4];  // mean_v, tau_v, mean_s, tau_s
+  const int row = blockIdx.y, c = blockIdx.x, seq = row / p.n_q;
+  const int mode = p.mode[row];
+  const int n = p.kv.n_tokens[seq], n_sink = min(p.sinks, n);
+  const int lo = c * kChunk, hi = min(n, lo + kChunk);
+  if (mode == kModeNone || lo >= hi) return;
+  const double* tv = p.tv + static_cast<size_t>(row) * p.ring;
+  const double* ts = p.ts + static_cast<size_t>(row) * p.ring;
+  const int base = p.sbase[row];
+  if (mode == kModeTables && threadIdx.x == 0) {
+    Moments v, s;
+    const Moments* m = p.moments + static_cast<size_t>(row) * p.chunks * 2;
+    for (int j = 0; j < (n + kChunk - 1) / kChunk; ++j) v = merge_moments(v, m[2 * j]), s = merge_moments(s, m[2 * j + 1]);
+    const double kappa_v = v.m2 > 0 ? v.m4 / (v.m2 * v.m2) : 0.0, kappa_s = s.m2 > 0 ? s.m4 / (s.m2 * s.m2) : 0.0;
+    // Eq. 8; a flat table (kappa = 0) gives no candidates.
+    s_t[0] = v.mean;
+    s_t[1] = kappa_v > 0 ? p.a * v.mean / kappa_v : INFINITY;
+    s_t[2] = s.mean;
+    s_t[3] = kappa_s > 0 ? p.a * s.mean / kappa_s : INFINITY;
+  }
+  __syncthreads();
+  uint32_t* w = p.cbits + static_cast<size_t>(row) * p.cwords;
+  for (int x0 = lo; x0 < hi; x0 += blockDim.x) {
     const int x = x0 + threadIdx.x;
-    int flag = 0;
-    if (x < n && (tv[x] > mean_v || slash_at(ts, base, p.ring, x) > mean_s)) {
+    bool f = false;
+    if (x >= n_sink && x < hi) {
+      if (mode == kModeAll) {
+        f = true;
+      } else if (tv[x] > s_t[0] || slash_at(ts, base, p.ring, x) > s_t[2]) {
 #pragma unroll
-      for (int off = kLfpsOffsetMin; off <= kLfpsOffsetMax; ++off) {
-        const int i = x - off;
-        if (i >= n_sink && i < n && (tv[i] > tau_v || slash_at(ts, base, p.ring, i) > tau_s)) flag = 1;
+        for (int off = kLfpsOffsetMin; off <= kLfpsOffsetMax; ++off) {
+          const int i = x - off;
+          if (i >= n_sink && i < n && (tv[i] > s_t[1] || slash_at(ts, base, p.ring, i) > s_t[3])) f = true;
+        }
       }
     }
-    int total;
-    const int pos = block_scan_exclusive<int>(flag, &total);
-    if (flag) cand[count + pos] = x;
-    count += total;
+    const uint32_t bits = __ballot_sync(0xffffffffu, f);
+    if ((threadIdx.x & 31) == 0 && x < hi) w[x >> 5] = bits;
   }
-  if (threadIdx.x == 0) p.ncand[row] = count;
 }
 
 // cscore[row][j] = q . k of candidate j. grid: (CTAs per row, rows).
@@ -236,10 +301,30 @@ __global__ void __launch_bounds__(kScoreThreads) lfps_score_kernel(LfpsParams p)
                      gridDim.x * kWarps);
 }
 
-// Step 4 of Algorithm 1 for one row: the sinks and C2 into the union; Eq. 10. grid: rows.
-__global__ void __launch_bounds__(kRowThreads) lfps_update_kernel(LfpsParams p) {
+// Step 4 of Algorithm 1, Eq. 10's decay of a chunk of both tables (rows with an update:
+// C2 not empty). The slash's positions [0, n) move to [1, n + 1) by lfps_update_kernel
+// moving the ring's start. grid: (chunks, rows).
+__global__ void __launch_bounds__(kChunkThreads) lfps_decay_kernel(LfpsParams p) {
+  const int row = blockIdx.y, c = blockIdx.x, seq = row / p.n_q;
+  if (p.krow[row] == 0 || p.ntop[row] == 0) return;
+  const int n = p.kv.n_tokens[seq];
+  const int hi = min(n, (c + 1) * kChunk);
+  double* tv = p.tv + static_cast<size_t>(row) * p.ring;
+  double* ts = p.ts + static_cast<size_t>(row) * p.ring;
+  const int base = p.sbase[row];
+  for (int i = c * kChunk + threadIdx.x; i < hi; i += blockDim.x) {
+    tv[i] *= p.r;
+    const int j = i + base;
+    ts[j >= p.ring ? j - p.ring : j] *= p.r;
+  }
+}
+
+// Step 4 of Algorithm 1 for one row, after the decay: the sinks and C2 into the kv head's
+// union; the ring's start moved back by one (the entry that becomes position 0 cleared);
+// C2's weights (the softmax over C2 in float64) minus 1 / (2 |C2|) added (Eq. 10). grid: rows.
+__global__ void __launch_bounds__(kChunkThreads) lfps_update_kernel(LfpsParams p) {
   const int row = blockIdx.x, seq = row / p.n_q, h = (row % p.n_q) / p.group;
-  if (p.bypass[row] || p.krow[row] == 0) return;  // Algorithm 1 lines 4-5: no update
+  if (p.krow[row] == 0) return;  // bypassed: Algorithm 1 lines 4-5, no update
   const int n = p.kv.n_tokens[seq];
   const int n_sink = min(p.sinks, n);
   const int c2 = p.ntop[row];
@@ -253,7 +338,6 @@ __global__ void __launch_bounds__(kRowThreads) lfps_update_kernel(LfpsParams p) 
   const int32_t* top = p.top + static_cast<size_t>(row) * p.k_max;
   const float* cs = p.cscore + static_cast<size_t>(row) * p.stride;
   const double scale = p.scale;
-  // Eq. 10's weights: the softmax over C2 in float64.
   double mx = -INFINITY;
   for (int u = threadIdx.x; u < c2; u += blockDim.x) mx = fmax(mx, scale * cs[top[u]]);
   mx = block_max_f64(mx);
@@ -264,20 +348,12 @@ __global__ void __launch_bounds__(kRowThreads) lfps_update_kernel(LfpsParams p) 
   double* tv = p.tv + static_cast<size_t>(row) * p.ring;
   double* ts = p.ts + static_cast<size_t>(row) * p.ring;
   const int base = p.sbase[row];
-  // Decay; the slash's positions [0, n) become [1, n + 1) (its start moves back by one,
-  // and the entry that becomes position 0 is cleared).
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    tv[i] *= p.r;
-    const int j = i + base;
-    ts[j >= p.ring ? j - p.ring : j] *= p.r;
-  }
   const int nb = base == 0 ? p.ring - 1 : base - 1;
-  __syncthreads();
+  __syncthreads();  // every thread has read the old start
   if (threadIdx.x == 0) {
-    ts[nb] = 0.0;
+    ts[nb] = 0.0;  // position ring - 1 before the move: never a cached position (n < ring)
     p.sbase[row] = nb;
   }
-  __syncthreads();
   for (int u = threadIdx.x; u < c2; u += blockDim.x) {
     const int x = cand[top[u]];
     const double d = exp(scale * cs[top[u]] - mx) / sum - c;
@@ -447,6 +523,13 @@ class LfpsGpu final : public SparseDecoder {
     bypass_.fill_bytes(0);
     kmean_ = DeviceBuffer(static_cast<size_t>(b.n_lists) * kv.head_dim * sizeof(float));
     vmean_ = DeviceBuffer(static_cast<size_t>(b.n_lists) * kv.head_dim * sizeof(float));
+    mode_ = DeviceBuffer(rows * sizeof(int));
+    p_.chunks = ceil_div(p_.stride, kChunk);
+    moments_ = DeviceBuffer(static_cast<size_t>(rows) * p_.chunks * 2 * sizeof(Moments));
+    p_.cwords = (p_.stride + 31) / 32;
+    cbits_ = DeviceBuffer(static_cast<size_t>(rows) * p_.cwords * sizeof(uint32_t));
+    cbits_.fill_bytes(0);
+    ccounts_ = DeviceBuffer(static_cast<size_t>(rows) * bitmap_tiles(p_.cwords) * sizeof(int));
     cand_ = DeviceBuffer(static_cast<size_t>(rows) * p_.stride * sizeof(int32_t));
     ncand_ = DeviceBuffer(rows * sizeof(int32_t));
     cscore_ = DeviceBuffer(static_cast<size_t>(rows) * p_.stride * sizeof(float));
@@ -461,6 +544,9 @@ class LfpsGpu final : public SparseDecoder {
     p_.bypass = bypass_.as<int>();
     p_.kmean = kmean_.as<float>();
     p_.vmean = vmean_.as<float>();
+    p_.mode = mode_.as<int>();
+    p_.moments = moments_.as<Moments>();
+    p_.cbits = cbits_.as<uint32_t>();
     p_.cand = cand_.as<int32_t>();
     p_.ncand = ncand_.as<int32_t>();
     p_.cscore = cscore_.as<float>();
@@ -538,17 +624,25 @@ class LfpsGpu final : public SparseDecoder {
     const cudaStream_t st = as_stream(stream);
     p_.q = q;
     const int rows = b.kv.n_seqs * b.n_q;
+    const dim3 chunked(p_.chunks, rows);
     with_head_dim_type(b.kv.head_dim, b.kv.dtype, [&](auto dd, auto t) {
-      constexpr int D = decltype(dd)::value;
-      using T = decltype(t);
-      lfps_candidates_kernel<D, T><<<rows, kRowThreads, 0, st>>>(p_);
-      CUMULUS_CUDA_LAUNCH("lfps_candidates_kernel");
-      const int per_row = std::max(1, std::min(ceil_div(p_.stride, 256), 4 * sm_count() / std::max(1, rows)));
-      lfps_score_kernel<D, T><<<dim3(per_row, rows), kScoreThreads, 0, st>>>(p_);
-      CUMULUS_CUDA_LAUNCH("lfps_score_kernel");
+      lfps_rho_kernel<decltype(dd)::value, decltype(t)><<<rows, kRowThreads, 0, st>>>(p_);
     });
+    CUMULUS_CUDA_LAUNCH("lfps_rho_kernel");
+    lfps_moments_kernel<<<chunked, kChunkThreads, 0, st>>>(p_);
+    CUMULUS_CUDA_LAUNCH("lfps_moments_kernel");
+    lfps_marks_kernel<<<chunked, kChunkThreads, 0, st>>>(p_);
+    CUMULUS_CUDA_LAUNCH("lfps_marks_kernel");
+    bitmap_compact(p_.cbits, rows, p_.cwords, p_.cand, p_.stride, p_.ncand, ccounts_.as<int>(), st);
+    with_head_dim_type(b.kv.head_dim, b.kv.dtype, [&](auto dd, auto t) {
+      const int per_row = std::max(1, std::min(ceil_div(p_.stride, 256), 4 * sm_count() / std::max(1, rows)));
+      lfps_score_kernel<decltype(dd)::value, decltype(t)><<<dim3(per_row, rows), kScoreThreads, 0, st>>>(p_);
+    });
+    CUMULUS_CUDA_LAUNCH("lfps_score_kernel");
     select_topk_rows_k(p_.cscore, p_.ncand, rows, p_.stride, p_.krow, p_.k_max, p_.top, p_.ntop, st);
-    lfps_update_kernel<<<rows, kRowThreads, 0, st>>>(p_);
+    lfps_decay_kernel<<<chunked, kChunkThreads, 0, st>>>(p_);
+    CUMULUS_CUDA_LAUNCH("lfps_decay_kernel");
+    lfps_update_kernel<<<rows, kChunkThreads, 0, st>>>(p_);
     CUMULUS_CUDA_LAUNCH("lfps_update_kernel");
     b.compact(st);
   }
@@ -587,7 +681,8 @@ class LfpsGpu final : public SparseDecoder {
   LfpsOptions o_;
   LfpsParams p_;
   bool prefilled_ = false;
-  DeviceBuffer tv_, ts_, sbase_, sigma2_, rho_, bypass_, kmean_, vmean_, cand_, ncand_, cscore_, krow_, top_, ntop_;
+  DeviceBuffer tv_, ts_, sbase_, sigma2_, rho_, bypass_, kmean_, vmean_, mode_, moments_, cbits_, ccounts_, cand_, ncand_,
+      cscore_, krow_, top_, ntop_;
 };
 
 }  // namespace
