@@ -7,7 +7,7 @@
 //   rho (one CTA per row): the sink ratio (Eq. 5-6) from token 0, the last six tokens and
 //     the prompt's mean key; a bypassed row (rho > epsilon) stops there;
 //   moments and marks (one CTA per chunk of 2048 positions of a row): each chunk's moments of
-//     both tables, merged into the mean and kappa of Eq. 8, the thresholds, and C1 (Eq. 7,
+//     both tables, merged by the row's last CTA into the mean and kappa of Eq. 8, the thresholds, and C1 (Eq. 7,
 //     9) as a bitmap, compacted into ascending positions;
 //   scores: q . k of every candidate; top-k of the candidates (k from the row's own cache
 //     length, read on the device);
@@ -30,6 +30,7 @@ namespace {
 constexpr int kRowThreads = 256;    // the sink ratio kernel (8 warps: 7 keys and the mean key)
 constexpr int kChunkThreads = 256;  // the table passes, one CTA per chunk of a row
 constexpr int kChunk = 2048;        // table entries per CTA of the table passes (a multiple of 32)
+constexpr int kUpdateThreads = 1024; // the update, one CTA per row over C2's entries
 constexpr int kScoreThreads = 256;  // the scoring kernels
 constexpr int kMeansChunk = 1024;   // tokens per CTA of the prompt means' partial sums
 
@@ -60,6 +61,8 @@ struct LfpsParams {
   int* mode = nullptr;         // [rows] kModeNone, kModeAll or kModeTables (this step)
   int chunks = 0;              // chunks of kChunk entries covering max_tokens
   Moments* moments = nullptr;  // [rows][chunks][2] each chunk's moments of vertical, slash
+  int* tickets = nullptr;      // [rows] CTAs of lfps_moments_kernel done (0 between steps)
+  double* thresholds = nullptr;  // [rows][4] Eq. 8: mean and tau of vertical, of slash
   uint32_t* cbits = nullptr;   // [rows][cwords] C1 as a bitmap
   int cwords = 0;
   int32_t* cand = nullptr;     // [rows][stride] C1, ascending positions (compacted cbits)
@@ -87,24 +90,30 @@ __device__ __forceinline__ size_t row_offset(const DeviceKvView& kv, int seq, in
 template <int D, class T, class Idx>
 __device__ void score_tokens(const DeviceKvView& kv, int seq, int h, const float* __restrict__ q, int count, Idx idx,
                              float* __restrict__ out, int first_warp, int warp_step) {
-  constexpr int RL = D / 8, TPL = 32 / RL;
+  constexpr int RL = D / 8, TPL = 32 / RL, U = 4;  // U token groups in flight per warp
   const int lane = threadIdx.x & 31, rl = lane % RL, sub = lane / RL;
   float qv[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) qv[e] = q[rl * 8 + e];
   const T* kb = static_cast<const T*>(kv.k);
-  for (int j0 = first_warp * TPL; j0 < count; j0 += warp_step * TPL) {
-    const int j = j0 + sub;
-    float acc = 0.0f;
-    if (j < count) {
-      float kf[8];
-      widen8(load16(kb + row_offset(kv, seq, h, idx(j)) + rl * 8), kf, T());
+  for (int j0 = first_warp * TPL * U; j0 < count; j0 += warp_step * TPL * U) {
+    uint4 kr[U];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc = fmaf(qv[e], kf[e], acc);
+    for (int u = 0; u < U; ++u) {
+      const int j = j0 + u * TPL + sub;
+      kr[u] = j < count ? load16(kb + row_offset(kv, seq, h, idx(j)) + rl * 8) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int off = RL / 2; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (j < count && rl == 0) out[j] = acc;
+    for (int u = 0; u < U; ++u) {
+      const int j = j0 + u * TPL + sub;
+      float kf[8], acc = 0.0f;
+      widen8(kr[u], kf, T());
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc = fmaf(qv[e], kf[e], acc);
+#pragma unroll
+      for (int off = RL / 2; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      if (j < count && rl == 0) out[j] = acc;
+    }
   }
 }
 
@@ -204,6 +213,21 @@ __device__ Moments merge_moments(const Moments& a, const Moments& b) {
   return r;
 }
 
+__device__ __forceinline__ Moments load_moments_cg(const Moments* m) {  // past L1: other CTAs wrote it
+  const double* d = reinterpret_cast<const double*>(m);
+  return Moments{__ldcg(d), __ldcg(d + 1), __ldcg(d + 2), __ldcg(d + 3), __ldcg(d + 4)};
+}
+
+__device__ __forceinline__ Moments shfl_down_moments(const Moments& x, int off) {
+  Moments r;
+  r.n = __shfl_down_sync(0xffffffffu, x.n, off);
+  r.mean = __shfl_down_sync(0xffffffffu, x.mean, off);
+  r.m2 = __shfl_down_sync(0xffffffffu, x.m2, off);
+  r.m3 = __shfl_down_sync(0xffffffffu, x.m3, off);
+  r.m4 = __shfl_down_sync(0xffffffffu, x.m4, off);
+  return r;
+}
+
 // Eq. 8's statistics, per chunk of kChunk table entries of the non-sink positions
 // [n_sink, n): two passes over the chunk (its mean, then the central sums). grid: (chunks,
 // rows).
@@ -213,39 +237,72 @@ __global__ void __launch_bounds__(kChunkThreads) lfps_moments_kernel(LfpsParams 
   const int n = p.kv.n_tokens[seq], n_sink = min(p.sinks, n);
   const int lo = max(n_sink, c * kChunk), hi = min(n, (c + 1) * kChunk);
   Moments* out = p.moments + (static_cast<size_t>(row) * p.chunks + c) * 2;
-  if (lo >= hi) {
-    if (threadIdx.x == 0) out[0] = out[1] = Moments{};
-    return;
+  if (lo < hi) {
+    const double* __restrict__ tv = p.tv + static_cast<size_t>(row) * p.ring;
+    const double* __restrict__ ts = p.ts + static_cast<size_t>(row) * p.ring;
+    const int base = p.sbase[row];
+    double sv = 0, ss = 0;
+#pragma unroll 4
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) sv += tv[i], ss += slash_at(ts, base, p.ring, i);
+    const double cnt = hi - lo;
+    const double mv = block_sum<double>(sv) / cnt, ms = block_sum<double>(ss) / cnt;
+    double v2 = 0, v3 = 0, v4 = 0, s2 = 0, s3 = 0, s4 = 0;
+#pragma unroll 4
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+      const double dv = tv[i] - mv, ds = slash_at(ts, base, p.ring, i) - ms;
+      v2 += dv * dv, v3 += dv * dv * dv, v4 += dv * dv * dv * dv;
+      s2 += ds * ds, s3 += ds * ds * ds, s4 += ds * ds * ds * ds;
+    }
+    v2 = block_sum<double>(v2);
+    v3 = block_sum<double>(v3);
+    v4 = block_sum<double>(v4);
+    s2 = block_sum<double>(s2);
+    s3 = block_sum<double>(s3);
+    s4 = block_sum<double>(s4);
+    if (threadIdx.x == 0) {
+      out[0] = Moments{cnt, mv, v2, v3, v4};
+      out[1] = Moments{cnt, ms, s2, s3, s4};
+    }
+  } else if (threadIdx.x == 0) {
+    out[0] = out[1] = Moments{};
   }
-  const double* tv = p.tv + static_cast<size_t>(row) * p.ring;
-  const double* ts = p.ts + static_cast<size_t>(row) * p.ring;
-  const int base = p.sbase[row];
-  double sv = 0, ss = 0;
-  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) sv += tv[i], ss += slash_at(ts, base, p.ring, i);
-  const double cnt = hi - lo;
-  const double mv = block_sum<double>(sv) / cnt, ms = block_sum<double>(ss) / cnt;
-  double v2 = 0, v3 = 0, v4 = 0, s2 = 0, s3 = 0, s4 = 0;
-  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-    const double dv = tv[i] - mv, ds = slash_at(ts, base, p.ring, i) - ms;
-    v2 += dv * dv, v3 += dv * dv * dv, v4 += dv * dv * dv * dv;
-    s2 += ds * ds, s3 += ds * ds * ds, s4 += ds * ds * ds * ds;
+  // The row's last CTA to finish (a ticket) merges every chunk's moments (warp 0: lane l
+  // those with index = l mod 32 in order, then a tree over the lanes) into Eq. 8's means
+  // and thresholds, for lfps_marks_kernel.
+  __shared__ int s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(p.tickets + row, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!s_last || threadIdx.x >= 32) return;
+  __threadfence();
+  Moments v, s;
+  const Moments* m = p.moments + static_cast<size_t>(row) * p.chunks * 2;
+  for (int j = threadIdx.x; j < static_cast<int>(gridDim.x); j += 32) {
+    const Moments a = load_moments_cg(m + 2 * j), b = load_moments_cg(m + 2 * j + 1);
+    v = merge_moments(v, a), s = merge_moments(s, b);
   }
-  v2 = block_sum<double>(v2);
-  v3 = block_sum<double>(v3);
-  v4 = block_sum<double>(v4);
-  s2 = block_sum<double>(s2);
-  s3 = block_sum<double>(s3);
-  s4 = block_sum<double>(s4);
+  for (int off = 16; off >= 1; off >>= 1) {
+    const Moments v2 = shfl_down_moments(v, off), s2 = shfl_down_moments(s, off);
+    if (static_cast<int>(threadIdx.x) < off) v = merge_moments(v, v2), s = merge_moments(s, s2);
+  }
   if (threadIdx.x == 0) {
-    out[0] = Moments{cnt, mv, v2, v3, v4};
-    out[1] = Moments{cnt, ms, s2, s3, s4};
+    const double kappa_v = v.m2 > 0 ? v.m4 / (v.m2 * v.m2) : 0.0;
+    const double kappa_s = s.m2 > 0 ? s.m4 / (s.m2 * s.m2) : 0.0;
+    // Eq. 8; a flat table (kappa = 0) gives no candidates.
+    double* t = p.thresholds + static_cast<size_t>(row) * 4;
+    t[0] = v.mean;
+    t[1] = kappa_v > 0 ? p.a * v.mean / kappa_v : INFINITY;
+    t[2] = s.mean;
+    t[3] = kappa_s > 0 ? p.a * s.mean / kappa_s : INFINITY;
+    p.tickets[row] = 0;
   }
 }
 
 // Step 2 of Algorithm 1: C1 (Eq. 7, 9) of a chunk as bits of the row's candidate bitmap: x
 // joins when x - delta is in C0 for some delta and x's own entry exceeds its table's mean
-// (the thresholds from every chunk's moments, merged in chunk order); every non-sink token
-// in mode kModeAll. grid: (chunks, rows).
+// (lfps_moments_kernel's thresholds); every non-sink token in mode kModeAll. grid: (chunks,
+// rows).
 __global__ void __launch_bounds__(kChunkThreads) lfps_marks_kernel(LfpsParams p) {
   __shared__ double s_t[4];  // mean_v, tau_v, mean_s, tau_s
   const int row = blockIdx.y, c = blockIdx.x, seq = row / p.n_q;
@@ -256,33 +313,30 @@ __global__ void __launch_bounds__(kChunkThreads) lfps_marks_kernel(LfpsParams p)
   const double* tv = p.tv + static_cast<size_t>(row) * p.ring;
   const double* ts = p.ts + static_cast<size_t>(row) * p.ring;
   const int base = p.sbase[row];
-  if (mode == kModeTables && threadIdx.x == 0) {
-    Moments v, s;
-    const Moments* m = p.moments + static_cast<size_t>(row) * p.chunks * 2;
-    for (int j = 0; j < (n + kChunk - 1) / kChunk; ++j) v = merge_moments(v, m[2 * j]), s = merge_moments(s, m[2 * j + 1]);
-    const double kappa_v = v.m2 > 0 ? v.m4 / (v.m2 * v.m2) : 0.0, kappa_s = s.m2 > 0 ? s.m4 / (s.m2 * s.m2) : 0.0;
-    // Eq. 8; a flat table (kappa = 0) gives no candidates.
-    s_t[0] = v.mean;
-    s_t[1] = kappa_v > 0 ? p.a * v.mean / kappa_v : INFINITY;
-    s_t[2] = s.mean;
-    s_t[3] = kappa_s > 0 ? p.a * s.mean / kappa_s : INFINITY;
-  }
+  if (mode == kModeTables && threadIdx.x < 4) s_t[threadIdx.x] = p.thresholds[static_cast<size_t>(row) * 4 + threadIdx.x];
   __syncthreads();
+  // The chunk's positions and two on the left and one on the right (Eq. 9's offsets reach
+  // x + 1 .. x - 2): C0 (Eq. 7) and "above its table's mean" of each, every load issued
+  // before any test, into shared memory.
+  __shared__ uint8_t s_c0[kChunk + 3], s_above[kChunk + 3];
+  if (mode == kModeTables) {
+    const int span = hi - lo + 3;
+#pragma unroll 4
+    for (int j = threadIdx.x; j < span; j += blockDim.x) {
+      const int i = lo - 2 + j;
+      const bool in = i >= n_sink && i < n;
+      const double a = in ? tv[i] : 0.0, b = in ? slash_at(ts, base, p.ring, i) : 0.0;
+      s_c0[j] = in && (a > s_t[1] || b > s_t[3]);
+      s_above[j] = in && (a > s_t[0] || b > s_t[2]);
+    }
+    __syncthreads();
+  }
   uint32_t* w = p.cbits + static_cast<size_t>(row) * p.cwords;
   for (int x0 = lo; x0 < hi; x0 += blockDim.x) {
-    const int x = x0 + threadIdx.x;
-    bool f = false;
-    if (x >= n_sink && x < hi) {
-      if (mode == kModeAll) {
-        f = true;
-      } else if (tv[x] > s_t[0] || slash_at(ts, base, p.ring, x) > s_t[2]) {
-#pragma unroll
-        for (int off = kLfpsOffsetMin; off <= kLfpsOffsetMax; ++off) {
-          const int i = x - off;
-          if (i >= n_sink && i < n && (tv[i] > s_t[1] || slash_at(ts, base, p.ring, i) > s_t[3])) f = true;
-        }
-      }
-    }
+    const int x = x0 + threadIdx.x, j = x - lo;  // s_*[j + 2] is x
+    bool f = x >= n_sink && x < hi;
+    if (f && mode == kModeTables)
+      f = s_above[j + 2] && (s_c0[j + 3] | s_c0[j + 2] | s_c0[j + 1] | s_c0[j]);  // x - delta, delta = -1 .. 2
     const uint32_t bits = __ballot_sync(0xffffffffu, f);
     if ((threadIdx.x & 31) == 0 && x < hi) w[x >> 5] = bits;
   }
@@ -309,9 +363,10 @@ __global__ void __launch_bounds__(kChunkThreads) lfps_decay_kernel(LfpsParams p)
   if (p.krow[row] == 0 || p.ntop[row] == 0) return;
   const int n = p.kv.n_tokens[seq];
   const int hi = min(n, (c + 1) * kChunk);
-  double* tv = p.tv + static_cast<size_t>(row) * p.ring;
-  double* ts = p.ts + static_cast<size_t>(row) * p.ring;
+  double* __restrict__ tv = p.tv + static_cast<size_t>(row) * p.ring;
+  double* __restrict__ ts = p.ts + static_cast<size_t>(row) * p.ring;
   const int base = p.sbase[row];
+#pragma unroll 4
   for (int i = c * kChunk + threadIdx.x; i < hi; i += blockDim.x) {
     tv[i] *= p.r;
     const int j = i + base;
@@ -322,7 +377,7 @@ __global__ void __launch_bounds__(kChunkThreads) lfps_decay_kernel(LfpsParams p)
 // Step 4 of Algorithm 1 for one row, after the decay: the sinks and C2 into the kv head's
 // union; the ring's start moved back by one (the entry that becomes position 0 cleared);
 // C2's weights (the softmax over C2 in float64) minus 1 / (2 |C2|) added (Eq. 10). grid: rows.
-__global__ void __launch_bounds__(kChunkThreads) lfps_update_kernel(LfpsParams p) {
+__global__ void __launch_bounds__(kUpdateThreads) lfps_update_kernel(LfpsParams p) {
   const int row = blockIdx.x, seq = row / p.n_q, h = (row % p.n_q) / p.group;
   if (p.krow[row] == 0) return;  // bypassed: Algorithm 1 lines 4-5, no update
   const int n = p.kv.n_tokens[seq];
@@ -526,6 +581,9 @@ class LfpsGpu final : public SparseDecoder {
     mode_ = DeviceBuffer(rows * sizeof(int));
     p_.chunks = ceil_div(p_.stride, kChunk);
     moments_ = DeviceBuffer(static_cast<size_t>(rows) * p_.chunks * 2 * sizeof(Moments));
+    tickets_ = DeviceBuffer(rows * sizeof(int));
+    tickets_.fill_bytes(0);
+    thresholds_ = DeviceBuffer(static_cast<size_t>(rows) * 4 * sizeof(double));
     p_.cwords = (p_.stride + 31) / 32;
     cbits_ = DeviceBuffer(static_cast<size_t>(rows) * p_.cwords * sizeof(uint32_t));
     cbits_.fill_bytes(0);
@@ -546,6 +604,8 @@ class LfpsGpu final : public SparseDecoder {
     p_.vmean = vmean_.as<float>();
     p_.mode = mode_.as<int>();
     p_.moments = moments_.as<Moments>();
+    p_.tickets = tickets_.as<int>();
+    p_.thresholds = thresholds_.as<double>();
     p_.cbits = cbits_.as<uint32_t>();
     p_.cand = cand_.as<int32_t>();
     p_.ncand = ncand_.as<int32_t>();
@@ -635,14 +695,16 @@ class LfpsGpu final : public SparseDecoder {
     CUMULUS_CUDA_LAUNCH("lfps_marks_kernel");
     bitmap_compact(p_.cbits, rows, p_.cwords, p_.cand, p_.stride, p_.ncand, ccounts_.as<int>(), st);
     with_head_dim_type(b.kv.head_dim, b.kv.dtype, [&](auto dd, auto t) {
-      const int per_row = std::max(1, std::min(ceil_div(p_.stride, 256), 4 * sm_count() / std::max(1, rows)));
+      // About 8 CTAs per multiprocessor over the batch's rows, each warp with 4 token groups
+      // in flight.
+      const int per_row = std::max(1, std::min(ceil_div(p_.stride, 256), 8 * sm_count() / std::max(1, rows)));
       lfps_score_kernel<decltype(dd)::value, decltype(t)><<<dim3(per_row, rows), kScoreThreads, 0, st>>>(p_);
     });
     CUMULUS_CUDA_LAUNCH("lfps_score_kernel");
     select_topk_rows_k(p_.cscore, p_.ncand, rows, p_.stride, p_.krow, p_.k_max, p_.top, p_.ntop, st);
     lfps_decay_kernel<<<chunked, kChunkThreads, 0, st>>>(p_);
     CUMULUS_CUDA_LAUNCH("lfps_decay_kernel");
-    lfps_update_kernel<<<rows, kChunkThreads, 0, st>>>(p_);
+    lfps_update_kernel<<<rows, kUpdateThreads, 0, st>>>(p_);
     CUMULUS_CUDA_LAUNCH("lfps_update_kernel");
     b.compact(st);
   }
@@ -681,8 +743,8 @@ class LfpsGpu final : public SparseDecoder {
   LfpsOptions o_;
   LfpsParams p_;
   bool prefilled_ = false;
-  DeviceBuffer tv_, ts_, sbase_, sigma2_, rho_, bypass_, kmean_, vmean_, mode_, moments_, cbits_, ccounts_, cand_, ncand_,
-      cscore_, krow_, top_, ntop_;
+  DeviceBuffer tv_, ts_, sbase_, sigma2_, rho_, bypass_, kmean_, vmean_, mode_, moments_, tickets_, thresholds_;
+  DeviceBuffer cbits_, ccounts_, cand_, ncand_, cscore_, krow_, top_, ntop_;
 };
 
 }  // namespace
