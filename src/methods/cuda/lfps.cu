@@ -203,13 +203,13 @@ __device__ Moments merge_moments(const Moments& a, const Moments& b) {
   if (a.n == 0) return b;
   if (b.n == 0) return a;
   Moments r;
-  const double na = a.n, nb = b.n, n = na + nb, d = b.mean - a.mean, d2 = d * d;
+  const double na = a.n, nb = b.n, n = na + nb, in = 1.0 / n, d = b.mean - a.mean, d2 = d * d;
   r.n = n;
-  r.mean = a.mean + d * nb / n;
-  r.m2 = a.m2 + b.m2 + d2 * na * nb / n;
-  r.m3 = a.m3 + b.m3 + d2 * d * na * nb * (na - nb) / (n * n) + 3 * d * (na * b.m2 - nb * a.m2) / n;
-  r.m4 = a.m4 + b.m4 + d2 * d2 * na * nb * (na * na - na * nb + nb * nb) / (n * n * n) +
-         6 * d2 * (na * na * b.m2 + nb * nb * a.m2) / (n * n) + 4 * d * (na * b.m3 - nb * a.m3) / n;
+  r.mean = a.mean + d * nb * in;
+  r.m2 = a.m2 + b.m2 + d2 * na * nb * in;
+  r.m3 = a.m3 + b.m3 + d2 * d * na * nb * (na - nb) * in * in + 3 * d * (na * b.m2 - nb * a.m2) * in;
+  r.m4 = a.m4 + b.m4 + d2 * d2 * na * nb * (na * na - na * nb + nb * nb) * in * in * in +
+         6 * d2 * (na * na * b.m2 + nb * nb * a.m2) * in * in + 4 * d * (na * b.m3 - nb * a.m3) * in;
   return r;
 }
 
@@ -242,12 +242,10 @@ __global__ void __launch_bounds__(kChunkThreads) lfps_moments_kernel(LfpsParams 
     const double* __restrict__ ts = p.ts + static_cast<size_t>(row) * p.ring;
     const int base = p.sbase[row];
     double sv = 0, ss = 0;
-#pragma unroll 4
     for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) sv += tv[i], ss += slash_at(ts, base, p.ring, i);
     const double cnt = hi - lo;
     const double mv = block_sum<double>(sv) / cnt, ms = block_sum<double>(ss) / cnt;
     double v2 = 0, v3 = 0, v4 = 0, s2 = 0, s3 = 0, s4 = 0;
-#pragma unroll 4
     for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
       const double dv = tv[i] - mv, ds = slash_at(ts, base, p.ring, i) - ms;
       v2 += dv * dv, v3 += dv * dv * dv, v4 += dv * dv * dv * dv;
