@@ -229,7 +229,8 @@ __global__ void token_mark_kernel(const float* __restrict__ weights, const int32
   if (threadIdx.x == 0) {
     double t = 0, sl = 0;
     for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i) t += s_part[0][i], sl += s_part[1][i];
-    claimed[row] = !claim_mass ? __int_as_float(0x7fc00000) : t > 0 ? static_cast<float>(sl / t) : 1.0f;
+    // An empty row claims 0, as the host backends (the chosen tokens' share of nothing).
+    claimed[row] = !claim_mass ? __int_as_float(0x7fc00000) : t > 0 ? static_cast<float>(sl / t) : 0.0f;
     budget[row] = c;
   }
 }

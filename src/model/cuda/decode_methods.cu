@@ -122,7 +122,7 @@ std::unique_ptr<SparseDecoder> make_cuda_decoder(const Registry& registry, const
   if (registry.find(method).make_policy != nullptr) {
     std::shared_ptr<const SelectPolicy> policy = registry.make_policy(method, shape, params);
     if (policy->dense_layer(layer)) return nullptr;
-    return make_policy_decoder(registry, method, params, kv, shape, layer);
+    return make_ops_gpu(kv, group, method, policy_step(std::move(policy), layer));
   }
   CUMULUS_FAIL("--device cuda: decode method '{}' is not yet on cuda (on cuda: {})", method,
                cuda_decode_method_names(registry));
