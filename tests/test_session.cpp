@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <span>
 #include <sstream>
 
 #include "cumulus/core/error.h"
@@ -90,6 +91,30 @@ TEST_F(Stories260K, PrefillChunksAgreeWithTokenByToken) {
     }
     EXPECT_LT(std::sqrt(num / den), 1e-4) << "chunk index " << i;
   }
+}
+
+TEST_F(Stories260K, LfpsKeepsThePromptQueriesOfEveryPiece) {
+  // A prompt fed in two pieces, the second shorter than lfps's s, on the chunk grid (so the
+  // forward passes are the same ones): lfps learns from the same last s queries and decodes
+  // as after one prefill, bit for bit.
+  const std::vector<int32_t> ids = tok_->encode(sample_.substr(0, 300), true);
+  const size_t split = (ids.size() - 3) / 4 * 4;
+  SessionOptions o;
+  o.method = "lfps";
+  o.params = {{"s", "8"}};
+  o.prefill_chunk = 4;
+  auto greedy_after = [&](Session& s, std::vector<float> logits) {
+    Sampler greedy({});
+    std::vector<std::vector<float>> out;
+    for (int i = 0; i < 12; ++i) out.push_back(logits = s.decode(greedy.sample(logits)));
+    return out;
+  };
+  Session whole(*weights_, o), pieces(*weights_, o);
+  const auto want = greedy_after(whole, whole.prefill(ids));
+  pieces.prefill(std::span<const int32_t>(ids).first(split));
+  const std::vector<float> last = pieces.prefill(std::span<const int32_t>(ids).subspan(split));
+  ASSERT_LT(ids.size() - split, 8u);
+  EXPECT_EQ(greedy_after(pieces, last), want);
 }
 
 TEST_F(Stories260K, EveryMethodAtFullBudgetMatchesDense) {

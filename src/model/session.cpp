@@ -129,10 +129,21 @@ const std::vector<float>& Session::prefill(std::span<const int32_t> tokens) {
   CUMULUS_CHECK(!prefilled_, "prefill after decode started or the indexes were built (position {}): one prompt per session", pos_);
   CUMULUS_CHECK(pos_ + static_cast<int64_t>(tokens.size()) <= capacity_,
                 "prompt of {} tokens at position {} exceeds the context of {} tokens", tokens.size(), pos_, capacity_);
+  // The prompt's last queries per layer: positions [prompt_end_ - prompt_q_rows_, prompt_end_).
+  // A prompt fed in pieces keeps the rows an earlier piece left that are still among them.
+  const size_t qd = static_cast<size_t>(w_.config.n_heads) * w_.config.head_dim;
+  const int old_first = prompt_end_ - prompt_q_rows_, old_end = prompt_end_;
   prompt_end_ = pos_ + static_cast<int>(tokens.size());
   prompt_q_rows_ = std::min(std::max(method_->prompt_queries(), opt_.keep_prompt_queries), prompt_end_);
-  prompt_q_.assign(w_.config.n_layers,
-                   std::vector<float>(static_cast<size_t>(prompt_q_rows_) * w_.config.n_heads * w_.config.head_dim));
+  const int first = prompt_end_ - prompt_q_rows_;
+  for (auto& rows : prompt_q_) {
+    std::vector<float> kept(static_cast<size_t>(prompt_q_rows_) * qd);
+    for (int t = std::max(first, old_first); t < old_end; ++t)
+      std::copy_n(rows.data() + static_cast<size_t>(t - old_first) * qd, qd,
+                  kept.data() + static_cast<size_t>(t - first) * qd);
+    rows.swap(kept);
+  }
+  prompt_q_.resize(w_.config.n_layers, std::vector<float>(static_cast<size_t>(prompt_q_rows_) * qd));
   // The prefill method picks the chunk (FlexPrefill probes the last block of the whole prompt).
   const int chunk = prefill_->chunk_tokens(opt_.prefill_chunk, static_cast<int>(tokens.size()));
   CUMULUS_CHECK(chunk >= 1, "prefill method {} asked for chunks of {} tokens", prefill_->name(), chunk);

@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <numeric>
+#include <random>
 
 #include "cuda_test_util.h"
 #include "cumulus/core/error.h"
@@ -514,31 +515,27 @@ TEST(CudaMethods, SelectOpsMatchTheCpuOpsAndRefuseMisuse) {
                "needs kv.kmin and kv.kmax");
 }
 
-// lfps against the CPU method over 8 decode steps (the first 32 workload queries stand for
-// the prompt's last queries, as in `cumulus bench`): after prefill the tables and
-// sigma-hat^2 equal the CPU's; at every step the bypass flags agree, the lists agree (mean
-// Jaccard per kv head), a head outputs the CPU's output where its kv head's lists are
-// equal (the prompt's mean value when bypassed), and the tables follow the CPU's. With the
-// default epsilon few heads of this workload bypass (4 of 512 head-steps); epsilon at the
-// median sink ratio of the first step makes many of them bypass (260 of 512; Gemma 3's
-// shape, 4 query heads: 57 of 64).
+// lfps against the CPU method over 8 decode steps, each appending one random key and value
+// to both caches first, as a model does (the first 32 workload queries stand for the
+// prompt's last queries, as in `cumulus bench`): after prefill the tables and sigma-hat^2
+// equal the CPU's; at every step the bypass flags agree, the lists agree (mean Jaccard per
+// kv head), a head outputs the CPU's output where its kv head's lists are equal (the
+// prompt's mean value when bypassed), and the tables, over every cached position, follow
+// the CPU's. With the default epsilon few heads of this workload bypass; epsilon at the
+// median sink ratio of the first step makes many of them bypass.
 TEST(CudaMethods, LfpsMatchesCpuMethod) {
   CUMULUS_REQUIRE_GPU();
   ThreadPool pool(2);
-  constexpr int kPrompt = 32, kSteps = 8;
+  constexpr int kPrompt = 32, kSteps = 8, kTokens = 4096;
   for (const char* shape : {"llama3-8b", "gemma3-270m"}) {
     SCOPED_TRACE(shape);
-    const Workload wl = make_workload(4096, shape, 29, pool, 0.2, 1.0, kPrompt + kSteps + 1);
-    const Shape& sh = wl.w.options.shape;
-    const int n_seqs = 2, d = sh.head_dim, nq = sh.n_q_heads;
-    cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
-    // Prompt queries: the same for both sequences; decode step t of sequence s: query kPrompt + t + s.
-    std::vector<float> pq;
-    for (int s = 0; s < n_seqs; ++s) pq.insert(pq.end(), wl.w.query(0, 0), wl.w.query(0, 0) + kPrompt * nq * d);
-    cuda::DeviceBuffer pqd = cuda::to_device(pq);
+    const Shape sh = test_shape(shape);
+    const int n_seqs = 2, d = sh.head_dim, nq = sh.n_q_heads, nkv = sh.n_kv_heads;
+    auto fresh = [&] { return make_workload(kTokens, shape, 29, pool, 0.2, 1.0, kPrompt + kSteps + 1); };
     // The median sink ratio of the first step, from a CPU run with epsilon = 1 (no bypass).
     double median_rho = 0;
     {
+      const Workload wl = fresh();
       auto m = Registry::builtin().make("lfps", sh, {{"epsilon", "1"}});
       DecodeContext ctx{.pool = &pool, .eval = false, .prompt_q = wl.w.query(0, 0), .prompt_q_rows = kPrompt};
       m->on_prefill(0, wl.kv, ctx);
@@ -552,6 +549,29 @@ TEST(CudaMethods, LfpsMatchesCpuMethod) {
     for (const double eps : {0.85, median_rho}) {
       const std::string what = fmt::format("lfps {} epsilon {:.4f}", shape, eps);
       SCOPED_TRACE(what);
+      Workload wl = fresh();
+      // The device cache: both sequences hold the workload's rows, appended on the device,
+      // with room for the steps.
+      cuda::DeviceKvCache dev = cuda::DeviceKvCache::create(n_seqs, nkv, d, DType::f16, 16, kTokens + kSteps);
+      {
+        std::vector<float> k0(static_cast<size_t>(n_seqs) * kTokens * nkv * d), v0(k0.size());
+        for (int s = 0; s < n_seqs; ++s) {
+          dev.reserve(s, kTokens + kSteps);
+          for (int t = 0; t < kTokens; ++t)
+            for (int h = 0; h < nkv; ++h) {
+              const size_t o = ((static_cast<size_t>(s) * kTokens + t) * nkv + h) * d;
+              wl.kv.key_f32(0, h, t, k0.data() + o);
+              wl.kv.value_f32(0, h, t, v0.data() + o);
+            }
+        }
+        const cuda::DeviceBuffer dk = cuda::to_device(k0), dv = cuda::to_device(v0);
+        dev.append(dk.as<float>(), dv.as<float>(), kTokens);
+      }
+      // Prompt queries: the same for both sequences; decode step t of sequence s: query
+      // kPrompt + t + s.
+      std::vector<float> pq;
+      for (int s = 0; s < n_seqs; ++s) pq.insert(pq.end(), wl.w.query(0, 0), wl.w.query(0, 0) + kPrompt * nq * d);
+      cuda::DeviceBuffer pqd = cuda::to_device(pq);
       const std::map<std::string, std::string> params{{"epsilon", fmt::format("{:.17g}", eps)}};
       LfpsOptions o;
       o.epsilon = eps;
@@ -565,16 +585,21 @@ TEST(CudaMethods, LfpsMatchesCpuMethod) {
         cpu.push_back(Registry::builtin().make("lfps", sh, params));
         cpu.back()->on_prefill(0, wl.kv, ctx);
       }
-      // Tables: largest |GPU - CPU| over every entry of every head, against the largest entry.
+      // Tables: largest |GPU - CPU| over every cached position of every head, against the
+      // largest entry (a CPU table not yet grown to the cache holds 0 there).
       auto table_diff = [&](double& diff, double& top) {
         diff = 0, top = 0;
+        const int n = wl.kv.n_tokens(0);
         for (int s = 0; s < n_seqs; ++s)
           for (int j = 0; j < nq; ++j) {
             const cuda::LfpsTablesCopy gt = cuda::lfps_gpu_download(*g, s, j);
             const methods::LfpsTables& ct = methods::lfps_tables(*cpu[s], 0, j);
-            for (int i = 0; i < 4096; ++i) {
-              diff = std::max({diff, std::fabs(gt.vertical[i] - ct.vertical[i]), std::fabs(gt.slash[i] - ct.slash[i])});
-              top = std::max({top, std::fabs(ct.vertical[i]), std::fabs(ct.slash[i])});
+            ASSERT_EQ(gt.vertical.size(), static_cast<size_t>(n));
+            for (int i = 0; i < n; ++i) {
+              const double cv = i < static_cast<int>(ct.vertical.size()) ? ct.vertical[i] : 0.0;
+              const double cs = i < static_cast<int>(ct.slash.size()) ? ct.slash[i] : 0.0;
+              diff = std::max({diff, std::fabs(gt.vertical[i] - cv), std::fabs(gt.slash[i] - cs)});
+              top = std::max({top, std::fabs(cv), std::fabs(cs)});
             }
             EXPECT_NEAR(gt.sigma_hat2, ct.sigma_hat2, 1e-4 * std::fabs(ct.sigma_hat2) + 1e-12);
           }
@@ -583,9 +608,20 @@ TEST(CudaMethods, LfpsMatchesCpuMethod) {
       table_diff(diff, top);
       std::printf("%s: after prefill max |table GPU - CPU| %.3g of max %.3g\n", what.c_str(), diff, top);
       EXPECT_LE(diff, 1e-5 * top);
+      std::mt19937 rng(41);
+      std::normal_distribution<float> normal(0.0f, 1.0f);
       int bypassed = 0, agree = 0, rows = 0, same_lists = 0, lists = 0, out_checked = 0;
       double jac = 0, out_diff = 0;
       for (int t = 0; t < kSteps; ++t) {
+        // One new token, the same in both sequences and in the host cache.
+        std::vector<float> kn(static_cast<size_t>(nkv) * d), vn(kn.size());
+        for (auto& x : kn) x = normal(rng);
+        for (auto& x : vn) x = normal(rng);
+        wl.kv.append(0, kn.data(), vn.data(), 1);
+        std::vector<float> kr, vr;
+        for (int s = 0; s < n_seqs; ++s) kr.insert(kr.end(), kn.begin(), kn.end()), vr.insert(vr.end(), vn.begin(), vn.end());
+        const cuda::DeviceBuffer dk = cuda::to_device(kr), dv = cuda::to_device(vr);
+        dev.append(dk.as<float>(), dv.as<float>(), 1);
         std::vector<float> q;
         for (int s = 0; s < n_seqs; ++s) q.insert(q.end(), wl.w.query(0, kPrompt + t + s), wl.w.query(0, kPrompt + t + s) + nq * d);
         cuda::DeviceBuffer qd = cuda::to_device(q);
@@ -595,14 +631,14 @@ TEST(CudaMethods, LfpsMatchesCpuMethod) {
         g->attend(qd.as<float>(), out.as<float>(), lse.as<float>());
         g->check();
         const std::vector<float> go = cuda::to_host<float>(out, rq * d);
-        const auto gl = download_lists(g->list_idx(), g->list_len(), n_seqs * sh.n_kv_heads, g->list_stride());
+        const auto gl = download_lists(g->list_idx(), g->list_len(), n_seqs * nkv, g->list_stride());
         const cuda::SparseStepStats st = g->stats();
         ASSERT_EQ(st.bypass.size(), rq);
         for (int s = 0; s < n_seqs; ++s) {
           AttnOutput co;
           cpu[s]->decode(0, q.data() + static_cast<size_t>(s) * nq * d, wl.kv, ctx, co);
-          for (int h = 0; h < sh.n_kv_heads; ++h) {
-            const auto& a = gl[static_cast<size_t>(s) * sh.n_kv_heads + h];
+          for (int h = 0; h < nkv; ++h) {
+            const auto& a = gl[static_cast<size_t>(s) * nkv + h];
             const auto& b = co.selection.tokens[h];
             jac += jaccard(a, b);
             ++lists;
@@ -618,8 +654,8 @@ TEST(CudaMethods, LfpsMatchesCpuMethod) {
               if (!same || gb != co.stats[qh].bypass) continue;
               ++out_checked;
               for (int e = 0; e < d; ++e)
-                out_diff = std::max(out_diff, static_cast<double>(std::fabs(
-                                                  go[(static_cast<size_t>(s) * nq + qh) * d + e] - co.out[static_cast<size_t>(qh) * d + e])));
+                out_diff = std::max(out_diff, static_cast<double>(std::fabs(go[(static_cast<size_t>(s) * nq + qh) * d + e] -
+                                                                            co.out[static_cast<size_t>(qh) * d + e])));
             }
           }
         }

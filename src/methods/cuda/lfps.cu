@@ -635,7 +635,8 @@ class LfpsGpu final : public SparseDecoder {
     CUMULUS_CUDA_CHECK(cudaStreamSynchronize(st));
     memcpy_to_host(n.data(), b.kv.n_tokens, n.size() * sizeof(int));
     for (int s = 0; s < b.kv.n_seqs; ++s)
-      CUMULUS_CHECK(pq.rows <= n[s], "lfps: {} prompt queries for sequence {} of {} tokens", pq.rows, s, n[s]);
+      CUMULUS_CHECK(pq.rows <= n[s], "lfps: DevicePromptQueries::rows={} exceeds the {} tokens cached for sequence {}",
+                    pq.rows, n[s], s);
     tv_.fill_bytes(0);
     ts_.fill_bytes(0);
     sbase_.fill_bytes(0);

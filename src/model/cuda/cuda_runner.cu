@@ -226,7 +226,7 @@ class CudaRunner final : public CudaModelRunner {
   // The prompt's last pq_rows_ queries (after RoPE), [n_layers][pq_rows_][n_heads][head_dim],
   // for a method that learns from them (SparseDecoder::prompt_queries: lfps), kept by prefill().
   DeviceBuffer pq_;
-  int pq_rows_ = 0;
+  int pq_rows_ = 0, pq_end_ = 0;  // rows kept; the end of the prompt they are the last of
   // The prefill method (SessionOptions::prefill_method and prefill_params) and what
   // flexprefill keeps: the probe for the prompt being prefilled, the host selection's threads
   // (SessionOptions::n_threads), the statistics the CPU method reports.
@@ -452,13 +452,23 @@ const std::vector<float>& CudaRunner::prefill(std::span<const int32_t> tokens) {
   }
   // The prompt's last queries per layer (after RoPE), for a method that learns from them
   // (lfps) now or after restart_decode (keep_prompt_queries), as the CPU Session keeps them.
+  // A prompt fed in pieces keeps the rows an earlier piece left that are still among them.
   int want = opt_.keep_prompt_queries;
   for (const auto& d : dec_)
     if (d) want = std::max(want, d->prompt_queries());
-  prompt_end_ = pos_ + static_cast<int>(tokens.size());
-  pq_rows_ = std::min(want, prompt_end_);
-  pq_ = DeviceBuffer(static_cast<size_t>(std::max(1, pq_rows_)) * c_.n_layers * c_.n_heads * c_.head_dim *
-                     sizeof(float));
+  const size_t qd = static_cast<size_t>(c_.n_heads) * c_.head_dim;
+  const int old_first = pq_end_ - pq_rows_, old_end = pq_end_, old_rows = pq_rows_;
+  pq_end_ = pos_ + static_cast<int>(tokens.size());
+  const int rows = std::min(want, pq_end_), first = pq_end_ - rows, keep = std::max(first, old_first);
+  DeviceBuffer kept(static_cast<size_t>(std::max(1, rows)) * c_.n_layers * qd * sizeof(float));
+  if (keep < old_end)
+    for (int l = 0; l < c_.n_layers; ++l)
+      cuda::memcpy_device_async(kept.as<float>() + (static_cast<size_t>(l) * rows + keep - first) * qd,
+                                pq_.as<float>() + (static_cast<size_t>(l) * old_rows + keep - old_first) * qd,
+                                static_cast<size_t>(old_end - keep) * qd * sizeof(float), st_);
+  stream_.synchronize();  // the old rows are copied before their buffer goes
+  pq_ = std::move(kept);
+  pq_rows_ = rows;
   for (size_t i = 0; i < tokens.size(); i += rows_)
     forward(tokens.subspan(i, std::min<size_t>(rows_, tokens.size() - i)), false);
   probe_.reset();
@@ -687,8 +697,8 @@ void CudaRunner::enqueue_forward(int n, bool decode_mode, bool greedy) {
     cuda::model::rope(q, n, c.n_heads, c.head_dim, c.rope_dim, pos0, decode_mode, c.rope_theta, st_);
     cuda::model::rope(k, n, c.n_kv_heads, c.head_dim, c.rope_dim, pos0, decode_mode, c.rope_theta, st_);
     if (!decode_mode && pq_rows_ > 0) {
-      // Keep the queries of positions [prompt_end_ - pq_rows_, prompt_end_).
-      const int first = prompt_end_ - pq_rows_, i0 = std::max(0, first - pos_);
+      // Keep the queries of positions [pq_end_ - pq_rows_, pq_end_).
+      const int first = pq_end_ - pq_rows_, i0 = std::max(0, first - pos_);
       if (i0 < n)
         cuda::memcpy_device_async(pq_.as<float>() + (static_cast<size_t>(l) * pq_rows_ + pos_ + i0 - first) * qd,
                                   q + static_cast<size_t>(i0) * qd, static_cast<size_t>(n - i0) * qd * sizeof(float),
