@@ -184,6 +184,13 @@ TEST_F(Stories260K, BadInputIsAnError) {
   EXPECT_THROW(s.prefill(too_long), Error);
   EXPECT_THROW(s.prefill(bad_id), Error);
   EXPECT_THROW(s.decode(5), Error);  // nothing prefilled
+  // A bad id in a later chunk is refused before the first chunk runs: the session is as it was.
+  SessionOptions chunked;
+  chunked.prefill_chunk = 4;
+  Session later(*weights_, chunked), fresh(*weights_, chunked);
+  EXPECT_THROW(later.prefill(std::vector<int32_t>{1, 2, 3, 4, 5, 512}), Error);
+  EXPECT_EQ(later.position(), 0);
+  EXPECT_EQ(later.prefill(std::vector<int32_t>{1, 2, 3, 4, 5}), fresh.prefill(std::vector<int32_t>{1, 2, 3, 4, 5}));
   EXPECT_THROW(Sampler({.temperature = -1}), Error);
   EXPECT_THROW(Sampler({.top_p = 0}), Error);
   SessionOptions o;

@@ -129,10 +129,17 @@ const std::vector<float>& Session::prefill(std::span<const int32_t> tokens) {
   CUMULUS_CHECK(!prefilled_, "prefill after decode started or the indexes were built (position {}): one prompt per session", pos_);
   CUMULUS_CHECK(pos_ + static_cast<int64_t>(tokens.size()) <= capacity_,
                 "prompt of {} tokens at position {} exceeds the context of {} tokens", tokens.size(), pos_, capacity_);
+  // Every id before any state changes (a bad id in a later chunk would leave a prompt half
+  // prefilled).
+  for (size_t i = 0; i < tokens.size(); ++i)
+    CUMULUS_CHECK(tokens[i] >= 0 && tokens[i] < w_.config.vocab_size,
+                  "token id {} at position {} is outside the vocabulary [0, {})", tokens[i], pos_ + i,
+                  w_.config.vocab_size);
   // The prompt's last queries per layer: positions [prompt_end_ - prompt_q_rows_, prompt_end_).
-  // A prompt fed in pieces keeps the rows an earlier piece left that are still among them.
+  // A prompt fed in pieces keeps the rows an earlier piece left that are still among them
+  // (rows exist only for the positions cached: at most pos_).
   const size_t qd = static_cast<size_t>(w_.config.n_heads) * w_.config.head_dim;
-  const int old_first = prompt_end_ - prompt_q_rows_, old_end = prompt_end_;
+  const int old_first = prompt_end_ - prompt_q_rows_, old_end = std::min(prompt_end_, pos_);
   prompt_end_ = pos_ + static_cast<int>(tokens.size());
   prompt_q_rows_ = std::min(std::max(method_->prompt_queries(), opt_.keep_prompt_queries), prompt_end_);
   const int first = prompt_end_ - prompt_q_rows_;

@@ -452,12 +452,18 @@ const std::vector<float>& CudaRunner::prefill(std::span<const int32_t> tokens) {
   }
   // The prompt's last queries per layer (after RoPE), for a method that learns from them
   // (lfps) now or after restart_decode (keep_prompt_queries), as the CPU Session keeps them.
-  // A prompt fed in pieces keeps the rows an earlier piece left that are still among them.
+  // Every id before any state changes (a bad id in a later chunk would leave a prompt half
+  // prefilled).
+  for (size_t i = 0; i < tokens.size(); ++i)
+    CUMULUS_CHECK(tokens[i] >= 0 && tokens[i] < c_.vocab_size,
+                  "token id {} at position {} is outside the vocabulary [0, {})", tokens[i], pos_ + i, c_.vocab_size);
+  // A prompt fed in pieces keeps the rows an earlier piece left that are still among them
+  // (rows exist only for the positions cached: at most pos_).
   int want = opt_.keep_prompt_queries;
   for (const auto& d : dec_)
     if (d) want = std::max(want, d->prompt_queries());
   const size_t qd = static_cast<size_t>(c_.n_heads) * c_.head_dim;
-  const int old_first = pq_end_ - pq_rows_, old_end = pq_end_, old_rows = pq_rows_;
+  const int old_first = pq_end_ - pq_rows_, old_end = std::min(pq_end_, pos_), old_rows = pq_rows_;
   pq_end_ = pos_ + static_cast<int>(tokens.size());
   const int rows = std::min(want, pq_end_), first = pq_end_ - rows, keep = std::max(first, old_first);
   DeviceBuffer kept(static_cast<size_t>(std::max(1, rows)) * c_.n_layers * qd * sizeof(float));
