@@ -23,10 +23,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <limits>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <optional>
 
 #include "cumulus/core/dtype.h"
@@ -440,6 +440,11 @@ const std::vector<float>& CudaRunner::prefill(std::span<const int32_t> tokens) {
                 "prompt of {} tokens at position {} exceeds the context of {} tokens", tokens.size(), pos_, capacity_);
   CUMULUS_CHECK(pos_ == prompt_end_, "prefill after decode started (position {}): one prompt per session", pos_);
   CUMULUS_CHECK(n_seqs_ == 1, "prefill of a runner of {} sequences (fill_random_context fills batches)", n_seqs_);
+  // Every id before any state changes (a bad id in a later chunk would leave a prompt half
+  // prefilled).
+  for (size_t i = 0; i < tokens.size(); ++i)
+    CUMULUS_CHECK(tokens[i] >= 0 && tokens[i] < c_.vocab_size,
+                  "token id {} at position {} is outside the vocabulary [0, {})", tokens[i], pos_ + i, c_.vocab_size);
   if (pplan_.flexprefill) {
     // The CPU Session runs a prompt fed in pieces as flexprefill chunks at their positions;
     // the GPU's probe and block-sparse kernel take a prompt from position 0 only.
@@ -452,11 +457,6 @@ const std::vector<float>& CudaRunner::prefill(std::span<const int32_t> tokens) {
   }
   // The prompt's last queries per layer (after RoPE), for a method that learns from them
   // (lfps) now or after restart_decode (keep_prompt_queries), as the CPU Session keeps them.
-  // Every id before any state changes (a bad id in a later chunk would leave a prompt half
-  // prefilled).
-  for (size_t i = 0; i < tokens.size(); ++i)
-    CUMULUS_CHECK(tokens[i] >= 0 && tokens[i] < c_.vocab_size,
-                  "token id {} at position {} is outside the vocabulary [0, {})", tokens[i], pos_ + i, c_.vocab_size);
   // A prompt fed in pieces keeps the rows an earlier piece left that are still among them
   // (rows exist only for the positions cached: at most pos_).
   int want = opt_.keep_prompt_queries;
