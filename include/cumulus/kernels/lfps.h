@@ -3,7 +3,6 @@
 // the same names and defaults) and the GPU pipeline (methods/cuda_methods.h, make_lfps_gpu).
 #pragma once
 
-#include <algorithm>
 #include <cmath>
 
 namespace cumulus {
@@ -24,9 +23,19 @@ inline constexpr int kLfpsLocalWindow = 6;
 // [kLfpsOffsetMin, kLfpsOffsetMax] = {-1, 0, 1, 2}.
 inline constexpr int kLfpsOffsetMin = -1, kLfpsOffsetMax = 2;
 
-// The top-k size of a step over n cached tokens.
-inline int lfps_budget(const LfpsOptions& o, int n) {
-  return o.budget > 0 ? o.budget : std::max(1, static_cast<int>(std::ceil(o.budget_ratio * n)));
+#ifdef __CUDACC__
+#define CUMULUS_LFPS_HD __host__ __device__
+#else
+#define CUMULUS_LFPS_HD
+#endif
+
+// The top-k size of a step over n cached tokens: budget, or ceil(budget_ratio n) and at
+// least 1 when budget is 0 (host and device: the GPU computes it per step in its kernels).
+CUMULUS_LFPS_HD inline int lfps_budget(int budget, double budget_ratio, int n) {
+  if (budget > 0) return budget;
+  const int k = static_cast<int>(ceil(budget_ratio * n));
+  return k < 1 ? 1 : k;
 }
+inline int lfps_budget(const LfpsOptions& o, int n) { return lfps_budget(o.budget, o.budget_ratio, n); }
 
 }  // namespace cumulus

@@ -61,6 +61,17 @@ __device__ __forceinline__ float block_max(float v) {
   __syncthreads();
   return m;
 }
+__device__ __forceinline__ double block_max(double v) {
+  __shared__ double s_m[32];
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if ((threadIdx.x & 31) == 0) s_m[threadIdx.x >> 5] = v;
+  __syncthreads();
+  double m = -INFINITY;
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) m = fmax(m, s_m[w]);
+  __syncthreads();
+  return m;
+}
 
 // bits: [n_lists][words] token bitmaps (bit t of list l: token t selected). Writes each
 // list's set bits as ascending token indices idx[l][0 .. len[l]) (at most stride) and

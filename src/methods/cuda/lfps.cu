@@ -117,18 +117,6 @@ __device__ void score_tokens(const DeviceKvView& kv, int seq, int h, const float
   }
 }
 
-__device__ __forceinline__ double block_max_f64(double v) {
-  __shared__ double s_m[32];
-#pragma unroll
-  for (int o = 16; o >= 1; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
-  if ((threadIdx.x & 31) == 0) s_m[threadIdx.x >> 5] = v;
-  __syncthreads();
-  double m = -INFINITY;
-  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) m = fmax(m, s_m[w]);
-  __syncthreads();
-  return m;
-}
-
 __device__ __forceinline__ double slash_at(const double* ts, int base, int ring, int i) {
   const int j = i + base;
   return ts[j >= ring ? j - ring : j];
@@ -189,7 +177,7 @@ __global__ void __launch_bounds__(kRowThreads) lfps_rho_kernel(LfpsParams p) {
   }
   p.bypass[row] = by;
   p.claimed[row] = __int_as_float(0x7fc00000);  // NaN: a fixed budget makes no claim
-  const int k = p.budget > 0 ? p.budget : max(1, static_cast<int>(ceil(p.budget_ratio * n)));
+  const int k = lfps_budget(p.budget, p.budget_ratio, n);
   const int mode = by || n == 0 ? kModeNone : k >= n - n_sink ? kModeAll : kModeTables;
   p.mode[row] = mode;
   p.krow[row] = mode == kModeNone ? 0 : min(k, p.k_max);
@@ -393,7 +381,7 @@ __global__ void __launch_bounds__(kUpdateThreads) lfps_update_kernel(LfpsParams 
   const double scale = p.scale;
   double mx = -INFINITY;
   for (int u = threadIdx.x; u < c2; u += blockDim.x) mx = fmax(mx, scale * cs[top[u]]);
-  mx = block_max_f64(mx);
+  mx = block_max(mx);
   double sum = 0;
   for (int u = threadIdx.x; u < c2; u += blockDim.x) sum += exp(scale * cs[top[u]] - mx);
   sum = block_sum<double>(sum);
@@ -484,7 +472,7 @@ __global__ void __launch_bounds__(kScoreThreads)
   if (pos >= n_sink) {
     double mx = -INFINITY;
     for (int i = n_sink + threadIdx.x; i <= pos; i += blockDim.x) mx = fmax(mx, scale * s[i]);
-    mx = block_max_f64(mx);
+    mx = block_max(mx);
     double sum = 0;
     for (int i = n_sink + threadIdx.x; i <= pos; i += blockDim.x) sum += exp(scale * s[i] - mx);
     sum = block_sum<double>(sum);

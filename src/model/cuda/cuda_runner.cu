@@ -466,13 +466,14 @@ const std::vector<float>& CudaRunner::prefill(std::span<const int32_t> tokens) {
   const int old_first = pq_end_ - pq_rows_, old_end = std::min(pq_end_, pos_), old_rows = pq_rows_;
   pq_end_ = pos_ + static_cast<int>(tokens.size());
   const int rows = std::min(want, pq_end_), first = pq_end_ - rows, keep = std::max(first, old_first);
-  DeviceBuffer kept(static_cast<size_t>(std::max(1, rows)) * c_.n_layers * qd * sizeof(float));
-  if (keep < old_end)
+  DeviceBuffer kept;  // nothing kept: no allocation, no copy
+  if (rows > 0) kept = DeviceBuffer(static_cast<size_t>(rows) * c_.n_layers * qd * sizeof(float));
+  if (rows > 0 && keep < old_end)
     for (int l = 0; l < c_.n_layers; ++l)
       cuda::memcpy_device_async(kept.as<float>() + (static_cast<size_t>(l) * rows + keep - first) * qd,
                                 pq_.as<float>() + (static_cast<size_t>(l) * old_rows + keep - old_first) * qd,
                                 static_cast<size_t>(old_end - keep) * qd * sizeof(float), st_);
-  stream_.synchronize();  // the old rows are copied before their buffer goes
+  if (rows > 0 && keep < old_end) stream_.synchronize();  // the old rows are copied before their buffer goes
   pq_ = std::move(kept);
   pq_rows_ = rows;
   for (size_t i = 0; i < tokens.size(); i += rows_)
