@@ -22,10 +22,12 @@
 //          [--warmup 5] [--p 0.9] [--concentration 1.0] [--seed 1] [--methods LIST]
 //          [--dense-plans LIST] [--trace FILE]... [--json PATH]
 // --dense-plans: our dense kernel's plans to time, comma-separated specs KIND WARPS [/cN]
-// [/mN] [/nN] [/s0] [/pN]: KIND simt or tc (tensor cores), WARPS 2, 4 or 8 per CTA, /c
+// [/mN] [/nN] [/s0] [/pN] [/k0]: KIND simt or tc (tensor cores), WARPS 2, 4 or 8 per CTA, /c
 // CTAs per SM (0 = occupancy limit), /m max_chunk, /n min_chunk (0 = the plan's default),
 // /s1 with work stealing (/s0 without: the default), /p L2 prefetch size (0, 128, 256; the
-// default 256); e.g. tc4/c1/p0. The
+// default 256), /k0 the general kernel for dense ranges too (/k1, the default: the kernel
+// with one page lookup per block, AttentionPlanOptions::contiguous_dense), /l the index
+// lists' max_chunk (the sparse methods attend with the chosen plan); e.g. tc4/c1/p0. The
 // fastest valid plan also runs once with a CTA timeline (start and end of every CTA) to show
 // how evenly the chunks finish.
 #include <fmt/format.h>
@@ -143,7 +145,9 @@ PlanSpec plan_spec(const std::string& spec) {
       case 'n': po.min_chunk = v; break;
       case 's': out.bench.steal = v != 0; break;
       case 'p': po.l2_prefetch = v; break;
-      default: CUMULUS_FAIL("--dense-plans: field '{}' in '{}' must start with c, m, n, s or p", parts[i], spec);
+      case 'k': po.contiguous_dense = v != 0; break;
+      case 'l': po.max_chunk_lists = v; break;
+      default: CUMULUS_FAIL("--dense-plans: field '{}' in '{}' must start with c, m, l, n, s, p or k", parts[i], spec);
     }
   }
   return out;
@@ -225,22 +229,50 @@ Accuracy accuracy(const std::vector<float>& out, const std::vector<float>& dense
   return a;
 }
 
-// CTA timeline of one launch ([CTA][2] ns after the first start, -1 = did not run): the
-// span, quantiles of the CTA end times, and the busy share sum(end - start) / (CTAs x span).
+// CTA timelines of one launch ([CTA][kAttnTimelinePoints] ns after the first start, -1 = not
+// reached): the span, quantiles of the CTA end times, the busy share sum(end - start) / (CTAs
+// x span), and for the CTAs that computed blocks the median time from their start to each
+// point (plan made, query loaded, warp 0's first block landed, warp 0 done, every warp done,
+// end) and the last CTA's end after the 90th percentile's.
 json timeline_summary(const std::vector<int64_t>& t) {
+  constexpr int K = cuda::kAttnTimelinePoints;
   std::vector<double> ends;
+  std::vector<std::vector<double>> at(K);
   double busy = 0, span = 0;
-  for (size_t i = 0; i + 1 < t.size(); i += 2) {
-    if (t[i] < 0 || t[i + 1] < 0) continue;
-    ends.push_back(1e-3 * t[i + 1]);
-    busy += 1e-3 * (t[i + 1] - t[i]);
-    span = std::max(span, 1e-3 * t[i + 1]);
+  for (size_t i = 0; i + K <= t.size(); i += K) {
+    const int64_t s = t[i + cuda::kTlStart], e = t[i + cuda::kTlEnd];
+    if (s < 0 || e < 0) continue;
+    ends.push_back(1e-3 * e);
+    busy += 1e-3 * (e - s);
+    span = std::max(span, 1e-3 * e);
+    bool full = true;
+    for (int k = 0; k < K; ++k) full = full && t[i + k] >= 0;
+    if (full)
+      for (int k = 1; k < K; ++k) at[k].push_back(1e-3 * (t[i + k] - s));
   }
   if (ends.empty()) return json::object();
-  std::sort(ends.begin(), ends.end());
-  auto q = [&](double f) { return ends[static_cast<size_t>(f * (ends.size() - 1) + 0.5)]; };
-  return {{"ctas", ends.size()}, {"span_us", span}, {"end_p10_us", q(0.1)}, {"end_p50_us", q(0.5)},
-          {"end_p90_us", q(0.9)}, {"busy_share", busy / (ends.size() * span)}};
+  auto quantile = [](std::vector<double> v, double f) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[static_cast<size_t>(f * (v.size() - 1) + 0.5)];
+  };
+  json phases = json::object();
+  const char* names[K] = {"start", "planned", "query", "first_block", "warp0_done", "all_warps", "end"};
+  for (int k = 1; k < K; ++k) phases[names[k]] = quantile(at[k], 0.5);
+  return {{"ctas", ends.size()}, {"span_us", span}, {"end_p10_us", quantile(ends, 0.1)},
+          {"end_p50_us", quantile(ends, 0.5)}, {"end_p90_us", quantile(ends, 0.9)},
+          {"busy_share", busy / (ends.size() * span)}, {"median_us_from_cta_start", phases}};
+}
+
+void print_timeline(int batch, const std::string& what, const json& tl) {
+  if (tl.empty()) return;
+  const json& ph = tl["median_us_from_cta_start"];
+  fmt::print("  batch {:>2}: {} timeline ({} CTAs): ends p10 {:.1f} / p50 {:.1f} / p90 {:.1f} / last {:.1f} us, "
+             "busy {:.1f}%; a CTA's median us from its start: plan {:.1f}, query {:.1f}, first block {:.1f}, "
+             "warp 0 done {:.1f}, all warps {:.1f}, end {:.1f}\n",
+             batch, what, tl["ctas"].get<int>(), tl["end_p10_us"].get<double>(), tl["end_p50_us"].get<double>(),
+             tl["end_p90_us"].get<double>(), tl["span_us"].get<double>(), 100 * tl["busy_share"].get<double>(),
+             ph["planned"].get<double>(), ph["query"].get<double>(), ph["first_block"].get<double>(),
+             ph["warp0_done"].get<double>(), ph["all_warps"].get<double>(), ph["end"].get<double>());
 }
 
 struct Problem {
@@ -467,6 +499,16 @@ json run_sparse(const std::string& name, const Problem& pb, cuda::Stream& st, Ti
   r["attend_gbps"] = att_bytes / (att * 1e-6) / 1e9;
   r["attend_pct_copy"] = 100.0 * att_bytes / (att * 1e-6) / 1e9 / copy_gbps;
   r["speedup_vs_our_dense"] = dense_us / step;
+  {  // the attention's CTA timelines in one more step (after an L2 flush)
+    PlanSpec tl = po;
+    tl.bench.timeline = true;
+    cuda::sparse_decoder_set_plan_bench(*m, tl.bench);
+    cuda::memset_async(timer.flush.data(), 1, timer.flush.size(), st.handle());
+    m->select(pb.q->as<float>(), st.handle());
+    m->attend(pb.q->as<float>(), out.as<float>(), lse.as<float>(), nullptr, nullptr, st.handle());
+    r["attend_timeline"] = timeline_summary(cuda::sparse_decoder_plan_timeline(*m, st.handle()));
+    cuda::sparse_decoder_set_plan_bench(*m, po.bench);
+  }
   if (is_sketch(name)) {
     // The step's byte floor: the sketch of every token (codes + f16 offset and step) and
     // the union's K/V rows, at the copy bandwidth.
@@ -694,14 +736,7 @@ int main(int argc, char** argv) {
                      b, v["plan"].get<std::string>(), v["us_median"].get<double>(), v["gbps"].get<double>(), v["pct_copy"].get<double>(),
                      v["err_vs_ref_seq0"].get<double>(), v["valid"].get<bool>() ? "" : "  INVALID");
         }
-        if (run["dense"].contains("timeline") && !run["dense"]["timeline"].empty()) {
-          const json& tl = run["dense"]["timeline"];
-          fmt::print("  batch {:>2}: dense timeline ({} CTAs): ends p10 {:.1f} / p50 {:.1f} / p90 {:.1f} / last {:.1f} us, "
-                     "busy {:.1f}%\n",
-                     b, tl["ctas"].get<int>(), tl["end_p10_us"].get<double>(), tl["end_p50_us"].get<double>(),
-                     tl["end_p90_us"].get<double>(), tl["span_us"].get<double>(),
-                     100 * tl["busy_share"].get<double>());
-        }
+        if (run["dense"].contains("timeline")) print_timeline(b, "dense", run["dense"]["timeline"]);
         const auto dense_out = cuda::to_host<float>(out, nq * so.shape.head_dim);
         json methods = json::array();
         int quest_budget = std::max(16, n / 20);
@@ -737,6 +772,7 @@ int main(int argc, char** argv) {
               line += fmt::format(" {} {:.1f}", ph[0].get<std::string>(), ph[1].get<double>());
             fmt::print("  batch {:>2}: {:<12} select phases (us, one untimed step):{}\n", b, name, line);
           }
+          if (r.contains("attend_timeline")) print_timeline(b, name + " attend", r["attend_timeline"]);
           methods.push_back(r);
         }
         run["methods"] = methods;

@@ -175,20 +175,26 @@ TEST(CudaAttention, DenseMatchesReference) {
     const auto q = random_vec(c.lens.size() * c.n_kv * c.group * c.head_dim, rng);
     const GpuResult r = run_ref(seqs, q, c.group, {});
     // Default (tensor cores, 8 warps), tensor cores with 4 warps and many small chunks, and
-    // the SIMT kernel with 2 and 4 warps.
+    // the SIMT kernel with 2 and 4 warps; each of these takes the kernel for contiguous
+    // dense ranges where the pages hold whole blocks (page sizes 16 and 64 below); the
+    // default plan with the general kernel (contiguous_dense off) too.
     // Each without work stealing and with the 256-byte L2 fetch hint (the defaults), with
     // stealing and no hint, and with the 128-byte hint.
+    cuda::AttentionPlanOptions general;
+    general.contiguous_dense = false;
     for (const cuda::AttentionPlanOptions& po0 :
          {cuda::AttentionPlanOptions{}, cuda::AttentionPlanOptions{4, 1, 64, true},
           cuda::AttentionPlanOptions{8, 0, 64, true}, cuda::AttentionPlanOptions{2, 0, 0, false},
-          cuda::AttentionPlanOptions{4, 1, 64, false}})
+          cuda::AttentionPlanOptions{4, 1, 64, false}, general})
       for (const auto& [steal, prefetch] : {std::pair{false, 256}, std::pair{true, 0}, std::pair{false, 128}}) {
         cuda::AttentionPlanOptions po = po0;
         po.l2_prefetch = prefetch;
         const GpuResult g = run_gpu(seqs, q, c.group, {}, po, nullptr, 1, cuda::AttentionPlanBenchOptions{steal});
         expect_close(g, r,
-                     case_name(c) + fmt::format(" warps {} min_chunk {} tensor cores {} steal {} l2 prefetch {}",
-                                                po.warps, po.min_chunk, po.tensor_cores, steal, po.l2_prefetch));
+                     case_name(c) + fmt::format(" warps {} min_chunk {} tensor cores {} steal {} l2 prefetch {} "
+                                                "contiguous dense {}",
+                                                po.warps, po.min_chunk, po.tensor_cores, steal, po.l2_prefetch,
+                                                po.contiguous_dense));
       }
   }
 }
@@ -241,9 +247,16 @@ TEST(CudaAttention, SparseEqualsDenseOverAllTokens) {
       all[s].push_back(l);
     }
   const GpuResult d = run_gpu(seqs, q, 4, {}, {});
-  const GpuResult sp = run_gpu(seqs, q, 4, all, {});
-  EXPECT_LT(norm_err(sp.out.data(), d.out.data(), d.out.size()), 1e-6);
-  for (size_t i = 0; i < d.lse.size(); ++i) EXPECT_NEAR(sp.lse[i], d.lse[i], 1e-5);
+  // The default plan, and one whose index lists are cut at 128 entries a chunk (the lists'
+  // own cap, AttentionPlanOptions::max_chunk_lists; the dense range keeps its chunks): the
+  // 4097-entry lists in 33 chunks each.
+  cuda::AttentionPlanOptions capped;
+  capped.max_chunk_lists = 128;
+  for (const cuda::AttentionPlanOptions& po : {cuda::AttentionPlanOptions{}, capped}) {
+    const GpuResult sp = run_gpu(seqs, q, 4, all, po);
+    EXPECT_LT(norm_err(sp.out.data(), d.out.data(), d.out.size()), 1e-6) << "max_chunk_lists " << po.max_chunk_lists;
+    for (size_t i = 0; i < d.lse.size(); ++i) EXPECT_NEAR(sp.lse[i], d.lse[i], 1e-5) << "max_chunk_lists " << po.max_chunk_lists;
+  }
 }
 
 TEST(CudaAttention, LongChunksMatchReference) {

@@ -293,12 +293,22 @@ struct AttentionPlanOptions {
   // float32 accuracy); false: CUDA-core FMAs. Head_dim 256 always runs the CUDA-core
   // kernel (the tensor-core one spills there; AttentionPlan::tensor_cores() says which ran).
   bool tensor_cores = true;
-  int max_chunk = 0;     // most list entries per CTA; 0 = 32768
+  int max_chunk = 0;     // most entries per CTA of a dense range; 0 = 32768
+  // Most entries per CTA of an index list; 0 = 8192. Sparse lists differ in length across
+  // kv heads and sequences, and a plan that fits one wave with big chunks leaves a tail
+  // behind the longest list (sketch_topp at 128K, batch 16: 605 us at 32768, 402 at 8192;
+  // docs/cuda.md); dense ranges are equal and take the larger cap (2% faster there).
+  int max_chunk_lists = 0;
   // Each CTA computes exactly its chunk (work stealing, measured slower, is a benchmarks'
   // option: src/kernels/cuda/bench_options.h).
   // L2 fetch size hinted by the K/V copies on a miss: 0 (the 32-byte sectors asked for),
   // 128 or 256 bytes (default: 256; measured ~2% faster than 0 on dense at 128K).
   int l2_prefetch = 256;
+  // Dense calls (no index lists) over pages of a whole number of a warp's blocks (16
+  // tokens with tensor cores, the default page size) take a kernel whose copies need one
+  // page-table load per block instead of a lookup per row. false: the general kernel
+  // (benchmarks compare the two).
+  bool contiguous_dense = true;
   // The CTA timeline that benchmarks record is a bench-only knob too (bench_options.h).
 };
 

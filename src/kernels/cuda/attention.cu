@@ -27,8 +27,9 @@
 // is read from memory once for all query heads of its kv head in the tile (GQA): up to
 // G = 8 heads per tile, larger groups take several tiles. Two kernels compute a block:
 //   - SIMT: CUDA-core FMAs, 16 bytes of a row per lane, dot products reduced by shuffles;
-//   - tensor cores: mma.sync m16n8k16 with the tile's heads as rows of A, Q and the softmax
-//     weights split into 16-bit parts so the result keeps float32 accuracy.
+//   - tensor cores: mma.sync m16n8k16 with the block's 16 tokens as the rows and the tile's
+//     heads as the columns, Q and the softmax weights split into 16-bit parts so the result
+//     keeps float32 accuracy.
 // With a GQA group of 4 the SIMT kernel needs ~4 FMAs per byte read, about what an H200's
 // CUDA cores can feed at its memory bandwidth; the tensor-core kernel leaves them idle.
 // Scores are scaled by scale * log2(e) once in q so the online softmax uses exp2.
@@ -67,7 +68,7 @@ struct AttnParams {
   float* part_l;              // [max_items][G]
   int* tickets;               // [n_lists]
   int* cursor;                // [max_items] entries claimed from each chunk (work stealing)
-  unsigned long long* timeline;  // [max_items][2] CTA start and end (%globaltimer, ns) or null
+  unsigned long long* timeline;  // [max_items][kAttnTimelinePoints] (%globaltimer, ns) or null
   int* error;                 // bit 0: index out of range; bit 1: list longer than stride
   int target_ctas, min_chunk, max_chunk;
   int steal;                  // 1: warps claim units of work from the list's chunks
@@ -86,7 +87,7 @@ struct AttnShape {
   static constexpr int kBlock = kTokPerLoad * kUnroll; // tokens per warp block
 };
 
-// Tensor-core kernel: 16 tokens per block (two n8 tiles of mma.m16n8k16).
+// Tensor-core kernel: 16 tokens per block (the 16 rows of mma.m16n8k16).
 template <int D>
 struct MmaShape {
   static constexpr int kRowLanes = D / 8;
@@ -118,44 +119,6 @@ __device__ __forceinline__ int attn_list_len(const AttnParams& p, int l) {
     len = min(max(len, 0), p.idx_stride);
   }
   return len;
-}
-
-// In-place exclusive scan of a[0..n) (n <= kMaxLists) by the whole block; a[n] = total.
-__device__ void block_exclusive_scan(int* a, int n) {
-  __shared__ int warp_tot[32];
-  const int per = (n + blockDim.x - 1) / blockDim.x;
-  const int b = min(n, static_cast<int>(threadIdx.x) * per), e = min(n, b + per);
-  int sum = 0;
-  for (int i = b; i < e; ++i) sum += a[i];
-  // inclusive scan of sum over the block
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int x = sum;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) warp_tot[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    const int nw = blockDim.x >> 5;
-    int w = lane < nw ? warp_tot[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w += y;
-    }
-    if (lane < nw) warp_tot[lane] = w;
-  }
-  __syncthreads();
-  int run = x - sum + (warp > 0 ? warp_tot[warp - 1] : 0);
-  for (int i = b; i < e; ++i) {
-    const int v = a[i];
-    a[i] = run;
-    run += v;
-  }
-  if (threadIdx.x == blockDim.x - 1) a[n] = run;
-  __syncthreads();
 }
 
 // Writes the final out/lse/mass of query head (tile * G + g) of list l's kv head: 4
@@ -195,12 +158,12 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// Benchmarks' timeline: %globaltimer at the CTA's start (which = 0) and end (which = 1).
+// Benchmarks' timeline: %globaltimer at point `which` (AttnTimelinePoint) of the CTA.
 __device__ __forceinline__ void attn_timeline(const AttnParams& p, int which) {
   if (p.timeline == nullptr || threadIdx.x != 0) return;
   unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  p.timeline[2 * blockIdx.x + which] = t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+  p.timeline[kAttnTimelinePoints * blockIdx.x + which] = t;
 }
 
 // The work of one CTA: chunk [begin, end) of list `list`.
@@ -211,45 +174,63 @@ struct AttnWork {
   int list_first;   // item of the list's chunk 0
 };
 
+template <class V>
+__device__ __forceinline__ V warp_sum(V x) {
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
 // The split plan, the same in every CTA. From all list lengths: a chunk size C (a multiple
 // of `step`, within [min_chunk, max_chunk]) such that the lists' chunks fit one wave of
 // target_ctas when the cap allows (a few rounds of C <- C * chunks / target), then each
 // list's own chunk length ceil(len / c_l) for its c_l = ceil(len / C) chunks, so the chunks
 // of one list are equal. Returns this CTA's chunk, or false when it has none.
+// Warp 0 makes the plan with shuffles (lane i takes lists i, i + 32, ..., then a contiguous
+// range of them for the scan of the chunk counts); the CTA waits at one barrier. (A plan
+// made by the whole CTA with shared-memory atomics on one word took 4 us at one sequence and
+// 10-12 us at 16 of a CTA's first microseconds: every thread's atomic on the same address,
+// five times over; measured with the CTA timeline, docs/cuda.md.)
 __device__ bool attn_plan(const AttnParams& p, int step, int* s_start, int* s_len, AttnWork& w) {
-  __shared__ long long s_total;
-  __shared__ int s_items;
-  if (threadIdx.x == 0) s_total = 0;
-  __syncthreads();
-  long long local = 0;
-  for (int l = threadIdx.x; l < p.n_lists; l += blockDim.x) {
-    const int len = attn_list_len(p, l);
-    s_len[l] = len;
-    local += len;
-  }
-  atomicAdd(reinterpret_cast<unsigned long long*>(&s_total), static_cast<unsigned long long>(local));
-  __syncthreads();
   const long long cap = max(static_cast<long long>(step), static_cast<long long>(p.max_chunk) / step * step);
   auto round_up = [&](long long x) { return (x + step - 1) / step * step; };
-  long long chunk = (s_total + p.target_ctas - 1) / p.target_ctas;
-  chunk = min(cap, round_up(max(chunk, static_cast<long long>(p.min_chunk))));
-  for (int round = 0; round < 4; ++round) {
-    if (threadIdx.x == 0) s_items = 0;
-    __syncthreads();
-    int items = 0;
-    for (int l = threadIdx.x; l < p.n_lists; l += blockDim.x)
-      items += max(1, static_cast<int>((s_len[l] + chunk - 1) / chunk));
-    atomicAdd(&s_items, items);
-    __syncthreads();
-    const int total_items = s_items;
-    __syncthreads();
-    if (total_items <= p.target_ctas || chunk >= cap) break;
-    chunk = min(cap, round_up((chunk * total_items + p.target_ctas - 1) / p.target_ctas));
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x, n = p.n_lists;
+    long long total = 0;
+    for (int l = lane; l < n; l += 32) {
+      const int len = attn_list_len(p, l);
+      s_len[l] = len;
+      total += len;
+    }
+    total = warp_sum(total);
+    long long chunk = (total + p.target_ctas - 1) / p.target_ctas;
+    chunk = min(cap, round_up(max(chunk, static_cast<long long>(p.min_chunk))));
+    for (int round = 0; round < 4; ++round) {
+      int items = 0;
+      for (int l = lane; l < n; l += 32) items += max(1, static_cast<int>((s_len[l] + chunk - 1) / chunk));
+      items = warp_sum(items);
+      if (items <= p.target_ctas || chunk >= cap) break;
+      chunk = min(cap, round_up((chunk * items + p.target_ctas - 1) / p.target_ctas));
+    }
+    __syncwarp();  // s_len of every lane's lists is written
+    const int per = (n + 31) / 32, b = min(n, lane * per), e = min(n, b + per);
+    int own = 0;
+    for (int l = b; l < e; ++l) own += max(1, static_cast<int>((s_len[l] + chunk - 1) / chunk));
+    int incl = own;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    int run = incl - own;
+    for (int l = b; l < e; ++l) {
+      const int c = max(1, static_cast<int>((s_len[l] + chunk - 1) / chunk));
+      s_start[l] = run;
+      run += c;
+    }
+    if (lane == 31) s_start[n] = incl;
   }
-  for (int l = threadIdx.x; l < p.n_lists; l += blockDim.x)
-    s_start[l] = max(1, static_cast<int>((s_len[l] + chunk - 1) / chunk));
   __syncthreads();
-  block_exclusive_scan(s_start, p.n_lists);
   w.item = blockIdx.x;
   if (w.item >= s_start[p.n_lists]) return false;
   int lo = 0, hi = p.n_lists - 1;  // largest l with s_start[l] <= item
@@ -504,9 +485,18 @@ struct BlockGen {
 // their latency overlaps the compute too. compute(stage, start, limit) runs once block j
 // has landed (rows start + r < limit valid). Every lane later reads only what it copied
 // itself (SIMT), or the warp reads the whole stage (tensor cores: __syncwarp).
-template <int D, class T, int BT, int U, int TPL, bool kWarpSync, class F>
+//
+// kContig (dense ranges over pages of a multiple of BT tokens, blocks BT-aligned: every block
+// lies in one page): one page-table load per block, by every lane at the same address, and
+// the rows' addresses as constant offsets from the block's first row, instead of a token
+// index, a page lookup and a 64-bit address per row.
+//
+// after_prologue() runs once the first blocks' copies are issued, before any is waited for:
+// the kernels load the query rows there, so that their round trip overlaps the K/V's.
+template <int D, class T, int BT, int U, int TPL, bool kWarpSync, bool kContig, class F0, class F>
 __device__ __forceinline__ void attn_pipeline(const AttnParams& p, unsigned char* ring, BlockGen<BT>& gen, int n_tok,
-                                              const int32_t* idx, const int32_t* pt, F&& compute) {
+                                              const int32_t* idx, const int32_t* pt, F0&& after_prologue,
+                                              F&& compute) {
   constexpr int RS = ring_row<D>();
   constexpr int kStage = stage_bytes<D, BT>();
   constexpr int kNone = INT_MIN;
@@ -517,32 +507,55 @@ __device__ __forceinline__ void attn_pipeline(const AttnParams& p, unsigned char
   const T* kb = static_cast<const T*>(p.k);
   const T* vb = static_cast<const T*>(p.v);
   auto load_tok = [&](int start, int limit, int (&t)[U]) {
+    if constexpr (kContig) {
+      t[0] = start >= 0 ? start : kNone;  // the block's first token; rows below limit are valid
+    } else {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int pos = start + u * TPL + tsub;
-      t[u] = (start >= 0 && pos < limit) ? (idx != nullptr ? __ldg(idx + pos) : pos) : kNone;
-    }
-  };
-  auto load_page = [&](const int (&t)[U], int (&pg)[U]) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      pg[u] = -1;
-      if (t[u] != kNone) {
-        if (static_cast<unsigned>(t[u]) < static_cast<unsigned>(n_tok)) pg[u] = __ldg(pt + (t[u] >> shift));
-        else atomicOr(p.error, 1);
+      for (int u = 0; u < U; ++u) {
+        const int pos = start + u * TPL + tsub;
+        t[u] = (start >= 0 && pos < limit) ? (idx != nullptr ? __ldg(idx + pos) : pos) : kNone;
       }
     }
   };
-  auto issue = [&](int j, const int (&t)[U], const int (&pg)[U]) {
-    unsigned char* st = ring + (j % kStages) * kStage;
+  auto load_page = [&](const int (&t)[U], int (&pg)[U]) {
+    if constexpr (kContig) {
+      pg[0] = t[0] != kNone ? __ldg(pt + (t[0] >> shift)) : -1;
+    } else {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const bool valid = pg[u] >= 0;
-      const size_t row = valid ? ((static_cast<size_t>(pg[u]) << shift) | static_cast<size_t>(t[u] & mask)) : 0;
-      const size_t off = row * D + row_lane * 8;
-      const int slot = ((u * TPL + tsub) * RS + row_lane * 8) * 2;
-      cp_async16(st + slot, kb + off, valid, p.prefetch);
-      cp_async16(st + BT * RS * 2 + slot, vb + off, valid, p.prefetch);
+      for (int u = 0; u < U; ++u) {
+        pg[u] = -1;
+        if (t[u] != kNone) {
+          if (static_cast<unsigned>(t[u]) < static_cast<unsigned>(n_tok)) pg[u] = __ldg(pt + (t[u] >> shift));
+          else atomicOr(p.error, 1);
+        }
+      }
+    }
+  };
+  auto issue = [&](int j, const int (&t)[U], const int (&pg)[U], int limit) {
+    unsigned char* st = ring + (j % kStages) * kStage;
+    if constexpr (kContig) {
+      const bool any = pg[0] >= 0;
+      const size_t row0 = any ? ((static_cast<size_t>(pg[0]) << shift) | static_cast<size_t>(t[0] & mask)) : 0;
+      const T* kr = kb + (row0 + tsub) * D + row_lane * 8;
+      const T* vr = vb + (row0 + tsub) * D + row_lane * 8;
+      const int n_valid = any ? limit - t[0] : 0;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const bool valid = u * TPL + tsub < n_valid;
+        const int slot = ((u * TPL + tsub) * RS + row_lane * 8) * 2;
+        cp_async16(st + slot, valid ? kr + u * TPL * D : kb, valid, p.prefetch);
+        cp_async16(st + BT * RS * 2 + slot, valid ? vr + u * TPL * D : vb, valid, p.prefetch);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const bool valid = pg[u] >= 0;
+        const size_t row = valid ? ((static_cast<size_t>(pg[u]) << shift) | static_cast<size_t>(t[u] & mask)) : 0;
+        const size_t off = row * D + row_lane * 8;
+        const int slot = ((u * TPL + tsub) * RS + row_lane * 8) * 2;
+        cp_async16(st + slot, kb + off, valid, p.prefetch);
+        cp_async16(st + BT * RS * 2 + slot, vb + off, valid, p.prefetch);
+      }
     }
     cp_async_commit();
   };
@@ -554,15 +567,16 @@ __device__ __forceinline__ void attn_pipeline(const AttnParams& p, unsigned char
     int t[U], pg[U];
     load_tok(bs[j], bl[j], t);
     load_page(t, pg);
-    issue(j, t, pg);
+    issue(j, t, pg, bl[j]);
   }
   int ta[U], tb[U], pb[U];
   load_tok(bs[kStages - 1], bl[kStages - 1], tb);
   load_page(tb, pb);
   load_tok(bs[kStages], bl[kStages], ta);
+  after_prologue();
   for (int j = 0; bs[0] >= 0; ++j) {
     if (kWarpSync) __syncwarp();     // every lane is done with the stage about to be refilled
-    issue(j + kStages - 1, tb, pb);  // an empty group past the last block
+    issue(j + kStages - 1, tb, pb, bl[kStages - 1]);  // an empty group past the last block
 #pragma unroll
     for (int u = 0; u < U; ++u) tb[u] = ta[u];
     load_page(tb, pb);                                   // block j + kStages, used next iteration
@@ -652,7 +666,7 @@ __device__ __forceinline__ void attn_block(const uint4 (&kr)[AttnShape<D, G>::kU
 }
 
 // SIMT kernel: CUDA-core FMAs, every row of a block read once for all heads of the tile.
-template <int D, class T, int G>
+template <int D, class T, int G, bool kContig>
 __global__ void __launch_bounds__(kMaxWarps * 32) attention_simt_kernel(AttnParams p) {
   using S = AttnShape<D, G>;
   constexpr int RL = S::kRowLanes, TPL = S::kTokPerLoad, U = S::kUnroll, BT = S::kBlock;
@@ -663,17 +677,21 @@ __global__ void __launch_bounds__(kMaxWarps * 32) attention_simt_kernel(AttnPara
   __shared__ int s_start[kMaxLists + 1];
   __shared__ int s_len[kMaxLists];
   AttnWork w;
-  attn_timeline(p, 0);
-  if (!attn_plan(p, warps * BT, s_start, s_len, w)) return attn_timeline(p, 1);
+  attn_timeline(p, kTlStart);
+  if (!attn_plan(p, warps * BT, s_start, s_len, w)) return attn_timeline(p, kTlEnd);
+  attn_timeline(p, kTlPlanned);
   const int row_lane = lane % RL, tsub = lane / RL;
   float q[G][8];
+  auto load_q = [&] {
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const int qi = w.tile * G + g;
-    const size_t qh = static_cast<size_t>(w.seq) * p.n_kv * p.group + static_cast<size_t>(w.h) * p.group + qi;
+    for (int g = 0; g < G; ++g) {
+      const int qi = w.tile * G + g;
+      const size_t qh = static_cast<size_t>(w.seq) * p.n_kv * p.group + static_cast<size_t>(w.h) * p.group + qi;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) q[g][e] = qi < p.group ? p.q[qh * D + row_lane * 8 + e] * p.qscale : 0.0f;
-  }
+      for (int e = 0; e < 8; ++e) q[g][e] = qi < p.group ? p.q[qh * D + row_lane * 8 + e] * p.qscale : 0.0f;
+    }
+    attn_timeline(p, kTlQuery);
+  };
   float m[G], l[G], o[G][8];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -686,8 +704,10 @@ __global__ void __launch_bounds__(kMaxWarps * 32) attention_simt_kernel(AttnPara
   const int32_t* idx = p.idx != nullptr ? p.idx + (static_cast<size_t>(w.seq) * p.n_kv + w.h) * p.idx_stride : nullptr;
   unsigned char* ring = dyn_smem + static_cast<size_t>(warp) * kStages * stage_bytes<D, BT>();
   BlockGen<BT> gen = attn_blocks<BT>(p, w, warp, warps);
-  attn_pipeline<D, T, BT, U, TPL, false>(
-      p, ring, gen, p.n_tokens[w.seq], idx, pt, [&](const unsigned char* st, int start, int limit) {
+  bool first = true;
+  attn_pipeline<D, T, BT, U, TPL, false, kContig>(
+      p, ring, gen, p.n_tokens[w.seq], idx, pt, load_q, [&](const unsigned char* st, int start, int limit) {
+        if (first) attn_timeline(p, kTlFirstBlock), first = false;
         uint4 kr[U], vr[U];
         bool ok[U];
 #pragma unroll
@@ -699,7 +719,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32) attention_simt_kernel(AttnPara
         }
         attn_block<D, T, G>(kr, vr, ok, q, m, l, o);
       });
+  attn_timeline(p, kTlWarpDone);
   __syncthreads();  // the merge below reuses the rings
+  attn_timeline(p, kTlAllWarps);
   // Token groups of the warp hold disjoint tokens: sum them (m is warp-uniform).
 #pragma unroll
   for (int g = 0; g < G; ++g)
@@ -725,7 +747,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) attention_simt_kernel(AttnPara
     }
   __syncthreads();
   attn_finish<D, G>(p, w, sm_o, sm_m, sm_l, warps, reinterpret_cast<float*>(dyn_smem));
-  attn_timeline(p, 1);
+  attn_timeline(p, kTlEnd);
 }
 
 // ---- tensor cores: mma.sync.m16n8k16 with split operands ----
@@ -796,32 +818,47 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem, 
                  : "r"(a));
 }
 
-// Tensor-core kernel. Per 16-token block and warp: S = Q K^T as 2 n8 tiles (D/16 k-steps,
-// NS mmas each), the online softmax on the accumulator fragments (row = lane / 4 is the
-// head, columns 2 (lane % 4) + {0, 1} the tokens), then O += P V with P taken straight from
-// those fragments as the A operand (D/8 n8 tiles). G <= 8 heads use rows 0..7 of the 16.
-template <int D, class T, int G>
+// movmatrix (sm_75+): the transpose of the 8x8 16-bit matrix whose fragment the warp holds
+// (lane: row lane / 4, columns 2 (lane % 4) and + 1), in the same fragment layout.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// Tensor-core kernel, with the block's 16 tokens as the 16 rows of mma.m16n8k16 and the
+// tile's heads as its 8 columns (a group of 4 fills half of them; with heads as rows it
+// filled 4 of 16 and took twice the mmas). Per 16-token block and warp:
+//   S^T = K Q^T: D/16 k-steps of one mma per split part; K straight from the ring
+//     (ldmatrix), Q^T held as B fragments (lane: head lane / 4, dims 2 (lane % 4), +1, +8);
+//   the online softmax on the accumulator (lane: tokens r = lane / 4 and r + 8, heads
+//     2c and 2c + 1 for c = lane % 4), each head's max over the 8 lanes of its column;
+//   O^T += V^T P^T: D/16 mmas per split part, V^T from the ring (ldmatrix .trans) as A,
+//     P^T as B: the accumulator's weights packed as 16-bit pairs are an 8x8 fragment of
+//     (tokens x heads), and movmatrix .trans turns it into (heads x tokens), B's layout.
+// The O^T accumulator holds dims 16 vs + r and + 8 for heads 2c, 2c + 1: D/4 floats a lane.
+template <int D, class T, int G, bool kContig>
 __global__ void __launch_bounds__(kMaxWarps * 32) attention_mma_kernel(AttnParams p) {
   using S = MmaShape<D>;
   using Ops = MmaOps<T>;
   constexpr int TPL = S::kTokPerLoad, U = S::kUnroll, BT = S::kBlock, NS = Ops::kSplits;
   constexpr int RS = ring_row<D>();
-  constexpr int KS = D / 16;  // k-steps of Q K^T, and 16-dim slabs of P V
+  constexpr int KS = D / 16;  // k-steps of K Q^T, and 16-dim slabs of V^T P^T
   const int warps = blockDim.x >> 5;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   extern __shared__ __align__(16) unsigned char dyn_smem[];
   __shared__ int s_start[kMaxLists + 1];
   __shared__ int s_len[kMaxLists];
   AttnWork w;
-  attn_timeline(p, 0);
-  if (!attn_plan(p, warps * BT, s_start, s_len, w)) return attn_timeline(p, 1);
-  const int r = lane >> 2, c = lane & 3;  // accumulator row (head) and column pair
-  const int qi = w.tile * G + r;
-  const bool head_ok = r < G && qi < p.group;
-  // A fragments of Q: a0 = (row r, dims 16 ks + 2c, +1), a2 = (row r, dims + 8); rows 8..15
-  // (a1, a3) are zero.
-  uint32_t qa[NS][KS][2];
-  {
+  attn_timeline(p, kTlStart);
+  if (!attn_plan(p, warps * BT, s_start, s_len, w)) return attn_timeline(p, kTlEnd);
+  attn_timeline(p, kTlPlanned);
+  const int r = lane >> 2, c = lane & 3;
+  // B fragments of Q^T: b0 = (dims 16 ks + 2c, +1; head r), b1 = (dims + 8; head r).
+  uint32_t qb[NS][KS][2];
+  auto load_q = [&] {
+    const int qi = w.tile * G + r;
+    const bool head_ok = r < G && qi < p.group;
     const size_t qh = static_cast<size_t>(w.seq) * p.n_kv * p.group + static_cast<size_t>(w.h) * p.group + qi;
     const float* qrow = p.q + qh * D;
 #pragma unroll
@@ -833,124 +870,140 @@ __global__ void __launch_bounds__(kMaxWarps * 32) attention_mma_kernel(AttnParam
         uint32_t parts[NS];
         split_pack<T>(x0, x1, parts);
 #pragma unroll
-        for (int k = 0; k < NS; ++k) qa[k][ks][half] = parts[k];
+        for (int k = 0; k < NS; ++k) qb[k][ks][half] = parts[k];
       }
-  }
-  float o[D / 8][4];
+    attn_timeline(p, kTlQuery);
+  };
+  float o[KS][4];
 #pragma unroll
-  for (int nt = 0; nt < D / 8; ++nt)
+  for (int vs = 0; vs < KS; ++vs)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
-  float m = -INFINITY, l = 0.0f;
+    for (int e = 0; e < 4; ++e) o[vs][e] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // heads 2c, 2c + 1
   const int32_t* pt = p.page_table + (static_cast<size_t>(w.seq) * p.n_kv + w.h) * p.max_pages;
   const int32_t* idx = p.idx != nullptr ? p.idx + (static_cast<size_t>(w.seq) * p.n_kv + w.h) * p.idx_stride : nullptr;
   unsigned char* ring = dyn_smem + static_cast<size_t>(warp) * kStages * stage_bytes<D, BT>();
-  // ldmatrix row addresses: lane i feeds row i % 8 of matrix i / 8.
+  // ldmatrix row addresses: lane i feeds row i % 8 of matrix i / 8. A's four matrices are
+  // (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 8-15).
   const int mi = lane >> 3, mr = lane & 7;
-  const int k_tok = (mi >> 1) * 8 + mr, k_dim = (mi & 1) * 8;   // K: [tok 0-7 | 8-15] x [dims +0 | +8]
-  const int v_tok = (mi & 1) * 8 + mr, v_dim = (mi >> 1) * 8;   // V (transposed): tokens, dims
+  const int k_tok = (mi & 1) * 8 + mr, k_dim = (mi >> 1) * 8;  // K: rows tokens, cols dims
+  const int v_tok = (mi >> 1) * 8 + mr, v_dim = (mi & 1) * 8;  // V^T (transposed): rows dims, cols tokens
   BlockGen<BT> gen = attn_blocks<BT>(p, w, warp, warps);
-  attn_pipeline<D, T, BT, U, TPL, true>(
-      p, ring, gen, p.n_tokens[w.seq], idx, pt, [&](const unsigned char* st, int start, int limit) {
+  bool first = true;
+  attn_pipeline<D, T, BT, U, TPL, true, kContig>(
+      p, ring, gen, p.n_tokens[w.seq], idx, pt, load_q, [&](const unsigned char* st, int start, int limit) {
+        if (first) attn_timeline(p, kTlFirstBlock), first = false;
         const unsigned char* ks_base = st + (k_tok * RS + k_dim) * 2;
         const unsigned char* vs_base = st + BT * RS * 2 + (v_tok * RS + v_dim) * 2;
-        float sc[2][4] = {};
+        float sc[4] = {};  // (token r, heads 2c, 2c+1), (token r + 8, heads 2c, 2c+1)
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
-          uint32_t kb[4];
-          ldmatrix_x4(kb, ks_base + ks * 32, false);
+          uint32_t ka[4];
+          ldmatrix_x4(ka, ks_base + ks * 32, false);
 #pragma unroll
-          for (int k = 0; k < NS; ++k) {
-            const uint32_t a[4] = {qa[k][ks][0], 0u, qa[k][ks][1], 0u};
-            Ops::mma(sc[0], a, kb[0], kb[1]);
-            Ops::mma(sc[1], a, kb[2], kb[3]);
-          }
+          for (int k = 0; k < NS; ++k) Ops::mma(sc, ka, qb[k][ks][0], qb[k][ks][1]);
         }
-        // Online softmax of row r over the block's 16 tokens (4 per lane, 4 lanes per row).
-        float sv[4];
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) sv[nt * 2 + e] = start + nt * 8 + 2 * c + e < limit ? sc[nt][e] : -INFINITY;
-        float mx = fmaxf(fmaxf(sv[0], sv[1]), fmaxf(sv[2], sv[3]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mn = fmaxf(m, mx);
+        const bool in0 = start + r < limit, in1 = start + r + 8 < limit;
         float pv[4];
-        if (mn == -INFINITY) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) pv[e] = 0.0f;
-        } else {
-          const float alpha = exp2f(m - mn);
-          m = mn;
-          l *= alpha;
-#pragma unroll
-          for (int nt = 0; nt < D / 8; ++nt) {
-            o[nt][0] *= alpha;
-            o[nt][1] *= alpha;
+        for (int h = 0; h < 2; ++h) {
+          const float s0 = in0 ? sc[h] : -INFINITY, s1 = in1 ? sc[2 + h] : -INFINITY;
+          float mx = fmaxf(s0, s1);
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+          const float mn = fmaxf(m[h], mx);
+          if (mn == -INFINITY) {
+            pv[h] = pv[2 + h] = 0.0f;
+            continue;
           }
+          const float alpha = exp2f(m[h] - mn);
+          m[h] = mn;
+          pv[h] = exp2f(s0 - mn);
+          pv[2 + h] = exp2f(s1 - mn);
+          l[h] = l[h] * alpha + pv[h] + pv[2 + h];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            pv[e] = exp2f(sv[e] - mn);
-            l += pv[e];
+          for (int vs = 0; vs < KS; ++vs) {
+            o[vs][h] *= alpha;
+            o[vs][2 + h] *= alpha;
           }
         }
-        // P as the A operand: a0 = (row r, tokens 2c, 2c+1), a2 = (row r, tokens 8 + 2c, +1).
-        uint32_t pa0[NS], pa2[NS];
-        split_pack<T>(pv[0], pv[1], pa0);
-        split_pack<T>(pv[2], pv[3], pa2);
+        // P^T as the B operand: b0 = (tokens 2c, 2c+1; head r), b1 = (tokens 8 + 2c, +1; head r).
+        uint32_t pb0[NS], pb1[NS];
+        split_pack<T>(pv[0], pv[1], pb0);
+        split_pack<T>(pv[2], pv[3], pb1);
+#pragma unroll
+        for (int k = 0; k < NS; ++k) {
+          pb0[k] = movmatrix_trans(pb0[k]);
+          pb1[k] = movmatrix_trans(pb1[k]);
+        }
 #pragma unroll
         for (int vs = 0; vs < KS; ++vs) {
-          uint32_t vb[4];
-          ldmatrix_x4(vb, vs_base + vs * 32, true);
+          uint32_t va[4];
+          ldmatrix_x4(va, vs_base + vs * 32, true);
 #pragma unroll
-          for (int k = 0; k < NS; ++k) {
-            const uint32_t a[4] = {pa0[k], 0u, pa2[k], 0u};
-            Ops::mma(o[2 * vs], a, vb[0], vb[1]);
-            Ops::mma(o[2 * vs + 1], a, vb[2], vb[3]);
-          }
+          for (int k = 0; k < NS; ++k) Ops::mma(o[vs], va, pb0[k], pb1[k]);
         }
       });
+  attn_timeline(p, kTlWarpDone);
   __syncthreads();  // the merge below reuses the rings
-  // l: sum over the 4 lanes of the row (m is already the same on them).
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  attn_timeline(p, kTlAllWarps);
+  // l: sum over the 8 lanes of each head's column (m is already the same on them).
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 4);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 8);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 16);
+  }
   float* sm_o = reinterpret_cast<float*>(dyn_smem);  // [warps][G][D]
   float* sm_m = sm_o + warps * G * D;                 // [warps][G]
   float* sm_l = sm_m + warps * G;                     // [warps][G]
-  if (r < G) {
 #pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      sm_o[(warp * G + r) * D + nt * 8 + 2 * c] = o[nt][0];
-      sm_o[(warp * G + r) * D + nt * 8 + 2 * c + 1] = o[nt][1];
+  for (int h = 0; h < 2; ++h) {
+    const int hh = 2 * c + h;
+    if (hh >= G) continue;
+    float* row = sm_o + (warp * G + hh) * D;
+#pragma unroll
+    for (int vs = 0; vs < KS; ++vs) {
+      row[vs * 16 + r] = o[vs][h];
+      row[vs * 16 + r + 8] = o[vs][2 + h];
     }
-    if (c == 0) {
-      sm_m[warp * G + r] = m;
-      sm_l[warp * G + r] = l;
+    if (r == 0) {
+      sm_m[warp * G + hh] = m[h];
+      sm_l[warp * G + hh] = l[h];
     }
   }
   __syncthreads();
   attn_finish<D, G>(p, w, sm_o, sm_m, sm_l, warps, reinterpret_cast<float*>(dyn_smem));
-  attn_timeline(p, 1);
+  attn_timeline(p, kTlEnd);
 }
 
 using AttnKernel = void (*)(AttnParams);
 
+// A plan's kernels: `any` takes every list; `contig` (or null) is the same kernel for dense
+// ranges whose pages hold a whole number of blocks (attn_pipeline's kContig), picked at
+// launch when the call has no index lists.
+struct AttnKernels {
+  AttnKernel any = nullptr, contig = nullptr;
+};
+
 // Instantiated for head tiles of 1, 4 and 8 query heads (a group of 2 or 3 runs in a tile
 // of 4 with the rest masked), head_dim 64 and 128, f16 and bf16, SIMT and tensor cores:
-// 24 kernels per architecture. Head_dim 256 (Gemma 3): SIMT only, in tiles of 4 heads (a
-// group of 1 masked in one, 8 as two tiles): 2 more. The tensor-core kernel does not hold
+// 24 kernels per architecture, and the tensor-core ones again for contiguous dense ranges.
+// Head_dim 256 (Gemma 3): SIMT only, in tiles of 4 heads (a group of 1 masked in one, 8 as
+// two tiles), both forms: 4 more. The tensor-core kernel does not hold
 // 256 dimensions in registers: Q's split fragments (64 or 96 registers), 32 n8 output
 // tiles and the pipeline's 16 rows per lane spilled 330-870 bytes per thread even with Q in
 // shared memory and half the accumulators, and ran 2.6x slower than SIMT on an H100
 // (Gemma 3 32K: 114 vs 44 us); AttentionPlan runs SIMT there instead.
 template <int D, class T, int G>
-AttnKernel attn_kernel_ptr(bool mma) {
-  return mma ? attention_mma_kernel<D, T, G> : attention_simt_kernel<D, T, G>;
+AttnKernels attn_kernel_ptr(bool mma) {
+  if (mma) return {attention_mma_kernel<D, T, G, false>, attention_mma_kernel<D, T, G, true>};
+  return {attention_simt_kernel<D, T, G, false>, nullptr};
 }
 
 template <int D, class T>
-AttnKernel pick_g(int g, bool mma) {
+AttnKernels pick_g(int g, bool mma) {
   switch (g) {
     case 1: return attn_kernel_ptr<D, T, 1>(mma);
     case 4: return attn_kernel_ptr<D, T, 4>(mma);
@@ -959,11 +1012,12 @@ AttnKernel pick_g(int g, bool mma) {
 }
 
 template <class T>
-AttnKernel pick_d(int d, int g, bool mma) {
+AttnKernels pick_d(int d, int g, bool mma) {
   switch (d) {
     case 64: return pick_g<64, T>(g, mma);
     case 128: return pick_g<128, T>(g, mma);
-    default: return attention_simt_kernel<256, T, 4>;  // tile_heads: 4; no tensor cores (above)
+    default:  // tile_heads: 4; no tensor cores (above)
+      return {attention_simt_kernel<256, T, 4, false>, attention_simt_kernel<256, T, 4, true>};
   }
 }
 
@@ -984,9 +1038,11 @@ int block_tokens(int d, int g, bool mma) {
 struct AttentionPlan::Impl {
   DeviceKvView kv;
   int group = 1, g = 1, n_tiles = 1, n_lists = 0, warps = 4, target = 0, min_chunk = 0, max_chunk = 0, max_items = 0;
+  int max_chunk_lists = 0, items_dense = 0, items_lists = 0;  // index lists' cap; each call's grid
   bool mma = false;
   size_t smem = 0;
   AttnKernel kernel = nullptr;
+  AttnKernel kernel_contig = nullptr;  // dense calls, when the pages hold whole blocks (else null)
   bool steal = false;
   int prefetch = 256;
   DeviceBuffer part_o, part_m, part_l, tickets, cursor, timeline, error;
@@ -1000,6 +1056,7 @@ AttentionPlan::AttentionPlan(const DeviceKvView& kv, int group, const AttentionP
                 o.ctas_per_sm);
   CUMULUS_CHECK(o.min_chunk >= 0, "options.min_chunk={} must be >= 0", o.min_chunk);
   CUMULUS_CHECK(o.max_chunk >= 0, "options.max_chunk={} must be >= 0", o.max_chunk);
+  CUMULUS_CHECK(o.max_chunk_lists >= 0, "options.max_chunk_lists={} must be >= 0", o.max_chunk_lists);
   CUMULUS_CHECK(o.l2_prefetch == 0 || o.l2_prefetch == 128 || o.l2_prefetch == 256,
                 "options.l2_prefetch={} must be 0, 128 or 256", o.l2_prefetch);
   auto im = std::make_unique<Impl>();
@@ -1012,8 +1069,11 @@ AttentionPlan::AttentionPlan(const DeviceKvView& kv, int group, const AttentionP
                 "n_seqs={} x n_kv_heads={} x head tiles={} = {} lists exceed the kernel's limit of {}", kv.n_seqs,
                 kv.n_kv_heads, im->n_tiles, im->n_lists, kMaxLists);
   im->mma = o.tensor_cores && kv.head_dim <= 128;  // head_dim 256: SIMT (see attn_kernel_ptr)
-  im->kernel = kv.dtype == DType::f16 ? pick_d<__half>(kv.head_dim, im->g, im->mma)
-                                      : pick_d<__nv_bfloat16>(kv.head_dim, im->g, im->mma);
+  const AttnKernels ks = kv.dtype == DType::f16 ? pick_d<__half>(kv.head_dim, im->g, im->mma)
+                                                : pick_d<__nv_bfloat16>(kv.head_dim, im->g, im->mma);
+  im->kernel = ks.any;
+  if (kv.page_size % block_tokens(kv.head_dim, im->g, im->mma) == 0 && o.contiguous_dense)
+    im->kernel_contig = ks.contig;
   // Dynamic shared memory: the warps' cp.async rings; the warps' results and the merge
   // scratch (a float per thread, a float4 per thread) reuse them.
   auto smem_of = [&](int warps) {
@@ -1041,8 +1101,11 @@ AttentionPlan::AttentionPlan(const DeviceKvView& kv, int group, const AttentionP
                 kv.head_dim, im->warps, im->mma ? "tensor cores" : "SIMT", smem_of(im->warps) + fa.sharedSizeBytes,
                 optin);
   im->smem = smem_of(im->warps);
-  CUMULUS_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(im->kernel),
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(im->smem)));
+  for (AttnKernel k : {im->kernel, im->kernel_contig})
+    if (k != nullptr)
+      CUMULUS_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(k),
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(im->smem)));
   int per_sm = 0;
   CUMULUS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, im->kernel, im->warps * 32, im->smem));
   CUMULUS_CHECK(per_sm >= 1, "the attention kernel does not fit a multiprocessor (warps={}, smem={})", im->warps,
@@ -1053,8 +1116,13 @@ AttentionPlan::AttentionPlan(const DeviceKvView& kv, int group, const AttentionP
   // chunks of at most max_chunk entries.
   const int step = block_tokens(kv.head_dim, im->g, im->mma) * im->warps;
   im->max_chunk = std::max(step, (o.max_chunk > 0 ? o.max_chunk : 32768) / step * step);
-  im->max_items = std::max(im->target + im->n_lists,
-                           im->n_lists * (ceil_div(std::max(1, kv.max_tokens), im->max_chunk) + 1));
+  im->max_chunk_lists = std::max(step, (o.max_chunk_lists > 0 ? o.max_chunk_lists : 8192) / step * step);
+  auto grid_for = [&](int cap) {
+    return std::max(im->target + im->n_lists, im->n_lists * (ceil_div(std::max(1, kv.max_tokens), cap) + 1));
+  };
+  im->items_dense = grid_for(im->max_chunk);
+  im->items_lists = grid_for(im->max_chunk_lists);
+  im->max_items = std::max(im->items_dense, im->items_lists);
   const size_t gd = static_cast<size_t>(im->g) * kv.head_dim;
   im->part_o = DeviceBuffer(im->max_items * gd * sizeof(float));
   im->part_m = DeviceBuffer(static_cast<size_t>(im->max_items) * im->g * sizeof(float));
@@ -1077,7 +1145,7 @@ void attention_plan_set_bench(AttentionPlan& plan, const AttentionPlanBenchOptio
   AttentionPlan::Impl& im = *plan.impl();
   im.steal = o.steal;
   if (o.timeline && im.timeline.data() == nullptr) {
-    im.timeline = DeviceBuffer(static_cast<size_t>(im.max_items) * 2 * sizeof(unsigned long long));
+    im.timeline = DeviceBuffer(static_cast<size_t>(im.max_items) * kAttnTimelinePoints * sizeof(unsigned long long));
     im.timeline.fill_bytes(0);
   } else if (!o.timeline) {
     im.timeline = DeviceBuffer();
@@ -1103,7 +1171,7 @@ std::vector<int64_t> attention_plan_timeline(const AttentionPlan& plan, void* st
   CUMULUS_CHECK(im.timeline.data() != nullptr,
                 "attention_plan_timeline: the plan's bench options do not set timeline");
   CUMULUS_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
-  std::vector<unsigned long long> t(static_cast<size_t>(im.max_items) * 2);
+  std::vector<unsigned long long> t(static_cast<size_t>(im.max_items) * kAttnTimelinePoints);
   im.timeline.download(t.data(), t.size() * sizeof(unsigned long long));
   unsigned long long t0 = ~0ull;
   for (unsigned long long x : t)
@@ -1158,8 +1226,11 @@ void attention_decode(const DeviceDecodeArgs& a, AttentionPlan& plan, void* stre
   p.error = im.error.as<int>();
   p.target_ctas = im.target;
   p.min_chunk = im.min_chunk;
-  p.max_chunk = im.max_chunk;
-  im.kernel<<<im.max_items, im.warps * 32, im.smem, as_stream(stream)>>>(p);
+  p.max_chunk = a.idx != nullptr ? im.max_chunk_lists : im.max_chunk;
+  if (im.timeline.data() != nullptr)  // points a CTA does not reach this launch read -1, not the last launch's
+    CUMULUS_CUDA_CHECK(cudaMemsetAsync(im.timeline.data(), 0, im.timeline.size(), as_stream(stream)));
+  const AttnKernel kernel = a.idx == nullptr && im.kernel_contig != nullptr ? im.kernel_contig : im.kernel;
+  kernel<<<a.idx != nullptr ? im.items_lists : im.items_dense, im.warps * 32, im.smem, as_stream(stream)>>>(p);
   CUMULUS_CUDA_LAUNCH("attention_kernel");
 }
 

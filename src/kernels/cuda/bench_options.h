@@ -27,9 +27,22 @@ struct AttentionPlanBenchOptions {
   // CTAs' end times but costs 2-3% on dense and ~9% on tactic's lists (a claim's atomic
   // round trip sits in front of each unit's loads).
   bool steal = false;
-  // Record each CTA's start and end (%globaltimer) at every launch, for
-  // attention_plan_timeline (a buffer of [max CTAs][2] words while set).
+  // Record each CTA's timeline (%globaltimer at the points of AttnTimelinePoint) at every
+  // launch, for attention_plan_timeline (a buffer of [max CTAs][kAttnTimelinePoints] words
+  // while set).
   bool timeline = false;
+};
+
+// The points of a CTA's timeline, recorded by its thread 0 (warp 0).
+enum AttnTimelinePoint : int {
+  kTlStart = 0,      // the CTA starts
+  kTlPlanned,        // the split plan is made (every CTA makes it from all list lengths)
+  kTlQuery,          // the query rows are in registers (loaded once the first copies are issued)
+  kTlFirstBlock,     // warp 0's first block has landed in shared memory
+  kTlWarpDone,       // warp 0 has computed its last block
+  kTlAllWarps,       // every warp of the CTA has (the barrier before the CTA's partial)
+  kTlEnd,            // the CTA ends (after the merge when it is its list's last)
+  kAttnTimelinePoints
 };
 
 // Sets the plan's bench knobs; takes effect from the next attention_decode on it (between
@@ -37,10 +50,13 @@ struct AttentionPlanBenchOptions {
 void attention_plan_set_bench(AttentionPlan& plan, const AttentionPlanBenchOptions& o);
 // The same for the attention plan of a decoder made by a make_*_gpu function.
 void sparse_decoder_set_plan_bench(SparseDecoder& m, const AttentionPlanBenchOptions& o);
-// With AttentionPlanBenchOptions::timeline set: the last launch's CTA start and end times,
-// [CTA][2] nanoseconds after the earliest start (-1: that CTA slot did not run).
+// With AttentionPlanBenchOptions::timeline set: the last launch's CTA timelines,
+// [CTA][kAttnTimelinePoints] nanoseconds after the earliest start (-1: that CTA slot did not
+// run, or did not reach that point: a CTA without work records only its start and end).
 // Synchronises `stream`.
 std::vector<int64_t> attention_plan_timeline(const AttentionPlan& plan, void* stream = nullptr);
+// The same for the attention plan of a decoder made by a make_*_gpu function.
+std::vector<int64_t> sparse_decoder_plan_timeline(const SparseDecoder& m, void* stream = nullptr);
 
 // ---- every decoder (SparseDecoder) ----------------------------------------------------------
 

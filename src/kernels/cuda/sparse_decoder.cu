@@ -39,6 +39,10 @@ void sparse_decoder_set_plan_bench(SparseDecoder& m, const AttentionPlanBenchOpt
   attention_plan_set_bench(*SparseDecoder::Base::of(m).plan, o);
 }
 
+std::vector<int64_t> sparse_decoder_plan_timeline(const SparseDecoder& m, void* stream) {
+  return attention_plan_timeline(*SparseDecoder::Base::of(m).plan, stream);
+}
+
 std::vector<std::pair<std::string, double>> sparse_decoder_phase_times(const SparseDecoder& m, void* stream) {
   const SparseDecoder::Base& b = SparseDecoder::Base::of(m);
   if (!b.phase_times) return {};
