@@ -227,22 +227,25 @@ struct Case {
     auto* base_i = static_cast<char*>(ibuf);
     auto* base_f = static_cast<char*>(fbuf);
     const paged_kv_t<DTypeKV, IdType> kv(hkv, page, D, batch, QKVLayout::kHND, k, v, d_indices, d_indptr, d_last);
+    auto set_common = [&](auto& x) {  // the fields both kernels' parameter structs share
+      x.q = q;
+      x.paged_kv = kv;
+      x.o = o;
+      x.lse = lse;
+      x.sm_scale = 1.0 / std::sqrt(static_cast<double>(D));
+      x.rope_rcp_scale = 1.0;
+      x.rope_rcp_theta = 1.0 / 1e4;
+      x.num_qo_heads = hq;
+      x.q_stride_n = hq * D;
+      x.q_stride_h = D;
+      x.window_left = -1;
+    };
     if (!tc) {
       DecodePlanInfo info;
       auto est = BatchDecodeWithPagedKVCacheWorkEstimationDispatched<G, D, PosEncodingMode::kNone, Variant, Params>;
       CK((DecodePlan<D, PosEncodingMode::kNone, Variant, Params>(fbuf, float_ws, ibuf, ibuf_h, int_ws, info,
                                                                   indptr.data(), batch, hq, page, true, st, est)));
-      p.q = q;
-      p.paged_kv = kv;
-      p.o = o;
-      p.lse = lse;
-      p.sm_scale = 1.0 / std::sqrt(static_cast<double>(D));
-      p.rope_rcp_scale = 1.0;
-      p.rope_rcp_theta = 1.0 / 1e4;
-      p.num_qo_heads = hq;
-      p.q_stride_n = hq * D;
-      p.q_stride_h = D;
-      p.window_left = -1;
+      set_common(p);
       p.request_indices = reinterpret_cast<IdType*>(base_i + info.request_indices_offset);
       p.kv_tile_indices = reinterpret_cast<IdType*>(base_i + info.kv_tile_indices_offset);
       p.o_indptr = reinterpret_cast<IdType*>(base_i + info.o_indptr_offset);
@@ -267,19 +270,9 @@ struct Case {
       CK((PrefillPlan<IdType>(fbuf, float_ws, ibuf, ibuf_h, int_ws, info, qo_indptr.data(), indptr.data(), batch,
                               batch, hq, hkv, D, D, page, true, sizeof(DTypeO), -1, -1, false, 0, 0, st,
                               sizeof(DTypeKV))));
-      pp.q = q;
-      pp.paged_kv = kv;
+      set_common(pp);
       pp.q_indptr = d_qo_indptr;
-      pp.o = o;
-      pp.lse = lse;
       pp.group_size = uint_fastdiv(hq / hkv);
-      pp.sm_scale = 1.0 / std::sqrt(static_cast<double>(D));
-      pp.rope_rcp_scale = 1.0;
-      pp.rope_rcp_theta = 1.0 / 1e4;
-      pp.num_qo_heads = hq;
-      pp.q_stride_n = hq * D;
-      pp.q_stride_h = D;
-      pp.window_left = -1;
       pp.request_indices = reinterpret_cast<IdType*>(base_i + info.request_indices_offset);
       pp.qo_tile_indices = reinterpret_cast<IdType*>(base_i + info.qo_tile_indices_offset);
       pp.kv_tile_indices = reinterpret_cast<IdType*>(base_i + info.kv_tile_indices_offset);
