@@ -22,14 +22,15 @@
 //          [--warmup 5] [--p 0.9] [--concentration 1.0] [--seed 1] [--methods LIST]
 //          [--dense-plans LIST] [--trace FILE]... [--json PATH]
 // --dense-plans: our dense kernel's plans to time, comma-separated specs KIND WARPS [/cN]
-// [/mN] [/nN] [/s0] [/pN] [/k0]: KIND simt or tc (tensor cores), WARPS 2, 4 or 8 per CTA, /c
+// [/mN] [/lN] [/nN] [/s0] [/pN] [/k0]: KIND simt or tc (tensor cores), WARPS 2, 4 or 8 per CTA, /c
 // CTAs per SM (0 = occupancy limit), /m max_chunk, /n min_chunk (0 = the plan's default),
 // /s1 with work stealing (/s0 without: the default), /p L2 prefetch size (0, 128, 256; the
 // default 256), /k0 the general kernel for dense ranges too (/k1, the default: the kernel
 // with one page lookup per block, AttentionPlanOptions::contiguous_dense), /l the index
-// lists' max_chunk (the sparse methods attend with the chosen plan); e.g. tc4/c1/p0. The
-// fastest valid plan also runs once with a CTA timeline (start and end of every CTA) to show
-// how evenly the chunks finish.
+// lists' max_chunk (it leaves the dense time alone; the sparse methods attend with the
+// fastest dense plan, so give /l to one spec, or to all); e.g. tc4/c1/p0. The fastest valid
+// plan also runs once with a CTA timeline (its points per CTA) to show where a CTA's time
+// goes and how evenly the chunks finish.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -230,10 +231,11 @@ Accuracy accuracy(const std::vector<float>& out, const std::vector<float>& dense
 }
 
 // CTA timelines of one launch ([CTA][kAttnTimelinePoints] ns after the first start, -1 = not
-// reached): the span, quantiles of the CTA end times, the busy share sum(end - start) / (CTAs
-// x span), and for the CTAs that computed blocks the median time from their start to each
-// point (plan made, query loaded, warp 0's first block landed, warp 0 done, every warp done,
-// end) and the last CTA's end after the 90th percentile's.
+// reached), over the CTAs that had a chunk (the grid holds more CTAs than any plan uses;
+// those without work start as multiprocessors free up and end at once): the span, quantiles
+// of the CTA end times, the busy share sum(end - start) / (CTAs x span), and for the CTAs
+// that computed blocks the median time from their start to each point (plan made, query
+// loads issued, warp 0's first block landed, warp 0 done, every warp done, end).
 json timeline_summary(const std::vector<int64_t>& t) {
   constexpr int K = cuda::kAttnTimelinePoints;
   std::vector<double> ends;
@@ -241,7 +243,7 @@ json timeline_summary(const std::vector<int64_t>& t) {
   double busy = 0, span = 0;
   for (size_t i = 0; i + K <= t.size(); i += K) {
     const int64_t s = t[i + cuda::kTlStart], e = t[i + cuda::kTlEnd];
-    if (s < 0 || e < 0) continue;
+    if (s < 0 || e < 0 || t[i + cuda::kTlPlanned] < 0) continue;  // no chunk: not part of the work
     ends.push_back(1e-3 * e);
     busy += 1e-3 * (e - s);
     span = std::max(span, 1e-3 * e);

@@ -175,9 +175,10 @@ TEST(CudaAttention, DenseMatchesReference) {
     const auto q = random_vec(c.lens.size() * c.n_kv * c.group * c.head_dim, rng);
     const GpuResult r = run_ref(seqs, q, c.group, {});
     // Default (tensor cores, 8 warps), tensor cores with 4 warps and many small chunks, and
-    // the SIMT kernel with 2 and 4 warps; each of these takes the kernel for contiguous
-    // dense ranges where the pages hold whole blocks (page sizes 16 and 64 below); the
-    // default plan with the general kernel (contiguous_dense off) too.
+    // the SIMT kernel with 2 and 4 warps; the tensor-core plans (and SIMT at head_dim 256)
+    // take the kernel for contiguous dense ranges where the pages hold whole blocks (page
+    // sizes 16 and 64 below); the default plan with the general kernel (contiguous_dense
+    // off) too.
     // Each without work stealing and with the 256-byte L2 fetch hint (the defaults), with
     // stealing and no hint, and with the 128-byte hint.
     cuda::AttentionPlanOptions general;

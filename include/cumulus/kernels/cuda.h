@@ -305,9 +305,10 @@ struct AttentionPlanOptions {
   // 128 or 256 bytes (default: 256; measured ~2% faster than 0 on dense at 128K).
   int l2_prefetch = 256;
   // Dense calls (no index lists) over pages of a whole number of a warp's blocks (16
-  // tokens with tensor cores, the default page size) take a kernel whose copies need one
-  // page-table load per block instead of a lookup per row. false: the general kernel
-  // (benchmarks compare the two).
+  // tokens with tensor cores, the default page size; 8 for the head_dim-256 CUDA-core
+  // kernel) take a kernel whose copies need one page-table load per block instead of a
+  // lookup per row. The CUDA-core kernel at head_dim 64 and 128 has no such form. false:
+  // the general kernel everywhere (benchmarks compare the two).
   bool contiguous_dense = true;
   // The CTA timeline that benchmarks record is a bench-only knob too (bench_options.h).
 };

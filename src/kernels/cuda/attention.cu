@@ -1042,7 +1042,8 @@ struct AttentionPlan::Impl {
   bool mma = false;
   size_t smem = 0;
   AttnKernel kernel = nullptr;
-  AttnKernel kernel_contig = nullptr;  // dense calls, when the pages hold whole blocks (else null)
+  AttnKernel kernel_contig = nullptr;  // dense calls whose pages hold whole blocks (null: none, or off)
+  int block = 16;                      // tokens per warp block (the contiguous kernel's page-size unit)
   bool steal = false;
   int prefetch = 256;
   DeviceBuffer part_o, part_m, part_l, tickets, cursor, timeline, error;
@@ -1072,8 +1073,8 @@ AttentionPlan::AttentionPlan(const DeviceKvView& kv, int group, const AttentionP
   const AttnKernels ks = kv.dtype == DType::f16 ? pick_d<__half>(kv.head_dim, im->g, im->mma)
                                                 : pick_d<__nv_bfloat16>(kv.head_dim, im->g, im->mma);
   im->kernel = ks.any;
-  if (kv.page_size % block_tokens(kv.head_dim, im->g, im->mma) == 0 && o.contiguous_dense)
-    im->kernel_contig = ks.contig;
+  im->block = block_tokens(kv.head_dim, im->g, im->mma);
+  if (o.contiguous_dense) im->kernel_contig = ks.contig;  // taken per call, where its page size allows
   // Dynamic shared memory: the warps' cp.async rings; the warps' results and the merge
   // scratch (a float per thread, a float4 per thread) reuse them.
   auto smem_of = [&](int warps) {
@@ -1229,7 +1230,10 @@ void attention_decode(const DeviceDecodeArgs& a, AttentionPlan& plan, void* stre
   p.max_chunk = a.idx != nullptr ? im.max_chunk_lists : im.max_chunk;
   if (im.timeline.data() != nullptr)  // points a CTA does not reach this launch read -1, not the last launch's
     CUMULUS_CUDA_CHECK(cudaMemsetAsync(im.timeline.data(), 0, im.timeline.size(), as_stream(stream)));
-  const AttnKernel kernel = a.idx == nullptr && im.kernel_contig != nullptr ? im.kernel_contig : im.kernel;
+  // The contiguous kernel reads a block's rows from one page: only where the call's pages
+  // hold whole blocks (the plan's view may have had another page size).
+  const bool contig = a.idx == nullptr && im.kernel_contig != nullptr && a.kv.page_size % im.block == 0;
+  const AttnKernel kernel = contig ? im.kernel_contig : im.kernel;
   kernel<<<a.idx != nullptr ? im.items_lists : im.items_dense, im.warps * 32, im.smem, as_stream(stream)>>>(p);
   CUMULUS_CUDA_LAUNCH("attention_kernel");
 }

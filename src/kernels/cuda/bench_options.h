@@ -37,7 +37,8 @@ struct AttentionPlanBenchOptions {
 enum AttnTimelinePoint : int {
   kTlStart = 0,      // the CTA starts
   kTlPlanned,        // the split plan is made (every CTA makes it from all list lengths)
-  kTlQuery,          // the query rows are in registers (loaded once the first copies are issued)
+  kTlQuery,          // the query rows' loads are issued (after the first copies; the point
+                     // does not wait for them to land)
   kTlFirstBlock,     // warp 0's first block has landed in shared memory
   kTlWarpDone,       // warp 0 has computed its last block
   kTlAllWarps,       // every warp of the CTA has (the barrier before the CTA's partial)
@@ -46,7 +47,9 @@ enum AttnTimelinePoint : int {
 };
 
 // Sets the plan's bench knobs; takes effect from the next attention_decode on it (between
-// launches; a CUDA graph keeps what it captured).
+// launches; a CUDA graph keeps what it captured, including the timeline buffer's address:
+// turning the timeline off frees that buffer, so a graph captured with it on must not be
+// replayed afterwards).
 void attention_plan_set_bench(AttentionPlan& plan, const AttentionPlanBenchOptions& o);
 // The same for the attention plan of a decoder made by a make_*_gpu function.
 void sparse_decoder_set_plan_bench(SparseDecoder& m, const AttentionPlanBenchOptions& o);
