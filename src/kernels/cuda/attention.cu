@@ -38,7 +38,7 @@
 #include <cmath>
 
 #include "bench_options.h"
-#include "cuda_util.cuh"
+#include "cuda_internal.cuh"
 #include "cumulus/kernels/cuda.h"
 
 namespace cumulus::cuda {
@@ -174,13 +174,6 @@ struct AttnWork {
   int list_first;   // item of the list's chunk 0
 };
 
-template <class V>
-__device__ __forceinline__ V warp_sum(V x) {
-#pragma unroll
-  for (int o = 16; o >= 1; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
 // The split plan, the same in every CTA. From all list lengths: a chunk size C (a multiple
 // of `step`, within [min_chunk, max_chunk]) such that the lists' chunks fit one wave of
 // target_ctas when the cap allows (a few rounds of C <- C * chunks / target), then each
@@ -216,12 +209,7 @@ __device__ bool attn_plan(const AttnParams& p, int step, int* s_start, int* s_le
     const int per = (n + 31) / 32, b = min(n, lane * per), e = min(n, b + per);
     int own = 0;
     for (int l = b; l < e; ++l) own += max(1, static_cast<int>((s_len[l] + chunk - 1) / chunk));
-    int incl = own;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += y;
-    }
+    const int incl = warp_scan_inclusive(own);
     int run = incl - own;
     for (int l = b; l < e; ++l) {
       const int c = max(1, static_cast<int>((s_len[l] + chunk - 1) / chunk));

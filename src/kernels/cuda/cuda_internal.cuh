@@ -51,23 +51,13 @@ __device__ __forceinline__ T block_sum(T v) {
   block_scan_exclusive<T>(v, &total);
   return total;
 }
-__device__ __forceinline__ float block_max(float v) {
-  __shared__ float s_m[32];
+template <class T>
+__device__ __forceinline__ T block_max(T v) {
+  __shared__ T s_m[32];
   v = warp_max(v);
   if ((threadIdx.x & 31) == 0) s_m[threadIdx.x >> 5] = v;
   __syncthreads();
-  float m = -INFINITY;
-  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) m = fmaxf(m, s_m[w]);
-  __syncthreads();
-  return m;
-}
-__device__ __forceinline__ double block_max(double v) {
-  __shared__ double s_m[32];
-#pragma unroll
-  for (int o = 16; o >= 1; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
-  if ((threadIdx.x & 31) == 0) s_m[threadIdx.x >> 5] = v;
-  __syncthreads();
-  double m = -INFINITY;
+  T m = -INFINITY;
   for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) m = fmax(m, s_m[w]);
   __syncthreads();
   return m;

@@ -81,14 +81,17 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 // Streaming 16-byte load through the read-only path (K/V rows are read once per step).
 __device__ __forceinline__ uint4 load16(const void* p) { return __ldg(static_cast<const uint4*>(p)); }
 
-__device__ __forceinline__ float warp_sum(float x) {
+// Sum / max over a full warp (every lane gets the result): float, double, int, long long.
+template <class T>
+__device__ __forceinline__ T warp_sum(T x) {
 #pragma unroll
   for (int o = 16; o >= 1; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
-__device__ __forceinline__ float warp_max(float x) {
+template <class T>
+__device__ __forceinline__ T warp_max(T x) {
 #pragma unroll
-  for (int o = 16; o >= 1; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  for (int o = 16; o >= 1; o >>= 1) x = fmax(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
 }
 
