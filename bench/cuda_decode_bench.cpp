@@ -500,7 +500,8 @@ json run_sparse(const std::string& name, const Problem& pb, cuda::Stream& st, Ti
   r["select_share"] = sel / step;
   r["attend_gbps"] = att_bytes / (att * 1e-6) / 1e9;
   r["attend_pct_copy"] = 100.0 * att_bytes / (att * 1e-6) / 1e9 / copy_gbps;
-  r["speedup_vs_our_dense"] = dense_us / step;
+  // None when no dense plan ran or none was valid (--dense-plans "": run_dense leaves 1e300).
+  r["speedup_vs_our_dense"] = dense_us > 0 && dense_us < 1e300 ? json(dense_us / step) : json(nullptr);
   {  // the attention's CTA timelines in one more step (after an L2 flush)
     PlanSpec tl = po;
     tl.bench.timeline = true;
@@ -755,11 +756,13 @@ int main(int argc, char** argv) {
           }
           if (name == "tactic") quest_budget = std::max(16, static_cast<int>(r["budget_mean"].get<double>()));
           if (name == "quest") r["budget_tokens"] = quest_budget;
-          fmt::print("  batch {:>2}: {:<12} step {:8.1f} us (select {:7.1f}, attend {:7.1f})  x{:5.2f} vs dense  "
+          const std::string vs = r["speedup_vs_our_dense"].is_null()
+                                     ? std::string("(no dense plan)")
+                                     : fmt::format("x{:5.2f} vs dense", r["speedup_vs_our_dense"].get<double>());
+          fmt::print("  batch {:>2}: {:<12} step {:8.1f} us (select {:7.1f}, attend {:7.1f})  {}  "
                      "mass {:.3f}  tokens {:5.2f}%  err {:.4f}\n",
-                     b, name, r["step_us"].get<double>(), r["select_us"].get<double>(), r["attend_us"].get<double>(),
-                     r["speedup_vs_our_dense"].get<double>(), r["true_mass"].get<double>(),
-                     100 * r["tokens_frac"].get<double>(), r["rel_err"].get<double>());
+                     b, name, r["step_us"].get<double>(), r["select_us"].get<double>(), r["attend_us"].get<double>(), vs,
+                     r["true_mass"].get<double>(), 100 * r["tokens_frac"].get<double>(), r["rel_err"].get<double>());
           if (r.contains("floor_us"))
             fmt::print("  batch {:>2}: {:<12} byte floor {:7.1f} us (sketch {:.1f} MB: {:.1f} us; union K/V {:.1f} MB: "
                        "{:.1f} us) at the copy bandwidth; claimed {:.3f}; true mass >= p on {:.1f}% of heads\n",

@@ -6,7 +6,7 @@
 // device, no host synchronisation (graph-capturable):
 //   1. weights pass (one launch, many CTAs per list): the group's queries quantised to int8
 //      as key_sketch_quantize_query does, every token's estimate s_jt = scale est_jt from
-//      the codes (__dp4a on the nibbles), written as 16-bit fixed point below the largest of
+//      the codes (int8 mma on the nibbles), written as 16-bit fixed point below the largest of
 //      its 64-token group (s = m64 + q / 1024, q in [-32767, 0]: 2^-11 at most off, a weight
 //      within 0.05%; anything e^-32 below its group's largest weighs nothing here) with the
 //      groups' maxima, and per CTA the flash-decoding partials (max, sum of exp) per query
@@ -49,8 +49,9 @@ constexpr int kThresholds = 2049;  // thresholds kmax 2^(-m/64), m = 0 .. 2048 (
 constexpr int kBinBelow = 2049;    // keys below kmax 2^-32 (and zero)
 constexpr int kBins = 2050;
 // Weights (each <= 1, and a head's sum over all tokens 1 up to rounding) in fixed point,
-// 2^-31 units: any bin's or list's sum fits 32 bits, so shared and global histograms use
-// the native 32-bit integer atomics; integer sums do not depend on the order of the adds.
+// 2^-31 units: any bin's or list's sum fits 32 bits, so the shared histogram adds with
+// 32-bit integer atomics and the global one with 64-bit atomics that carry two such sums;
+// integer sums do not depend on the order of the adds.
 constexpr float kFixF = 2147483648.0f;  // 2^31
 constexpr double kFix = 2147483648.0;
 constexpr float kSketchRange = 6.0e4f;          // src/kernels/ref/sketch.cpp's clamp of normalised values
@@ -58,7 +59,7 @@ constexpr int kWeightsThreads = 256;
 constexpr int kHistThreads = 512;
 constexpr int kGroupTokens = 64;       // tokens per maximum of the 16-bit logits
 constexpr float kLogitUnit = 1024.0f;  // 16-bit logits: s = m64 + q / kLogitUnit
-constexpr int kTokensPerWarpStep = 64;  // a lane estimates two tokens per step of the weights pass
+constexpr int kTokensPerWarpStep = 64;  // tokens a warp estimates per step of the weights pass (4 mma blocks)
 
 // Everything the kernels of one decoder share (device pointers; plain data).
 struct SketchParams {
@@ -279,15 +280,23 @@ __device__ __forceinline__ void merge_max_sum(float& m, float& s, float om, floa
   m = nm;
 }
 
+// C[16][8] += A[16][32] B[32][8], A unsigned and B signed bytes, int32 sums (sm_80+).
+__device__ __forceinline__ void mma_u8s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // 1. The weights pass. grid: (n_chunks1, L), block: 256 threads (8 warps). Each CTA owns
 // tokens [t0, t0 + chunk1) of its list: encodes those appended since the last step,
 // quantises the group's queries (warp j: query j), then each warp estimates 64 tokens a
-// step, two per lane: for every 8-dim chunk the token's 32-bit word of nibbles, split into
-// the low and high nibbles (4 dims each as bytes) and multiplied by the query's int8 words
-// with __dp4a. 16 tokens of one chunk are 64 contiguous bytes, so a load instruction of
-// the warp reads two full 64-byte runs.
-template <int G, class T>
-__global__ void __launch_bounds__(kWeightsThreads, G > 4 ? 2 : 3)
+// step, four blocks of 16: for every 8-dim chunk a token's 32-bit word of nibbles, split
+// into the low and high nibbles (4 dims each as bytes) and multiplied by the query's int8
+// bytes on the tensor cores (below). A warp's load reads 8 tokens of 4 chunks: four full
+// 32-byte sectors.
+template <int G, int D, class T>
+__global__ void __launch_bounds__(kWeightsThreads, G > 4 || D > 128 ? 2 : 3)
     sketch_weights_kernel(SketchParams p, const float* __restrict__ q) {
   const int l = blockIdx.y, s = l / p.kv.n_kv_heads, h = l % p.kv.n_kv_heads;
   const int n = p.kv.n_tokens[s];
@@ -295,9 +304,9 @@ __global__ void __launch_bounds__(kWeightsThreads, G > 4 ? 2 : 3)
   const int t0 = blockIdx.x * p.chunk1;
   if (t0 >= n) return;
   const int t1 = min(n, t0 + p.chunk1);
-  const int d = p.kv.head_dim;
+  constexpr int d = D;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  __shared__ __align__(16) int8_t s_q8[G][256];
+  __shared__ __align__(16) int8_t s_q8[G][D];
   __shared__ float s_base[G], s_qsum[G], s_qstep[G];
   __shared__ float s_red_m[kWeightsThreads / 32][G], s_red_s[kWeightsThreads / 32][G];
 
@@ -335,95 +344,164 @@ __global__ void __launch_bounds__(kWeightsThreads, G > 4 ? 2 : 3)
   }
   __syncthreads();  // also makes the tokens encoded above visible to the whole CTA
 
-  const int nch = d >> 3;  // 8-dim chunks per token
+  // The token-by-query products on the tensor cores: mma m16n8k32 (u8 codes x s8 query,
+  // exact int32 sums: the integers of the CPU's dot product), a 16-token block as the 16
+  // rows of A, the group's heads as the 8 columns of B (the first version, __dp4a on the
+  // CUDA cores, was bound by instruction issue: docs/cuda.md). The 32 dims of K tile kt are
+  // the 4 chunks 4 kt .. 4 kt + 3 in an order of our choosing (a dot product does not
+  // depend on it): lane (g, tq)
+  // (g = lane / 4, tq = lane % 4) holds in A the low nibbles of chunk 4 kt + tq of tokens g
+  // and g + 8 as k = 4 tq .. 4 tq + 3, and their high nibbles as k = 16 + 4 tq .., so each
+  // code word is loaded once; B holds the query's bytes of the same dims.
+  static_assert(D % 32 == 0, "whole 32-dim K tiles");
+  constexpr int nch = D / 8;   // 8-dim chunks per token
+  constexpr int nkt = D / 32;  // K tiles
+  const int g = lane >> 2, tq = lane & 3;
+  uint32_t bq[nkt][2];
+#pragma unroll
+  for (int kt = 0; kt < nkt; ++kt) {
+    const int2 w = g < G ? reinterpret_cast<const int2*>(s_q8[g < G ? g : 0])[4 * kt + tq] : make_int2(0, 0);
+    bq[kt][0] = static_cast<uint32_t>(w.x), bq[kt][1] = static_cast<uint32_t>(w.y);
+  }
+  // The accumulator's lane (g, tq) holds tokens g and g + 8, heads 2 tq and 2 tq + 1. With
+  // G <= 4 the columns 4..7 are empty: lanes tq = 2, 3 take token g + 8 of lane tq - 2, so
+  // every lane finishes one token row and two heads (h0, h0 + 1); with G > 4 two rows.
+  constexpr bool kHalf = G <= 4;
+  constexpr int NR = kHalf ? 1 : 2;
+  const int h0 = kHalf ? 2 * (tq & 1) : 2 * tq;
+  const int row8 = kHalf ? 8 * (tq >> 1) : 0;
+  float qb[2], qs[2], qst[2];
+#pragma unroll
+  for (int hc = 0; hc < 2; ++hc) {
+    const int j = h0 + hc < G ? h0 + hc : 0;
+    qb[hc] = s_base[j], qs[hc] = s_qsum[j], qst[hc] = s_qstep[j];
+  }
   const uint32_t* codes = reinterpret_cast<const uint32_t*>(p.codes + static_cast<size_t>(l) * p.codes_stride);
   const uint16_t* offs = p.off + static_cast<size_t>(l) * p.ts;
   const uint16_t* steps = p.step + static_cast<size_t>(l) * p.ts;
   int16_t* lq = p.logits + static_cast<size_t>(l) * p.ts * G;
   float* gm = p.gmax + static_cast<size_t>(l) * (p.ts / kGroupTokens) * G;
-  float m[G], sum[G];
+  // This lane's flash-decoding partials of heads h0, h0 + 1, merged once per 64 tokens.
+  float m[2] = {-INFINITY, -INFINITY}, sum[2] = {0.0f, 0.0f};
+  // Lanes that share this lane's heads: the butterfly's offsets (xor 2 only with kHalf).
+  auto head_max = [](float v) {
+    if constexpr (kHalf) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 #pragma unroll
-  for (int j = 0; j < G; ++j) m[j] = -INFINITY, sum[j] = 0.0f;
+    for (int o = 4; o <= 16; o <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+  };
+  constexpr uint32_t kLo = 0x0F0F0F0Fu;
 
   for (int tg = t0 + warp * kTokensPerWarpStep; tg < t1; tg += (kWeightsThreads / 32) * kTokensPerWarpStep) {
-    const int ta = tg + lane, tb = tg + 32 + lane;  // the sketch is padded to 64 tokens: both in bounds
-    // Word of chunk c of token t: codes[(t / 16 * nch + c) * 16 + t % 16].
-    const uint32_t* wa = codes + (static_cast<size_t>(ta >> 4) * nch) * 16 + (ta & 15);
-    const uint32_t* wb = wa + static_cast<size_t>(2 * nch) * 16;
-    const uint16_t oa = __ldcs(offs + ta), ob = __ldcs(offs + tb);
-    const uint16_t sa = __ldcs(steps + ta), sb = __ldcs(steps + tb);
-    int acc[2][G];
+    // Word of chunk c of token t: codes[(t / 16 * nch + c) * 16 + t % 16]; the sketch is
+    // padded to 64 tokens, so the 4 blocks of this step are in bounds. Every word of the
+    // step is loaded before the first product: 8 nkt loads in flight per lane (a step's
+    // 64 x 4 D / 8 bytes per warp), which the pass needs to approach the memory's speed.
+    uint32_t x[nkt][4][2];
 #pragma unroll
-    for (int j = 0; j < G; ++j) acc[0][j] = acc[1][j] = 0;
-    for (int c0 = 0; c0 < nch; c0 += 8) {
-      uint32_t xa[8], xb[8];
+    for (int kt = 0; kt < nkt; ++kt)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        xa[i] = __ldcs(wa + (c0 + i) * 16);
-        xb[i] = __ldcs(wb + (c0 + i) * 16);
+      for (int b = 0; b < 4; ++b) {
+        const uint32_t* w = codes + (static_cast<size_t>((tg >> 4) + b) * nch + 4 * kt + tq) * 16 + g;
+        x[kt][b][0] = __ldcs(w);
+        x[kt][b][1] = __ldcs(w + 8);
+      }
+    uint16_t off16[4][NR], step16[4][NR];  // of the token rows this lane finishes
+#pragma unroll
+    for (int b = 0; b < 4; ++b)
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        const int t = tg + 16 * b + g + row8 + 8 * r;
+        off16[b][r] = __ldcs(offs + t), step16[b][r] = __ldcs(steps + t);
+      }
+    int acc[4][4];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) acc[b][0] = acc[b][1] = acc[b][2] = acc[b][3] = 0;
+#pragma unroll
+    for (int kt = 0; kt < nkt; ++kt)
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+        mma_u8s8(acc[b], x[kt][b][0] & kLo, x[kt][b][1] & kLo, (x[kt][b][0] >> 4) & kLo, (x[kt][b][1] >> 4) & kLo,
+                 bq[kt][0], bq[kt][1]);
+    // The estimates: est = base + offset qsum + step qstep dot, scaled (the CPU's MulAdd
+    // order).
+    float sx[4][NR][2];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      int v[NR][2];
+      if constexpr (kHalf) {
+        const int s2 = __shfl_xor_sync(0xffffffffu, acc[b][2], 2), s3 = __shfl_xor_sync(0xffffffffu, acc[b][3], 2);
+        v[0][0] = tq >= 2 ? s2 : acc[b][0];
+        v[0][1] = tq >= 2 ? s3 : acc[b][1];
+      } else {
+        v[0][0] = acc[b][0], v[0][1] = acc[b][1];
+        v[NR - 1][0] = acc[b][2], v[NR - 1][1] = acc[b][3];
       }
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int la = static_cast<int>(xa[i] & 0x0F0F0F0Fu), ha = static_cast<int>((xa[i] >> 4) & 0x0F0F0F0Fu);
-        const int lb = static_cast<int>(xb[i] & 0x0F0F0F0Fu), hb = static_cast<int>((xb[i] >> 4) & 0x0F0F0F0Fu);
+      for (int r = 0; r < NR; ++r) {
+        const int t = tg + 16 * b + g + row8 + 8 * r;
+        const float off = f16_bits_to_float(off16[b][r]), stp = f16_bits_to_float(step16[b][r]);
 #pragma unroll
-        for (int j = 0; j < G; ++j) {
-          const int2 w = reinterpret_cast<const int2*>(s_q8[j])[c0 + i];  // dims 8c .. 8c+3, 8c+4 .. 8c+7
-          acc[0][j] = __dp4a(la, w.x, acc[0][j]);
-          acc[0][j] = __dp4a(ha, w.y, acc[0][j]);
-          acc[1][j] = __dp4a(lb, w.x, acc[1][j]);
-          acc[1][j] = __dp4a(hb, w.y, acc[1][j]);
+        for (int hc = 0; hc < 2; ++hc) {
+          const float sj = fmaf(stp * qst[hc], static_cast<float>(v[r][hc]), fmaf(off, qs[hc], qb[hc]));
+          sx[b][r][hc] = t < t1 ? sj : -INFINITY;
         }
       }
     }
-    float sx[2][G];
+    // Per head: the largest estimate of the 64 tokens (tg is a multiple of 64: one group),
+    // the partials merged once per group, and each token's 16-bit offset below the largest.
+    float g64[2];
 #pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      const int t = x ? tb : ta;
-      const float off = f16_bits_to_float(x ? ob : oa), stp = f16_bits_to_float(x ? sb : sa);
+    for (int hc = 0; hc < 2; ++hc) {
+      float mx = -INFINITY;
 #pragma unroll
-      for (int j = 0; j < G; ++j) {
-        // est = base + offset qsum + step qstep dot, scaled (the CPU's MulAdd order).
-        const float sj = fmaf(stp * s_qstep[j], static_cast<float>(acc[x][j]), fmaf(off, s_qsum[j], s_base[j]));
-        sx[x][j] = t < t1 ? sj : -INFINITY;
-        if (t < t1) merge_max_sum(m[j], sum[j], sj, 1.0f);
-      }
-    }
-    // The group's largest estimate per head (tg is a multiple of 64: one group), then each
-    // token's 16-bit offset below it.
+      for (int b = 0; b < 4; ++b)
 #pragma unroll
-    for (int j = 0; j < G; ++j) {
-      const float g64 = warp_max(fmaxf(sx[0][j], sx[1][j]));
-      if (lane == 0) gm[static_cast<size_t>(tg / kGroupTokens) * G + j] = g64;
+        for (int r = 0; r < NR; ++r) mx = fmaxf(mx, sx[b][r][hc]);
+      g64[hc] = head_max(mx);  // finite: token tg < t1 is in the group
+      float e = 0.0f;
 #pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const float qv = rintf((sx[x][j] - g64) * kLogitUnit);  // -inf for tokens past t1
-        sx[x][j] = qv < -32767.0f ? -32767.0f : qv;
-      }
+      for (int b = 0; b < 4; ++b)
+#pragma unroll
+        for (int r = 0; r < NR; ++r) e += __expf(sx[b][r][hc] - g64[hc]);  // 0 past t1
+      merge_max_sum(m[hc], sum[hc], g64[hc], e);
+      if (g == 0 && (!kHalf || tq < 2) && h0 + hc < G)
+        gm[static_cast<size_t>(tg / kGroupTokens) * G + h0 + hc] = g64[hc];
     }
 #pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      const int t = x ? tb : ta;
-      if (t >= t1) continue;
-      int16_t* dst = lq + static_cast<size_t>(t) * G;
-      if constexpr (G == 4) {  // one 8-byte store
-        auto bits = [](float v) { return static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(v))); };
-        *reinterpret_cast<uint2*>(dst) =
-            make_uint2(bits(sx[x][0]) | (bits(sx[x][1]) << 16), bits(sx[x][2]) | (bits(sx[x][3]) << 16));
-      } else {
+    for (int b = 0; b < 4; ++b) {
 #pragma unroll
-        for (int j = 0; j < G; ++j) dst[j] = static_cast<int16_t>(sx[x][j]);
+      for (int r = 0; r < NR; ++r) {
+        const int t = tg + 16 * b + g + row8 + 8 * r;
+        if (t >= t1 || h0 >= G) continue;
+        int q16[2];
+#pragma unroll
+        for (int hc = 0; hc < 2; ++hc) {
+          const float qv = rintf((sx[b][r][hc] - g64[hc]) * kLogitUnit);
+          q16[hc] = static_cast<int>(qv < -32767.0f ? -32767.0f : qv);
+        }
+        int16_t* dst = lq + static_cast<size_t>(t) * G + h0;
+        if constexpr (G % 2 == 0) {  // heads h0, h0 + 1 in one 4-byte store
+          *reinterpret_cast<uint32_t*>(dst) =
+              static_cast<uint32_t>(static_cast<uint16_t>(q16[0])) | (static_cast<uint32_t>(q16[1]) << 16);
+        } else {
+          dst[0] = static_cast<int16_t>(q16[0]);
+          if (h0 + 1 < G) dst[1] = static_cast<int16_t>(q16[1]);
+        }
       }
     }
   }
-  // The CTA's partials: lanes, then warps, in a fixed order (deterministic).
+  // The CTA's partials: the lanes that share a head, then warps, in a fixed order
+  // (deterministic).
 #pragma unroll
-  for (int j = 0; j < G; ++j) {
-    for (int o = 16; o >= 1; o >>= 1) {
-      const float om = __shfl_xor_sync(0xffffffffu, m[j], o), os = __shfl_xor_sync(0xffffffffu, sum[j], o);
-      merge_max_sum(m[j], sum[j], om, os);
-    }
-    if (lane == 0) s_red_m[warp][j] = m[j], s_red_s[warp][j] = sum[j];
+  for (int hc = 0; hc < 2; ++hc) {
+    auto merge_from = [&](int o) {
+      const float om = __shfl_xor_sync(0xffffffffu, m[hc], o), os = __shfl_xor_sync(0xffffffffu, sum[hc], o);
+      merge_max_sum(m[hc], sum[hc], om, os);
+    };
+    if constexpr (kHalf) merge_from(2);
+    for (int o = 4; o <= 16; o <<= 1) merge_from(o);
+    if (g == 0 && (!kHalf || tq < 2) && h0 + hc < G) s_red_m[warp][h0 + hc] = m[hc], s_red_s[warp][h0 + hc] = sum[hc];
   }
   __syncthreads();
   if (threadIdx.x < G) {
@@ -436,11 +514,20 @@ __global__ void __launch_bounds__(kWeightsThreads, G > 4 ? 2 : 3)
   }
 }
 
+// 2^x by the multifunction unit (ex2.approx: 2 ulp; results below 2^-126 are 0, which the
+// weights' 2^-31 fixed point does not see).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Threshold bin of a key: c = min{m <= 2048 : key >= T[m]}, or kBinBelow. A guess from the
-// logarithm, then corrected against the table, so every kernel bins alike.
-__device__ __forceinline__ int sketch_bin(float key, float log2_kmax, const float* T) {
+// key's logarithm (log2_key: approximately log2(key)), then corrected against the table, so
+// the bin is exact whatever the guess.
+__device__ __forceinline__ int sketch_bin(float key, float log2_key, float log2_kmax, const float* T) {
   if (!(key > 0.0f)) return kBinBelow;
-  float g = ceilf(-64.0f * (__log2f(key) - log2_kmax));
+  float g = ceilf(-64.0f * (log2_key - log2_kmax));
   int m = g < 0.0f ? 0 : (g > static_cast<float>(kBinBelow) ? kBinBelow : static_cast<int>(g));
   while (m < kThresholds && key < T[m]) ++m;
   while (m > 0 && key >= T[m - 1]) --m;
@@ -448,14 +535,20 @@ __device__ __forceinline__ int sketch_bin(float key, float log2_kmax, const floa
 }
 
 // 2. The histogram pass. grid: (n_chunks2, L), block: 512 threads; dynamic shared memory:
-// [kBins][G] uint32 weight sums, then [kBins] uint32 counts.
+// the list's layout of p.hist, [kBins][P] 64-bit words, P = (G + 2) / 2, each two 32-bit
+// sums (value 2k low, 2k + 1 high; values 0 .. G - 1 the heads' weights, G the token
+// count), added to with 32-bit atomics; one 64-bit global atomic then adds a word's two
+// sums (no carry crosses: every sum stays below 2^32). (A value-major layout, [2 P][kBins],
+// whose banks collide less, measured 3-5% slower at batch 16.)
 template <int G>
 __global__ void __launch_bounds__(kHistThreads, 2) sketch_hist_kernel(SketchParams p) {
+  constexpr int P = (G + 2) / 2;  // 64-bit words per bin
   extern __shared__ __align__(16) unsigned char s_raw[];
-  uint32_t* s_hist = reinterpret_cast<uint32_t*>(s_raw);
-  uint32_t* s_cnt = reinterpret_cast<uint32_t*>(s_hist + kBins * G);
+  unsigned long long* s_hist = reinterpret_cast<unsigned long long*>(s_raw);
+  uint32_t* s_h32 = reinterpret_cast<uint32_t*>(s_raw);  // value v of bin c: s_h32[2 P c + v]
+  auto value_at = [&](int c, int v) -> uint32_t { return s_h32[2 * P * c + v]; };
   __shared__ float s_T[kThresholds];
-  __shared__ float s_M[G], s_inv[G];
+  __shared__ float s_M[G], s_l2S[G];
   __shared__ double s_S[G];
   __shared__ float s_kmax;
   __shared__ int s_last, s_mj[G], s_m;
@@ -491,19 +584,18 @@ __global__ void __launch_bounds__(kHistThreads, 2) sketch_hist_kernel(SketchPara
     if (lane == 0) {
       s_M[j] = mx;
       s_S[j] = sm;
-      s_inv[j] = static_cast<float>(1.0 / sm);
+      s_l2S[j] = static_cast<float>(log2(sm));
     }
   }
-  for (int i = tid; i < kBins * G; i += bd) s_hist[i] = 0;
-  for (int i = tid; i < kBins; i += bd) s_cnt[i] = 0;
+  for (int i = tid; i < kBins * P; i += bd) s_hist[i] = 0ull;
   __syncthreads();
   const int lo = min(p.sinks, n), hi = max(lo, n - p.recent);
   if (tid == 0) {
-    float km = 0.0f;  // the largest key: a forced token's 2, else the largest weight (exp(0) / S_j)
+    float km = 0.0f;  // the largest key: a forced token's 2, else the largest weight (1 / S_j, below)
     if (lo > 0 || hi < n) {
       km = 2.0f;
     } else {
-      for (int j = 0; j < G; ++j) km = fmaxf(km, __expf(s_M[j] - s_M[j]) * s_inv[j]);
+      for (int j = 0; j < G; ++j) km = fmaxf(km, exp2_approx(fmaf(s_M[j] - s_M[j], kLog2e, -s_l2S[j])));
     }
     s_kmax = km;
   }
@@ -515,66 +607,89 @@ __global__ void __launch_bounds__(kHistThreads, 2) sketch_hist_kernel(SketchPara
   const int16_t* lq = p.logits + static_cast<size_t>(l) * p.ts * G;
   const float* gm = p.gmax + static_cast<size_t>(l) * (p.ts / kGroupTokens) * G;
   uint16_t* cb = p.cbin + static_cast<size_t>(l) * p.ts;
-  // kU tokens per thread at a time, their logits loaded before any is used (the loop is
-  // bound by the loads' latency otherwise).
-  constexpr int kU = G <= 4 ? 4 : 2;
-  for (int t_base = t0 + tid; t_base < t1; t_base += bd * kU) {
-    float x[kU][G];
+  // Four consecutive tokens per thread (one 64-token group: one set of group maxima, their
+  // logits in 8 G contiguous bytes, their bins in one 8-byte store), two quads at a time at
+  // G <= 4 (one above: registers), loaded before either is used (the loop is bound by the loads' latency otherwise). A
+  // chunk starts at a multiple of 512 and ends there or at n; the buffers are padded to 64
+  // tokens, so a quad is in bounds and only its tokens past t1 are left out.
+  constexpr int kQ = 4, kU = G <= 4 ? 2 : 1;
+  for (int q_base = t0 + kQ * tid; q_base < t1; q_base += kQ * bd * kU) {
+    int16_t v[kU][kQ * G];
+    float gx[kU][G];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const int t = min(t_base + u * bd, t1 - 1);  // past t1: a valid token, not used
-      int16_t v[G];
-      if constexpr (G == 4) {
-        const uint2 r = __ldcs(reinterpret_cast<const uint2*>(lq + static_cast<size_t>(t) * G));
-        v[0] = static_cast<int16_t>(r.x & 0xffffu), v[1] = static_cast<int16_t>(r.x >> 16);
-        v[2] = static_cast<int16_t>(r.y & 0xffffu), v[3] = static_cast<int16_t>(r.y >> 16);
+      const int quad = min(q_base + u * kQ * bd, (t1 - 1) & ~(kQ - 1));  // past t1: a valid quad, not used
+      const int16_t* src = lq + static_cast<size_t>(quad) * G;
+      if constexpr (G % 2 == 0) {  // 8 G bytes at a multiple of 16
+#pragma unroll
+        for (int k = 0; k < G / 2; ++k) {
+          const uint4 r = __ldcs(reinterpret_cast<const uint4*>(src) + k);
+          const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            v[u][8 * k + 2 * i] = static_cast<int16_t>(w[i] & 0xffffu);
+            v[u][8 * k + 2 * i + 1] = static_cast<int16_t>(w[i] >> 16);
+          }
+        }
       } else {
 #pragma unroll
-        for (int j = 0; j < G; ++j) v[j] = lq[static_cast<size_t>(t) * G + j];
+        for (int i = 0; i < kQ * G; ++i) v[u][i] = src[i];
       }
+      const float* gq = gm + static_cast<size_t>(quad / kGroupTokens) * G;
+      if constexpr (G == 4) {
+        const float4 f = *reinterpret_cast<const float4*>(gq);
+        gx[u][0] = f.x, gx[u][1] = f.y, gx[u][2] = f.z, gx[u][3] = f.w;
+      } else {
 #pragma unroll
-      for (int j = 0; j < G; ++j)
-        x[u][j] = gm[static_cast<size_t>(t / kGroupTokens) * G + j] + static_cast<float>(v[j]) * (1.0f / kLogitUnit);
+        for (int j = 0; j < G; ++j) gx[u][j] = gq[j];
+      }
     }
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const int t = t_base + u * bd;
-      if (t >= t1) break;
-      float w[G], key = 0.0f;
+      const int quad = q_base + u * kQ * bd;
+      if (quad >= t1) break;
+      // A token's weight exp(s - M_j) / S_j = 2^z, z = (m64 - M_j) log2 e - log2 S_j + q log2 e
+      // / 1024: one FMA and one exp2 per head and token.
+      float zb[G];
 #pragma unroll
-      for (int j = 0; j < G; ++j) {
-        w[j] = __expf(x[u][j] - s_M[j]) * s_inv[j];
-        key = fmaxf(key, w[j]);
-      }
-      if (t < lo || t >= hi) key = 2.0f;  // the sinks and the recent tokens first
-      const int c = sketch_bin(key, log2_kmax, s_T);
-      cb[t] = static_cast<uint16_t>(c);
+      for (int j = 0; j < G; ++j) zb[j] = fmaf(gx[u][j] - s_M[j], kLog2e, -s_l2S[j]);
+      uint16_t cq[kQ];
 #pragma unroll
-      for (int j = 0; j < G; ++j) {
-        const uint32_t f = __float2uint_rn(w[j] * kFixF);
-        if (f != 0) atomicAdd(s_hist + c * G + j, f);
+      for (int i = 0; i < kQ; ++i) {
+        const int t = quad + i;
+        float w[G], key = 0.0f, zmax = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+          const float z = fmaf(static_cast<float>(v[u][i * G + j]), kLog2e / kLogitUnit, zb[j]);
+          w[j] = exp2_approx(z);
+          key = fmaxf(key, w[j]);
+          zmax = fmaxf(zmax, z);
+        }
+        if (t < lo || t >= hi) key = 2.0f, zmax = 1.0f;  // the sinks and the recent tokens first
+        const int c = sketch_bin(key, zmax, log2_kmax, s_T);
+        cq[i] = static_cast<uint16_t>(t < t1 ? c : kBinBelow);
+        if (t >= t1) continue;
+        // 32-bit atomics (shared-memory 64-bit adds, two values at once, measured 2.4x
+        // slower for the whole pass at 128K batch 16).
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+          const uint32_t f = __float2uint_rn(w[j] * kFixF);
+          if (f != 0) atomicAdd(s_h32 + 2 * P * c + j, f);
+        }
+        atomicAdd(s_h32 + 2 * P * c + G, 1u);
       }
-      atomicAdd(s_cnt + c, 1u);
+      *reinterpret_cast<uint2*>(cb + quad) = make_uint2(cq[0] | (static_cast<uint32_t>(cq[1]) << 16),
+                                                     cq[2] | (static_cast<uint32_t>(cq[3]) << 16));
     }
   }
   __syncthreads();
-  // Value v of bin c: v < G a head's weight sum, v == G the token count (s_cnt follows
-  // s_hist, so it is s_hist[kBins * G + c]).
-  auto value_at = [&](int c, int v) -> uint32_t {
-    return v < G ? s_hist[c * G + v] : (v == G ? s_cnt[c] : 0u);
-  };
   if (n_ck2 > 1) {  // the list's other CTAs add theirs; the last one decides
-    constexpr int P = (G + 2) / 2;  // 64-bit words per bin
     unsigned long long* gh = p.hist + static_cast<size_t>(l) * kBins * P;
     // Two 32-bit sums per 64-bit atomic: a sum stays below 2^32 (weights: 2^31 for a
     // whole head; counts: the tokens), so the low half never carries into the high half.
-    for (int c = tid; c < kBins; c += bd) {
-#pragma unroll
-      for (int k = 0; k < P; ++k) {
-        const unsigned long long v =
-            value_at(c, 2 * k) | (static_cast<unsigned long long>(value_at(c, 2 * k + 1)) << 32);
-        if (v != 0) atomicAdd(gh + c * P + k, v);
-      }
+    for (int i = tid; i < kBins * P; i += bd) {
+      const unsigned long long v = s_hist[i];
+      if (v != 0) atomicAdd(gh + i, v);
     }
     __threadfence();
     __syncthreads();
@@ -582,29 +697,18 @@ __global__ void __launch_bounds__(kHistThreads, 2) sketch_hist_kernel(SketchPara
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    // The list's totals into shared memory (8 loads in flight per thread), zeroed for the
+    // The list's totals into shared memory (4 loads in flight per thread), zeroed for the
     // next step.
-    for (int c0 = tid; c0 < kBins; c0 += bd * 4) {
-      unsigned long long v[4][P];
+    for (int i0 = tid; i0 < kBins * P; i0 += bd * 4) {
+      unsigned long long v[4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u)
-#pragma unroll
-        for (int k = 0; k < P; ++k) v[u][k] = c0 + u * bd < kBins ? __ldcg(gh + (c0 + u * bd) * P + k) : 0ull;
+      for (int u = 0; u < 4; ++u) v[u] = i0 + u * bd < kBins * P ? __ldcg(gh + i0 + u * bd) : 0ull;
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        const int c = c0 + u * bd;
-        if (c >= kBins) break;
-#pragma unroll
-        for (int k = 0; k < P; ++k) {
-          gh[c * P + k] = 0ull;
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int vv = 2 * k + half;
-            const uint32_t x = static_cast<uint32_t>(half ? v[u][k] >> 32 : v[u][k] & 0xffffffffull);
-            if (vv < G) s_hist[c * G + vv] = x;
-            else if (vv == G) s_cnt[c] = x;
-          }
-        }
+        const int i = i0 + u * bd;
+        if (i >= kBins * P) break;
+        gh[i] = 0ull;
+        s_hist[i] = v[u];
       }
     }
   }
@@ -622,7 +726,7 @@ __global__ void __launch_bounds__(kHistThreads, 2) sketch_hist_kernel(SketchPara
   for (int v = 0; v < V; ++v) run[v] = 0;
   for (int c = c0; c < c1; ++c) {
 #pragma unroll
-    for (int v = 0; v < V; ++v) run[v] += v < G ? s_hist[c * G + v] : s_cnt[c];
+    for (int v = 0; v < V; ++v) run[v] += value_at(c, v);
   }
   __shared__ unsigned long long s_wsum[kHistThreads / 32][V];
 #pragma unroll
@@ -653,7 +757,7 @@ __global__ void __launch_bounds__(kHistThreads, 2) sketch_hist_kernel(SketchPara
 #pragma unroll
   for (int v = 0; v < V; ++v) {
     unsigned long long own = 0;
-    for (int c = c0; c < c1; ++c) own += v < G ? s_hist[c * G + v] : s_cnt[c];
+    for (int c = c0; c < c1; ++c) own += value_at(c, v);
     excl[v] = run[v] - own + (warp > 0 ? s_wsum[warp - 1][v] : 0ull);
   }
   {
@@ -665,7 +769,7 @@ __global__ void __launch_bounds__(kHistThreads, 2) sketch_hist_kernel(SketchPara
     for (int c = c0; c < c1 && c < kThresholds; ++c) {
 #pragma unroll
       for (int j = 0; j < G; ++j) {
-        r[j] += s_hist[c * G + j];
+        r[j] += value_at(c, j);
         if (!found[j] && static_cast<double>(r[j]) >= need[j]) {
           atomicMin(s_mj + j, c);
           found[j] = true;
@@ -690,7 +794,7 @@ __global__ void __launch_bounds__(kHistThreads, 2) sketch_hist_kernel(SketchPara
     for (int v = 0; v < V; ++v) u[v] = excl[v];
     for (int c = c0; c <= msel; ++c) {
 #pragma unroll
-      for (int v = 0; v < V; ++v) u[v] += v < G ? s_hist[c * G + v] : s_cnt[c];
+      for (int v = 0; v < V; ++v) u[v] += value_at(c, v);
     }
 #pragma unroll
     for (int j = 0; j < G; ++j) s_un[j] = u[j];
@@ -840,7 +944,7 @@ class SketchToppGpu final : public SparseDecoder {
     // tokens) so that each pass's CTAs fit one wave of the device (as many CTAs per
     // multiprocessor as its registers and shared memory allow): a second, partial wave
     // measured as a tail of ~20% on the weights pass at 128K.
-    hist_smem_ = static_cast<size_t>(kBins) * (group + 1) * sizeof(uint32_t);
+    hist_smem_ = static_cast<size_t>(kBins) * ((group + 2) / 2) * sizeof(unsigned long long);
     int occ1 = 1, occ2 = 1;
     with_group(group, [&](auto g) {
       constexpr int G = decltype(g)::value;
@@ -851,9 +955,11 @@ class SketchToppGpu final : public SparseDecoder {
       CUMULUS_CUDA_CHECK(cudaFuncSetAttribute(k2, cudaFuncAttributePreferredSharedMemoryCarveout,
                                               static_cast<int>(cudaSharedmemCarveoutMaxShared)));
       CUMULUS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ2, k2, kHistThreads, hist_smem_));
-      const void* k1 = kv.dtype == DType::f16 ? reinterpret_cast<const void*>(sketch_weights_kernel<G, __half>)
-                                              : reinterpret_cast<const void*>(sketch_weights_kernel<G, __nv_bfloat16>);
-      CUMULUS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ1, k1, kWeightsThreads, 0));
+      with_head_dim_type(d, kv.dtype, [&](auto dd, auto t) {
+        constexpr int D = decltype(dd)::value;
+        const void* k1 = reinterpret_cast<const void*>(sketch_weights_kernel<G, D, decltype(t)>);
+        CUMULUS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ1, k1, kWeightsThreads, 0));
+      });
     });
     const int sms = sm_count();
     auto plan = [&](int ctas, size_t least) {
@@ -1009,12 +1115,10 @@ class SketchToppGpu final : public SparseDecoder {
     const Base& b = base();
     with_group(b.group, [&](auto g) {
       constexpr int G = decltype(g)::value;
-      const dim3 grid(p_.n_chunks1, b.n_lists);
-      if (b.kv.dtype == DType::f16) {
-        sketch_weights_kernel<G, __half><<<grid, kWeightsThreads, 0, st>>>(p_, q);
-      } else {
-        sketch_weights_kernel<G, __nv_bfloat16><<<grid, kWeightsThreads, 0, st>>>(p_, q);
-      }
+      with_head_dim_type(b.kv.head_dim, b.kv.dtype, [&](auto dd, auto t) {
+        constexpr int D = decltype(dd)::value;
+        sketch_weights_kernel<G, D, decltype(t)><<<dim3(p_.n_chunks1, b.n_lists), kWeightsThreads, 0, st>>>(p_, q);
+      });
     });
     CUMULUS_CUDA_LAUNCH("sketch_weights_kernel");
   }
