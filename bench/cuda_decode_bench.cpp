@@ -761,8 +761,9 @@ int main(int argc, char** argv) {
                                      : fmt::format("x{:5.2f} vs dense", r["speedup_vs_our_dense"].get<double>());
           fmt::print("  batch {:>2}: {:<12} step {:8.1f} us (select {:7.1f}, attend {:7.1f})  {}  "
                      "mass {:.3f}  tokens {:5.2f}%  err {:.4f}\n",
-                     b, name, r["step_us"].get<double>(), r["select_us"].get<double>(), r["attend_us"].get<double>(), vs,
-                     r["true_mass"].get<double>(), 100 * r["tokens_frac"].get<double>(), r["rel_err"].get<double>());
+                     b, name, r["step_us"].get<double>(), r["select_us"].get<double>(), r["attend_us"].get<double>(),
+                     vs, r["true_mass"].get<double>(), 100 * r["tokens_frac"].get<double>(),
+                     r["rel_err"].get<double>());
           if (r.contains("floor_us"))
             fmt::print("  batch {:>2}: {:<12} byte floor {:7.1f} us (sketch {:.1f} MB: {:.1f} us; union K/V {:.1f} MB: "
                        "{:.1f} us) at the copy bandwidth; claimed {:.3f}; true mass >= p on {:.1f}% of heads\n",

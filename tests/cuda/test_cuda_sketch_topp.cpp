@@ -8,8 +8,9 @@
 //     attention over the GPU's own lists, the sinks and recent tokens are in every list, the
 //     claims agree with the CPU's, in the llama3-8b (32/8/128), SmolLM2 (9/3/64) and
 //     Gemma 3 270M (4/1/256) shapes and in groups of 8, 5, 1 and 2 (16/2/128, 10/2/64,
-//     2/2/128, 2/1/256), f16 and bf16, batches of 3 (and of two different sequences). The GPU does no rounds: the workloads are ones where the CPU's rounds do
-//     not trigger (checked: every CPU claim >= p), and the GPU claims must reach p too;
+//     2/2/128, 2/1/256), f16 and bf16, batches of 3 (and of two different sequences).
+//     The GPU does no rounds: the workloads are ones where the CPU's rounds do not trigger
+//     (checked: every CPU claim >= p), and the GPU claims must reach p too;
 //   - p = 1 and contexts up to min_context attend densely (claim 1, output = dense);
 //   - rest_mean (the CPU's rest=mean) mixes the mean value row into the output by the claim;
 //   - a step captured in a CUDA graph and replayed gives the same lists and claims as the
