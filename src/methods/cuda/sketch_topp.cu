@@ -385,13 +385,16 @@ __global__ void __launch_bounds__(kWeightsThreads, 2)
   float* gm = p.gmax + static_cast<size_t>(l) * (p.ts / kGroupTokens) * G;
   // This lane's flash-decoding partials of heads h0, h0 + 1, merged once per 64 tokens.
   float m[2] = {-INFINITY, -INFINITY}, sum[2] = {0.0f, 0.0f};
-  // Lanes that share this lane's heads: the butterfly's offsets (xor 2 only with kHalf).
-  auto head_max = [](float v) {
-    if constexpr (kHalf) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+  // The lanes that share this lane's heads, as a butterfly: step(o) for each xor offset
+  // o (2 only with kHalf). One of them writes the heads' results.
+  auto over_head_lanes = [](auto&& step) {
+    if constexpr (kHalf) step(2);
 #pragma unroll
-    for (int o = 4; o <= 16; o <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
+    for (int o = 4; o <= 16; o <<= 1) step(o);
   };
+  const bool head_writer = g == 0 && (!kHalf || tq < 2);
+  // The token of row r (of NR) of block b that this lane finishes.
+  auto row_token = [&](int tg, int b, int r) { return tg + 16 * b + g + row8 + 8 * r; };
   constexpr uint32_t kLo = 0x0F0F0F0Fu;
 
   for (int tg = t0 + warp * kTokensPerWarpStep; tg < t1; tg += (kWeightsThreads / 32) * kTokensPerWarpStep) {
@@ -413,7 +416,7 @@ __global__ void __launch_bounds__(kWeightsThreads, 2)
     for (int b = 0; b < 4; ++b)
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
-        const int t = tg + 16 * b + g + row8 + 8 * r;
+        const int t = row_token(tg, b, r);
         off16[b][r] = __ldcs(offs + t), step16[b][r] = __ldcs(steps + t);
       }
     int acc[4][4];
@@ -441,7 +444,7 @@ __global__ void __launch_bounds__(kWeightsThreads, 2)
       }
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
-        const int t = tg + 16 * b + g + row8 + 8 * r;
+        const int t = row_token(tg, b, r);
         const float off = f16_bits_to_float(off16[b][r]), stp = f16_bits_to_float(step16[b][r]);
 #pragma unroll
         for (int hc = 0; hc < 2; ++hc) {
@@ -460,21 +463,21 @@ __global__ void __launch_bounds__(kWeightsThreads, 2)
       for (int b = 0; b < 4; ++b)
 #pragma unroll
         for (int r = 0; r < NR; ++r) mx = fmaxf(mx, sx[b][r][hc]);
-      g64[hc] = head_max(mx);  // finite: token tg < t1 is in the group
+      over_head_lanes([&](int o) { mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o)); });
+      g64[hc] = mx;  // finite: token tg < t1 is in the group
       float e = 0.0f;
 #pragma unroll
       for (int b = 0; b < 4; ++b)
 #pragma unroll
         for (int r = 0; r < NR; ++r) e += __expf(sx[b][r][hc] - g64[hc]);  // 0 past t1
       merge_max_sum(m[hc], sum[hc], g64[hc], e);
-      if (g == 0 && (!kHalf || tq < 2) && h0 + hc < G)
-        gm[static_cast<size_t>(tg / kGroupTokens) * G + h0 + hc] = g64[hc];
+      if (head_writer && h0 + hc < G) gm[static_cast<size_t>(tg / kGroupTokens) * G + h0 + hc] = g64[hc];
     }
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
-        const int t = tg + 16 * b + g + row8 + 8 * r;
+        const int t = row_token(tg, b, r);
         if (t >= t1 || h0 >= G) continue;
         int q16[2];
 #pragma unroll
@@ -497,13 +500,11 @@ __global__ void __launch_bounds__(kWeightsThreads, 2)
   // (deterministic).
 #pragma unroll
   for (int hc = 0; hc < 2; ++hc) {
-    auto merge_from = [&](int o) {
+    over_head_lanes([&](int o) {
       const float om = __shfl_xor_sync(0xffffffffu, m[hc], o), os = __shfl_xor_sync(0xffffffffu, sum[hc], o);
       merge_max_sum(m[hc], sum[hc], om, os);
-    };
-    if constexpr (kHalf) merge_from(2);
-    for (int o = 4; o <= 16; o <<= 1) merge_from(o);
-    if (g == 0 && (!kHalf || tq < 2) && h0 + hc < G) s_red_m[warp][h0 + hc] = m[hc], s_red_s[warp][h0 + hc] = sum[hc];
+    });
+    if (head_writer && h0 + hc < G) s_red_m[warp][h0 + hc] = m[hc], s_red_s[warp][h0 + hc] = sum[hc];
   }
   __syncthreads();
   if (threadIdx.x < G) {
@@ -593,11 +594,13 @@ __global__ void __launch_bounds__(kHistThreads, 2) sketch_hist_kernel(SketchPara
   __syncthreads();
   const int lo = min(p.sinks, n), hi = max(lo, n - p.recent);
   if (tid == 0) {
-    float km = 0.0f;  // the largest key: a forced token's 2, else the largest weight (1 / S_j, below)
+    // The largest key: a forced token's 2, else the largest weight, the top token's 2^z
+    // below with m64 = M_j and q = 0, so z = -log2 S_j exactly (the same ex2 as there).
+    float km = 0.0f;
     if (lo > 0 || hi < n) {
       km = 2.0f;
     } else {
-      for (int j = 0; j < G; ++j) km = fmaxf(km, exp2_approx(fmaf(s_M[j] - s_M[j], kLog2e, -s_l2S[j])));
+      for (int j = 0; j < G; ++j) km = fmaxf(km, exp2_approx(-s_l2S[j]));
     }
     s_kmax = km;
   }
@@ -611,9 +614,10 @@ __global__ void __launch_bounds__(kHistThreads, 2) sketch_hist_kernel(SketchPara
   uint16_t* cb = p.cbin + static_cast<size_t>(l) * p.ts;
   // Four consecutive tokens per thread (one 64-token group: one set of group maxima, their
   // logits in 8 G contiguous bytes, their bins in one 8-byte store), two quads at a time at
-  // G <= 4 (one above: registers), loaded before either is used (the loop is bound by the loads' latency otherwise). A
-  // chunk starts at a multiple of 512 and ends there or at n; the buffers are padded to 64
-  // tokens, so a quad is in bounds and only its tokens past t1 are left out.
+  // G <= 4 (one above: registers), loaded before either is used (the loop is bound by the
+  // loads' latency otherwise). A chunk starts at a multiple of 512 and ends there or at n;
+  // the buffers are padded to 64 tokens, so a quad is in bounds and only its tokens past t1
+  // are left out.
   constexpr int kQ = 4, kU = G <= 4 ? 2 : 1;
   for (int q_base = t0 + kQ * tid; q_base < t1; q_base += kQ * bd * kU) {
     int16_t v[kU][kQ * G];
