@@ -11,7 +11,8 @@
 //     2/2/128, 2/1/256), f16 and bf16, batches of 3 (and of two different sequences).
 //     The GPU does no rounds: the workloads are ones where the CPU's rounds do not trigger
 //     (checked: every CPU claim >= p), and the GPU claims must reach p too;
-//   - p = 1 and contexts up to min_context attend densely (claim 1, output = dense);
+//   - p = 1 and contexts up to min_context attend densely (claim 1, output = dense), and
+//     dense_above sends exactly the lists whose union is larger to every token;
 //   - rest_mean (the CPU's rest=mean) mixes the mean value row into the output by the claim;
 //   - a step captured in a CUDA graph and replayed gives the same lists and claims as the
 //     step launched directly (no host synchronisation inside; deterministic).
@@ -187,6 +188,21 @@ struct GpuRun {
   std::vector<std::vector<int32_t>> lists;  // [n_seqs * n_kv]
   cuda::SparseStepStats stats;
 };
+
+// A batch of n_seqs copies of one workload's cache on the device, sequence s with the
+// workload's query of step s (q: the host copy, qd: the device's).
+struct CopiesBatch {
+  cuda::DeviceKvCache dev;
+  std::vector<float> q;
+  cuda::DeviceBuffer qd;
+};
+CopiesBatch copies_batch(const Workload& wl, int n_seqs) {
+  const Shape& sh = wl.w.options.shape;
+  std::vector<float> q;
+  for (int s = 0; s < n_seqs; ++s) q.insert(q.end(), wl.w.query(0, s), wl.w.query(0, s) + sh.n_q_heads * sh.head_dim);
+  cuda::DeviceBuffer qd = cuda::to_device(q);
+  return {cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs), std::move(q), std::move(qd)};
+}
 
 GpuRun run_gpu(cuda::SparseDecoder& m, int n_q_total, int d, int n_lists, cuda::DeviceBuffer& qd) {
   cuda::DeviceBuffer out(static_cast<size_t>(n_q_total) * d * sizeof(float)), lse(n_q_total * sizeof(float));
@@ -389,10 +405,7 @@ TEST(CudaSketchTopp, FullMassAndShortContextsAttendDensely) {
   const Workload wl = make_workload(3000, "smollm2-135m", 31, DType::f16, pool);
   const Shape& sh = wl.w.options.shape;
   const int n_seqs = 2;
-  cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
-  std::vector<float> q;
-  for (int s = 0; s < n_seqs; ++s) q.insert(q.end(), wl.w.query(0, s), wl.w.query(0, s) + sh.n_q_heads * sh.head_dim);
-  cuda::DeviceBuffer qd = cuda::to_device(q);
+  auto [dev, q, qd] = copies_batch(wl, n_seqs);
   for (int variant : {0, 1, 2}) {
     cuda::SketchToppGpuOptions o;
     o.dense_kv_bytes = 0;
@@ -426,6 +439,66 @@ TEST(CudaSketchTopp, FullMassAndShortContextsAttendDensely) {
   }
 }
 
+// The cost rule dense_above, per list: a union of more than dense_above of the context
+// attends every token (claim 1), the other lists keep their union and claims (the histogram
+// pass counts each bin's tokens for it). The threshold here lies between the union shares
+// of a first run without the rule, so some lists go dense and some do not.
+TEST(CudaSketchTopp, DenseAboveSendsOnlyTheLargeUnionsToEveryToken) {
+  CUMULUS_REQUIRE_GPU();
+  ThreadPool pool(2);
+  const int n = 4096;
+  const Workload wl = make_workload(n, "llama3-8b", 37, DType::f16, pool);
+  const Shape& sh = wl.w.options.shape;
+  const int n_seqs = 3;
+  auto [dev, q, qd] = copies_batch(wl, n_seqs);
+  const int n_lists = n_seqs * sh.n_kv_heads, n_q_total = n_seqs * sh.n_q_heads;
+  auto run = [&](double dense_above) {
+    cuda::SketchToppGpuOptions o;
+    o.dense_kv_bytes = 0;
+    o.dense_above = dense_above;
+    auto m = cuda::make_sketch_topp_gpu(dev.view(), sh.group(), o);
+    m->prefill();
+    return run_gpu(*m, n_q_total, sh.head_dim, n_lists, qd);
+  };
+  const GpuRun base = run(1.0);  // a union is never more than every token
+  std::vector<double> share;
+  for (const auto& l : base.lists) share.push_back(static_cast<double>(l.size()) / n);
+  std::vector<double> sorted = share;
+  std::sort(sorted.begin(), sorted.end());
+  ASSERT_LT(sorted.front(), sorted.back()) << "the workload's unions should differ in size";
+  const size_t mid = std::upper_bound(sorted.begin(), sorted.end(), sorted[sorted.size() / 2]) - sorted.begin();
+  const double tau = mid < sorted.size() ? 0.5 * (sorted[mid - 1] + sorted[mid]) : 0.5 * (sorted[0] + sorted.back());
+  const GpuRun g = run(tau);
+  int went_dense = 0;
+  for (int l = 0; l < n_lists; ++l) {
+    const bool dense = share[l] > tau;
+    went_dense += dense;
+    const std::string what = fmt::format("list {} (union {:.4f} of the tokens, dense_above {:.4f})", l, share[l], tau);
+    if (dense) {
+      ASSERT_EQ(static_cast<int>(g.lists[l].size()), n) << what;
+      for (int t = 0; t < n; ++t) ASSERT_EQ(g.lists[l][t], t) << what;
+    } else {
+      EXPECT_EQ(g.lists[l], base.lists[l]) << what;
+    }
+    for (int j = 0; j < sh.group(); ++j) {
+      const size_t i = static_cast<size_t>(l / sh.n_kv_heads) * sh.n_q_heads + (l % sh.n_kv_heads) * sh.group() + j;
+      if (dense) {
+        EXPECT_EQ(g.stats.claimed[i], 1.0f) << what << " head " << j;
+      } else {
+        // The same union; the attention's plan (chunks) follows the other lists' lengths, so
+        // its log-sum-exp may move in the last bits.
+        EXPECT_NEAR(g.stats.claimed[i], base.stats.claimed[i], 1e-5) << what << " head " << j;
+        EXPECT_LT(g.stats.claimed[i], 1.0f) << what << " head " << j;
+      }
+    }
+  }
+  EXPECT_GT(went_dense, 0);
+  EXPECT_LT(went_dense, n_lists);
+  for (int s = 0; s < n_seqs; ++s)
+    expect_attends_its_lists(g, views_of(wl.kv), sh, q.data() + s * sh.n_q_heads * sh.head_dim, s,
+                             fmt::format("dense_above {:.4f} seq {}", tau, s));
+}
+
 // A step captured in a CUDA graph (select + attend: nothing waits for the host) and
 // replayed twice equals the step launched directly, bit for bit (the selection's sums are
 // integers, so the lists do not depend on the order of the atomics).
@@ -435,10 +508,7 @@ TEST(CudaSketchTopp, GraphReplayEqualsDirectLaunch) {
   const Workload wl = make_workload(8192, "llama3-8b", 37, DType::f16, pool);
   const Shape& sh = wl.w.options.shape;
   const int n_seqs = 2, nq = n_seqs * sh.n_q_heads, d = sh.head_dim;
-  cuda::DeviceKvCache dev = cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs);
-  std::vector<float> q;
-  for (int s = 0; s < n_seqs; ++s) q.insert(q.end(), wl.w.query(0, s), wl.w.query(0, s) + sh.n_q_heads * d);
-  cuda::DeviceBuffer qd = cuda::to_device(q);
+  auto [dev, q, qd] = copies_batch(wl, n_seqs);
   cuda::SketchToppGpuOptions o;
   o.dense_kv_bytes = 0;
   o.weights_chunk = 512;  // several CTAs per list in both passes: the tickets and merges run
