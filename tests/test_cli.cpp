@@ -105,6 +105,32 @@ TEST_F(Cli, GenerateRunsLabelledMethods) {
   EXPECT_NE(r.output.find("--- dense ---"), std::string::npos) << r.output;
 }
 
+// generate decodes its methods in turn, a token of each at a time: each method's text (greedy)
+// is the text it generates when it runs alone, and the table has a row per method.
+TEST_F(Cli, GenerateDecodesMethodsInTurnAsIfAlone) {
+  const std::string base = "generate --model " + model_ + " --prompt 'Once upon a time' --max-tokens 24 ";
+  auto text_of = [](const std::string& out, const std::string& label) {
+    const std::string head = "--- " + label + " ---\n";
+    const size_t at = out.find(head);
+    if (at == std::string::npos) return std::string("(no section for " + label + ")");
+    const size_t from = at + head.size();
+    return out.substr(from, out.find('\n', from) - from);
+  };
+  const CliResult both = cli_run(base + "--method dense,s=streaming --param s.window=8 --param s.sinks=2", 60);
+  ASSERT_EQ(both.code, 0) << both.output;
+  for (const char* label : {"dense", "s"}) {
+    const std::string method = std::string(label) == "s" ? "s=streaming --param s.window=8 --param s.sinks=2" : label;
+    const CliResult alone = cli_run(base + "--method " + method, 60);
+    ASSERT_EQ(alone.code, 0) << alone.output;
+    const std::string t = text_of(alone.output, label);
+    EXPECT_GT(t.size(), 20u) << alone.output;
+    EXPECT_EQ(text_of(both.output, label), t) << label;
+  }
+  // A window of 8 tokens and 2 sinks forgets the prompt: the texts differ, so the test
+  // would see a run that took the other's state.
+  EXPECT_NE(text_of(both.output, "dense"), text_of(both.output, "s"));
+}
+
 // generate --bench prints a sparse prefill method's block share under its row (one function
 // for both devices' tables, generate_command.cpp's prefill_line).
 TEST_F(Cli, BenchPrintsThePrefillBlockShare) {

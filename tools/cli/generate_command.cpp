@@ -1,5 +1,6 @@
-// `cumulus generate`: run a real model with one or more decode methods on the same prompt,
-// stream the text, then print speed and the attention summary side by side.
+// `cumulus generate`: run a real model with one or more decode methods on the same prompt
+// (prefilled one after another, then decoded in turn, a token of each at a time), print each
+// method's text, then speed and the attention summary side by side.
 //
 // `cumulus generate --bench`: the speed of the model runtime at given context lengths, the
 // way llama.cpp's llama-bench measures it (tools/reference/bench_vs_llamacpp.sh runs both):
@@ -97,57 +98,75 @@ SessionOptions session_options(const GenerateOptions& o, const std::string& meth
   return so;
 }
 
-RunResult run_one(const ModelWeights& w, const Tokenizer& tok, const std::vector<int32_t>& prompt,
-                  const MethodSpec& spec, const GenerateOptions& o, KvSnapshotUse& kvs) {
+// One method's run: its runner after the prefill and the index build, and what it has
+// generated so far.
+struct LiveRun {
+  std::unique_ptr<ModelRunner> runner;
+  const std::vector<float>* logits = nullptr;  // the next token's
+  Sampler sampler;
+  RunResult r;
+  std::string text;
+  bool done = false;
+};
+
+// Prefill (or --kv-load) and the method's index build over the prompt (tactic's k-means):
+// timed here, where they happen, not inside the first decode step.
+LiveRun start_run(const ModelWeights& w, const std::vector<int32_t>& prompt, const MethodSpec& spec,
+                  const GenerateOptions& o, KvSnapshotUse& kvs) {
   SessionOptions so = session_options(o, spec.method, spec.params);
   so.eval = o.eval;
   if (kvs.save_pending) so.keep_prompt_queries = kKvSnapshotPromptQueries;  // for later runs' methods
-  const std::unique_ptr<ModelRunner> runner = runner_make(o.device, w, so);
-  ModelRunner& s = *runner;
+  LiveRun L{runner_make(o.device, w, so), nullptr, Sampler({.temperature = o.temperature, .top_p = o.top_p,
+                                                           .seed = o.seed}),
+            RunResult{spec.label, static_cast<int>(prompt.size()), 0, 0, 0, 0, kvs.load != nullptr, {}, {}},
+            {}, false};
+  ModelRunner& s = *L.runner;
   CUMULUS_CHECK(static_cast<int64_t>(prompt.size()) + o.max_tokens <= s.capacity(),
                 "prompt of {} tokens + --max-tokens {} exceeds the model's context of {} tokens", prompt.size(),
                 o.max_tokens, s.capacity());
-  Sampler sampler({.temperature = o.temperature, .top_p = o.top_p, .seed = o.seed});
-  RunResult r{spec.label, static_cast<int>(prompt.size()), 0, 0, 0, 0, kvs.load != nullptr, {}, {}};
-
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
   // --kv-load / --kv-save run on the CPU only (generate_validate).
-  const std::vector<float>* logits = kvs.load ? &s.session()->kv_load(*kvs.load, kvs.model_id) : &s.prefill(prompt);
-  r.prefill_s = std::chrono::duration<double>(clock::now() - t0).count();
+  L.logits = kvs.load ? &s.session()->kv_load(*kvs.load, kvs.model_id) : &s.prefill(prompt);
+  L.r.prefill_s = std::chrono::duration<double>(clock::now() - t0).count();
   if (kvs.load)
     fmt::print(stderr, "kv-load: {} tokens from {} ({:.1f} MB) in {:.3f} s\n", prompt.size(), o.kv_load,
-               kvs.load->file_bytes() / 1e6, r.prefill_s);
+               kvs.load->file_bytes() / 1e6, L.r.prefill_s);
   if (kvs.save_pending) {
     const auto ts = clock::now();
     s.session()->kv_save(o.kv_save, kvs.model_id);
     kvs.save_pending = false;
     fmt::print(stderr, "kv-save: {} tokens to {} in {:.3f} s (prefill {:.3f} s)\n", prompt.size(), o.kv_save,
-               std::chrono::duration<double>(clock::now() - ts).count(), r.prefill_s);
+               std::chrono::duration<double>(clock::now() - ts).count(), L.r.prefill_s);
   }
-
-  if (!o.quiet) fmt::print("\n--- {} ---\n", spec.label);
-  // The method's index over the prompt (tactic's k-means) is built here, where it happens,
-  // not inside the first decode step.
   const auto tb = clock::now();
   s.build_indexes();
-  r.index_s = std::chrono::duration<double>(clock::now() - tb).count();
-  auto t1 = clock::now();
-  for (int i = 0; i < o.max_tokens; ++i) {
-    const int32_t next = sampler.sample(*logits);
-    if (next == tok.eos_id()) break;
-    if (!o.quiet) {
-      fmt::print("{}", tok.decode_piece(next));
-      std::fflush(stdout);
+  L.r.index_s = std::chrono::duration<double>(clock::now() - tb).count();
+  return L;
+}
+
+// Decodes every run's tokens in turn, one token of each run a round: the machine's memory
+// bandwidth drifts over seconds (on the 2-vCPU VMs this project measures on, between about
+// 36 and 60 GB/s), so runs decoded one after another can meet different machines, and
+// their ratio says more about the drift than about the methods. A run's decode time is the
+// sum of its own steps.
+void decode_in_turn(std::vector<LiveRun>& runs, const Tokenizer& tok, int max_tokens) {
+  using clock = std::chrono::steady_clock;
+  for (int i = 0; i < max_tokens; ++i) {
+    for (LiveRun& L : runs) {
+      if (L.done) continue;
+      const auto t = clock::now();
+      const int32_t next = L.sampler.sample(*L.logits);
+      if (next == tok.eos_id()) {
+        L.done = true;
+      } else {
+        ++L.r.generated;
+        if (i + 1 < max_tokens) L.logits = &L.runner->decode(next);
+      }
+      L.r.decode_s += std::chrono::duration<double>(clock::now() - t).count();
+      if (!L.done) L.text += tok.decode_piece(next);
     }
-    ++r.generated;
-    if (i + 1 < o.max_tokens) logits = &s.decode(next);
   }
-  r.decode_s = std::chrono::duration<double>(clock::now() - t1).count();
-  if (!o.quiet) fmt::print("\n");
-  r.summary = s.summary();
-  r.prefill_stats = s.prefill_stats();
-  return r;
 }
 
 // The prefill method's line under a table row (a sparse prefill method: its block share and
@@ -528,8 +547,16 @@ void run_generate(const GenerateOptions& o) {
                 prompt.size(), w.config.context_length);
 
   if (o.bench) return o.device == "cpu" ? run_bench(w, prompt, specs, o) : run_bench_device(w, prompt, specs, o);
+  std::vector<LiveRun> runs;
+  for (const auto& spec : specs) runs.push_back(start_run(w, prompt, spec, o, kvs));
+  decode_in_turn(runs, *tok, o.max_tokens);
   std::vector<RunResult> results;
-  for (const auto& spec : specs) results.push_back(run_one(w, *tok, prompt, spec, o, kvs));
+  for (LiveRun& L : runs) {
+    if (!o.quiet) fmt::print("\n--- {} ---\n{}\n", L.r.method, L.text);
+    L.r.summary = L.runner->summary();
+    L.r.prefill_stats = L.runner->prefill_stats();
+    results.push_back(std::move(L.r));
+  }
 
   // Decode speed against the first dense run of this process, when there is one.
   auto decode_tps = [](const RunResult& r) { return r.generated > 1 ? (r.generated - 1) / r.decode_s : 0.0; };
@@ -570,8 +597,8 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--prompt-tokens", o->prompt_tokens, "keep only the first N prompt tokens (0 = all)");
   cmd->add_option("--max-tokens", o->max_tokens, "tokens to generate")->capture_default_str();
   cmd->add_option("--method", o->methods,
-                  "decode method(s), comma-separated, run one after another; 'label=method' runs a method under its "
-                  "own label")
+                  "decode method(s), comma-separated: prefilled one after another, then decoded in turn, a token "
+                  "of each at a time; 'label=method' runs a method under its own label")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--param", o->params, "key=value or X.key=value, X a label or method (repeatable)");
