@@ -1,6 +1,6 @@
 // `cumulus generate`: run a real model with one or more decode methods on the same prompt
-// (prefilled one after another, then decoded in turn, a token of each at a time), print each
-// method's text, then speed and the attention summary side by side.
+// (prefilled one after another; on the CPU then decoded in turn, a token of each at a time),
+// print each method's text, then speed and the attention summary side by side.
 //
 // `cumulus generate --bench`: the speed of the model runtime at given context lengths, the
 // way llama.cpp's llama-bench measures it (tools/reference/bench_vs_llamacpp.sh runs both):
@@ -547,15 +547,24 @@ void run_generate(const GenerateOptions& o) {
                 prompt.size(), w.config.context_length);
 
   if (o.bench) return o.device == "cpu" ? run_bench(w, prompt, specs, o) : run_bench_device(w, prompt, specs, o);
-  std::vector<LiveRun> runs;
-  for (const auto& spec : specs) runs.push_back(start_run(w, prompt, spec, o, kvs));
-  decode_in_turn(runs, *tok, o.max_tokens);
+  // On the CPU every method decodes in turn with the others (decode_in_turn), so their runners
+  // live together: memory is the sum of their KV caches. On the GPU, whose speed does not
+  // drift that way, each runner holds its own copy of the weights and a KV cache for the
+  // model's context, and generate_validate checks each against the free memory alone: one
+  // method at a time there.
+  const size_t together = o.device == "cpu" ? specs.size() : 1;
   std::vector<RunResult> results;
-  for (LiveRun& L : runs) {
-    if (!o.quiet) fmt::print("\n--- {} ---\n{}\n", L.r.method, L.text);
-    L.r.summary = L.runner->summary();
-    L.r.prefill_stats = L.runner->prefill_stats();
-    results.push_back(std::move(L.r));
+  for (size_t first = 0; first < specs.size(); first += together) {
+    std::vector<LiveRun> runs;
+    for (size_t i = first; i < std::min(specs.size(), first + together); ++i)
+      runs.push_back(start_run(w, prompt, specs[i], o, kvs));
+    decode_in_turn(runs, *tok, o.max_tokens);
+    for (LiveRun& L : runs) {
+      if (!o.quiet) fmt::print("\n--- {} ---\n{}\n", L.r.method, L.text);
+      L.r.summary = L.runner->summary();
+      L.r.prefill_stats = L.runner->prefill_stats();
+      results.push_back(std::move(L.r));
+    }
   }
 
   // Decode speed against the first dense run of this process, when there is one.
@@ -597,8 +606,8 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--prompt-tokens", o->prompt_tokens, "keep only the first N prompt tokens (0 = all)");
   cmd->add_option("--max-tokens", o->max_tokens, "tokens to generate")->capture_default_str();
   cmd->add_option("--method", o->methods,
-                  "decode method(s), comma-separated: prefilled one after another, then decoded in turn, a token "
-                  "of each at a time; 'label=method' runs a method under its own label")
+                  "decode method(s), comma-separated: prefilled one after another, then (on the CPU) decoded in "
+                  "turn, a token of each at a time; 'label=method' runs a method under its own label")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--param", o->params, "key=value or X.key=value, X a label or method (repeatable)");
