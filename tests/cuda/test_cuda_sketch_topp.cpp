@@ -190,8 +190,8 @@ struct GpuRun {
 };
 
 // A batch of n_seqs copies of one workload's cache on the device, sequence s with the
-// workload's query of step s (q: the host copy, qd: the device's). The tests name its parts
-// as references rather than structured bindings, which clang 14's lambdas cannot capture.
+// workload's query of step s (q: the host copy, qd: the device's). Not unpacked into
+// structured bindings: clang 14's lambdas cannot capture those.
 struct CopiesBatch {
   cuda::DeviceKvCache dev;
   std::vector<float> q;
@@ -407,18 +407,15 @@ TEST(CudaSketchTopp, FullMassAndShortContextsAttendDensely) {
   const Shape& sh = wl.w.options.shape;
   const int n_seqs = 2;
   CopiesBatch batch = copies_batch(wl, n_seqs);
-  cuda::DeviceKvCache& dev = batch.dev;
-  const std::vector<float>& q = batch.q;
-  cuda::DeviceBuffer& qd = batch.qd;
   for (int variant : {0, 1, 2}) {
     cuda::SketchToppGpuOptions o;
     o.dense_kv_bytes = 0;
     if (variant == 0) o.p = 1.0;
     else if (variant == 1) o.min_context = 3000;
     else o.dense_kv_bytes = size_t{1} << 30;  // the step's cost rule: no selection at all
-    auto m = cuda::make_sketch_topp_gpu(dev.view(), sh.group(), o);
+    auto m = cuda::make_sketch_topp_gpu(batch.dev.view(), sh.group(), o);
     m->prefill();
-    const GpuRun g = run_gpu(*m, n_seqs * sh.n_q_heads, sh.head_dim, n_seqs * sh.n_kv_heads, qd);
+    const GpuRun g = run_gpu(*m, n_seqs * sh.n_q_heads, sh.head_dim, n_seqs * sh.n_kv_heads, batch.qd);
     const std::string what = variant == 0 ? "p = 1" : variant == 1 ? "min_context = n" : "dense_kv_bytes";
     for (int t : g.stats.tokens) EXPECT_EQ(t, 3000) << what;
     for (float c : g.stats.claimed) EXPECT_EQ(c, 1.0f) << what;
@@ -435,11 +432,11 @@ TEST(CudaSketchTopp, FullMassAndShortContextsAttendDensely) {
       for (int s = 0; s < n_seqs; ++s)
         for (const auto& l : all.tokens) dense.lists.push_back(l);
       for (int s = 0; s < n_seqs; ++s)
-        expect_attends_its_lists(dense, views_of(wl.kv), sh, q.data() + s * sh.n_q_heads * sh.head_dim, s, what);
+        expect_attends_its_lists(dense, views_of(wl.kv), sh, batch.q.data() + s * sh.n_q_heads * sh.head_dim, s, what);
       continue;
     }
     for (int s = 0; s < n_seqs; ++s)
-      expect_attends_its_lists(g, views_of(wl.kv), sh, q.data() + s * sh.n_q_heads * sh.head_dim, s, what);
+      expect_attends_its_lists(g, views_of(wl.kv), sh, batch.q.data() + s * sh.n_q_heads * sh.head_dim, s, what);
   }
 }
 
@@ -455,17 +452,14 @@ TEST(CudaSketchTopp, DenseAboveSendsOnlyTheLargeUnionsToEveryToken) {
   const Shape& sh = wl.w.options.shape;
   const int n_seqs = 3;
   CopiesBatch batch = copies_batch(wl, n_seqs);
-  cuda::DeviceKvCache& dev = batch.dev;
-  const std::vector<float>& q = batch.q;
-  cuda::DeviceBuffer& qd = batch.qd;
   const int n_lists = n_seqs * sh.n_kv_heads, n_q_total = n_seqs * sh.n_q_heads;
   auto run = [&](double dense_above) {
     cuda::SketchToppGpuOptions o;
     o.dense_kv_bytes = 0;
     o.dense_above = dense_above;
-    auto m = cuda::make_sketch_topp_gpu(dev.view(), sh.group(), o);
+    auto m = cuda::make_sketch_topp_gpu(batch.dev.view(), sh.group(), o);
     m->prefill();
-    return run_gpu(*m, n_q_total, sh.head_dim, n_lists, qd);
+    return run_gpu(*m, n_q_total, sh.head_dim, n_lists, batch.qd);
   };
   const GpuRun base = run(1.0);  // a union is never more than every token
   std::vector<double> share;
@@ -501,7 +495,7 @@ TEST(CudaSketchTopp, DenseAboveSendsOnlyTheLargeUnionsToEveryToken) {
   EXPECT_GT(went_dense, 0);
   EXPECT_LT(went_dense, n_lists);
   for (int s = 0; s < n_seqs; ++s)
-    expect_attends_its_lists(g, views_of(wl.kv), sh, q.data() + s * sh.n_q_heads * sh.head_dim, s,
+    expect_attends_its_lists(g, views_of(wl.kv), sh, batch.q.data() + s * sh.n_q_heads * sh.head_dim, s,
                              fmt::format("dense_above {:.4f} seq {}", tau, s));
 }
 
@@ -515,25 +509,23 @@ TEST(CudaSketchTopp, GraphReplayEqualsDirectLaunch) {
   const Shape& sh = wl.w.options.shape;
   const int n_seqs = 2, nq = n_seqs * sh.n_q_heads, d = sh.head_dim;
   CopiesBatch batch = copies_batch(wl, n_seqs);
-  cuda::DeviceKvCache& dev = batch.dev;
-  cuda::DeviceBuffer& qd = batch.qd;
   cuda::SketchToppGpuOptions o;
   o.dense_kv_bytes = 0;
   o.weights_chunk = 512;  // several CTAs per list in both passes: the tickets and merges run
   o.hist_chunk = 2048;
-  auto m = cuda::make_sketch_topp_gpu(dev.view(), sh.group(), o);
+  auto m = cuda::make_sketch_topp_gpu(batch.dev.view(), sh.group(), o);
   cuda::Stream st;
   m->prefill(st.handle());
   cuda::DeviceBuffer out(static_cast<size_t>(nq) * d * sizeof(float)), lse(nq * sizeof(float));
-  m->select(qd.as<float>(), st.handle());
-  m->attend(qd.as<float>(), out.as<float>(), lse.as<float>(), nullptr, nullptr, st.handle());
+  m->select(batch.qd.as<float>(), st.handle());
+  m->attend(batch.qd.as<float>(), out.as<float>(), lse.as<float>(), nullptr, nullptr, st.handle());
   m->check(st.handle());
   const auto lists0 = download_lists(m->list_idx(), m->list_len(), n_seqs * sh.n_kv_heads, m->list_stride());
   const auto claims0 = m->stats(st.handle()).claimed;
   const auto out0 = cuda::to_host<float>(out, static_cast<size_t>(nq) * d);
   cuda::Graph graph = cuda::Graph::capture(st.handle(), [&] {
-    m->select(qd.as<float>(), st.handle());
-    m->attend(qd.as<float>(), out.as<float>(), lse.as<float>(), nullptr, nullptr, st.handle());
+    m->select(batch.qd.as<float>(), st.handle());
+    m->attend(batch.qd.as<float>(), out.as<float>(), lse.as<float>(), nullptr, nullptr, st.handle());
   });
   for (int rep = 0; rep < 2; ++rep) {
     out.fill_bytes(0xff);  // NaN: the replay must write every output
