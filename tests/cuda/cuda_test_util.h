@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cumulus/eval/synthetic.h"
 #include "cumulus/kernels/attention.h"
 #include "cumulus/kernels/cuda.h"
 #include "cumulus/methods/cuda_methods.h"
@@ -64,6 +65,29 @@ inline std::vector<std::vector<PagedHeadView>> views_of(const std::vector<KvCach
   for (const auto& kv : seqs) v.push_back(views_of(kv));
   return v;
 }
+
+// The queries of steps 0 .. n_seqs - 1 of a synthetic workload, one sequence each.
+inline std::vector<float> batch_queries(const SyntheticWorkload& w, int n_seqs) {
+  const Shape& sh = w.options.shape;
+  std::vector<float> q;
+  for (int s = 0; s < n_seqs; ++s) {
+    const float* qs = w.query(0, s);
+    q.insert(q.end(), qs, qs + static_cast<size_t>(sh.n_q_heads) * sh.head_dim);
+  }
+  return q;
+}
+
+// A synthetic workload's cache replicated for n_seqs sequences on the device, sequence s
+// with the workload's query of step s, on the host (q) and the device (qd).
+struct ReplicatedBatch {
+  cuda::DeviceKvCache dev;
+  std::vector<float> q;
+  cuda::DeviceBuffer qd;
+  ReplicatedBatch(const KvCache& kv, const SyntheticWorkload& w, int n_seqs)
+      : dev(cuda::DeviceKvCache::upload_replicated(views_of(kv), n_seqs)),
+        q(batch_queries(w, n_seqs)),
+        qd(cuda::to_device(q)) {}
+};
 
 inline std::vector<float> random_vec(size_t n, std::mt19937& rng, float sd = 1.0f) {
   std::normal_distribution<float> nd(0.0f, sd);

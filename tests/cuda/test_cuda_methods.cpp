@@ -81,15 +81,6 @@ GpuRun run_method(cuda::SparseDecoder& m, const cuda::DeviceKvView& kv, const Wo
   return r;
 }
 
-std::vector<float> batch_queries(const Workload& wl, int n_seqs) {
-  const Shape& sh = wl.w.options.shape;
-  std::vector<float> q;
-  for (int s = 0; s < n_seqs; ++s) {
-    const float* qs = wl.w.query(0, s);
-    q.insert(q.end(), qs, qs + static_cast<size_t>(sh.n_q_heads) * sh.head_dim);
-  }
-  return q;
-}
 
 // Dense reference (float64) for each sequence's query: out and lse.
 void dense_ref(const Workload& wl, const std::vector<float>& q, int n_seqs, std::vector<float>& out,
@@ -114,6 +105,8 @@ void dense_ref(const Workload& wl, const std::vector<float>& q, int n_seqs, std:
 
 // What most tests start from: the workload's cache replicated for n_seqs sequences on the
 // device, each sequence's query (host and device), and the float64 dense reference.
+// (ReplicatedBatch's members, cuda_test_util.h, plus the reference; not derived from it, as
+// the tests unpack it with structured bindings.)
 struct GpuSetup {
   cuda::DeviceKvCache dev;
   std::vector<float> q;
@@ -121,7 +114,7 @@ struct GpuSetup {
   std::vector<float> dout, dlse;
   GpuSetup(const Workload& wl, int n_seqs)
       : dev(cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs)),
-        q(batch_queries(wl, n_seqs)),
+        q(batch_queries(wl.w, n_seqs)),
         qd(cuda::to_device(q)) {
     dense_ref(wl, q, n_seqs, dout, dlse);
   }
@@ -308,7 +301,7 @@ TEST(CudaMethods, TacticAttendsTheTailAfterPrefill) {
   CUMULUS_REQUIRE_GPU();
   ThreadPool pool(2);
   const Workload wl = make_workload(4096, "smollm2-135m", 13, pool);
-  const auto q = batch_queries(wl, 1);
+  const auto q = batch_queries(wl.w, 1);
   cuda::DeviceBuffer qd = cuda::to_device(q);
   std::vector<float> dout, dlse;
   dense_ref(wl, q, 1, dout, dlse);

@@ -189,22 +189,6 @@ struct GpuRun {
   cuda::SparseStepStats stats;
 };
 
-// A batch of n_seqs copies of one workload's cache on the device, sequence s with the
-// workload's query of step s (q: the host copy, qd: the device's). Not unpacked into
-// structured bindings: clang 14's lambdas cannot capture those.
-struct CopiesBatch {
-  cuda::DeviceKvCache dev;
-  std::vector<float> q;
-  cuda::DeviceBuffer qd;
-};
-CopiesBatch copies_batch(const Workload& wl, int n_seqs) {
-  const Shape& sh = wl.w.options.shape;
-  std::vector<float> q;
-  for (int s = 0; s < n_seqs; ++s) q.insert(q.end(), wl.w.query(0, s), wl.w.query(0, s) + sh.n_q_heads * sh.head_dim);
-  cuda::DeviceBuffer qd = cuda::to_device(q);
-  return {cuda::DeviceKvCache::upload_replicated(views_of(wl.kv), n_seqs), std::move(q), std::move(qd)};
-}
-
 GpuRun run_gpu(cuda::SparseDecoder& m, int n_q_total, int d, int n_lists, cuda::DeviceBuffer& qd) {
   cuda::DeviceBuffer out(static_cast<size_t>(n_q_total) * d * sizeof(float)), lse(n_q_total * sizeof(float));
   m.select(qd.as<float>());
@@ -406,7 +390,7 @@ TEST(CudaSketchTopp, FullMassAndShortContextsAttendDensely) {
   const Workload wl = make_workload(3000, "smollm2-135m", 31, DType::f16, pool);
   const Shape& sh = wl.w.options.shape;
   const int n_seqs = 2;
-  CopiesBatch batch = copies_batch(wl, n_seqs);
+  ReplicatedBatch batch(wl.kv, wl.w, n_seqs);
   for (int variant : {0, 1, 2}) {
     cuda::SketchToppGpuOptions o;
     o.dense_kv_bytes = 0;
@@ -451,7 +435,7 @@ TEST(CudaSketchTopp, DenseAboveSendsOnlyTheLargeUnionsToEveryToken) {
   const Workload wl = make_workload(n, "llama3-8b", 37, DType::f16, pool);
   const Shape& sh = wl.w.options.shape;
   const int n_seqs = 3;
-  CopiesBatch batch = copies_batch(wl, n_seqs);
+  ReplicatedBatch batch(wl.kv, wl.w, n_seqs);
   const int n_lists = n_seqs * sh.n_kv_heads, n_q_total = n_seqs * sh.n_q_heads;
   auto run = [&](double dense_above) {
     cuda::SketchToppGpuOptions o;
@@ -508,7 +492,7 @@ TEST(CudaSketchTopp, GraphReplayEqualsDirectLaunch) {
   const Workload wl = make_workload(8192, "llama3-8b", 37, DType::f16, pool);
   const Shape& sh = wl.w.options.shape;
   const int n_seqs = 2, nq = n_seqs * sh.n_q_heads, d = sh.head_dim;
-  CopiesBatch batch = copies_batch(wl, n_seqs);
+  ReplicatedBatch batch(wl.kv, wl.w, n_seqs);
   cuda::SketchToppGpuOptions o;
   o.dense_kv_bytes = 0;
   o.weights_chunk = 512;  // several CTAs per list in both passes: the tickets and merges run
