@@ -81,7 +81,6 @@ GpuRun run_method(cuda::SparseDecoder& m, const cuda::DeviceKvView& kv, const Wo
   return r;
 }
 
-
 // Dense reference (float64) for each sequence's query: out and lse.
 void dense_ref(const Workload& wl, const std::vector<float>& q, int n_seqs, std::vector<float>& out,
                std::vector<float>& lse) {
