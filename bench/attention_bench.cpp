@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "cumulus/kernels/simd.h"
 #include "cumulus/core/buffer.h"
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/file.h"
@@ -186,6 +187,12 @@ struct Row {
 }  // namespace
 
 int main(int argc, char** argv) {
+  try {
+    cumulus::cpu::simd_select_from_env();  // CUMULUS_SIMD caps the SIMD target (kernels/simd.h)
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
   int threads = 2, n_tokens = 32768, reps = 20;
   bool quick = false;
   std::string json_path = "attention_bench.json";

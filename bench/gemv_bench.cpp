@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "cumulus/kernels/simd.h"
 #include "cumulus/core/buffer.h"
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/file.h"
@@ -141,6 +142,12 @@ std::pair<double, double> time_pass(Fn&& pass, int reps) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  try {
+    cumulus::cpu::simd_select_from_env();  // CUMULUS_SIMD caps the SIMD target (kernels/simd.h)
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
   int threads = 2, copies = 30, reps = 15;
   std::string json_path, only;  // only: run the shapes whose name contains it
   for (int i = 1; i < argc; ++i) {

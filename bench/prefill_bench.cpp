@@ -44,6 +44,7 @@
 #include <thread>
 #include <vector>
 
+#include "cumulus/kernels/simd.h"
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/file.h"
 #include "cumulus/core/thread_pool.h"
@@ -437,6 +438,12 @@ nlohmann::json run_kl(const Model& m, int threads, int n, int steps) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  try {
+    cumulus::cpu::simd_select_from_env();  // CUMULUS_SIMD caps the SIMD target (kernels/simd.h)
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
   std::string model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
   std::string text_path = "../shared/data/text/pg1342_pride_and_prejudice.txt";
   std::string json_path = "prefill_bench.json";

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cumulus/core/error.h"
+#include "cumulus/kernels/simd.h"
 
 namespace cumulus::check {
 
@@ -26,7 +27,8 @@ void expect_error(Fn fn, const std::string& needle) {
   }
 }
 
-// Runs fn once per SIMD target that is both compiled in and supported here.
+// Runs fn once per SIMD target that is compiled in, supported here and within
+// CUMULUS_SIMD's cap (kernels/simd.h), then restores that cap.
 template <class Fn>
 void for_each_target(Fn fn) {
   for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
@@ -34,7 +36,7 @@ void for_each_target(Fn fn) {
     SCOPED_TRACE(hwy::TargetName(target));
     fn();
   }
-  hwy::SetSupportedTargetsForTest(0);
+  cpu::simd_select_from_env();
 }
 
 // ||a - b|| / ||b||

@@ -487,7 +487,9 @@ TEST(SketchTopp, ShortContextsAttendDensely) {
   AttnOutput out = run("sketch_topp", f, {});  // min_context defaults to 1024
   for (const auto& t : out.selection.tokens) EXPECT_EQ(t.size(), 900u);
   for (const auto& st : out.stats) EXPECT_EQ(st.mass_claimed, 1.0);
-  EXPECT_LT(rel_err(out.out, dense.out), 1e-6);
+  // Two float32 sums over 900 tokens in different orders (the sparse kernel over every
+  // token against the dense one): 1.3e-6 apart on the scalar target (CUMULUS_SIMD=scalar).
+  EXPECT_LT(rel_err(out.out, dense.out), 1e-5);
 }
 
 // rest=mean: o = claim o_U + (1 - claim) vbar, with o_U attention over the union and vbar

@@ -154,7 +154,15 @@ TEST(SmolLM2, CompactWeightsMatchFloat32Weights) {
   a.prefill(prompt);
   b.prefill(prompt);
   const int bits = cpu::gemv_quant_activation_bits();
-  constexpr double kMaxAbsDiff16 = 0.05;  // 16-bit codes: over the whole vocabulary
+  // 16-bit codes. The two runs differ by the codes' rounding (amax * 2^-16 per element) and
+  // by float32 summation order, which depends on the SIMD target and on OpenBLAS's kernel;
+  // 30 layers amplify both. Order alone moves logits as far: float32 weights under
+  // OpenBLAS's Haswell and SkylakeX kernels differ by up to 0.017, compact weights on SSE4
+  // and AVX-512 by 0.034. Measured over avx512vnni, avx512, avx2 and sse4 (CUMULUS_SIMD) x
+  // OpenBLAS SkylakeX, Haswell and Zen (OPENBLAS_CORETYPE): max 0.022-0.054, centered top-20
+  // 0.006-0.016, mean 0.0013-0.0018. The bounds are about twice the worst of those; 8-bit
+  // codes (max 0.49 against float32) fail every one of them.
+  constexpr double kMaxAbsDiff16 = 0.1, kMaxCenteredDiff16 = 0.04, kMeanAbsDiff16 = 0.004;
   constexpr double kMaxCenteredDiff8 = 0.75, kMeanAbsDiff8 = 0.25;  // 8-bit codes
   double worst = 0, worst_top = 0, worst_centered = 0, sum = 0;
   int top1_checked = 0;
@@ -186,6 +194,8 @@ TEST(SmolLM2, CompactWeightsMatchFloat32Weights) {
   EXPECT_GE(top1_checked, kSteps / 5);
   if (bits == 16) {
     EXPECT_LE(worst, kMaxAbsDiff16);
+    EXPECT_LE(worst_centered, kMaxCenteredDiff16);
+    EXPECT_LE(sum / static_cast<double>(n), kMeanAbsDiff16);
   } else {
     EXPECT_LE(worst_centered, kMaxCenteredDiff8);
     EXPECT_LE(sum / static_cast<double>(n), kMeanAbsDiff8);

@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "core/check.h"
+#include "cumulus/kernels/simd.h"
 #include "cumulus/kv/kv_cache.h"
 #include "cumulus/methods/method.h"
 #include "cumulus/methods/registry.h"
@@ -115,6 +116,7 @@ BenchMachine bench_machine() {
   std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
   m.date = buf;
   m.load_average = load_average();
+  m.simd = cpu::simd_target_line();
 #if defined(__VERSION__)
   m.compiler = __VERSION__;
 #endif
@@ -299,8 +301,8 @@ std::string bench_table(const BenchReport& rep) {
                      "before each timed step to flush the L2\n",
                      rep.membw.gbps_median, rep.evict_bytes >> 20);
   } else {
-    t += fmt::format("machine:  {} ({} logical CPUs), load average {:.2f}, {}\n", rep.machine.cpu,
-                     rep.machine.logical_cpus, rep.machine.load_average, rep.machine.date);
+    t += fmt::format("machine:  {} ({} logical CPUs), SIMD {}, load average {:.2f}, {}\n", rep.machine.cpu,
+                     rep.machine.logical_cpus, rep.machine.simd, rep.machine.load_average, rep.machine.date);
     t += fmt::format("memory:   read bandwidth {:.1f} GB/s (best median of plain and prefetching sums, {} passes, {} MiB, {} threads); LLC {} MiB; {}\n",
                      rep.membw.gbps_median, rep.membw.gbps.size(), rep.membw.bytes >> 20, rep.membw.threads,
                      rep.llc_bytes >> 20,
@@ -349,6 +351,7 @@ std::string bench_json(const BenchReport& rep) {
                   {"threads", o.threads},
                   {"date", rep.machine.date},
                   {"compiler", rep.machine.compiler},
+                  {"simd", rep.machine.simd},
                   {"read_bandwidth_gbps", rep.membw.gbps_median},
                   {"read_bandwidth_gbps_max", rep.membw.gbps_max},
                   {"read_bandwidth_samples_gbps", rep.membw.gbps},

@@ -26,6 +26,7 @@
 #include "cumulus/core/error.h"
 #include "cumulus/core/file.h"
 #include "cumulus/eval/membw.h"
+#include "cumulus/kernels/simd.h"
 #include "cumulus/eval/method_spec.h"
 #include "cumulus/eval/tasks.h"
 #include "cumulus/methods/registry.h"
@@ -287,8 +288,8 @@ void run_bench(const ModelWeights& w, const std::vector<int32_t>& source, const 
   const double wbytes = decode_weight_bytes(w);
   fmt::print("model {}: {} layers, dim {}, weights {} ({:.1f} MB in memory, {:.1f} MB read per decode step)\n",
              o.model, w.config.n_layers, w.config.dim, o.weights, w.bytes() / 1e6, wbytes / 1e6);
-  fmt::print("threads {}, kv {}, machine read bandwidth {:.1f} GB/s (median, same threads)\n", o.threads, o.kv_dtype,
-             bw.gbps_median);
+  fmt::print("threads {}, kv {}, SIMD {}, machine read bandwidth {:.1f} GB/s (median, same threads)\n", o.threads,
+             o.kv_dtype, cpu::simd_target_line(), bw.gbps_median);
 
   std::vector<BenchRun> runs;
   for (const auto& spec : specs) {
@@ -324,6 +325,7 @@ void run_bench(const ModelWeights& w, const std::vector<int32_t>& source, const 
     j["decode_weight_bytes"] = wbytes;
     j["threads"] = o.threads;
     j["kv_dtype"] = o.kv_dtype;
+    j["simd"] = cpu::simd_target_line();
     j["membw_gbps"] = bw.gbps_median;
     j["repetitions"] = o.repetitions;
     for (const BenchRun& r : runs) {

@@ -10,6 +10,7 @@
 
 #include "cli.h"
 #include "cumulus/core/error.h"
+#include "cumulus/kernels/simd.h"
 #include "cumulus/model/gguf.h"
 #include "cumulus/model/model_weights.h"
 #include "cumulus/model/tokenizer.h"
@@ -62,6 +63,8 @@ void print_tokenizer(const Tokenizer& t) {
 
 void run_info(const InfoOptions& o) {
   fmt::print("device         cpu (default); {}\n", device_line());
+  fmt::print("cpu simd       {} (compiled: {}; CUMULUS_SIMD=<target> caps it)\n", cpu::simd_target_line(),
+             fmt::join(cpu::simd_targets_compiled(), ", "));
   fmt::print("model          {}\n", o.model);
   if (model_format_of(o.model) == ModelFormat::gguf) {
     const GgufFile f = GgufFile::open(o.model);

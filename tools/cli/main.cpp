@@ -7,6 +7,7 @@
 
 #include "cli.h"
 #include "cumulus/core/error.h"
+#include "cumulus/kernels/simd.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"cumulus: adaptive sparse attention for long-context LLM inference"};
@@ -31,6 +32,8 @@ int main(int argc, char** argv) {
     }
   }
   try {
+    // CUMULUS_SIMD caps the CPU kernels' SIMD target (kernels/simd.h) before any runs.
+    cumulus::cpu::simd_select_from_env();
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);

@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "cumulus/kernels/simd.h"
 #include "cumulus/core/error.h"
 #include "cumulus/core/file.h"
 #include "cumulus/eval/tasks.h"
@@ -225,6 +226,12 @@ int soak_run(const SoakOptions& o) {
 }  // namespace cumulus
 
 int main(int argc, char** argv) {
+  try {
+    cumulus::cpu::simd_select_from_env();  // CUMULUS_SIMD caps the SIMD target (kernels/simd.h)
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
   cumulus::SoakOptions o;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];

@@ -88,6 +88,7 @@ struct BenchMachine {
   int logical_cpus = 0;  // std::thread::hardware_concurrency
   std::string date;      // UTC, ISO 8601
   std::string compiler;
+  std::string simd;      // the CPU kernels' SIMD target in use (kernels/simd.h simd_target_line)
   double load_average = -1;  // 1-minute load from /proc/loadavg at the start (-1: unknown)
 };
 
