@@ -254,7 +254,7 @@ int main(int argc, char** argv) {
 
   // Each row's share is taken against the read bandwidth measured just before and just
   // after its timed runs, the larger of the two (so a share is never overstated): on a
-  // virtual machine the bandwidth can change by 1.7x within a run (docs/performance-log.md),
+  // virtual machine the bandwidth can change by 1.7x within a run (docs/lab/performance-log.md),
   // and one figure for the whole run would compare rows with the wrong one.
   auto add_row = [&](Row r, auto&& kernel, int warmup, int row_reps) {
     const double bw0 = probe.measure(0, 3).gbps_median;

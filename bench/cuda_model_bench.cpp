@@ -1,4 +1,4 @@
-// End-to-end decode speed of the GPU model runtime (issue 16, benchmark): a llama3-8b-shaped
+// End-to-end decode speed of the GPU model runtime (benchmark): a llama3-8b-shaped
 // model (32 layers, 32 query heads over 8 kv heads, head_dim 128, dim 4096, ffn 14336, vocab
 // 128256, untied head) with random f16 weights made on the device, dense attention, the
 // cache filled with random K/V to each context (no prefill: fill_random_context), then
@@ -31,6 +31,7 @@
 
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/cuda.h"
+#include "cumulus/methods/registry.h"
 #include "cumulus/model/cuda_runner.h"
 
 using namespace cumulus;
@@ -194,7 +195,7 @@ int main(int argc, char** argv) try {
       ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     }
     const double step = median(ms);
-    if (o.method == "dense" && o.params.empty()) dense_ms = step;
+    if (o.method == cumulus::kDenseMethod && o.params.empty()) dense_ms = step;
     // Bytes a step reads: every weight matrix and the classifier once, and every sequence's
     // K/V at the mean depth, times the share the method read (dense: 1).
     const AttentionSummary sum = r->summary();

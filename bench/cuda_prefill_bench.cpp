@@ -1,4 +1,4 @@
-// GPU prefill benchmark (issue 7, docs/cuda.md "Prefill"): one layer of the llama3-8b shape
+// GPU prefill benchmark (docs/cuda.md "Prefill"): one layer of the llama3-8b shape
 // (32 query heads, 8 kv heads, head_dim 128, f16; --shape picks another, e.g. gemma3-270m:
 // 4 query heads, 1 kv head, head_dim 256) prefilled from position 0 at each context:
 //   dense        our causal flash-style tensor-core kernel

@@ -1,4 +1,4 @@
-// Prefill benchmark (issue 7): the prefill attention kernels on their own and FlexPrefill on
+// Prefill benchmark: the prefill attention kernels on their own and FlexPrefill on
 // a real model, printed as tables and written as JSON.
 //
 //   kernel  one layer of SmolLM2-135M's attention shape (9 query heads over 3 kv heads,
@@ -16,7 +16,7 @@
 //           per pattern. Same run, same threads, speedups as ratios; the configs run
 //           interleaved --reps times and each reports its best wall time and best process CPU
 //           time (the latter is less disturbed by other processes on a shared machine).
-//   kl      accuracy (issue 7): prefill the book's first kl_tokens tokens with flexprefill, then
+//   kl      accuracy: prefill the book's first kl_tokens tokens with flexprefill, then
 //           decode densely, teacher-forced with the all-dense greedy continuation; KL(dense ||
 //           flexprefill) of the next-token distributions at each of the first kl_steps steps
 //           (step 0 = the prompt's own last logits). The dense reference prefills in one chunk

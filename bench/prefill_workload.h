@@ -1,6 +1,6 @@
 // The synthetic prompt of the prefill benchmarks (bench/prefill_bench.cpp on the CPU,
 // bench/cuda_prefill_bench.cpp on the GPU): one layer's queries, keys and values with the
-// structure FlexPrefill (003) exploits, element by element from a counter-based hash, so any
+// structure FlexPrefill exploits, element by element from a counter-based hash, so any
 // thread order and either benchmark gives the same numbers.
 //
 // Per kv head h of n_kv, token t, head_dim D (logits are q.k / sqrt(D)):

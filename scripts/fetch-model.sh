@@ -78,7 +78,7 @@ fetch_smollm2() {
 
 fetch_gemma3() {
   local file="${MODELS_DIR}/gemma-3-270m-q4_k_m.gguf"
-  # From the issue that asked for it (253,113,024 bytes); checked at the first download.
+  # The file's SHA-256 (253,113,024 bytes); checked at the first download.
   local sha="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
   if have_good_file "${file}" "${sha}"; then
     echo "fetch-model: ${file} present, sha256 ok"

@@ -395,7 +395,7 @@ TEST(AttentionWeightedValues, MatchesReference) {
 }
 
 TEST(AttentionDecode, GemmaHeadDim256) {
-  // Gemma 3's shape (issue 18): head_dim 256, 4 query heads over 1 kv head; dense over the
+  // Gemma 3's shape: head_dim 256, 4 query heads over 1 kv head; dense over the
   // whole cache (global layers) and sparse over a 512-token window (local layers).
   std::mt19937 rng(256);
   ThreadPool pool(2);

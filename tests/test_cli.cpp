@@ -1,4 +1,4 @@
-// The `cumulus` command line on bad input (issue 19): every bad option, method, parameter or
+// The `cumulus` command line on bad input: every bad option, method, parameter or
 // path gives an Error naming it and a non-zero exit before any model is loaded or any work
 // starts. Each case runs the built binary (CUMULUS_CLI_PATH) under `timeout`, so an option
 // checked only after the work (a hang, a two-minute prefill) fails the test by its exit
@@ -230,7 +230,7 @@ TEST_F(Cli, TokenizerWithGgufIsRejected) {
   expect_rejected("generate --model " + gguf.string() + " --tokenizer " + tok.string(), "drop --tokenizer");
 }
 
-// Gemma 3 270M through the command line (issue 18): info shows its layer pattern, generate
+// Gemma 3 270M through the command line: info shows its layer pattern, generate
 // continues a prompt with llama.cpp's greedy tokens (llamacpp_logits on the same GGUF, ids
 // 2 818 5279 529 7001 563: " the capital of the country of France. It is the largest").
 TEST(CliGemma3, InfoAndGreedyGenerate) {

@@ -1,5 +1,5 @@
 // Checked reading and atomic writing of user-named files (include/cumulus/core/file.h),
-// and the parsers' refusals of what a user can get wrong (issue 19): directories, endless
+// and the parsers' refusals of what a user can get wrong: directories, endless
 // files, sizes claimed by a header but not present, a parameter given twice.
 #include <gtest/gtest.h>
 #include <sys/stat.h>

@@ -1,4 +1,4 @@
-// FlexPrefill (src/methods/flexprefill.cpp, docs/methods.md "flexprefill"), tested by what it
+// FlexPrefill (src/methods/flexprefill/flexprefill.cpp, docs/methods.md "flexprefill"), tested by what it
 // promises: hand-built probes whose pattern and blocks are worked out by hand (vertical-slash,
 // query-aware, budgets, a chunk in the middle of a prompt); every selection holds the first
 // block and the diagonal; the CPU selection agrees with the float64 one; at gamma = 1 (or a
@@ -297,7 +297,7 @@ TEST(FlexPrefillMethod, BadParametersAreErrorsNamingTheValue) {
   expect_error([&] { reg.make_prefill("flexprefill", s, {{"lambda", "1"}}); }, "no parameter 'lambda'");
   expect_error([&] { reg.make_prefill("tactic", s); }, "not a prefill method");
   expect_error([&] { reg.make("flexprefill", s); }, "not a decode method");
-  EXPECT_EQ(reg.find("flexprefill").kind, "prefill");
+  EXPECT_EQ(reg.find("flexprefill").kind, MethodKind::prefill);
   EXPECT_TRUE(reg.find("dense").make_decode && reg.find("dense").make_prefill);
 }
 

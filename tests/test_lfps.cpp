@@ -1,4 +1,4 @@
-// lfps keeps its promises (002 Algorithm 1, Eq. 4-10, Appendix B): the sink bypass fires
+// lfps keeps its promises (LFPS (Learn from the Past), Algorithm 1, Eq. 4-10, Appendix B): the sink bypass fires
 // when the sink token holds more than epsilon of the true mass and not when it holds
 // little, and then outputs the mean value vector; the vertical and slash tables each sum to
 // 0.5 / (1 - r) after prefill and after every one of 1,000 decode steps (Eq. 15); the
@@ -17,7 +17,7 @@
 #include "cumulus/core/error.h"
 #include "cumulus/kv/kv_cache.h"
 #include "cumulus/methods/registry.h"
-#include "methods/lfps_tables.h"
+#include "methods/lfps/lfps_tables.h"
 
 using namespace cumulus;
 
@@ -263,7 +263,7 @@ TEST(Lfps, AtFullBudgetEqualsDense) {
 
 TEST(Lfps, SelectsFromThePastsPatterns) {
   // With queries that repeat the prompt's, the candidates drawn from the tables should
-  // recover most of the exact top-k (002 Figure 2a reports ~85% overlap on real models).
+  // recover most of the exact top-k (LFPS's Figure 2a reports ~85% overlap on real models).
   const Shape s{1, 4, 4, 32};
   Fixture f = make_fixture(s, 2000, 23, 2.5f);
   ThreadPool pool(2);

@@ -11,9 +11,11 @@
 #include <set>
 
 #include "cumulus/core/error.h"
+#include "cumulus/kernels/cuda_decoder.h"
 #include "cumulus/kernels/sketch.h"
 #include "cumulus/kv/kv_cache.h"
 #include "cumulus/methods/registry.h"
+#include "kernel_check.h"
 
 using namespace cumulus;
 
@@ -135,6 +137,42 @@ TEST(Methods, RegistryListsTheBaselines) {
   std::set<std::string> names;
   for (const auto& m : Registry::builtin().list()) names.insert(m.name);
   for (const char* n : {"dense", "oracle_topk", "oracle_topp", "streaming", "quest"}) EXPECT_TRUE(names.count(n)) << n;
+}
+
+// What the evaluation and the GPU runtime read from the registry instead of comparing
+// method names: each decode method targets a mass or has a fixed budget (never both), each
+// has its own plot colour, and a kind that contradicts the factories is refused.
+TEST(Methods, RegistryCarriesTargetsBudgetsColoursAndKinds) {
+  std::set<std::string> colors;
+  for (const MethodInfo& m : Registry::builtin().list()) {
+    if (!method_kind_decodes(m.kind)) continue;
+    EXPECT_FALSE(!m.target_param.empty() && !m.budget_param.empty()) << m.name;
+    EXPECT_EQ(m.color.size(), 7u) << m.name;
+    EXPECT_TRUE(colors.insert(m.color).second) << m.name << " shares colour " << m.color;
+    EXPECT_EQ(m.gpu.make, nullptr) << m.name << ": the CPU registry attaches no GPU pipeline";
+  }
+  const Registry& r = Registry::builtin();
+  EXPECT_EQ(r.find("psa").target_param, "threshold");
+  EXPECT_EQ(r.find("quest").budget_param, "budget");
+  EXPECT_EQ(r.find("oracle_topk").budget_param, "k");
+  EXPECT_EQ(r.find("streaming").budget_param, "window");
+  EXPECT_TRUE(r.find("tactic").budget_param.empty());
+  EXPECT_EQ(r.find(kDenseMethod).kind, MethodKind::decode_and_prefill);
+  EXPECT_EQ(r.find_if_known("no_such_method"), nullptr);
+
+  Registry mine;
+  MethodInfo x = r.find("quest");
+  x.kind = MethodKind::prefill;
+  check::expect_error([&] { mine.add(x); }, "kind prefill does not match its factories");
+  MethodInfo y = r.find("quest");
+  y.budget_param = "nope";
+  check::expect_error([&] { mine.add(y); }, "no parameter 'nope'");
+  Registry copy = r;
+  EXPECT_FALSE(copy.attach_gpu("no_such_method", {.make = [](const cuda::DeviceKvView&, const Shape&, int,
+                                                             const Params&) -> std::unique_ptr<cuda::SparseDecoder> {
+    return nullptr;
+  }}));
+  check::expect_error([&] { copy.attach_gpu("quest", {}); }, "needs its factory");
 }
 
 TEST(Methods, OracleTopPReachesPWithFewestTokens) {

@@ -1,4 +1,4 @@
-// The gemma3 architecture (issue 18 part 1): the loader's config and errors on small
+// The gemma3 architecture: the loader's config and errors on small
 // synthetic GGUF files, the sliding-window layers (prefill, decode and chunking agree; the
 // window changes logits exactly where it should), methods running on the global layers
 // only, the local layers' cache holding only their window (decode, restart_decode and KV

@@ -1,5 +1,5 @@
-// Gemma 3 270M (Q4_K_M GGUF) against llama.cpp, software nobody here wrote (issue 18 part
-// 3): the top-20 logits llama.cpp computes at 12 positions of a >= 4096-token excerpt of
+// Gemma 3 270M (Q4_K_M GGUF) against llama.cpp, software nobody here wrote: the
+// top-20 logits llama.cpp computes at 12 positions of a >= 4096-token excerpt of
 // Pride and Prejudice, on both sides of the 512-token sliding window, and its 32-token
 // greedy continuation of the excerpt with its top-1 margins (tests/data/gemma3_llamacpp_logits.json, from
 // tools/reference/make_gemma3_llamacpp_fixture.py with the llama.cpp that llama-cpp-python
@@ -111,7 +111,7 @@ TEST(Gemma3, LogitsAndGreedyMatchLlamaCpp) {
         n_compared += static_cast<int>(it->second->top.size());
       }
     }
-    // The greedy continuation (issue 18's requirement): cumulus's own 32 greedy tokens equal
+    // The greedy continuation must match: cumulus's own 32 greedy tokens equal
     // llama.cpp's, with the 16-bit activations the runtime uses (kernels/gemv.h; 8-bit codes
     // took another 9th token at a near tie: margin 0.184 in llama.cpp, 0.003 in cumulus).
     // Fragile by nature: llama.cpp's own top-1 margin (in the fixture) is under 0.2 at 5 of

@@ -35,7 +35,7 @@ namespace {
 fs::path repo_root() { return cumulus::test::source_dir(); }
 fs::path stories260k() { return fs::path(CUMULUS_SHARED_DIR) / "data/models/stories260K/stories260K.bin"; }
 fs::path smollm2_gguf() { return repo_root() / "models/SmolLM2-135M-Instruct.Q4_1.gguf"; }
-// Issue 18's Gemma 3 270M Q4_K_M (scripts/fetch-model.sh gemma3-270m).
+// Gemma 3 270M Q4_K_M (scripts/fetch-model.sh gemma3-270m).
 fs::path gemma3_gguf() { return repo_root() / "models/gemma-3-270m-q4_k_m.gguf"; }
 
 fs::path temp_file(const std::string& name) {

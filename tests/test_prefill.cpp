@@ -423,7 +423,7 @@ TEST(PrefillValidate, BadInputIsAnErrorNamingTheValue) {
 }
 
 TEST(PrefillDense, GemmaHeadDim256) {
-  // Gemma 3's shape (issue 18): head_dim 256, 4 query heads over 1 kv head, chunks that
+  // Gemma 3's shape: head_dim 256, 4 query heads over 1 kv head, chunks that
   // start at 0 and past a 512-token window.
   std::mt19937 rng(256);
   ThreadPool pool(2);

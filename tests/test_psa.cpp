@@ -1,4 +1,4 @@
-// psa keeps Algorithm 1's promises (004 section 3.2): on a hand-built cache whose block
+// psa keeps Algorithm 1's promises (PSA, section 3.2): on a hand-built cache whose block
 // scores are known exactly it stops at the block Algorithm 1 (simulated here in float64)
 // stops at, for several thresholds and microbatch sizes; stop=certified claims no more
 // than the true mass on every one of many random head-steps; at threshold 1 every mode

@@ -220,7 +220,7 @@ TEST_F(Stories260K, UserRegistryRunsACustomDecodeMethod) {
   int calls = 0;
   Registry registry = Registry::builtin();
   registry.add({.name = "counting_dense",
-                .kind = "decode",
+                .kind = MethodKind::decode,
                 .paper = "test",
                 .summary = "dense, counting its calls",
                 .params = {},
@@ -275,7 +275,7 @@ TEST_F(Stories260K, BuildIndexesRunsOnPrefillOnceAndMatchesTheLazyBuild) {
   int builds = 0;
   Registry registry = Registry::builtin();
   registry.add({.name = "counting_prefill",
-                .kind = "decode",
+                .kind = MethodKind::decode,
                 .paper = "test",
                 .summary = "dense, counting its on_prefill calls",
                 .params = {},

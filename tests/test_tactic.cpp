@@ -1,4 +1,4 @@
-// tactic keeps its promises (001 section 4, Table 1): on peaked synthetic caches the true
+// tactic keeps its promises (Tactic, section 4, Table 1): on peaked synthetic caches the true
 // mass it achieves is within 0.05 of P on a stated share of head-steps; with true scores
 // in cluster order (mode=cluster_optimal) it reaches P on every head-step and never beats
 // the optimal set's size; at P = 1 both modes equal dense; tokens appended after prefill
@@ -15,7 +15,7 @@
 #include "cumulus/core/error.h"
 #include "cumulus/kv/kv_cache.h"
 #include "cumulus/methods/registry.h"
-#include "methods/tactic_fit.h"
+#include "methods/tactic/tactic_fit.h"
 
 using namespace cumulus;
 

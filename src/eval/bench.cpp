@@ -79,7 +79,8 @@ void BenchOptions::validate() const {
   const Registry& reg = Registry::builtin();
   for (size_t i = 0; i < methods.size(); ++i) {
     const MethodInfo& m = reg.find(methods[i]);  // throws listing the known names
-    CUMULUS_CHECK(m.make_decode != nullptr, "method '{}' is a {} method, not a decode method", m.name, m.kind);
+    CUMULUS_CHECK(m.make_decode != nullptr, "method '{}' is a {} method, not a decode method", m.name,
+                  method_kind_name(m.kind));
     for (size_t j = 0; j < i; ++j) CUMULUS_CHECK(methods[j] != methods[i], "method '{}' listed twice", methods[i]);
   }
   const std::vector<std::string> names = bench_method_names(*this);

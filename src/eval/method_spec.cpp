@@ -87,7 +87,8 @@ std::map<std::string, std::string> key_values_parse(const std::vector<std::strin
 
 void prefill_spec_check(const std::string& method, const std::map<std::string, std::string>& params) {
   const MethodInfo& info = Registry::builtin().find(method);
-  CUMULUS_CHECK(info.make_prefill != nullptr, "--prefill {}: a {} method, not a prefill method", method, info.kind);
+  CUMULUS_CHECK(info.make_prefill != nullptr, "--prefill {}: a {} method, not a prefill method", method,
+                method_kind_name(info.kind));
   Registry::builtin().parse(method, params);
 }
 
@@ -112,7 +113,7 @@ std::vector<MethodSpec> method_specs_parse(const std::vector<std::string>& entri
                   "--method entry '{}': a label may not contain spaces, dots or commas", e);
     const MethodInfo& info = Registry::builtin().find(s.method);  // throws, listing the known names
     CUMULUS_CHECK(info.make_decode != nullptr, "--method entry '{}': {} is a {} method, not a decode method", e,
-                  s.method, info.kind);
+                  s.method, method_kind_name(info.kind));
     for (const auto& b : base) CUMULUS_CHECK(b.label != s.label, "--method: label '{}' is given twice", s.label);
     s.curve = s.label;
     base.push_back(std::move(s));

@@ -10,6 +10,7 @@
 #include <set>
 
 #include "cumulus/eval/svg.h"
+#include "cumulus/methods/registry.h"
 
 namespace cumulus {
 namespace {
@@ -222,19 +223,38 @@ std::vector<std::pair<std::string, const RunStats*>> curve_runs(const EvalReport
   return out;
 }
 
-// One colour per method across every plot (mass variants and matched baselines by the
-// method they run); "" for names it does not know (the palette then goes by position).
+// One colour per method across every plot: the registry's (MethodInfo::color) for a curve
+// named after a method (mass variants and matched baselines by the method they run), the
+// `eval mass` variants' own (their labels, tasks.cpp); "" for names it does not know.
 std::string method_color(const std::string& curve) {
   std::string n = curve;
   std::transform(n.begin(), n.end(), n.begin(), [](unsigned char c) { return std::tolower(c); });
-  static const std::vector<std::pair<std::string, std::string>> kByPrefix = {
-      {"dense", "#7f7f7f"},       {"optimal", "#4e79a7"},         {"oracle_topp", "#4e79a7"},
-      {"oracle_topk", "#59a14f"}, {"cluster optimal", "#9c755f"}, {"tactic", "#e15759"},
-      {"psa (bound)", "#edc948"}, {"psa (certified)", "#000000"}, {"psa", "#76b7b2"},
-      {"lfps", "#ff9da7"},        {"quest", "#f28e2b"},           {"streaming", "#b07aa1"}};
-  for (const auto& [prefix, color] : kByPrefix)
+  static const std::vector<std::pair<std::string, std::string>> kVariants = {{"optimal", "#4e79a7"},
+                                                                             {"cluster optimal", "#9c755f"},
+                                                                             {"psa (bound)", "#edc948"},
+                                                                             {"psa (certified)", "#000000"}};
+  for (const auto& [prefix, color] : kVariants)
     if (n.rfind(prefix, 0) == 0) return color;
-  return "";
+  const MethodInfo* best = nullptr;  // the longest registered name the curve starts with
+  for (const MethodInfo& m : Registry::builtin().list())
+    if (!m.color.empty() && n.rfind(m.name, 0) == 0 && (best == nullptr || m.name.size() > best->name.size()))
+      best = &m;
+  return best != nullptr ? best->color : "";
+}
+
+// Colours for curves no method owns: none that a registered method or a variant has.
+const std::vector<std::string>& spare_colors() {
+  static const std::vector<std::string> spare = [] {
+    const std::vector<std::string> palette = {"#bab0ac", "#d37295", "#a0cbe8", "#8cd17d", "#b6992d",
+                                              "#499894", "#86bcb6", "#fabfd2", "#ffbe7d", "#f1ce63"};
+    std::set<std::string> taken = {"#4e79a7", "#9c755f", "#edc948", "#000000"};
+    for (const MethodInfo& m : Registry::builtin().list()) taken.insert(m.color);
+    std::vector<std::string> out;
+    for (const std::string& c : palette)
+      if (taken.count(c) == 0) out.push_back(c);
+    return out;
+  }();
+  return spare;
 }
 
 std::vector<PlotSeries> group_series(const std::vector<std::pair<std::string, const RunStats*>>& runs,
@@ -248,11 +268,14 @@ std::vector<PlotSeries> group_series(const std::vector<std::pair<std::string, co
     }
     it->points.emplace_back(x(*run), y(*run));
   }
-  std::set<std::string> used;  // two curves of one method: the second takes the palette
+  std::set<std::string> used;  // two curves of one method: the second takes a spare colour
   for (auto& s : out) {
     std::sort(s.points.begin(), s.points.end());
     if (!s.color.empty() && !used.insert(s.color).second) s.color.clear();
   }
+  size_t next = 0;  // the rest, in order, from the colours no method owns (the plot dashes past them)
+  for (auto& s : out)
+    if (s.color.empty() && next < spare_colors().size()) s.color = spare_colors()[next++];
   return out;
 }
 

@@ -32,9 +32,9 @@ constexpr double kReachTolerance = 1e-6;
 
 // Every registered decode method, dense first.
 std::vector<std::string> all_decode_methods() {
-  std::vector<std::string> out{"dense"};
+  std::vector<std::string> out{kDenseMethod};
   for (const auto& m : Registry::builtin().list())
-    if (m.kind == "decode" && m.name != "dense") out.push_back(m.name);
+    if (method_kind_decodes(m.kind) && m.name != kDenseMethod) out.push_back(m.name);
   return out;
 }
 
@@ -44,10 +44,10 @@ std::vector<MethodSpec> eval_specs_with_dense(const EvalOptions& o) {
   std::vector<MethodSpec> specs =
       method_specs_parse(o.methods.empty() ? all_decode_methods() : o.methods, o.params, o.sweeps);
   for (const auto& s : specs)
-    CUMULUS_CHECK(s.label != "dense" || s.method == "dense",
+    CUMULUS_CHECK(s.label != kDenseMethod || s.method == kDenseMethod,
                   "--method dense={}: the label 'dense' is the dense reference's; give this run another label",
                   s.method);
-  auto it = std::find_if(specs.begin(), specs.end(), [](const MethodSpec& s) { return s.method == "dense"; });
+  auto it = std::find_if(specs.begin(), specs.end(), [](const MethodSpec& s) { return s.method == kDenseMethod; });
   if (it == specs.end()) {
     specs.insert(specs.begin(), MethodSpec{"dense", "dense", "dense", {}});
   } else {
@@ -56,7 +56,7 @@ std::vector<MethodSpec> eval_specs_with_dense(const EvalOptions& o) {
   return specs;
 }
 
-// The variants of Tactic Table 1 (our version, issue 4), by label.
+// The variants of Tactic's Table 1 (our version), by label.
 struct MassVariant {
   const char* entry;
   const char* name;
@@ -96,10 +96,9 @@ MatchedSpecs matched_specs(const EvalOptions& o) {
   // An adaptive method sets its own budget; a fixed-budget one (or dense) would only be
   // matched against itself. Checked on --method alone, before the baselines join.
   for (const auto& s : method_specs_parse(entries))
-    CUMULUS_CHECK(s.method != "dense" && s.method != "quest" && s.method != "lfps" && s.method != "oracle_topk" &&
-                      s.method != "streaming",
-                  "matched --method {}: {} is not an adaptive method (it has a fixed budget); give tactic, psa or "
-                  "oracle_topp, and fixed-budget methods as --baselines",
+    CUMULUS_CHECK(!Registry::builtin().find(s.method).target_param.empty(),
+                  "matched --method {}: {} is not an adaptive method (it targets no mass); give one with a target "
+                  "(tactic, psa, sketch_topp, oracle_topp), and fixed-budget methods as --baselines",
                   s.label, s.method);
   for (const auto& b : o.baselines) {
     budget_param(b);  // throws for a method without a budget
@@ -180,7 +179,7 @@ class Evaluator {
 
  private:
   std::unique_ptr<ModelRunner> session_for(int capacity, const std::vector<MethodSpec>& specs);
-  bool sparse_prefill() const { return o_.prefill_method != "dense" && !reference_prefill_; }
+  bool sparse_prefill() const { return o_.prefill_method != kDenseMethod && !reference_prefill_; }
   // Prefills `tokens` in pieces (bit-identical to one call: pieces are multiples of the
   // session's chunk) so the progress bar moves; returns seconds.
   double prefill(ModelRunner& s, std::span<const int32_t> tokens);
@@ -276,7 +275,7 @@ RunStats Evaluator::run_continuation(ModelRunner& s, const MethodSpec& spec, con
   acc.target = r.target;
   // The first run of a continuation is dense: the reference of every KL.
   const bool is_reference = dense_log_probs_.empty();
-  CUMULUS_CHECK(!is_reference || spec.method == "dense", "the first run must be dense, not {}", spec.method);
+  CUMULUS_CHECK(!is_reference || spec.method == kDenseMethod, "the first run must be dense, not {}", spec.method);
   for (size_t i = 0; i < feed_.size(); ++i) {
     const std::vector<float>& logits = s.decode(feed_[i]);
     acc.add(s.last_step(), s.position());
@@ -408,7 +407,7 @@ void Evaluator::task_continuation(EvalReport& rep) {
   if (sparse) {
     // The reference of every KL is all-dense: dense prefill, then dense decode.
     reference_prefill_ = true;
-    continuation_setup(rep, specs.front().method == "dense" ? std::vector<MethodSpec>{specs.front()} : specs);
+    continuation_setup(rep, specs.front().method == kDenseMethod ? std::vector<MethodSpec>{specs.front()} : specs);
     rep.continuation.runs.push_back(run_continuation(*session_, specs.front(), "dense prefill + dense"));
     rep.continuation.reference_prefill_s = rep.continuation.prefill_s;
     reference_prefill_ = false;
@@ -436,7 +435,7 @@ void Evaluator::task_mass(EvalReport& rep) {
     for (size_t i = 0; i < variants.size(); ++i) {
       MethodSpec s = specs[i + 1];
       for (const auto& [k, v] : variants[i].fixed) s.params[k] = v;
-      s.params[s.method == "psa" ? "threshold" : "p"] = ptext;
+      s.params[Registry::builtin().find(s.method).target_param] = ptext;
       s.label += " p=" + ptext;
       RunStats r = run(s, variants[i].name);
       if (std::string(variants[i].entry) == "tactic") tactic_tokens = r.tokens_mean;
@@ -620,12 +619,12 @@ std::vector<int32_t> eval_text_tokens(const Tokenizer& tok, const std::string& p
 }
 
 std::string budget_param(const std::string& method) {
-  if (method == "quest" || method == "lfps") return "budget";
-  if (method == "oracle_topk") return "k";
-  if (method == "streaming") return "window";
-  Registry::builtin().find(method);  // unknown: the registry's error lists the names
-  CUMULUS_FAIL("method {} has no token budget to match (fixed-budget methods: quest, streaming, oracle_topk, lfps)",
-               method);
+  const MethodInfo& m = Registry::builtin().find(method);  // unknown: the registry's error lists the names
+  if (!m.budget_param.empty()) return m.budget_param;
+  std::string fixed;
+  for (const MethodInfo& f : Registry::builtin().list())
+    if (!f.budget_param.empty()) fixed += (fixed.empty() ? "" : ", ") + f.name;
+  CUMULUS_FAIL("method {} has no token budget to match (fixed-budget methods: {})", method, fixed);
 }
 
 namespace {
@@ -728,7 +727,7 @@ void EvalOptions::validate() const {
     CUMULUS_CHECK(kv_save.empty() || kv_load.empty(), "give --kv-save or --kv-load, not both");
     CUMULUS_CHECK(task != "niah" && !(task == "matched" && matched_niah),
                   "{}: niah prefills one prompt per cell; a snapshot holds one prompt (kl, ppl, mass, matched)", opt);
-    CUMULUS_CHECK(prefill_method == "dense",
+    CUMULUS_CHECK(prefill_method == kDenseMethod,
                   "{} with --prefill {}: a sparse prefill's evaluation prefills twice (all-dense reference, then "
                   "{}); a snapshot holds one prefill: use the dense prefill",
                   opt, prefill_method, prefill_method);

@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "core/check.h"
-#include "cumulus/kernels/lfps.h"
-#include "cumulus/kernels/sketch_topp.h"
-#include "cumulus/kernels/tactic.h"
+#include "cumulus/methods/lfps.h"
+#include "cumulus/methods/sketch_topp.h"
+#include "cumulus/methods/tactic.h"
 #include "cumulus/methods/prefill.h"
 #include "cumulus/methods/registry.h"
 #include "kernels/cpu/flexprefill_select.h"

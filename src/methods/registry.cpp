@@ -52,6 +52,15 @@ void check_value(const MethodInfo& m, const ParamSpec& p, const std::string& val
 
 }  // namespace
 
+const char* method_kind_name(MethodKind kind) {
+  switch (kind) {
+    case MethodKind::decode: return "decode";
+    case MethodKind::prefill: return "prefill";
+    case MethodKind::decode_and_prefill: return "decode, prefill";
+  }
+  return "?";
+}
+
 int Params::get_int(const std::string& name) const {
   auto it = values_.find(name);
   CUMULUS_CHECK(it != values_.end(), "no parameter '{}'", name);
@@ -79,6 +88,14 @@ const std::string& Params::get_string(const std::string& name) const {
 void Registry::add(MethodInfo info) {
   for (const auto& m : methods_) CUMULUS_CHECK(m.name != info.name, "method '{}' registered twice", info.name);
   for (const auto& p : info.params) check_value(info, p, p.default_value);
+  const bool decodes = info.make_decode != nullptr || info.make_policy != nullptr;
+  CUMULUS_CHECK(decodes == method_kind_decodes(info.kind) &&
+                    (info.make_prefill != nullptr) == (info.kind != MethodKind::decode),
+                "method '{}': kind {} does not match its factories (decode: {}, prefill: {})", info.name,
+                method_kind_name(info.kind), decodes, info.make_prefill != nullptr);
+  for (const std::string* key : {&info.target_param, &info.budget_param})
+    CUMULUS_CHECK(key->empty() || find_spec(info, *key) != nullptr, "method '{}': no parameter '{}' to target",
+                  info.name, *key);
   if (info.make_policy != nullptr && info.make_decode == nullptr) {
     info.make_decode = [make = info.make_policy, name = info.name](const Shape& s, const Params& p) {
       return make_policy_method(s, name, make(s, p));
@@ -87,9 +104,25 @@ void Registry::add(MethodInfo info) {
   methods_.push_back(std::move(info));
 }
 
-const MethodInfo& Registry::find(const std::string& name) const {
+bool Registry::attach_gpu(const std::string& name, GpuPipeline gpu) {
+  CUMULUS_CHECK(gpu.make != nullptr, "method '{}': a GPU pipeline needs its factory", name);
+  for (auto& m : methods_) {
+    if (m.name != name) continue;
+    CUMULUS_CHECK(method_kind_decodes(m.kind), "method '{}' is a prefill method: no decode pipeline to attach", name);
+    m.gpu = std::move(gpu);
+    return true;
+  }
+  return false;
+}
+
+const MethodInfo* Registry::find_if_known(const std::string& name) const {
   for (const auto& m : methods_)
-    if (m.name == name) return m;
+    if (m.name == name) return &m;
+  return nullptr;
+}
+
+const MethodInfo& Registry::find(const std::string& name) const {
+  if (const MethodInfo* m = find_if_known(name)) return *m;
   std::string known;
   for (const auto& m : methods_) known += (known.empty() ? "" : ", ") + m.name;
   CUMULUS_FAIL("method='{}' is unknown (known: {})", name, known);
@@ -116,7 +149,8 @@ std::unique_ptr<DecodeMethod> Registry::make(const std::string& name, const Shap
                                              const std::map<std::string, std::string>& overrides) const {
   shape.validate();
   const MethodInfo& m = find(name);
-  CUMULUS_CHECK(m.make_decode != nullptr, "method '{}' is a {} method, not a decode method", name, m.kind);
+  CUMULUS_CHECK(m.make_decode != nullptr, "method '{}' is a {} method, not a decode method", name,
+                method_kind_name(m.kind));
   return m.make_decode(shape, parse(name, overrides));
 }
 
@@ -132,7 +166,8 @@ std::unique_ptr<PrefillMethod> Registry::make_prefill(const std::string& name, c
                                                       const std::map<std::string, std::string>& overrides) const {
   shape.validate();
   const MethodInfo& m = find(name);
-  CUMULUS_CHECK(m.make_prefill != nullptr, "method '{}' is a {} method, not a prefill method", name, m.kind);
+  CUMULUS_CHECK(m.make_prefill != nullptr, "method '{}' is a {} method, not a prefill method", name,
+                method_kind_name(m.kind));
   return m.make_prefill(shape, parse(name, overrides));
 }
 

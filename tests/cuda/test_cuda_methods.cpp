@@ -23,7 +23,7 @@
 #include "cumulus/methods/cuda_methods.h"
 #include "cumulus/methods/registry.h"
 #include "methods/cuda/bench_options.h"
-#include "methods/lfps_tables.h"
+#include "methods/lfps/lfps_tables.h"
 
 using namespace cumulus;
 using namespace cumulus::cuda_test;

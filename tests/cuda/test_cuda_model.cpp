@@ -736,7 +736,7 @@ TEST(CudaSmolLM2, LogitsMatchTheCpu) {
   expect_close("SmolLM2-135M vs CPU (f16-rounded weights), 1024-token prompt", c, 0.05);
 }
 
-// FlexPrefill through the runner (issue 16 part 3): the GPU's probe, the CPU method's host
+// FlexPrefill through the runner: the GPU's probe, the CPU method's host
 // selection and the block-sparse kernel against the CPU Session's flexprefill method, same
 // f16 weights, a 2000-token prompt (16 blocks of 128) with min_budget 256 (2 blocks), so the
 // selection leaves blocks out (the CPU keeps 727 of 2176 causal triples); then 8

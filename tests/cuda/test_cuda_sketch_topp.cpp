@@ -1,5 +1,5 @@
-// sketch_topp on the GPU (src/methods/cuda/sketch_topp.cu) against its CPU twin
-// (src/methods/sketch_topp.cpp through the registry) and the CPU sketch (kernels/sketch.h):
+// sketch_topp on the GPU (src/methods/sketch_topp/sketch_topp.cu) against its CPU twin
+// (src/methods/sketch_topp/sketch_topp.cpp through the registry) and the CPU sketch (kernels/sketch.h):
 //   - the device sketch equals the CPU encoder's output bit for bit (channels, codes,
 //     offsets, steps), for a batch of different sequences of awkward lengths, f16 and bf16,
 //     head_dim 64, 128 and 256, and for tokens appended after prefill (encoded by select()

@@ -1,4 +1,4 @@
-// `cumulus bench --device cuda` (issue 16 part 4): the CPU benchmark's workload and table on
+// `cumulus bench --device cuda`: the CPU benchmark's workload and table on
 // the GPU. The synthetic workload (eval/synthetic.h, the same seeds and defaults as the CPU
 // run) is uploaded to a DeviceKvCache of one sequence; each decode method runs as the model
 // runtime runs it (src/model/cuda/decode_methods.h: the registry's names and parameters, the
@@ -69,8 +69,9 @@ std::vector<std::string> method_names(const BenchOptions& o) {
   std::vector<std::string> names{"dense"};
   std::vector<std::string> listed = o.methods;
   if (listed.empty()) {
-    for (const MethodInfo& m : Registry::builtin().list())
-      if (m.make_decode != nullptr && cuda::model::cuda_decode_method_supported(Registry::builtin(), m.name))
+    const Registry gpu = cuda::registry_with_gpu(Registry::builtin());
+    for (const MethodInfo& m : gpu.list())
+      if (m.make_decode != nullptr && cuda::model::cuda_decode_method_supported(gpu, m.name))
         listed.push_back(m.name);
   }
   for (const std::string& m : listed)
@@ -93,7 +94,7 @@ BenchReport bench_run_cuda(const BenchOptions& o, std::FILE* log) {
   rep.machine = bench_machine();
   rep.device = cuda_device_summary();
   const Shape& s = rep.shape;
-  const Registry& reg = Registry::builtin();
+  const Registry reg = cuda::registry_with_gpu(Registry::builtin());
   const std::vector<std::string> names = method_names(o);
   auto overrides_of = [&](const std::string& name) {
     const auto it = o.params.find(name);

@@ -1,5 +1,5 @@
 // `cumulus eval TASK`: judge decode methods on a real model and real text against dense
-// attention (issue 5; docs/results.md has the commands and results for SmolLM2). The tasks
+// attention (docs/results.md has the commands and results for SmolLM2). The tasks
 // live in src/eval/tasks.cpp, the reports in src/eval/report.cpp; this file maps options.
 //
 // Output: the Markdown summary goes to stdout unless --markdown names a file; --json PATH

@@ -173,7 +173,7 @@ void decode_in_turn(std::vector<LiveRun>& runs, const Tokenizer& tok, int max_to
 // The prefill method's line under a table row (a sparse prefill method: its block share and
 // the heads' patterns); empty for dense.
 std::string prefill_line(const GenerateOptions& o, const PrefillStats& ps) {
-  if (o.prefill == "dense") return {};
+  if (o.prefill == kDenseMethod) return {};
   return fmt::format("{:<14} prefill {}: {:.1f}% of causal blocks, heads query-aware/vertical-slash/dense {}/{}/{}\n",
                      "", o.prefill, 100 * ps.block_share(), ps.heads_query_aware, ps.heads_vertical_slash,
                      ps.heads_dense);
@@ -406,7 +406,7 @@ void run_bench_device(const ModelWeights& w, const std::vector<int32_t>& source,
   // Decode speed against the dense row of the same context, when the run has one.
   auto dense_s = [&](int context) {
     for (const Row& r : rows)
-      if (r.base == "dense" && r.context == context) return r.decode_s;
+      if (r.base == kDenseMethod && r.context == context) return r.decode_s;
     return 0.0;
   };
   fmt::print("\n{:<14} {:>8} {:>12} {:>8} {:>12} {:>10} {:>9} {:>8} {:>9} {:>8}\n", "method", "context", "prefill t/s",
@@ -573,7 +573,7 @@ void run_generate(const GenerateOptions& o) {
   auto decode_tps = [](const RunResult& r) { return r.generated > 1 ? (r.generated - 1) / r.decode_s : 0.0; };
   double dense_tps = 0;
   for (size_t i = 0; i < results.size() && dense_tps == 0; ++i)
-    if (specs[i].method == "dense") dense_tps = decode_tps(results[i]);
+    if (specs[i].method == kDenseMethod) dense_tps = decode_tps(results[i]);
   fmt::print("\n{:<14} {:>7} {:>9} {:>10} {:>8} {:>7} {:>10} {:>9} {:>10} {:>9} {:>9}\n", "method", "prompt", "prefill",
              "tok/s", "index", "gen", "tok/s", "vs dense", "kv read", "tokens", "claimed");
   for (const auto& r : results) {

@@ -11,7 +11,7 @@ void add_methods_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("methods", "List the attention methods and their parameters");
   cmd->callback([] {
     for (const auto& m : Registry::builtin().list()) {
-      fmt::print("{:<12} {:<15} {}\n", m.name, m.kind, m.summary);
+      fmt::print("{:<12} {:<15} {}\n", m.name, method_kind_name(m.kind), m.summary);
       fmt::print("{:<12} {:<15} paper: {}\n", "", "", m.paper);
       const char* flag = m.make_decode ? "--param" : "--prefill-param";
       for (const auto& p : m.params)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds tools/device/flashinfer_decode_bench.cu here (issue 17 part 4: FlashInfer's paged
+# Builds tools/device/flashinfer_decode_bench.cu here (FlashInfer's paged
 # decode beside ours and cuDNN). FlashInfer's decode kernels are header-only templates in the
 # flashinfer-python wheel (its JIT compiles them with nvcc on first use); this downloads the
 # wheel into a scratch folder, takes flashinfer/data/include and the CCCL it ships (its

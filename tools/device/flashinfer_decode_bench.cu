@@ -4,7 +4,7 @@
 // row per sequence), timed
 // the way bench/cuda_decode_bench.cpp and tools/device/torch_sdpa_bench.py time ours and
 // PyTorch's: one CUDA graph of the call, each replay preceded (outside the events) by a 256 MiB
-// fill that evicts the L2, the median of --iters replays. Issue 17 part 4's comparison.
+// fill that evicts the L2, the median of --iters replays.
 //
 // Not part of the build: FlashInfer ships as a JIT package (flashinfer-python on PyPI) whose
 // kernels are header-only C++ templates. tools/device/build_flashinfer_bench.sh downloads the

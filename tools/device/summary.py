@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Joins the GPU benchmark (bench/cuda_decode_bench.cpp) and PyTorch's (torch_sdpa_bench.py)
 JSON files of one device run into the short table that tools/device/run.sh prints last,
-with the issues' goals checked: dense at 128K batch 1 against the copy bandwidth, sparse
+with the project's goals checked: dense at 128K batch 1 against the copy bandwidth, sparse
 speedups over PyTorch's fastest dense path at P = 0.9, selection share of the sparse step
-(issue 6: tactic, psa; issue 17: sketch_topp, with its byte floor: sketch + union K/V at
+(tactic, psa; sketch_topp, with its byte floor: sketch + union K/V at
 the copy bandwidth).
 
 Usage: summary.py cuda_decode_bench.json torch_sdpa.json [--base base_bench.json]
@@ -104,7 +104,7 @@ def main():
                     parts.append(f"{name} mass {v['true_mass']:.3f} tok {100 * v['tokens_frac']:.1f}% "
                                  f"err {v['rel_err']:.3f} {v['step_us']:.1f}us")
             print("  " + " | ".join(parts))
-    print("goals (issue 17, sketch_topp at P = 0.9):")
+    print("goals (sketch_topp at P = 0.9):")
     for (key, (x, sel, us, dense_us, xfloor)) in sorted((k, v) for k, v in goals.items() if k[0] == "sketch"):
         _, n, b = key
         want = {(131072, 1): 3.0, (131072, 16): 3.0, (32768, 1): 1.5}.get((n, b))
@@ -118,7 +118,7 @@ def main():
             line += f"; {dense_us / us:.2f}x our dense (goal >= 1)"
         line += f"; selection {100 * sel:.1f}% of the step (goal <= 25%)"
         print(line)
-    print("goals (issue 6):")
+    print("goals (tactic, psa):")
     if "dense_pct_copy" in goals:
         print(f"  dense 128K B=1: {goals['dense_pct_copy']:.1f}% of copy bandwidth (goal >= 85%)")
     for b, want in ((1, 5), (16, 8)):

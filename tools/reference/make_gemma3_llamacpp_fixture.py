@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes tests/data/gemma3_llamacpp_logits.json: the golden output of llama.cpp on the
-Gemma 3 270M Q4_K_M GGUF (issue 18 part 3) for the opening of Pride and Prejudice (Project
+Gemma 3 270M Q4_K_M GGUF for the opening of Pride and Prejudice (Project
 Gutenberg header stripped), at least 4096 tokens: the top-20 (token id, logit) at 12
 positions (both sides of the 512-token sliding window among them) and the 32-token greedy
 continuation after the whole excerpt, with llama.cpp's top-1 margin (top-1 minus top-2

@@ -1,4 +1,4 @@
-// cumulus_soak: a bounded soak of the model runtime (issue 19), run by CI. On a small real
+// cumulus_soak: a bounded soak of the model runtime, run by CI. On a small real
 // model (stories260K by default) it checks what a long-running server depends on:
 //
 //   1. determinism: every decode method (fixed budgets at 64 tokens), greedy from one
@@ -84,11 +84,12 @@ std::vector<int32_t> soak_prompt(const EvalModel& m, int n) {
 // defaults quest, streaming and oracle_topk would cover all 512 tokens and equal dense, and
 // sketch_topp's cost rule would attend densely).
 std::map<std::string, std::string> soak_params(const std::string& method) {
-  if (method == "quest" || method == "lfps") return {{"budget", "64"}};
-  if (method == "oracle_topk") return {{"k", "64"}};
-  if (method == "streaming") return {{"window", "64"}};
-  // sketch_topp attends densely up to min_context (1024) tokens: 0 runs its selection here.
-  if (method == "sketch_topp") return {{"min_context", "0"}};
+  const MethodInfo& m = Registry::builtin().find(method);
+  if (!m.budget_param.empty()) return {{m.budget_param, "64"}};
+  // A method with a cost rule attends densely up to min_context tokens (sketch_topp's 1024):
+  // 0 runs its selection here.
+  for (const ParamSpec& p : m.params)
+    if (p.name == "min_context") return {{"min_context", "0"}};
   return {};
 }
 

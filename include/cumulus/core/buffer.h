@@ -37,7 +37,7 @@ using AlignedVector = std::vector<T, AlignedAllocator<T>>;
 // reading scattered rows walks far fewer page-table entries; the partial last 2 MiB stays
 // in 4 KiB pages (no memory past `bytes`). Below 2 MiB: 64-byte aligned.
 // Release with std::free. Measured on a Zen 3 with the sparse decode kernel (2048 random
-// tokens of 32K per kv head): 11-17% less time per step than 4 KiB pages (docs/performance-log.md).
+// tokens of 32K per kv head): 11-17% less time per step than 4 KiB pages (docs/lab/performance-log.md).
 // Throws std::bad_alloc.
 void* alloc_large(size_t bytes);
 

@@ -1,4 +1,4 @@
-// Needle-in-a-haystack prompts (issue 5; docs/results.md "niah"): a needle sentence that
+// Needle-in-a-haystack prompts (docs/results.md "niah"): a needle sentence that
 // carries a random 7-digit number is put into a haystack of real text at a given depth; the
 // model is asked for the number and answers greedily; retrieval is exact.
 //

@@ -1,4 +1,4 @@
-// The evaluation harness (issue 5; docs/architecture.md "Evaluation"): tasks that judge
+// The evaluation harness (docs/architecture.md "Evaluation"): tasks that judge
 // decode methods on a real model and real text against dense attention, the way the papers
 // do. Every task prefills once per prompt and runs each method from that prefill
 // (Session::restart_decode); dense always runs first and is the reference. Sessions run in
@@ -9,7 +9,7 @@
 //            distributions. C is the cache length at the last step (default: the model's
 //            context), so prompt + continuation fit the context exactly.
 //   ppl      the same run; perplexity of the T continuation tokens under each method.
-//   mass     Tactic Table 1 (issue 4): per target P, Optimal (oracle_topp), Cluster Optimal
+//   mass     Tactic, Table 1: per target P, Optimal (oracle_topp), Cluster Optimal
 //            (tactic mode=cluster_optimal), Tactic, PSA mean / bound / certified, and LFPS
 //            and Quest at Tactic's mean budget: tokens per head-step, true mass, share of
 //            head-steps reaching P.

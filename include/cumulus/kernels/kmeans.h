@@ -1,4 +1,4 @@
-// K-means ops (Tactic, 001 section 4.2): assign rows to their nearest centroid, move each
+// K-means ops (Tactic, section 4.2): assign rows to their nearest centroid, move each
 // centroid to the mean of its rows, and score queries against centroids (section 4.3:
 // clusters are ranked by q . centroid). Rows are dense float32 (the caller widens the
 // stored keys once per clustering); the ops know nothing about the cache.

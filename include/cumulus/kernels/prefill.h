@@ -8,7 +8,7 @@
 //                                   query's (query head, query block); causal inside them
 //   attention_prefill_projection    the causal attention of a chunk's last rows summed onto
 //                                   columns (vertical) and diagonals (slash): FlexPrefill's
-//                                   pattern probe (003 Algorithm 3 step 1, the true
+//                                   pattern probe (FlexPrefill, Algorithm 3 step 1, the true
 //                                   distribution a^ of pattern determination)
 // cpu:: dense and block-sparse split work into (kv head, query tile) tasks whose count and
 // shape depend on the problem alone; every output row is computed by one task in a fixed
@@ -75,7 +75,7 @@ struct BlockSparseLayout {
 // [pos, pos + n_q) of n_q_heads query heads.
 BlockSparseLayout block_sparse_layout_causal(int pos, int n_q, int n_q_heads, int block_size);
 
-// The last rows of a chunk against their causal prefix, projected (FlexPrefill 003: the true
+// The last rows of a chunk against their causal prefix, projected (FlexPrefill: the true
 // distribution a^ of pattern determination, and Algorithm 3 steps 1-2). One query head:
 //   kv:     the query head's kv head; keys [0, n_keys) are used (kv->n_tokens >= n_keys)
 //   q:      [n_rows][head_dim] float32, row i at position p_i = n_keys - n_rows + i

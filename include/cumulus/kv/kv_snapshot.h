@@ -1,4 +1,4 @@
-// KV snapshots (docs/kv_snapshot.md, issue 18 part 4): the cache of a prompt after its
+// KV snapshots (docs/kv_snapshot.md): the cache of a prompt after its
 // prefill, with what a Session needs to decode from it exactly as after that prefill: the
 // prompt's tokens, the logits after its last token and its last queries. One long prefill
 // then serves many evaluation runs (`--kv-save FILE` / `--kv-load FILE`).

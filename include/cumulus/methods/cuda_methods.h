@@ -15,17 +15,30 @@
 #include <vector>
 
 #include "cumulus/kernels/cuda_decoder.h"
-#include "cumulus/kernels/lfps.h"
-#include "cumulus/kernels/sketch_topp.h"
-#include "cumulus/kernels/tactic.h"
+#include "cumulus/methods/lfps.h"
+#include "cumulus/methods/registry.h"
+#include "cumulus/methods/sketch_topp.h"
+#include "cumulus/methods/tactic.h"
 
 namespace cumulus::cuda {
 
-// tactic (001 section 4, Algorithm 1): k-means of the keys at prefill; per step clusters
+// `base` with the GPU pipelines attached (MethodInfo::gpu) to the methods that have one
+// (dense, tactic, psa, lfps, sketch_topp: each method's .cu attaches its own,
+// src/methods/cuda/gpu_pipelines.cu lists them); a method of `base` that is not built in
+// keeps what it has. The CUDA runtime builds its decoders from this.
+Registry registry_with_gpu(const Registry& base);
+
+// Each fused method's attachment, called by registry_with_gpu (src/methods/<name>/<name>.cu).
+void attach_tactic_gpu(Registry& r);
+void attach_psa_gpu(Registry& r);
+void attach_lfps_gpu(Registry& r);
+void attach_sketch_topp_gpu(Registry& r);
+
+// tactic (Tactic, section 4, Algorithm 1): k-means of the keys at prefill; per step clusters
 // ranked by q . centroid, the exactly scored head and windows of the unpacked list, the
 // a/x + b fit, the budget reaching P, the group's union, plus the dense tail. The ranking
 // and the marks run as docs/cuda.md describes (the variants kept for benchmarks are
-// src/methods/cuda/bench_options.h's). The parameters are the CPU method's (kernels/tactic.h:
+// src/methods/cuda/bench_options.h's). The parameters are the CPU method's (methods/tactic.h:
 // p, cluster_size, max_iter, init_ratio, window, p1, p2, sinks, recent, seed), plus:
 struct TacticGpuOptions : TacticOptions {
   int layer = 0;  // seeds the k-means initial sample as on the CPU (seed, layer, kv head, 0)
@@ -33,7 +46,7 @@ struct TacticGpuOptions : TacticOptions {
 std::unique_ptr<SparseDecoder> make_tactic_gpu(const DeviceKvView& kv, int group, const TacticGpuOptions& o,
                                                const AttentionPlanOptions& plan = {});
 
-// psa (004 section 3.2, Algorithm 1; estimate rule): pages ranked by criticality, visited
+// psa (PSA, section 3.2, Algorithm 1; estimate rule): pages ranked by criticality, visited
 // in microbatches until AS_acc / (AS_acc + AS_min N_left) >= threshold. The visits run in
 // rounds of growing size; after each round a verifying pass (the round's last CTA for each
 // head) finds the exact stopping microbatch on the device and marks the head done, and
@@ -46,7 +59,7 @@ struct PsaGpuOptions {
 std::unique_ptr<SparseDecoder> make_psa_gpu(const DeviceKvView& kv, int group, const PsaGpuOptions& o,
                                             const AttentionPlanOptions& plan = {});
 
-// sketch_topp (ours, issue 17; docs/methods.md "sketch_topp", docs/cuda.md "sketch_topp on
+// sketch_topp (ours; docs/methods.md "sketch_topp", docs/cuda.md "sketch_topp on
 // the GPU"). prefill() builds a 4-bit sketch of
 // every key of every sequence (kernels/sketch.h's layout and encoder: the CPU's codes bit
 // for bit); a step estimates every token's weight from the sketch, chooses each kv head's
@@ -56,7 +69,7 @@ std::unique_ptr<SparseDecoder> make_psa_gpu(const DeviceKvView& kv, int group, c
 // the tokens not read). Tokens appended after prefill are encoded by the next select()
 // with the prompt's normalisation; after DeviceKvCache::truncate call prefill() again.
 // Deviation from the CPU: no rounds (a head whose claim falls short of p keeps its union).
-// The parameters are the CPU method's (kernels/sketch_topp.h: p, candidate_p, sinks, recent,
+// The parameters are the CPU method's (methods/sketch_topp.h: p, candidate_p, sinks, recent,
 // min_context, dense_above, rest_mean), except that rest_mean defaults to false here: the
 // kernel benchmark and the twin tests time and check the selection; the model runtime
 // passes the registry's value. With rest_mean the value sums are kept per (sequence, kv
@@ -92,13 +105,13 @@ struct DeviceSketchCopy {
 };
 DeviceSketchCopy sketch_topp_gpu_download(const SparseDecoder& m, int seq, int h);
 
-// lfps (002 section 4.2, Algorithm 1; docs/cuda.md "lfps on the GPU"): per query head two
+// lfps (LFPS (Learn from the Past), section 4.2, Algorithm 1; docs/cuda.md "lfps on the GPU"): per query head two
 // float64 score tables over key positions, built by prefill() from the prompt's last s
 // queries (DevicePromptQueries, required); a step computes the sink ratio (a bypassed head
 // outputs the prompt's mean value vector and attends nothing), the tables' thresholds, the
 // candidates, their exact top-k, attends the group's union with the first `sinks` tokens
 // and updates the tables (Eq. 10), all on the device with no host wait. The parameters are
-// the CPU method's (kernels/lfps.h). No claim (NaN); stats().bypass marks the bypassed heads.
+// the CPU method's (methods/lfps.h). No claim (NaN); stats().bypass marks the bypassed heads.
 std::unique_ptr<SparseDecoder> make_lfps_gpu(const DeviceKvView& kv, int group, const LfpsOptions& o,
                                              const AttentionPlanOptions& plan = {});
 

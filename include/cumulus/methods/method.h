@@ -28,7 +28,7 @@ struct StepStats {
   // Eval mode only (NaN otherwise): the set's true softmax mass and ||o - o_dense||.
   double mass_true = std::numeric_limits<double>::quiet_NaN();
   double out_err = std::numeric_limits<double>::quiet_NaN();
-  // The head's output is not attention over a selected set (LFPS's sink bypass, 002 Eq. 5-6:
+  // The head's output is not attention over a selected set (LFPS's sink bypass, LFPS Eq. 5-6:
   // it returns the prompt's mean value vector). Such a head attends nothing
   // (tokens_attended = 0, mass_claimed = NaN) and has no set whose mass could be checked:
   // mass_true should read NaN for it, while out_err (the distance to dense) stays meaningful.
@@ -46,7 +46,7 @@ struct DecodeContext {
   ThreadPool* pool = nullptr;
   bool eval = false;  // fill mass_true and out_err (costs a dense pass)
   // on_prefill only: queries of the last prompt positions of the layer being prefilled,
-  // for methods that learn from the prompt's own attention (LFPS, 002 Eq. 4).
+  // for methods that learn from the prompt's own attention (LFPS, Eq. 4).
   //   prompt_q: [prompt_q_rows][n_q_heads][head_dim] float32; row j is the query at position
   //             n_tokens - prompt_q_rows + j. nullptr when the caller keeps none.
   const float* prompt_q = nullptr;

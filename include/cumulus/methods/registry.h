@@ -16,6 +16,11 @@
 
 namespace cumulus {
 
+namespace cuda {
+class SparseDecoder;  // kernels/cuda_decoder.h
+struct DeviceKvView;  // kernels/cuda.h
+}  // namespace cuda
+
 enum class ParamType { kInt, kDouble, kBool, kString };
 
 struct ParamSpec {
@@ -42,9 +47,38 @@ class Params {
   std::map<std::string, std::string> values_;
 };
 
+// A method's own GPU pipeline (methods/cuda_methods.h), which its src/methods/<name>/<name>.cu
+// attaches (cuda::registry_with_gpu, a CUDA build only). Methods without one run on the GPU
+// through their SelectPolicy (make_policy), if they have one.
+struct GpuPipeline {
+  // The decoder of one layer of a model of `shape`, over that layer's device cache (nullptr:
+  // dense attention).
+  std::function<std::unique_ptr<cuda::SparseDecoder>(const cuda::DeviceKvView& kv, const Shape& shape, int layer,
+                                                     const Params& params)>
+      make = nullptr;
+  // Refuses, before any work, a shape or parameter value the pipeline does not implement
+  // (Error naming it); the CPU method's own checks run besides.
+  std::function<void(const Shape& shape, const Params& params)> check = nullptr;
+  // Decoded tokens after which the runtime rebuilds the method's index (tactic's
+  // re-clustering); 0: never.
+  std::function<int(const Params& params)> reindex_interval = nullptr;
+  // Takes any head_dim (dense attention); the selection pipelines take 64, 128 or 256.
+  bool any_head_dim = false;
+};
+
+// The reference every comparison is made against: dense attention, a decode and a prefill
+// method of the registry. Code outside the registry names it through this constant.
+inline constexpr const char* kDenseMethod = "dense";
+
+// What a method does: decode steps, prefill chunks, or both (dense). Registry::add checks it
+// against the factories given.
+enum class MethodKind { decode, prefill, decode_and_prefill };
+const char* method_kind_name(MethodKind kind);  // "decode", "prefill", "decode, prefill"
+inline bool method_kind_decodes(MethodKind k) { return k != MethodKind::prefill; }
+
 struct MethodInfo {
   std::string name;
-  std::string kind;   // "decode", "prefill" or "decode, prefill" (dense)
+  MethodKind kind = MethodKind::decode;
   std::string paper;  // where it comes from
   std::string summary;
   std::vector<ParamSpec> params;
@@ -55,8 +89,17 @@ struct MethodInfo {
   std::function<std::shared_ptr<const SelectPolicy>(const Shape&, const Params&)> make_policy = nullptr;
   // The parameter holding the attention mass the method targets ("p", PSA's "threshold");
   // empty for methods that target none (fixed budgets). Evaluation reports "reached P"
-  // against it.
+  // against it, and sweeps it over the targets of `eval mass`.
   std::string target_param = {};
+  // The parameter holding a fixed-budget method's token budget (quest's and lfps's "budget",
+  // oracle_topk's "k", streaming's "window"); empty for adaptive methods. `eval matched`
+  // sets it to the adaptive method's budget.
+  std::string budget_param = {};
+  // Its colour in the evaluation's plots ("#rrggbb"); empty: the plots' palette picks one
+  // no registered method uses.
+  std::string color = {};
+  // Its fused GPU pipeline, once attached (GpuPipeline above).
+  GpuPipeline gpu = {};
 };
 
 class Registry {
@@ -65,7 +108,11 @@ class Registry {
   static const Registry& builtin();
 
   void add(MethodInfo info);
+  // Attaches a GPU pipeline to the method `name`; false (nothing changes) when the registry
+  // has no such method.
+  bool attach_gpu(const std::string& name, GpuPipeline gpu);
   const MethodInfo& find(const std::string& name) const;  // throws Error listing known names
+  const MethodInfo* find_if_known(const std::string& name) const;  // nullptr when unknown
   const std::vector<MethodInfo>& list() const { return methods_; }
 
   // Validates key=value overrides against the spec (unknown key, bad number, out of
@@ -91,12 +138,12 @@ void register_oracle_topk(Registry& r);
 void register_oracle_topp(Registry& r);
 void register_streaming(Registry& r);
 void register_quest(Registry& r);
-// Seed methods (issue 4): src/methods/{tactic,psa,lfps}.cpp.
+// The papers' methods and ours: src/methods/<name>/<name>.cpp.
 void register_tactic(Registry& r);
 void register_sketch_topp(Registry& r);
 void register_psa(Registry& r);
 void register_lfps(Registry& r);
-// Prefill methods (issue 7): src/methods/flexprefill.cpp (dense registers both kinds).
+// Prefill methods: src/methods/flexprefill/flexprefill.cpp (dense registers both kinds).
 void register_flexprefill(Registry& r);
 
 }  // namespace cumulus

@@ -1,6 +1,6 @@
-// FlexPrefill's block selection (003: "Query-Aware Sparse Pattern Determination" and
+// FlexPrefill's block selection (the FlexPrefill paper's "Query-Aware Sparse Pattern Determination" and
 // "Cumulative-Attention Based Index Selection", Algorithms 3 and 4) on the host: the
-// functions of flexprefill_select.h, which the method (src/methods/flexprefill.cpp) and the
+// functions of flexprefill_select.h, which the method (src/methods/flexprefill/flexprefill.cpp) and the
 // CUDA port's host half (src/kernels/cuda/prefill.cu) share. docs/methods.md "flexprefill"
 // states every step and each deviation from the paper and its reference code.
 #include "kernels/cpu/flexprefill_select.h"

@@ -1,6 +1,6 @@
-// FlexPrefill's block selection (003: "Query-Aware Sparse Pattern Determination" and
+// FlexPrefill's block selection (the FlexPrefill paper's "Query-Aware Sparse Pattern Determination" and
 // "Cumulative-Attention Based Index Selection", Algorithms 3 and 4), as plain host functions
-// in the kernels layer so that the method (src/methods/flexprefill.cpp) and the CUDA port's
+// in the kernels layer so that the method (src/methods/flexprefill/flexprefill.cpp) and the CUDA port's
 // host half (src/kernels/cuda/prefill.cu, cuda::flexprefill_select) share one definition and
 // can be tested against it. Not installed. docs/methods.md "flexprefill" states every step
 // and each deviation from the paper and its reference code.

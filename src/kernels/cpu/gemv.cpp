@@ -242,7 +242,7 @@ HWY_INLINE void gemv_group(const QuantMatrixView& w, int r0, const QuantActivati
 // Rows per group. Q8_0 goes one row at a time: its rows are twice the bytes of the 4-bit
 // formats', and Gemma 3's 262144x640 head read at 20-22 GB/s one row at a time (a single
 // stream, which the hardware prefetcher follows; weights in 2 MiB pages) against ~10 GB/s in
-// groups of 2 to 8 with the prefetch in gemv_group (Zen 4; docs/performance-log.md,
+// groups of 2 to 8 with the prefetch in gemv_group (Zen 4; docs/lab/performance-log.md,
 // 2026-11-26). For the 4-bit formats the two orders measured within noise, and they keep the
 // groups (which share the activation loads). The 8-bit path below uses the same choice.
 template <QuantFormat F>
@@ -948,7 +948,7 @@ int gemv_quant_task_rows(int rows, int n_threads) {
   // One task per thread. The split was at most 64 tasks of at least 16 rows: SmolLM2's
   // decode at a 256-token context ran 120-133 tok/s with it, 158-199 tok/s with one task
   // per thread and 162-192 with two (2 threads, the same runs alternated; mlp 4.1-4.6 ->
-  // 2.5-3.2 ms per token, docs/performance-log.md 2026-11-27). Our reading: short tasks
+  // 2.5-3.2 ms per token, docs/lab/performance-log.md 2026-11-27). Our reading: short tasks
   // restart the row-group prefetch, whose first groups then wait on memory, and cost a
   // claim each. The split assumes the threads run: a descheduled one holds up its half.
   const int threads = std::max(1, n_threads);

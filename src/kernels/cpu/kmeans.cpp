@@ -1,5 +1,5 @@
 // SIMD k-means ops (Highway, runtime dispatch). Same contracts as src/kernels/ref/kmeans.cpp
-// (Tactic 001 section 4.2-4.3); accumulation is float32.
+// (Tactic, sections 4.2-4.3); accumulation is float32.
 //
 // Assignment uses ||x - c||^2 = ||x||^2 - 2 x.c + ||c||^2 and drops the ||x||^2 term (the
 // same for every centroid), so each (row, centroid) pair costs one dot product, computed as

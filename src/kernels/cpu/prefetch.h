@@ -8,7 +8,7 @@
 // kernel's later load then finds the line in L2 (~15 cycles). Measured on Zen 4 (2 vCPUs,
 // `attention_bench --threads 2 --tokens 32768`, same run): dense f16 decode 6.36 -> 4.16
 // ms per step, sparse over 2048 random tokens per kv head 0.708 -> 0.483 ms
-// (docs/performance-log.md). The quantised GEMV keeps hwy::Prefetch: its
+// (docs/lab/performance-log.md). The quantised GEMV keeps hwy::Prefetch: its
 // row-group prefetches were no faster into L2 and the Q8_0 head slower (gemv_bench).
 #pragma once
 

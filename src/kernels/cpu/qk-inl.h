@@ -82,7 +82,7 @@ HWY_INLINE hn::Vec<D> qk_sum_rows(D d, const float* HWY_RESTRICT acc) {
 // the core's few L1 miss buffers for a full DRAM latency; issued in a burst they fill the
 // buffers and stall the loads of the computation behind them (Zen 3: a burst costs ~20%
 // of the dense step; for sparse lists, K and V rows together in the score loop cost 12-20%
-// against this spread, docs/performance-log.md). V goes a line at a time, not a row at a
+// against this spread, docs/lab/performance-log.md). V goes a line at a time, not a row at a
 // time, because the PV loop reads the current block's V rows a slice of the head
 // dimension at a time, a stride the hardware prefetcher does not follow (Zen 4: the dense
 // step 12-13% faster than with a row after each slice). Dense ranges and sparse lists are

@@ -61,7 +61,7 @@ inline int order_bucket(float x) { return static_cast<int>(order_key(x) >> kBuck
 // wants. Three passes of 11 bits; a pass whose digit is the same for every key is
 // skipped. Tactic and PSA rank every cluster or page of a head each step: 2,048 of them
 // sorted this way instead of by std::sort with the comparator took a decode step's
-// sorting from ~19% of Tactic's step to ~3% (docs/performance-log.md).
+// sorting from ~19% of Tactic's step to ~3% (docs/lab/performance-log.md).
 void sort_descending(const float* v, int n, std::vector<int32_t>& out, SelectWorkspace& ws) {
   std::vector<uint32_t>& key = ws.key;
   std::vector<uint32_t>& key2 = ws.key2;

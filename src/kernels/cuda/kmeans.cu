@@ -1,4 +1,4 @@
-// K-means ops on the GPU (kernels/kmeans.h over device memory; Tactic 001 section 4.2).
+// K-means ops on the GPU (kernels/kmeans.h over device memory; Tactic, section 4.2).
 //
 // Assignment computes the distances as a matrix product: ||x - c||^2 = ||x||^2 - 2 x.c +
 // ||c||^2, and argmin_c does not depend on ||x||^2, so each CTA computes a 64 x 64 tile of

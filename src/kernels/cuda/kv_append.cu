@@ -1,4 +1,4 @@
-// The device KV cache filled on the device (issue 16, part 2): an empty page pool with a
+// The device KV cache filled on the device: an empty page pool with a
 // free list, page tables per (sequence, kv head) assigned on the host between steps, and
 // the append of a step's (or a prefill chunk's) K/V written by kernels that read each
 // sequence's position on the device, so a decode step needs no host round trip. The

@@ -1,6 +1,6 @@
-// Prefill attention on the GPU (issue 7, GPU half): dense causal flash-style attention and
+// Prefill attention on the GPU (the GPU half of the prefill kernels): dense causal flash-style attention and
 // block-sparse causal attention over per-(query head, query block) key-block lists, and
-// FlexPrefill's probe (003 "Query-Aware Sparse Pattern Determination", Algorithm 3 step 1:
+// FlexPrefill's probe (the FlexPrefill paper's "Query-Aware Sparse Pattern Determination", Algorithm 3 step 1:
 // the last block's true attention projected onto columns and diagonals; block means for the
 // estimate and Algorithm 4). Contract: include/cumulus/kernels/cuda_prefill.h.
 //

@@ -1,4 +1,4 @@
-// Scalar reference of the k-means ops (Tactic 001 section 4.2: assignment by distance,
+// Scalar reference of the k-means ops (Tactic, section 4.2: assignment by distance,
 // update by mean; section 4.3: clusters ranked by q . centroid). Plain loops, float64
 // accumulation, never optimised: the SIMD backend is tested against it.
 #include <limits>

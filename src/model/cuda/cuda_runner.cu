@@ -1,4 +1,4 @@
-// The Llama forward pass on the GPU (issue 16, part 3; cuda_runner.h). The data flow is
+// The Llama forward pass on the GPU (cuda_runner.h). The data flow is
 // Session's (session.h), for one sequence:
 //   x [C][dim] f32 = embd[tokens] (f16 table)
 //   per layer: xn f16 = RMSNorm(x) * attn_norm
@@ -206,7 +206,9 @@ class CudaRunner final : public CudaModelRunner {
   int32_t* ids_host_ = nullptr;    // page-locked [n_seqs_]
   std::vector<float> logits_;
   int pos_ = 0, capacity_ = 0, prompt_end_ = 0;
-  // The decode method (SessionOptions::method and params, or restart_decode's).
+  // The decode method (SessionOptions::method and params, or restart_decode's), from the
+  // options' registry with the GPU pipelines attached (cuda::registry_with_gpu).
+  Registry registry_gpu_;
   const Registry* registry_ = nullptr;
   std::string method_;
   std::map<std::string, std::string> params_;
@@ -347,7 +349,8 @@ CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o, int n_seqs
   CUMULUS_CUDA_CHECK(cudaMallocHost(&logits_host_, static_cast<size_t>(c_.vocab_size) * sizeof(float)));
   CUMULUS_CUDA_CHECK(cudaMallocHost(&ids_host_, n_seqs_ * sizeof(int32_t)));
   logits_.resize(c_.vocab_size);
-  registry_ = o.registry != nullptr ? o.registry : &Registry::builtin();
+  registry_gpu_ = cuda::registry_with_gpu(o.registry != nullptr ? *o.registry : Registry::builtin());
+  registry_ = &registry_gpu_;
   stats_acc_ = DeviceBuffer(4 * sizeof(double));
   stats_acc_.fill_bytes(0);
   if (o.eval) {
@@ -814,7 +817,7 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs
   CUMULUS_CHECK(n_seqs >= 1, "--device cuda: n_seqs={} must be >= 1", n_seqs);
   // The prefill method and its values first: they need no device, so a bad one is named on
   // any machine.
-  const Registry& registry = o.registry != nullptr ? *o.registry : Registry::builtin();
+  const Registry registry = cuda::registry_with_gpu(o.registry != nullptr ? *o.registry : Registry::builtin());
   const cuda::model::CudaPrefillPlan pplan =
       cuda::model::cuda_prefill_plan(registry, o.prefill_method, o.prefill_params, c.shape());
   CUMULUS_CHECK(cuda::device_available(),
@@ -839,7 +842,7 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs
   // The decode method's buffers (sketch_topp's sketch, tactic's clusters, the lists) grow
   // with the context: measured on one layer's cache, when that cache fits.
   size_t decoders = 0;
-  if (o.method != "dense" && kv_layer < free_b) {
+  if (o.method != kDenseMethod && kv_layer < free_b) {
     cuda::DeviceKvCache kv = cuda::DeviceKvCache::create(n_seqs, c.n_kv_heads, c.head_dim, o.kv.dtype,
                                                          o.kv.page_size, ctx);
     decoders = cuda::model::cuda_decoder_bytes(registry, o.method, o.params, kv.view(), c.shape());
@@ -859,13 +862,14 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs
 }
 
 std::vector<std::string> cuda_runner_methods(const ModelConfig& config) {
-  std::vector<std::string> out{"dense"};
-  for (const auto& m : Registry::builtin().list()) {
-    if (m.kind != "decode" || m.name == "dense" ||
-        !cuda::model::cuda_decode_method_supported(Registry::builtin(), m.name))
+  std::vector<std::string> out{kDenseMethod};
+  const Registry registry = cuda::registry_with_gpu(Registry::builtin());
+  for (const auto& m : registry.list()) {
+    if (m.kind != MethodKind::decode || m.name == kDenseMethod ||
+        !cuda::model::cuda_decode_method_supported(registry, m.name))
       continue;
     try {
-      cuda::model::cuda_decode_method_check(Registry::builtin(), m.name, {}, config.shape());
+      cuda::model::cuda_decode_method_check(registry, m.name, {}, config.shape());
     } catch (const Error&) {
       continue;  // its pipeline does not take this model's shape
     }

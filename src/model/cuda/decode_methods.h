@@ -1,4 +1,4 @@
-// The decode methods of the CUDA runtime (issue 16): the registry's methods whose GPU
+// The decode methods of the CUDA runtime: the registry's methods whose GPU
 // pipelines exist (methods/cuda_methods.h) and those defined once over the selection ops
 // (methods/policy.h, run by cuda::make_ops_gpu), built from the registry's parameters, so a name
 // and its key=value parameters mean the same on either device. Checked before any work: an

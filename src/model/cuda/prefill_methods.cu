@@ -17,11 +17,11 @@ CudaPrefillPlan cuda_prefill_plan(const Registry& registry, const std::string& m
                                   const std::map<std::string, std::string>& params, const Shape& shape) {
   const MethodInfo& info = registry.find(method);  // unknown: Error listing the known ones
   CUMULUS_CHECK(info.make_prefill != nullptr, "--device cuda: '{}' is not a prefill method", method);
-  CUMULUS_CHECK(method == "dense" || method == "flexprefill",
+  CUMULUS_CHECK(method == kDenseMethod || method == "flexprefill",
                 "--device cuda: prefill method '{}' is not yet on cuda (on cuda: dense, flexprefill)", method);
   (void)registry.make_prefill(method, shape, params);  // the CPU method's checks of every value
   CudaPrefillPlan plan;
-  if (method == "dense") return plan;
+  if (method == kDenseMethod) return plan;
   const methods::FlexPrefillOptions o = methods::read_flexprefill_options(registry.parse(method, params));
   CUMULUS_CHECK(head_dim_supported_cuda(shape.head_dim),
                 "--device cuda: prefill method 'flexprefill' needs head_dim 64, 128 or 256 on the GPU, not {}",

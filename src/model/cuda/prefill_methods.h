@@ -1,4 +1,4 @@
-// The prefill methods of the CUDA runtime (issue 16 part 3): dense (attention_prefill_dense)
+// The prefill methods of the CUDA runtime: dense (attention_prefill_dense)
 // and flexprefill (FlexPrefillProbe on the device, the CPU method's block selection on the
 // host, attention_prefill_block_sparse), read from the registry's name and parameters as the
 // CPU Session reads them (methods/method_options.h), so `--prefill flexprefill

@@ -37,10 +37,10 @@
 #include "cumulus/kernels/scoring.h"
 #include "cumulus/kernels/selection.h"
 #include "cumulus/kernels/sketch.h"
-#include "cumulus/kernels/sketch_topp.h"
+#include "cumulus/methods/sketch_topp.h"
 #include "cumulus/methods/registry.h"
-#include "method_options.h"
-#include "method_util.h"
+#include "methods/method_options.h"
+#include "methods/method_util.h"
 
 namespace cumulus {
 namespace {
@@ -403,7 +403,7 @@ class SketchTopp final : public DecodeMethod {
 
 void register_sketch_topp(Registry& r) {
   r.add({.name = "sketch_topp",
-         .kind = "decode",
+         .kind = MethodKind::decode,
          .paper = "ours: top-p from a 4-bit key sketch (every token estimated, the group's union attended exactly, "
                   "claims exact over what was read)",
          .summary = "sinks + recent; union by 4-bit sketch estimate where every head reaches candidate_p; more tokens "
@@ -465,7 +465,8 @@ void register_sketch_topp(Registry& r) {
            methods::read_sketch_topp_options(p, o);
            return std::make_unique<SketchTopp>(s, o);
          },
-         .target_param = "p"});
+         .target_param = "p",
+         .color = "#9467bd"});
 }
 
 }  // namespace cumulus

@@ -1,4 +1,4 @@
-// flexprefill: FlexPrefill (003, ICLR 2025), adaptive block-sparse prefill. Per query head
+// flexprefill: FlexPrefill (ICLR 2025), adaptive block-sparse prefill. Per query head
 // and per prompt chunk: probe the attention of the chunk's last block of queries, decide the
 // head's pattern by the Jensen-Shannon distance between the pooled estimate and the probe
 // ("Query-Aware Sparse Pattern Determination"), choose the blocks whose cumulative attention
@@ -12,8 +12,8 @@
 
 #include "cumulus/methods/registry.h"
 #include "kernels/cpu/flexprefill_select.h"
-#include "method_options.h"
-#include "method_util.h"
+#include "methods/method_options.h"
+#include "methods/method_util.h"
 
 namespace cumulus {
 namespace {
@@ -56,8 +56,8 @@ class FlexPrefill final : public PrefillMethod {
 
 void register_flexprefill(Registry& r) {
   r.add({.name = "flexprefill",
-         .kind = "prefill",
-         .paper = "003 FlexPrefill (ICLR 2025): pattern determination, index selection, Algorithms 3-4",
+         .kind = MethodKind::prefill,
+         .paper = "FlexPrefill (ICLR 2025): pattern determination, index selection, Algorithms 3-4",
          .summary = "per head: query-aware or vertical-slash blocks reaching cumulative attention gamma",
          .params = {{"gamma", ParamType::kDouble, "0.9", "cumulative attention threshold (1 = dense)", 0.0, 1.0, true},
                     {"tau", ParamType::kDouble, "0.1", "query-aware iff sqrt(JSD) < tau (0 = never)", 0.0, 1.0},

@@ -1,4 +1,4 @@
-// tactic: Tactic (001 section 4, Algorithm 1 in Appendix B; 000 is the LaTeX of section 4).
+// tactic: Tactic (section 4, Algorithm 1 in Appendix B).
 // Selects, per query head, the fewest tokens whose ESTIMATED cumulative attention mass
 // reaches P:
 //   4.2 at prefill, per (layer, kv head): K-means on the keys, ceil(n / cluster_size)
@@ -12,7 +12,7 @@
 //       is the minimal k with sum_{i<=k} w_i >= P * sum_i w_i;
 //   4.5 the GQA group attends the union of its heads' sets.
 // Tokens appended after clustering (the tail) are attended densely; once the tail reaches
-// recluster_interval tokens it is clustered and joins the index (001 section 1: "performs
+// recluster_interval tokens it is clustered and joins the index (Tactic, section 1: "performs
 // full attention on newly generated tokens and updates the clustering every fixed number of
 // decoding steps (e.g., 2048)"). mode=cluster_optimal replaces the fit by the TRUE scores
 // in cluster order ("Cluster Optimal" of Table 1). The claim is the method's own estimate
@@ -28,17 +28,17 @@
 #include "cumulus/kernels/kmeans.h"
 #include "cumulus/kernels/scoring.h"
 #include "cumulus/kernels/selection.h"
-#include "cumulus/kernels/tactic.h"
+#include "cumulus/methods/tactic.h"
 #include "cumulus/methods/registry.h"
-#include "kernels/tactic_rules.h"
-#include "method_options.h"
-#include "method_util.h"
+#include "methods/tactic/tactic_rules.h"
+#include "methods/method_options.h"
+#include "methods/method_util.h"
 #include "tactic_fit.h"
 
 namespace cumulus {
 namespace {
 
-// The parameters the GPU pipeline shares (kernels/tactic.h), and the CPU method's own.
+// The parameters the GPU pipeline shares (methods/tactic.h), and the CPU method's own.
 struct TacticMethodOptions : TacticOptions {
   int recluster_interval = 2048;
   bool cluster_optimal = false;
@@ -392,8 +392,8 @@ class Tactic final : public DecodeMethod {
 
 void register_tactic(Registry& r) {
   r.add({.name = "tactic",
-         .kind = "decode",
-         .paper = "Tactic (001) section 4 + Algorithm 1: K-means clusters, ranked by q . centroid, budget by "
+         .kind = MethodKind::decode,
+         .paper = "Tactic, section 4 + Algorithm 1: K-means clusters, ranked by q . centroid, budget by "
                   "fitting y = a/x + b",
          .summary = "fewest tokens whose estimated cumulative mass reaches P (dense tail after prefill)",
          .params = {{.name = "p",
@@ -477,7 +477,8 @@ void register_tactic(Registry& r) {
            o.cluster_optimal = mode == "cluster_optimal";
            return std::make_unique<Tactic>(s, o);
          },
-         .target_param = "p"});
+         .target_param = "p",
+         .color = "#e15759"});
 }
 
 }  // namespace cumulus

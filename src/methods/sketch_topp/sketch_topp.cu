@@ -1,4 +1,4 @@
-// sketch_topp on the GPU (ours, issue 17; the CPU method is src/methods/sketch_topp.cpp,
+// sketch_topp on the GPU (ours; the CPU method is src/methods/sketch_topp/sketch_topp.cpp,
 // docs/methods.md "sketch_topp" gives the equations, docs/cuda.md "sketch_topp on the GPU"
 // the design and the measurements). Per (sequence, kv head) a 4-bit sketch of every key in
 // kernels/sketch.h's layout, built at prefill by the CPU's encoder (same operations in the
@@ -40,6 +40,7 @@
 #include "cumulus/kernels/sketch.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "kernels/cuda/cuda_internal.cuh"
+#include "methods/method_options.h"
 
 namespace cumulus::cuda {
 namespace {
@@ -1207,6 +1208,25 @@ DeviceSketchCopy sketch_topp_gpu_download(const SparseDecoder& m, int seq, int h
   memcpy_to_host(c.center.data(), p.center + l * d, d * sizeof(float));
   memcpy_to_host(c.scale.data(), p.scale + l * d, d * sizeof(float));
   return c;
+}
+
+// The registry's "sketch_topp" on the GPU (MethodInfo::gpu): groups of at most
+// kSketchToppMaxGroup query heads; gpu_dense_mib is the GPU's cost rule.
+void attach_sketch_topp_gpu(Registry& r) {
+  r.attach_gpu("sketch_topp",
+               {.make = [](const DeviceKvView& kv, const Shape& shape, int,
+                           const Params& p) -> std::unique_ptr<SparseDecoder> {
+                  SketchToppGpuOptions o;
+                  methods::read_sketch_topp_options(p, o);
+                  o.dense_kv_bytes = static_cast<size_t>(p.get_int("gpu_dense_mib")) << 20;
+                  return make_sketch_topp_gpu(kv, shape.group(), o);
+                },
+                .check = [](const Shape& shape, const Params&) {
+                  CUMULUS_CHECK(shape.group() <= kSketchToppMaxGroup,
+                                "--device cuda: sketch_topp takes at most {} query heads per kv head on the GPU, "
+                                "this model has {}",
+                                kSketchToppMaxGroup, shape.group());
+                }});
 }
 
 }  // namespace cumulus::cuda

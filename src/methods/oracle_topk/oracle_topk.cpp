@@ -26,7 +26,7 @@ class OracleTopK final : public SelectPolicy {
 
 void register_oracle_topk(Registry& r) {
   r.add({.name = "oracle_topk",
-         .kind = "decode",
+         .kind = MethodKind::decode,
          .paper = "exact top-k by true score (fixed-budget yardstick)",
          .summary = "k highest-scoring tokens per query head (reads every key to score it)",
          .params = {{.name = "k",
@@ -35,7 +35,9 @@ void register_oracle_topk(Registry& r) {
                      .help = "tokens per query head (k > context attends everything)",
                      .min = 1,
                      .max = 1 << 30}},
-         .make_policy = [](const Shape&, const Params& p) { return std::make_shared<OracleTopK>(p.get_int("k")); }});
+         .make_policy = [](const Shape&, const Params& p) { return std::make_shared<OracleTopK>(p.get_int("k")); },
+         .budget_param = "k",
+         .color = "#59a14f"});
 }
 
 }  // namespace cumulus

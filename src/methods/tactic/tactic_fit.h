@@ -1,4 +1,4 @@
-// Sums of Algorithm 1's fitted estimates (tactic, 001 Appendix B) in closed form: the
+// Sums of Algorithm 1's fitted estimates (Tactic, Appendix B) in closed form: the
 // estimates past the exactly scored head of a list are w_i = max(0, a / (i + 1) + b) for
 // list positions i in [n0, L) (never negative where the curve crosses zero), and the budget
 // needs their prefix sums and the first prefix that reaches a target. Over the range

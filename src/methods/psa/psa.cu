@@ -1,5 +1,5 @@
-// psa on the GPU (004 section 3.2 Algorithm 1, estimate rule; the CPU method is
-// src/methods/psa.cpp). Per query head, pages (PSA's blocks) are ranked by a criticality
+// psa on the GPU (PSA, section 3.2, Algorithm 1, estimate rule; the CPU method is
+// src/methods/psa/psa.cpp). Per query head, pages (PSA's blocks) are ranked by a criticality
 // score (q . mean key or Quest's bound) and visited in microbatches of m pages; after each
 // microbatch AS_acc (sum of exp(q.k / sqrt(d)) over visited tokens) and AS_min (smallest
 // per-page sum seen) give P_acc = AS_acc / (AS_acc + AS_min * N_left), and the head stops
@@ -381,6 +381,24 @@ class PsaGpu final : public SparseDecoder {
 std::unique_ptr<SparseDecoder> make_psa_gpu(const DeviceKvView& kv, int group, const PsaGpuOptions& o,
                                             const AttentionPlanOptions& plan) {
   return std::make_unique<PsaGpu>(kv, group, o, plan);
+}
+
+// The registry's "psa" on the GPU (MethodInfo::gpu): stop=estimate only.
+void attach_psa_gpu(Registry& r) {
+  r.attach_gpu("psa", {.make = [](const DeviceKvView& kv, const Shape& shape, int,
+                                  const Params& p) -> std::unique_ptr<SparseDecoder> {
+                         PsaGpuOptions o;
+                         o.threshold = p.get_double("threshold");
+                         o.microbatch = p.get_int("microbatch");
+                         o.criticality = p.get_string("criticality") == "mean" ? PageScoreKind::kMean : PageScoreKind::kBound;
+                         return make_psa_gpu(kv, shape.group(), o);
+                       },
+                       .check = [](const Shape&, const Params& p) {
+                         CUMULUS_CHECK(p.get_string("stop") == "estimate",
+                                       "--device cuda: psa stop='{}' is not on cuda (the GPU pipeline implements "
+                                       "stop=estimate)",
+                                       p.get_string("stop"));
+                       }});
 }
 
 }  // namespace cumulus::cuda

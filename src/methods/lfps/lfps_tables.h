@@ -1,4 +1,4 @@
-// LFPS's per-head state (002 section 4.2), exposed to tests so that they can check the
+// LFPS's per-head state (LFPS (Learn from the Past), section 4.2), exposed to tests so that they can check the
 // score tables' invariant (Appendix B.2, Eq. 15). Internal to src/methods and tests.
 #pragma once
 

@@ -5,7 +5,7 @@
 
 #include "cumulus/core/error.h"
 #include "cumulus/methods/registry.h"
-#include "method_util.h"
+#include "methods/method_util.h"
 
 namespace cumulus {
 namespace {
@@ -69,12 +69,13 @@ class DensePrefill final : public PrefillMethod {
 
 void register_dense(Registry& r) {
   r.add({.name = "dense",
-         .kind = "decode, prefill",
+         .kind = MethodKind::decode_and_prefill,
          .paper = "full attention (baseline)",
          .summary = "attend every cached token; prefill: causal flash-style attention",
          .params = {},
          .make_decode = [](const Shape& s, const Params&) { return std::make_unique<Dense>(s); },
-         .make_prefill = [](const Shape& s, const Params&) { return std::make_unique<DensePrefill>(s); }});
+         .make_prefill = [](const Shape& s, const Params&) { return std::make_unique<DensePrefill>(s); },
+         .color = "#7f7f7f"});
 }
 
 }  // namespace cumulus

@@ -1,9 +1,9 @@
-// Tactic's rules (001 section 4, Algorithm 1) written once for the CPU method
-// (src/methods/tactic.cpp) and the GPU pipeline (src/methods/cuda/tactic.cu), so that both
+// Tactic's rules (Tactic, section 4, Algorithm 1) written once for the CPU method
+// (src/methods/tactic/tactic.cpp) and the GPU pipeline (src/methods/tactic/tactic.cu), so that both
 // select from the same positions and start k-means from the same sample: the exactly scored
 // positions of a ranked list (host and device: the GPU computes them in its kernels), the
 // number of clusters, and the seeded initial sample. The parameters are
-// cumulus/kernels/tactic.h's TacticOptions. Plain C++ outside nvcc; not installed.
+// cumulus/methods/tactic.h's TacticOptions. Plain C++ outside nvcc; not installed.
 #pragma once
 
 #include <algorithm>
@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "cumulus/kernels/tactic.h"
+#include "cumulus/methods/tactic.h"
 
 #ifdef __CUDACC__
 #define CUMULUS_TACTIC_HD __host__ __device__

@@ -1,5 +1,5 @@
-// lfps on the GPU (002 section 4.2, Algorithm 1, Eq. 4-10; the CPU method is
-// src/methods/lfps.cpp, docs/methods.md "lfps"; docs/cuda.md "lfps on the GPU"). Per
+// lfps on the GPU (LFPS (Learn from the Past), section 4.2, Algorithm 1, Eq. 4-10; the CPU method is
+// src/methods/lfps/lfps.cpp, docs/methods.md "lfps"; docs/cuda.md "lfps on the GPU"). Per
 // (sequence, query head) row the device keeps the two score tables in float64, as the CPU:
 // vertical indexed by key position, slash in a ring of max_tokens + 1 entries whose start
 // moves back by one per update (Eq. 10's shift, with no copy). A step, for the whole batch,
@@ -20,9 +20,10 @@
 #include <algorithm>
 #include <cmath>
 
-#include "cumulus/kernels/lfps.h"
+#include "cumulus/methods/lfps.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "kernels/cuda/cuda_internal.cuh"
+#include "methods/method_options.h"
 
 namespace cumulus::cuda {
 namespace {
@@ -617,7 +618,7 @@ class LfpsGpu final : public SparseDecoder {
     const int d = b.kv.head_dim;
     CUMULUS_CHECK(pq.q != nullptr && pq.rows > 0,
                   "lfps needs the prompt's last queries (DevicePromptQueries: q={}, rows={}) to build its score "
-                  "tables (002 Eq. 4)",
+                  "tables (LFPS, Eq. 4)",
                   static_cast<const void*>(pq.q), pq.rows);
     std::vector<int> n(static_cast<size_t>(b.kv.n_seqs));
     CUMULUS_CUDA_CHECK(cudaStreamSynchronize(st));
@@ -745,6 +746,14 @@ LfpsTablesCopy lfps_gpu_download(const SparseDecoder& m, int seq, int q_head) {
   const auto* l = dynamic_cast<const LfpsGpu*>(&m);
   CUMULUS_CHECK(l != nullptr, "decoder '{}' is not lfps", m.name());
   return l->download(seq, q_head);
+}
+
+// The registry's "lfps" on the GPU (MethodInfo::gpu).
+void attach_lfps_gpu(Registry& r) {
+  r.attach_gpu("lfps", {.make = [](const DeviceKvView& kv, const Shape& shape, int,
+                                   const Params& p) -> std::unique_ptr<SparseDecoder> {
+    return make_lfps_gpu(kv, shape.group(), methods::read_lfps_options(p));
+  }});
 }
 
 }  // namespace cumulus::cuda

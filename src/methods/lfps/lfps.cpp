@@ -1,4 +1,4 @@
-// lfps: Learn From the Past for Sparse indexing (002, section 4.2, Algorithm 1, Eq. 4-10,
+// lfps: Learn From the Past for Sparse indexing (LFPS paper, section 4.2, Algorithm 1, Eq. 4-10,
 // Appendix B). Each query head keeps two score tables over key positions, learnt from past
 // attention: vertical (fixed positions) and slash (fixed distances to the query).
 //   on_prefill (Eq. 4): the tables from the attention of the last s prompt queries,
@@ -20,13 +20,13 @@
 #include <limits>
 
 #include "core/check.h"
-#include "cumulus/kernels/lfps.h"
+#include "cumulus/methods/lfps.h"
 #include "cumulus/kernels/scoring.h"
 #include "cumulus/kernels/selection.h"
 #include "cumulus/methods/registry.h"
 #include "lfps_tables.h"
-#include "method_options.h"
-#include "method_util.h"
+#include "methods/method_options.h"
+#include "methods/method_util.h"
 
 namespace cumulus {
 namespace {
@@ -98,7 +98,7 @@ class Lfps final : public DecodeMethod {
     CUMULUS_CHECK(layer >= 0 && layer < shape_.n_layers, "layer={} out of range [0, {})", layer, shape_.n_layers);
     CUMULUS_CHECK(ctx.prompt_q != nullptr && ctx.prompt_q_rows > 0,
                   "lfps needs the last prompt queries of layer={} (DecodeContext::prompt_q, prompt_q_rows={}) to "
-                  "build its score tables (002 Eq. 4)",
+                  "build its score tables (LFPS, Eq. 4)",
                   layer, ctx.prompt_q_rows);
     const int n = kv.n_tokens(layer);
     CUMULUS_CHECK(ctx.prompt_q_rows <= n, "prompt_q_rows={} exceeds the layer's n_tokens={}", ctx.prompt_q_rows, n);
@@ -327,9 +327,9 @@ const LfpsTables& lfps_tables(const DecodeMethod& method, int layer, int q_head)
 
 void register_lfps(Registry& r) {
   r.add({.name = "lfps",
-         .kind = "decode",
-         .paper = "LFPS (002) section 4.2, Algorithm 1, Eq. 4-10: candidates from vertical/slash score tables of "
-                  "past attention, exact top-k over them, sink bypass",
+         .kind = MethodKind::decode,
+         .paper = "LFPS: Learn from the Past, section 4.2, Algorithm 1, Eq. 4-10: candidates from vertical/slash "
+                  "score tables of past attention, exact top-k over them, sink bypass",
          .summary = "top-k over candidates predicted from past attention (no mass claim); mean value vector when "
                     "the sink dominates",
          .params = {{.name = "a",
@@ -378,7 +378,9 @@ void register_lfps(Registry& r) {
                      .max = 1 << 20}},
          .make_decode = [](const Shape& s, const Params& p) {
            return std::make_unique<Lfps>(s, methods::read_lfps_options(p));
-         }});
+         },
+         .budget_param = "budget",
+         .color = "#ff9da7"});
 }
 
 }  // namespace cumulus

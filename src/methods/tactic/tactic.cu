@@ -1,4 +1,4 @@
-// tactic on the GPU (001 section 4, Algorithm 1; the CPU method is src/methods/tactic.cpp
+// tactic on the GPU (Tactic, section 4, Algorithm 1; the CPU method is src/methods/tactic/tactic.cpp
 // and docs/methods.md gives the equations). Prefill, per (sequence, kv head): k-means of
 // the stored keys (k = ceil(n / cluster_size) centroids sampled with the CPU's seeded
 // partial Fisher-Yates, assignment as a matrix product, deterministic means, until no
@@ -27,10 +27,11 @@
 #include <climits>
 #include <cmath>
 
-#include "bench_options.h"
+#include "methods/cuda/bench_options.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "kernels/cuda/cuda_internal.cuh"
-#include "kernels/tactic_rules.h"
+#include "methods/tactic/tactic_rules.h"
+#include "methods/method_options.h"
 
 #include <cub/block/block_radix_sort.cuh>
 
@@ -1327,6 +1328,25 @@ std::unique_ptr<SparseDecoder> make_tactic_gpu_bench(const DeviceKvView& kv, int
 std::unique_ptr<SparseDecoder> make_tactic_gpu(const DeviceKvView& kv, int group, const TacticGpuOptions& o,
                                                const AttentionPlanOptions& plan) {
   return make_tactic_gpu_bench(kv, group, o, TacticGpuBenchOptions{}, plan);
+}
+
+// The registry's "tactic" on the GPU (MethodInfo::gpu): mode=fit only; the runtime
+// re-clusters every recluster_interval tokens.
+void attach_tactic_gpu(Registry& r) {
+  r.attach_gpu("tactic", {.make = [](const DeviceKvView& kv, const Shape& shape, int layer,
+                                     const Params& p) -> std::unique_ptr<SparseDecoder> {
+                            TacticGpuOptions o;
+                            methods::read_tactic_options(p, o);
+                            o.layer = layer;
+                            return make_tactic_gpu(kv, shape.group(), o);
+                          },
+                          .check = [](const Shape&, const Params& p) {
+                            CUMULUS_CHECK(p.get_string("mode") == "fit",
+                                          "--device cuda: tactic mode='{}' is not on cuda (the GPU pipeline "
+                                          "implements mode=fit)",
+                                          p.get_string("mode"));
+                          },
+                          .reindex_interval = [](const Params& p) { return p.get_int("recluster_interval"); }});
 }
 
 }  // namespace cumulus::cuda

@@ -35,7 +35,7 @@ class Quest final : public SelectPolicy {
 
 void register_quest(Registry& r) {
   r.add({.name = "quest",
-         .kind = "decode",
+         .kind = MethodKind::decode,
          .paper = "Quest (Tang et al., ICML 2024): top-k pages by the min/max upper bound",
          .summary = "pages with the largest q.k upper bound, budget/page_size pages per query head (no mass claim)",
          .params = {{.name = "budget",
@@ -52,7 +52,9 @@ void register_quest(Registry& r) {
                      .max = 1 << 20}},
          .make_policy = [](const Shape&, const Params& p) {
            return std::make_shared<Quest>(p.get_int("budget"), p.get_int("dense_layers"));
-         }});
+         },
+         .budget_param = "budget",
+         .color = "#f28e2b"});
 }
 
 }  // namespace cumulus

@@ -1,4 +1,4 @@
-// psa: Progressive Sparse Attention (004, section 3.2 and Algorithm 1). Each query head
+// psa: Progressive Sparse Attention (PSA paper, section 3.2 and Algorithm 1). Each query head
 // ranks the cache's blocks (our KV pages) by a criticality score q . metadata, then visits
 // them in that order, m blocks (a microbatch) at a time, keeping the accumulated attention
 // score AS_acc = sum of exp(q.k / sqrt(d)) over visited tokens and AS_min, the smallest
@@ -24,7 +24,7 @@
 #include "cumulus/kernels/scoring.h"
 #include "cumulus/kernels/selection.h"
 #include "cumulus/methods/registry.h"
-#include "method_util.h"
+#include "methods/method_util.h"
 
 namespace cumulus {
 namespace {
@@ -165,9 +165,9 @@ class Psa final : public DecodeMethod {
 
 void register_psa(Registry& r) {
   r.add({.name = "psa",
-         .kind = "decode",
-         .paper = "PSA (004) section 3.2, Algorithm 1: progressive block attention until the estimated mass "
-                  "reaches the threshold",
+         .kind = MethodKind::decode,
+         .paper = "PSA: Progressive Sparse Attention, section 3.2, Algorithm 1: progressive block attention until "
+                  "the estimated mass reaches the threshold",
          .summary = "visit pages by criticality until AS_acc / (AS_acc + AS_min * N_left) >= threshold "
                     "(stop=certified: a guaranteed lower bound instead)",
          .params = {{.name = "threshold",
@@ -203,7 +203,8 @@ void register_psa(Registry& r) {
                                         crit == "mean" ? Criticality::kMean : Criticality::kBound,
                                         stop == "estimate" ? Stop::kEstimate : Stop::kCertified);
          },
-         .target_param = "threshold"});
+         .target_param = "threshold",
+         .color = "#76b7b2"});
 }
 
 }  // namespace cumulus

@@ -20,7 +20,7 @@ class Streaming final : public SelectPolicy {
 
 void register_streaming(Registry& r) {
   r.add({.name = "streaming",
-         .kind = "decode",
+         .kind = MethodKind::decode,
          .paper = "StreamingLLM (Xiao et al., ICLR 2024): attention sinks + recent window",
          .summary = "first `sinks` tokens + last `window` tokens (no mass claim)",
          .params = {{.name = "sinks",
@@ -37,7 +37,9 @@ void register_streaming(Registry& r) {
                      .max = 1 << 30}},
          .make_policy = [](const Shape&, const Params& p) {
            return std::make_shared<Streaming>(p.get_int("sinks"), p.get_int("window"));
-         }});
+         },
+         .budget_param = "window",
+         .color = "#b07aa1"});
 }
 
 }  // namespace cumulus

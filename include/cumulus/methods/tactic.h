@@ -1,8 +1,8 @@
-// Tactic's selection parameters (001 section 4, Algorithm 1; docs/methods.md "tactic"),
-// defined once for the CPU method (src/methods/tactic.cpp, whose registry parameters carry
+// Tactic's selection parameters (Tactic, section 4, Algorithm 1; docs/methods.md "tactic"),
+// defined once for the CPU method (src/methods/tactic/tactic.cpp, whose registry parameters carry
 // the same names and defaults) and the GPU pipeline (methods/cuda_methods.h,
 // TacticGpuOptions). The rules that use them (the exactly scored positions, the k-means
-// initial sample) are src/kernels/tactic_rules.h, shared the same way.
+// initial sample) are src/methods/tactic/tactic_rules.h, shared the same way.
 #pragma once
 
 #include <cstdint>

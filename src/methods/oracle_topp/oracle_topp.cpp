@@ -26,8 +26,8 @@ class OracleTopP final : public SelectPolicy {
 
 void register_oracle_topp(Registry& r) {
   r.add({.name = "oracle_topp",
-         .kind = "decode",
-         .paper = "Tactic (001) section 3 / Table 1 'Optimal': minimal set reaching P by true score",
+         .kind = MethodKind::decode,
+         .paper = "Tactic, section 3 / Table 1 'Optimal': minimal set reaching P by true score",
          .summary = "exact top-p set per query head (reads every key to score it)",
          .params = {{.name = "p",
                      .type = ParamType::kDouble,
@@ -37,7 +37,8 @@ void register_oracle_topp(Registry& r) {
                      .max = 1.0,
                      .min_exclusive = true}},
          .make_policy = [](const Shape&, const Params& p) { return std::make_shared<OracleTopP>(p.get_double("p")); },
-         .target_param = "p"});
+         .target_param = "p",
+         .color = "#4e79a7"});
 }
 
 }  // namespace cumulus
