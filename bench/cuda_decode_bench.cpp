@@ -44,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include "core/check.h"
 #include "cumulus/core/error.h"
 #include "cumulus/core/file.h"
 #include "cumulus/core/thread_pool.h"

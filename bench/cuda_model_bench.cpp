@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "core/check.h"
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/cuda.h"
 #include "cumulus/methods/registry.h"

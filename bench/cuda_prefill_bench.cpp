@@ -39,7 +39,7 @@
 #include "cumulus/core/thread_pool.h"
 #include "cumulus/kernels/cuda.h"
 #include "cumulus/kernels/cuda_prefill.h"
-#include "kernels/cpu/flexprefill_select.h"
+#include "cumulus/kernels/flexprefill_select.h"
 #include "prefill_workload.h"
 
 using namespace cumulus;

@@ -56,7 +56,7 @@
 #include "cumulus/model/session.h"
 #include "cumulus/model/text.h"
 #include "cumulus/model/tokenizer.h"
-#include "kernels/cpu/flexprefill_select.h"
+#include "cumulus/kernels/flexprefill_select.h"
 #include "prefill_workload.h"
 
 extern "C" void openblas_set_num_threads(int num_threads);

@@ -25,10 +25,9 @@ struct CliResult {
   std::string output;  // stdout and stderr together
 };
 
-// Runs `cumulus ARGS` from a scratch folder with a time limit of `seconds`.
-CliResult cli_run(const std::string& args, int seconds = 20) {
+CliResult cli_run_impl(const std::string& env, const std::string& args, int seconds) {
   const std::string cmd =
-      "timeout " + std::to_string(seconds) + " " + std::string(CUMULUS_CLI_PATH) + " " + args + " 2>&1";
+      env + "timeout " + std::to_string(seconds) + " " + std::string(CUMULUS_CLI_PATH) + " " + args + " 2>&1";
   CliResult r;
   FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) return r;
@@ -38,6 +37,14 @@ CliResult cli_run(const std::string& args, int seconds = 20) {
   const int status = ::pclose(p);
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return r;
+}
+
+// Runs `cumulus ARGS` from a scratch folder with a time limit of `seconds`.
+CliResult cli_run(const std::string& args, int seconds = 20) { return cli_run_impl("", args, seconds); }
+
+// The same with environment assignments before the command ("A=1 B=2").
+CliResult cli_run_env(const std::string& env, const std::string& args, int seconds = 20) {
+  return cli_run_impl(env + " ", args, seconds);
 }
 
 class Cli : public ::testing::Test {
@@ -198,6 +205,25 @@ TEST_F(Cli, ErrorsNameTheCause) {
   fs::copy_file(model_, lonely);
   expect_rejected("generate --model " + lonely.string(), "has no tokenizer beside it");
   expect_rejected("frobnicate --model x", "unknown subcommand 'frobnicate'");
+  // The message speaks of the user's option and file, not of the library function that
+  // found the fault (that one shows with CUMULUS_DEBUG set).
+  const CliResult r = cli_run("generate --model " + (dir_ / "none.gguf").string());
+  EXPECT_NE(r.output.find("error: model '"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("file_check_input"), std::string::npos) << r.output;
+  const CliResult with_where = cli_run_env("CUMULUS_DEBUG=1", "generate --model " + (dir_ / "none.gguf").string());
+  EXPECT_NE(with_where.output.find("error: file_check_input: model '"), std::string::npos) << with_where.output;
+}
+
+// A fixed budget that covers the whole context runs dense attention under the method's
+// name: generate and eval say so before the work.
+TEST_F(Cli, BudgetCoveringTheContextIsWarned) {
+  const CliResult g = cli_run(gen("--prompt 'Once upon a time' --method quest,tactic"));
+  EXPECT_EQ(g.code, 0) << g.output;
+  EXPECT_NE(g.output.find("warning: quest: budget=2048 covers the whole"), std::string::npos) << g.output;
+  EXPECT_EQ(g.output.find("warning: tactic"), std::string::npos) << g.output;  // adaptive: no budget
+  const CliResult small =
+      cli_run(gen("--prompt-file " + text_ + " --prompt-tokens 200 --method quest --param quest.budget=64"));
+  EXPECT_EQ(small.output.find("warning:"), std::string::npos) << small.output;
 }
 
 // Defect 6: one range and one meaning per option.

@@ -28,7 +28,7 @@ const fs::path kText = fs::path(CUMULUS_SHARED_DIR) / "data/text/pg1342_pride_an
 class EvalTasks : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    if (fs::exists(kModel) && fs::exists(kText)) model_ = new EvalModel(eval_model_load(kModel.string()));
+    if (fs::exists(kModel) && fs::exists(kText)) model_ = new LoadedModel(model_load(kModel.string()));
   }
   static void TearDownTestSuite() {
     delete model_;
@@ -44,9 +44,9 @@ class EvalTasks : public ::testing::Test {
     o.threads = 2;
     return o;
   }
-  static EvalModel* model_;
+  static LoadedModel* model_;
 };
-EvalModel* EvalTasks::model_ = nullptr;
+LoadedModel* EvalTasks::model_ = nullptr;
 
 // Logits of each decode step of `method` after prefilling x[0, prompt), feeding x[prompt, end).
 std::vector<std::vector<float>> plain_run(const ModelWeights& w, const std::vector<int32_t>& x, int prompt, int end,
@@ -280,7 +280,7 @@ TEST_F(EvalTasks, BadOptionsAreErrors) {
 
 // --weights f32 loads dequantised weights and every report says which storage it used.
 TEST_F(EvalTasks, WeightStorageIsReported) {
-  const EvalModel f32 = eval_model_load(kModel.string(), "", WeightStorage::f32);
+  const LoadedModel f32 = model_load(kModel.string(), "", WeightStorage::f32);
   EvalOptions o = options("kl");
   o.context = 64;
   o.steps = 2;

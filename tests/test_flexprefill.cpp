@@ -25,7 +25,7 @@
 #include "cumulus/model/model_weights.h"
 #include "cumulus/model/session.h"
 #include "cumulus/model/tokenizer.h"
-#include "kernels/cpu/flexprefill_select.h"
+#include "cumulus/kernels/flexprefill_select.h"
 #include "methods/method_util.h"
 #include "fixtures.h"
 

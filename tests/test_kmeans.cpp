@@ -5,6 +5,7 @@
 // agree within rounding); updates and scores compare by normalised error. Lloyd's loop
 // built from the ops converges on clustered data; kmeans_lloyd (bounds) equals that loop bit
 // for bit and skips most distances; bad input names the value.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
 

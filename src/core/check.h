@@ -13,10 +13,10 @@
 #define CUMULUS_CHECK(cond, ...)                                                        \
   do {                                                                                  \
     if (!(cond)) [[unlikely]] {                                                         \
-      throw ::cumulus::Error(::fmt::format("{}: {}", __func__, ::fmt::format(__VA_ARGS__))); \
+      throw ::cumulus::Error(__func__, ::fmt::format(__VA_ARGS__));                     \
     }                                                                                   \
   } while (0)
 
 // Throws unconditionally, with the same message format.
 #define CUMULUS_FAIL(...) \
-  throw ::cumulus::Error(::fmt::format("{}: {}", __func__, ::fmt::format(__VA_ARGS__)))
+  throw ::cumulus::Error(__func__, ::fmt::format(__VA_ARGS__))

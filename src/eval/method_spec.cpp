@@ -92,6 +92,17 @@ void prefill_spec_check(const std::string& method, const std::map<std::string, s
   Registry::builtin().parse(method, params);
 }
 
+std::string method_budget_warning(const MethodSpec& spec, int64_t context) {
+  const MethodInfo& m = Registry::builtin().find(spec.method);
+  if (m.budget_param.empty()) return "";
+  const Params p = Registry::builtin().parse(spec.method, spec.params);
+  const int64_t budget = p.get_int(m.budget_param);
+  if (budget < context) return "";
+  return fmt::format("warning: {}: {}={} covers the whole {}-token context, so it attends every token (dense "
+                     "attention under another name); give a smaller {}",
+                     spec.label, m.budget_param, budget, context, m.budget_param);
+}
+
 std::string params_text(const std::map<std::string, std::string>& params) {
   std::string s;
   for (const auto& [k, v] : params) s += (s.empty() ? "" : " ") + k + "=" + v;

@@ -110,10 +110,16 @@ std::string md_header(const EvalReport& r) {
   return s;
 }
 
+// The parameters a run was given; with none given, its target or budget at the default
+// (the value its row depends on), "-" for a method with neither (dense).
 std::string params_cell(const RunStats& r) {
   if (!std::isnan(r.match_target))
     return fmt::format("{}={} (matched to {:.0f})", r.match_param, r.match_budget, r.match_target);
-  return params_text(r.spec.params);
+  if (!r.spec.params.empty()) return params_text(r.spec.params);
+  if (const MethodInfo* m = Registry::builtin().find_if_known(r.spec.method))
+    for (const std::string* key : {&m->target_param, &m->budget_param})
+      if (!key->empty() && r.resolved.count(*key)) return fmt::format("{}={} (default)", *key, r.resolved.at(*key));
+  return "-";
 }
 
 std::string md_continuation_table(const std::vector<RunStats>& runs) {

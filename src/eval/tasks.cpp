@@ -172,7 +172,7 @@ struct StepAccumulator {
 
 class Evaluator {
  public:
-  Evaluator(const EvalModel& model, const EvalOptions& o, Progress& progress, RunnerFactory make)
+  Evaluator(const LoadedModel& model, const EvalOptions& o, Progress& progress, RunnerFactory make)
       : m_(model), o_(o), progress_(progress), shape_(model.weights.config.shape()), make_(std::move(make)) {}
 
   EvalReport run();
@@ -211,7 +211,7 @@ class Evaluator {
     return *s;
   }
 
-  const EvalModel& m_;
+  const LoadedModel& m_;
   const EvalOptions& o_;
   Progress& progress_;
   Shape shape_;
@@ -627,70 +627,6 @@ std::string budget_param(const std::string& method) {
   CUMULUS_FAIL("method {} has no token budget to match (fixed-budget methods: {})", method, fixed);
 }
 
-namespace {
-
-// The llama2.c tokenizer a model uses: `given`, else the one beside the model.
-std::string llama2c_tokenizer_path(const std::string& model, const std::string& given, int32_t vocab_size) {
-  if (!given.empty()) return given;
-  const std::string found = tokenizer_find_llama2c(model, vocab_size);
-  if (found.empty()) {
-    std::string dir = std::filesystem::path(model).parent_path().string();
-    if (dir.empty()) dir.assign(1, '.');  // (assign: GCC 12 -Wrestrict false positive on = ".")
-    CUMULUS_FAIL("llama2.c model '{}' has no tokenizer beside it (looked for {}/tok{}.bin and {}/tokenizer.bin): "
-                 "give --tokenizer",
-                 model, dir, vocab_size, dir);
-  }
-  return found;
-}
-
-}  // namespace
-
-ModelConfig eval_model_check(const std::string& model, const std::string& tokenizer) {
-  const ModelConfig c = model_config_load(model);
-  if (c.format == ModelFormat::gguf) {
-    CUMULUS_CHECK(tokenizer.empty(),
-                  "--tokenizer '{}' given with the GGUF model '{}', which carries its own tokenizer: drop --tokenizer",
-                  tokenizer, model);
-  } else {
-    file_check_input(llama2c_tokenizer_path(model, tokenizer, c.vocab_size), "llama2c tokenizer");
-  }
-  return c;
-}
-
-EvalModel eval_model_load(const std::string& model, const std::string& tokenizer, WeightStorage storage) {
-  const ModelConfig c = eval_model_check(model, tokenizer);
-  EvalModel m;
-  m.path = model;
-  m.storage = storage == WeightStorage::f32 ? "f32" : "compact";
-  m.weights = model_weights_load(model, storage);
-  if (c.format == ModelFormat::gguf) {
-    m.tokenizer = tokenizer_from_gguf(GgufFile::open(model));
-  } else {
-    m.tokenizer = tokenizer_from_llama2c(llama2c_tokenizer_path(model, tokenizer, c.vocab_size), c.vocab_size);
-  }
-  return m;
-}
-
-KvSnapshot eval_snapshot_open(const std::string& path, const std::string& model, int page_size, DType kv_dtype) {
-  KvSnapshot snap = KvSnapshot::open(path);
-  const ModelConfig c = model_config_load(model);
-  KvSnapshotInfo want = snap.info();  // the setup is the session's to check
-  want.model_id = model_identity(model);
-  want.n_layers = c.n_layers;
-  want.n_heads = c.n_heads;
-  want.n_kv_heads = c.n_kv_heads;
-  want.head_dim = c.head_dim;
-  want.vocab_size = c.vocab_size;
-  want.page_size = page_size;
-  want.dtype = kv_dtype;
-  try {
-    snap.check(want);
-  } catch (const Error& e) {
-    CUMULUS_FAIL("--kv-load with model '{}': {}", model, e.what());
-  }
-  return snap;
-}
-
 void EvalOptions::validate() const {
   static const std::set<std::string> kTasks{"kl", "ppl", "mass", "matched", "niah"};
   CUMULUS_CHECK(kTasks.count(task), "task '{}' must be one of kl, ppl, mass, matched, niah", task);
@@ -750,7 +686,7 @@ void EvalOptions::validate(const ModelConfig& model) const {
   }
 }
 
-EvalReport eval_run(const EvalModel& model, const EvalOptions& options, std::FILE* progress_out,
+EvalReport eval_run(const LoadedModel& model, const EvalOptions& options, std::FILE* progress_out,
                     const RunnerFactory& make) {
   options.validate();
   options.validate(model.weights.config);

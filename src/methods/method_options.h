@@ -1,7 +1,8 @@
 // The registry's parameters read into the options the two backends take, in one place: the
-// CPU methods' make_decode / make_prefill (src/methods) and the GPU runtime's pipelines and
-// prefill (src/model/cuda/decode_methods.cu, prefill_methods.cu) both call these, so a
-// parameter means the same on either device. Internal to src (no public header).
+// CPU methods' make_decode (src/methods/<name>/<name>.cpp) and their GPU pipelines
+// (src/methods/<name>/<name>.cu) both call these, so a parameter means the same on either
+// device. Private to the methods layer (flexprefill's, which the GPU runtime reads too, are
+// methods/flexprefill.h).
 #pragma once
 
 #include <string>
@@ -11,9 +12,7 @@
 #include "cumulus/methods/lfps.h"
 #include "cumulus/methods/sketch_topp.h"
 #include "cumulus/methods/tactic.h"
-#include "cumulus/methods/prefill.h"
 #include "cumulus/methods/registry.h"
-#include "kernels/cpu/flexprefill_select.h"
 
 namespace cumulus::methods {
 
@@ -61,42 +60,6 @@ inline LfpsOptions read_lfps_options(const Params& p) {
   o.sinks = p.get_int("sinks");
   CUMULUS_CHECK(o.r < 1.0, "method 'lfps': parameter r={} must be in [0, 1)", o.r);
   return o;
-}
-
-// flexprefill's parameters: the selection's Config (checked by flexprefill::validate) and
-// chunk, tokens per prefill forward pass (0 = the whole prompt in one).
-struct FlexPrefillOptions {
-  flexprefill::Config config;
-  int chunk = 0;
-};
-inline FlexPrefillOptions read_flexprefill_options(const Params& p) {
-  FlexPrefillOptions o;
-  o.config.gamma = p.get_double("gamma");
-  o.config.tau = p.get_double("tau");
-  o.config.block_size = p.get_int("block_size");
-  o.config.min_budget = p.get_int("min_budget");
-  o.config.max_budget = p.get_int("max_budget");
-  flexprefill::validate(o.config);
-  o.chunk = p.get_int("chunk");
-  return o;
-}
-
-// One layer's chunk of a flexprefill prefill added to the method's statistics: its causal
-// (query head, query block, key block) triples, those `layout` lists, each head's pattern.
-// The CPU method and the GPU runtime report through this, so their block shares compare.
-inline void add_flexprefill_stats(PrefillStats& s, const flexprefill::Geometry& g, const BlockSparseLayout& layout,
-                                  const std::vector<flexprefill::HeadSelection>& heads) {
-  int64_t causal = 0;
-  for (int r = g.first_q_block(); r < g.first_q_block() + g.n_q_blocks(); ++r) causal += r + 1;
-  s.blocks_causal += causal * static_cast<int64_t>(heads.size());
-  s.blocks_computed += static_cast<int64_t>(layout.blocks.size());
-  for (const auto& h : heads) {
-    switch (h.pattern) {
-      case flexprefill::Pattern::dense: ++s.heads_dense; break;
-      case flexprefill::Pattern::query_aware: ++s.heads_query_aware; break;
-      case flexprefill::Pattern::vertical_slash: ++s.heads_vertical_slash; break;
-    }
-  }
 }
 
 }  // namespace cumulus::methods

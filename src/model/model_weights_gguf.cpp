@@ -103,7 +103,7 @@ ModelFormat model_format_of(const std::string& path) {
   try {
     (void)model_config_from_llama2c(path);
   } catch (const Error& e) {
-    CUMULUS_FAIL("model '{}': not a GGUF or llama2.c model (no GGUF magic; as llama2.c: {})", path, e.what());
+    CUMULUS_FAIL("model '{}': not a GGUF or llama2.c model (no GGUF magic; as llama2.c: {})", path, e.message());
   }
   return ModelFormat::llama2c;
 }

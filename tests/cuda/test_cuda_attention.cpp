@@ -6,6 +6,7 @@
 // stealing cursors reset by each launch); mass = exp(lse - lse_ref); bad lists and
 // arguments are errors that name the problem.
 // Every test skips when no CUDA device is present.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -8,6 +8,7 @@
 // select what the CPU selects; lfps's tables, bypasses, lists and outputs follow the CPU's
 // over several steps; and the ops' misuse is refused before any launch. Each also at head_dim 256 in Gemma 3 270M's attention shape
 // (4 query heads, 1 kv head).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -670,7 +670,7 @@ TEST_F(CudaStories260K, EvalKlRunsOnTheGpu) {
   o.methods = {"dense"};
   o.context = 512;
   o.steps = 32;
-  const EvalModel m = eval_model_load(kDir + "/stories260K.bin");
+  const LoadedModel m = model_load(kDir + "/stories260K.bin");
   const EvalReport cpu = eval_run(m, o);
   o.device = "cuda";
   const EvalReport gpu = eval_run(m, o, nullptr, [](const ModelWeights& w, const SessionOptions& so) {
@@ -726,7 +726,7 @@ TEST(CudaSmolLM2, LogitsMatchTheCpu) {
   const std::string text = (test::shared_dir() / "data/text/pg1342_pride_and_prejudice.txt").string();
   if (!std::filesystem::exists(path) || !std::filesystem::exists(text))
     GTEST_SKIP() << "no " << path << " or " << text << " (tools/device/run_smollm2.sh brings them)";
-  const EvalModel m = eval_model_load(path, "", WeightStorage::f32);
+  const LoadedModel m = model_load(path, "", WeightStorage::f32);
   const std::vector<int32_t> ids = eval_text_tokens(*m.tokenizer, text, 1024 + 32);
   const std::vector<int32_t> prompt(ids.begin(), ids.begin() + 1024), forced(ids.begin() + 1024, ids.end());
   const ModelWeights w16 = weights_f16(m.weights);

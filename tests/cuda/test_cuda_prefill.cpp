@@ -19,7 +19,7 @@
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/cuda_prefill.h"
 #include "cumulus/kernels/prefill.h"
-#include "kernels/cpu/flexprefill_select.h"
+#include "cumulus/kernels/flexprefill_select.h"
 
 using namespace cumulus;
 using cumulus::cuda_test::norm_err;

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <memory>
 
+#include "core/check.h"
 #include "cli.h"
 #include "cumulus/core/error.h"
 #include "cumulus/core/file.h"
@@ -79,7 +80,8 @@ void add_bench_command(CLI::App& app) {
       ->delimiter(',');
   cmd->add_option("--param", args->params, "Method parameter method.key=value (repeatable), e.g. oracle_topk.k=1024");
   cmd->add_option("--dtype", args->dtype, "KV storage dtype: f16, bf16 or f32")->capture_default_str();
-  cmd->add_option("--threads", o.threads, "Threads for the methods and the bandwidth probe")
+  o.threads = default_threads();
+  cmd->add_option("--threads", o.threads, "Threads for the methods and the bandwidth probe (default: this machine's CPUs)")
       ->check(threads_range())
       ->capture_default_str();
   cmd->add_option("--steps", o.steps, "Decode steps (queries) per pass")->capture_default_str();

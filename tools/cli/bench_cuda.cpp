@@ -12,6 +12,7 @@
 //     (SparseDecoder::select_bytes_per_token), as the CPU methods count them;
 //   ref: the device-to-device copy bandwidth (read + write) measured in the same run.
 // The table and JSON are the CPU run's (eval/bench.h; BenchReport::device set).
+#include "core/check.h"
 #include "cli.h"
 #include "cumulus/core/error.h"
 #include "cumulus/eval/bench.h"

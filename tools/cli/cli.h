@@ -3,9 +3,13 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <sched.h>
+
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cumulus/eval/bench.h"
@@ -45,6 +49,15 @@ BenchReport bench_run_cuda(const BenchOptions& options, std::FILE* log);
 // --threads takes one range in every subcommand.
 inline constexpr int kThreadsMax = 256;
 inline CLI::Range threads_range() { return CLI::Range(1, kThreadsMax); }
+
+// --threads' default: the CPUs this process may run on (its affinity mask, which taskset and
+// container CPU sets narrow), at most kThreadsMax.
+inline int default_threads() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const int n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
+  return std::clamp(n > 0 ? n : static_cast<int>(std::thread::hardware_concurrency()), 1, kThreadsMax);
+}
 
 // --seed: a non-negative integer (CLI11 alone would wrap -1 to 2^64 - 1).
 inline CLI::Validator seed_check() {

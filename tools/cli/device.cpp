@@ -3,6 +3,7 @@
 // cuda is an error naming the reason, raised before the model is loaded.
 #include <fmt/format.h>
 
+#include "core/check.h"
 #include "cli.h"
 #include "cumulus/core/error.h"
 #ifdef CUMULUS_HAVE_CUDA

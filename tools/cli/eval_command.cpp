@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <memory>
 
+#include "core/check.h"
 #include "cli.h"
 #include "cumulus/core/error.h"
 #include "cumulus/core/file.h"
@@ -41,7 +42,7 @@ void eval_command_run(EvalArgs& a) {
   if (!a.json.empty()) file_check_output(a.json, "--json");
   if (!a.svg_dir.empty()) dir_check_output(a.svg_dir, "--svg-dir");
   if (!o.kv_save.empty()) file_check_output(o.kv_save, "--kv-save");
-  const ModelConfig config = eval_model_check(a.model, a.tokenizer);
+  const ModelConfig config = model_load_check(a.model, a.tokenizer);
   o.validate(config);
   if (o.device != "cpu") {
     // Every method the task runs, with its parameters, must run on the device, and the
@@ -59,14 +60,19 @@ void eval_command_run(EvalArgs& a) {
     }
   }
   if (!o.kv_load.empty()) {
-    const KvSnapshot snap = eval_snapshot_open(o.kv_load, a.model, o.page_size, o.kv_dtype);
+    const KvSnapshot snap = model_snapshot_open(o.kv_load, a.model, o.page_size, o.kv_dtype);
     const int ctx = o.context > 0 ? o.context : config.context_length;
     CUMULUS_CHECK(snap.info().n_tokens == ctx - o.steps,
                   "--kv-load '{}': the snapshot holds a prompt of {} tokens; --context {} - --steps {} needs {}",
                   o.kv_load, snap.info().n_tokens, ctx, o.steps, ctx - o.steps);
   }
 
-  const EvalModel model = eval_model_load(a.model, a.tokenizer, storage);
+  if (o.task != "matched")  // matched gives its baselines their budgets
+    for (const MethodSpec& spec : eval_task_specs(o))
+      if (const std::string warn = method_budget_warning(spec, eval_capacity(o, config)); !warn.empty())
+        fmt::print(stderr, "{}\n", warn);
+
+  const LoadedModel model = model_load(a.model, a.tokenizer, storage);
   const std::string device = o.device;
   const EvalReport rep = eval_run(model, o, stderr, [device](const ModelWeights& w, const SessionOptions& so) {
     return runner_make(device, w, so);
@@ -137,7 +143,10 @@ void add_eval_command(CLI::App& app) {
   cmd->add_option("--match-iters", o.match_iters, "budget runs per matched baseline at most (1: budget = target)")
       ->capture_default_str();
   cmd->add_flag("--niah", o.matched_niah, "matched: also the NIAH grid (--lengths, --depths), matched per prompt");
-  cmd->add_option("--threads", o.threads, "threads")->check(threads_range())->capture_default_str();
+  o.threads = default_threads();
+  cmd->add_option("--threads", o.threads, "threads (default: this machine's CPUs)")
+      ->check(threads_range())
+      ->capture_default_str();
   cmd->add_option("--device", o.device,
                   "cpu or cuda (a CUDA build with a GPU): the runtime of every prompt; cuda runs kl, ppl, matched and "
                   "niah with its decode methods (default there: all of them), true mass measured on the device")

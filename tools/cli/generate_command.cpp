@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "core/check.h"
 #include "cli.h"
 #include "cumulus/core/error.h"
 #include "cumulus/core/file.h"
@@ -50,7 +51,7 @@ struct GenerateOptions {
   std::vector<std::string> prefill_params;    // its key=value parameters
   int max_tokens = 64;
   int prompt_tokens = 0;  // truncate the prompt to its first N tokens (0 = all)
-  int threads = 2;
+  int threads = default_threads();
   int page_size = 16;
   std::string kv_dtype = "f16";
   float temperature = 0.0f, top_p = 1.0f;
@@ -483,7 +484,7 @@ std::vector<MethodSpec> generate_validate(const GenerateOptions& o, KvSnapshotUs
                   o.kv_load);
   if (!o.kv_save.empty()) file_check_output(o.kv_save, "--kv-save");
 
-  const ModelConfig c = eval_model_check(o.model, o.tokenizer);
+  const ModelConfig c = model_load_check(o.model, o.tokenizer);
   const int ctx = c.context_length;
   if (o.device != "cpu") {
     CUMULUS_CHECK(o.device == "cuda", "--device={} must be cpu or cuda", o.device);
@@ -511,7 +512,7 @@ std::vector<MethodSpec> generate_validate(const GenerateOptions& o, KvSnapshotUs
                   o.model, ctx);
   }
   if (!o.kv_load.empty()) {
-    kvs.load = std::make_unique<KvSnapshot>(eval_snapshot_open(o.kv_load, o.model, o.page_size,
+    kvs.load = std::make_unique<KvSnapshot>(model_snapshot_open(o.kv_load, o.model, o.page_size,
                                                                dtype_from_name(o.kv_dtype)));
     const int n = kvs.load->info().n_tokens;
     CUMULUS_CHECK(static_cast<int64_t>(n) + o.max_tokens <= ctx,
@@ -527,7 +528,7 @@ std::vector<MethodSpec> generate_validate(const GenerateOptions& o, KvSnapshotUs
 void run_generate(const GenerateOptions& o) {
   KvSnapshotUse kvs;
   const std::vector<MethodSpec> specs = generate_validate(o, kvs);
-  const EvalModel model = eval_model_load(o.model, o.tokenizer, weight_storage_from_name(o.weights));
+  const LoadedModel model = model_load(o.model, o.tokenizer, weight_storage_from_name(o.weights));
   const ModelWeights& w = model.weights;
   const Tokenizer* tok = model.tokenizer.get();
   if (o.bench && o.prompt.empty() && o.prompt_file.empty()) {
@@ -549,6 +550,10 @@ void run_generate(const GenerateOptions& o) {
                 prompt.size(), w.config.context_length);
 
   if (o.bench) return o.device == "cpu" ? run_bench(w, prompt, specs, o) : run_bench_device(w, prompt, specs, o);
+  for (const MethodSpec& spec : specs)
+    if (const std::string warn = method_budget_warning(spec, static_cast<int64_t>(prompt.size()) + o.max_tokens);
+        !warn.empty())
+      fmt::print(stderr, "{}\n", warn);
   // On the CPU every method decodes in turn with the others (decode_in_turn), so their runners
   // live together: memory is the sum of their KV caches. On the GPU, whose speed does not
   // drift that way, each runner holds its own copy of the weights and a KV cache for the
@@ -615,7 +620,9 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--param", o->params, "key=value or X.key=value, X a label or method (repeatable)");
   cmd->add_option("--prefill", o->prefill, "prefill method: dense or flexprefill")->capture_default_str();
   cmd->add_option("--prefill-param", o->prefill_params, "key=value for the prefill method (repeatable)");
-  cmd->add_option("--threads", o->threads, "threads")->check(threads_range())->capture_default_str();
+  cmd->add_option("--threads", o->threads, "threads (default: this machine's CPUs)")
+      ->check(threads_range())
+      ->capture_default_str();
   cmd->add_option("--page-size", o->page_size, "KV cache page size")->capture_default_str();
   cmd->add_option("--kv-dtype", o->kv_dtype, "KV storage: f16, bf16, f32")->capture_default_str();
   cmd->add_option("--temperature", o->temperature, "0 = greedy")->capture_default_str();

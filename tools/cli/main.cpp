@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "cli.h"
@@ -38,7 +39,10 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const cumulus::Error& e) {
-    fmt::print(stderr, "error: {}\n", e.what());
+    // The message names the option, file or value; the library function that found it is
+    // shown only with CUMULUS_DEBUG set (e.g. "error: file_check_input: ...").
+    const char* debug = std::getenv("CUMULUS_DEBUG");
+    fmt::print(stderr, "error: {}\n", debug != nullptr && *debug != '\0' ? std::string(e.what()) : e.message());
     return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "error: {}\n", e.what());

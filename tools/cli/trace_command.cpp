@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "core/check.h"
 #include "cli.h"
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/error.h"
@@ -48,7 +49,7 @@ struct TraceOptions {
   std::vector<int> layers{3, 15, 27};
   int prompt_tokens = 8000;
   int steps = 16;
-  int threads = 2;
+  int threads = default_threads();
   // --profile / --profile-synthetic
   std::string profile, profile_synthetic;
   double p = 0.9;
@@ -219,7 +220,9 @@ void add_trace_command(CLI::App& app) {
   cmd->add_option("--prompt-tokens", o->prompt_tokens, "prompt length in tokens")->capture_default_str();
   cmd->add_option("--steps", o->steps, "greedy decode steps recorded")->capture_default_str();
   cmd->add_option("--layers", o->layers, "layers to record, comma-separated")->delimiter(',')->capture_default_str();
-  cmd->add_option("--threads", o->threads, "threads")->check(threads_range())->capture_default_str();
+  cmd->add_option("--threads", o->threads, "threads (default: this machine's CPUs)")
+      ->check(threads_range())
+      ->capture_default_str();
   cmd->add_option("--out", o->out, "output file")->capture_default_str();
   cmd->add_option("--profile", o->profile, "instead of recording: measure the attention of this trace file (CPU)");
   cmd->add_option("--profile-synthetic", o->profile_synthetic,

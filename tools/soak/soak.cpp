@@ -69,7 +69,7 @@ std::vector<std::string> decode_methods() {
   return out;
 }
 
-std::vector<int32_t> soak_prompt(const EvalModel& m, int n) {
+std::vector<int32_t> soak_prompt(const LoadedModel& m, int n) {
   std::vector<int32_t> p = m.tokenizer->encode(
       "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
       "friends. One day, she saw a big red ball under a tree and ran to get it.",
@@ -120,7 +120,7 @@ int64_t decode_to_limit(Session& s, const std::vector<float>& prompt_logits, Fnv
 }
 
 int soak_run(const SoakOptions& o) {
-  const EvalModel m = eval_model_load(o.model, o.tokenizer);
+  const LoadedModel m = model_load(o.model, o.tokenizer);
   const int ctx = m.weights.config.context_length;
   const std::vector<int32_t> prompt = soak_prompt(m, ctx / 3);
   const std::vector<std::string> methods = decode_methods();

@@ -38,6 +38,11 @@ std::map<std::string, std::string> key_values_parse(const std::vector<std::strin
 // method, one that cannot prefill, an unknown key or a bad value.
 void prefill_spec_check(const std::string& method, const std::map<std::string, std::string>& params);
 
+// A fixed-budget method (MethodInfo::budget_param) whose budget covers every one of
+// `context` tokens attends them all: it runs dense attention under its name. The warning
+// for that ("" when the budget is smaller), for the commands to print before the work.
+std::string method_budget_warning(const MethodSpec& spec, int64_t context);
+
 // "k1=v1 k2=v2" (sorted by key; "" for none), for labels and tables.
 std::string params_text(const std::map<std::string, std::string>& params);
 

@@ -45,6 +45,7 @@
 #include "cumulus/eval/metrics.h"
 #include "cumulus/kv/kv_snapshot.h"
 #include "cumulus/methods/prefill.h"
+#include "cumulus/model/model_load.h"
 #include "cumulus/model/model_weights.h"
 #include "cumulus/model/runner.h"
 #include "cumulus/model/tokenizer.h"
@@ -52,26 +53,6 @@
 namespace cumulus {
 
 inline constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-struct EvalModel {
-  std::string path;
-  std::string storage = "compact";  // the weights' storage: compact or f32
-  ModelWeights weights;
-  std::unique_ptr<Tokenizer> tokenizer;
-};
-// GGUF (tokenizer from its metadata) or llama2.c .bin (tokenizer: `tokenizer`, else found
-// beside the model).
-// Throws the Error eval_model_load would for a bad model or tokenizer path, before loading
-// anything: not a file, not a GGUF or llama2.c model, --tokenizer given with a GGUF model, a
-// llama2.c model with no tokenizer. Returns the model's hyperparameters (its header only).
-ModelConfig eval_model_check(const std::string& model, const std::string& tokenizer = "");
-EvalModel eval_model_load(const std::string& model, const std::string& tokenizer = "",
-                          WeightStorage storage = WeightStorage::compact);
-// --kv-load of generate and eval: opens the KV snapshot at `path` (KvSnapshot::open checks
-// the file) and checks it against the model file (model_identity, shapes) and the cache
-// options, before the model is loaded; Session::kv_load checks the rest (the weights'
-// storage, the prefill method) when it loads it.
-KvSnapshot eval_snapshot_open(const std::string& path, const std::string& model, int page_size, DType kv_dtype);
 
 struct EvalOptions {
   std::string task = "kl";  // kl | ppl | mass | matched | niah
@@ -115,7 +96,7 @@ struct EvalOptions {
   // method, and the methods, parameters and sweeps the task will run (dense is the
   // reference's label; matched takes adaptive methods only).
   void validate() const;
-  // The checks that need the model's hyperparameters (its header, eval_model_check):
+  // The checks that need the model's hyperparameters (its header, model_load_check):
   // context and NIAH lengths within the model's context.
   void validate(const ModelConfig& model) const;
 };
@@ -220,7 +201,7 @@ int eval_capacity(const EvalOptions& options, const ModelConfig& model);
 using RunnerFactory = std::function<std::unique_ptr<ModelRunner>(const ModelWeights&, const SessionOptions&)>;
 // Runs options.task. `progress`: stderr or nullptr; the bar draws only on a terminal.
 // `make`: the runtime (empty: the CPU Session; device cuda needs one).
-EvalReport eval_run(const EvalModel& model, const EvalOptions& options, std::FILE* progress = nullptr,
+EvalReport eval_run(const LoadedModel& model, const EvalOptions& options, std::FILE* progress = nullptr,
                     const RunnerFactory& make = {});
 
 // The first `n` tokens of a text file (Gutenberg header/footer stripped), tokenised with the

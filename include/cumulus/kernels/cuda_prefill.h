@@ -1,7 +1,7 @@
 // CUDA prefill attention (src/kernels/cuda/prefill.cu, docs/cuda.md "Prefill"): the device
 // twins of kernels/prefill.h for one layer's whole prompt, and FlexPrefill's probe (FlexPrefill,
 // "Query-Aware Sparse Pattern Determination", Algorithm 3 step 1) on the device with the
-// block selection on the host (src/kernels/cpu/flexprefill_select.h, the CPU method's own
+// block selection on the host (include/cumulus/kernels/flexprefill_select.h, the CPU method's own
 // code).
 //
 // Tensors are contiguous and head-major (what a GPU projection writes per head), f16:

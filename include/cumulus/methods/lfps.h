@@ -1,6 +1,6 @@
 // LFPS's parameters and rules (LFPS (Learn from the Past), section 4.2, Algorithm 1; docs/methods.md "lfps"),
-// defined once for the CPU method (src/methods/lfps/lfps.cpp, whose registry parameters carry
-// the same names and defaults) and the GPU pipeline (methods/cuda_methods.h, make_lfps_gpu).
+// defined once for the CPU method (src/methods/lfps/lfps.cpp, whose registry parameters take
+// these names and their defaults from here) and the GPU pipeline (methods/cuda_methods.h, make_lfps_gpu).
 #pragma once
 
 #include <cmath>

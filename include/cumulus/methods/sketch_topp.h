@@ -1,6 +1,6 @@
 // sketch_topp's selection parameters (ours; docs/methods.md "sketch_topp"), defined once for
-// the CPU method (src/methods/sketch_topp/sketch_topp.cpp, whose registry parameters carry the same names
-// and defaults) and the GPU pipeline (methods/cuda_methods.h, SketchToppGpuOptions, which
+// the CPU method (src/methods/sketch_topp/sketch_topp.cpp, whose registry parameters take
+// their names and these defaults) and the GPU pipeline (methods/cuda_methods.h, SketchToppGpuOptions, which
 // adds the GPU's own fields), as TacticOptions (methods/tactic.h) is for tactic. The
 // registry's parameters are read into it once for both, src/methods/method_options.h.
 #pragma once

@@ -1,6 +1,6 @@
 // Tactic's selection parameters (Tactic, section 4, Algorithm 1; docs/methods.md "tactic"),
-// defined once for the CPU method (src/methods/tactic/tactic.cpp, whose registry parameters carry
-// the same names and defaults) and the GPU pipeline (methods/cuda_methods.h,
+// defined once for the CPU method (src/methods/tactic/tactic.cpp, whose registry parameters take
+// these names and their defaults from here) and the GPU pipeline (methods/cuda_methods.h,
 // TacticGpuOptions). The rules that use them (the exactly scored positions, the k-means
 // initial sample) are src/methods/tactic/tactic_rules.h, shared the same way.
 #pragma once

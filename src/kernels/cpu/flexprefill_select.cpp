@@ -3,7 +3,7 @@
 // functions of flexprefill_select.h, which the method (src/methods/flexprefill/flexprefill.cpp) and the
 // CUDA port's host half (src/kernels/cuda/prefill.cu) share. docs/methods.md "flexprefill"
 // states every step and each deviation from the paper and its reference code.
-#include "kernels/cpu/flexprefill_select.h"
+#include "cumulus/kernels/flexprefill_select.h"
 
 #include <algorithm>
 #include <cmath>

@@ -37,6 +37,7 @@
 #include <climits>
 #include <cmath>
 
+#include "core/check.h"
 #include "bench_options.h"
 #include "cuda_internal.cuh"
 #include "cumulus/kernels/cuda.h"

@@ -10,6 +10,7 @@
 // The update is deterministic: rows are grouped by cluster with a stable radix sort (so
 // each cluster's rows stay in row order), and one warp per cluster sums its rows in
 // float64 in that order.
+#include "core/check.h"
 #include "cuda_internal.cuh"
 #include "cumulus/kernels/cuda.h"
 

@@ -8,6 +8,7 @@
 // uploaded.
 #include <algorithm>
 
+#include "core/check.h"
 #include "cuda_util.cuh"
 #include "cumulus/kernels/cuda.h"
 

@@ -41,7 +41,7 @@
 #include "cuda_util.cuh"
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/cuda_prefill.h"
-#include "kernels/cpu/flexprefill_select.h"
+#include "cumulus/kernels/flexprefill_select.h"
 
 namespace cumulus::cuda {
 namespace {

@@ -6,6 +6,7 @@
 #include <numeric>
 #include <random>
 
+#include "core/check.h"
 #include "cuda_util.cuh"
 #include "cumulus/kernels/cuda.h"
 

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/check.h"
 #include "cuda_util.cuh"
 #include "cumulus/kernels/cuda.h"
 

@@ -14,6 +14,7 @@
 // that lands within rounding of the target can differ.
 // fmt (through cuda_util.cuh) comes before CUB: included after it, fmt's constexpr
 // detection misfires in the host pass.
+#include "core/check.h"
 #include "cuda_internal.cuh"
 #include "cumulus/kernels/cuda.h"
 

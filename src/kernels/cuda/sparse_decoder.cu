@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 
+#include "core/check.h"
 #include "bench_options.h"
 #include "cuda_internal.cuh"
 #include "cumulus/kernels/cuda_decoder.h"

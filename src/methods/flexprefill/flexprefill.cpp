@@ -4,15 +4,15 @@
 // ("Query-Aware Sparse Pattern Determination"), choose the blocks whose cumulative attention
 // reaches gamma ("Cumulative-Attention Based Index Selection": vertical-slash, Algorithm 3;
 // query-aware, Algorithm 4), then attend them with the
-// block-sparse prefill kernel. The selection is kernels/cpu/flexprefill_select.h's (shared
+// block-sparse prefill kernel. The selection is kernels/flexprefill_select.h's (shared
 // with the CUDA port); this file is the method around it. docs/methods.md "flexprefill" lists
 // each step, the defaults and every deviation from the paper and its reference code.
 #include <algorithm>
 #include <chrono>
 
 #include "cumulus/methods/registry.h"
-#include "kernels/cpu/flexprefill_select.h"
-#include "methods/method_options.h"
+#include "cumulus/kernels/flexprefill_select.h"
+#include "cumulus/methods/flexprefill.h"
 #include "methods/method_util.h"
 
 namespace cumulus {
@@ -41,7 +41,7 @@ class FlexPrefill final : public PrefillMethod {
                                         ctx.workspace);
     const auto t2 = clock::now();
 
-    methods::add_flexprefill_stats(stats_, g, sel.layout, sel.heads);
+    flexprefill_stats_add(stats_, g, sel.layout, sel.heads);
     stats_.select_seconds += std::chrono::duration<double>(t1 - t0).count();
     stats_.attention_seconds += std::chrono::duration<double>(t2 - t1).count();
   }
@@ -53,6 +53,33 @@ class FlexPrefill final : public PrefillMethod {
 };
 
 }  // namespace
+
+FlexPrefillOptions flexprefill_options(const Params& p) {
+  FlexPrefillOptions o;
+  o.config.gamma = p.get_double("gamma");
+  o.config.tau = p.get_double("tau");
+  o.config.block_size = p.get_int("block_size");
+  o.config.min_budget = p.get_int("min_budget");
+  o.config.max_budget = p.get_int("max_budget");
+  flexprefill::validate(o.config);
+  o.chunk = p.get_int("chunk");
+  return o;
+}
+
+void flexprefill_stats_add(PrefillStats& s, const flexprefill::Geometry& g, const BlockSparseLayout& layout,
+                           const std::vector<flexprefill::HeadSelection>& heads) {
+  int64_t causal = 0;
+  for (int r = g.first_q_block(); r < g.first_q_block() + g.n_q_blocks(); ++r) causal += r + 1;
+  s.blocks_causal += causal * static_cast<int64_t>(heads.size());
+  s.blocks_computed += static_cast<int64_t>(layout.blocks.size());
+  for (const auto& h : heads) {
+    switch (h.pattern) {
+      case flexprefill::Pattern::dense: ++s.heads_dense; break;
+      case flexprefill::Pattern::query_aware: ++s.heads_query_aware; break;
+      case flexprefill::Pattern::vertical_slash: ++s.heads_vertical_slash; break;
+    }
+  }
+}
 
 void register_flexprefill(Registry& r) {
   r.add({.name = "flexprefill",
@@ -67,7 +94,7 @@ void register_flexprefill(Registry& r) {
                      1 << 30},
                     {"chunk", ParamType::kInt, "0", "tokens per prefill forward (0 = the whole prompt)", 0, 1 << 30}},
          .make_prefill = [](const Shape& s, const Params& p) -> std::unique_ptr<PrefillMethod> {
-           const methods::FlexPrefillOptions o = methods::read_flexprefill_options(p);
+           const FlexPrefillOptions o = flexprefill_options(p);
            return std::make_unique<FlexPrefill>(s, o.config, o.chunk);
          }});
 }

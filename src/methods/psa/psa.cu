@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/check.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "kernels/cuda/cuda_internal.cuh"
 

@@ -37,6 +37,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/check.h"
 #include "cumulus/kernels/sketch.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "kernels/cuda/cuda_internal.cuh"

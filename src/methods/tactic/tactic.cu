@@ -27,6 +27,7 @@
 #include <climits>
 #include <cmath>
 
+#include "core/check.h"
 #include "methods/cuda/bench_options.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "kernels/cuda/cuda_internal.cuh"

@@ -29,6 +29,7 @@
 #include <limits>
 #include <optional>
 
+#include "core/check.h"
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/cuda.h"
@@ -40,7 +41,7 @@
 #include "decode_methods.h"
 #include "forward_kernels.cuh"
 #include "kernels/cuda/cuda_util.cuh"
-#include "methods/method_options.h"
+#include "cumulus/methods/flexprefill.h"
 #include "prefill_methods.h"
 
 namespace cumulus {
@@ -505,7 +506,7 @@ void CudaRunner::attention_flexprefill(const cuda::DevicePrefillArgs& a) {
   cuda::attention_prefill_block_sparse(a, device_layout, st_);
   stream_.synchronize();  // the kernel's time, and device_layout outlives it
   const auto t2 = clock::now();
-  methods::add_flexprefill_stats(prefill_stats_, g, layout, heads);
+  flexprefill_stats_add(prefill_stats_, g, layout, heads);
   prefill_stats_.select_seconds += std::chrono::duration<double>(t1 - t0).count();
   prefill_stats_.attention_seconds += std::chrono::duration<double>(t2 - t1).count();
 }

@@ -1,6 +1,7 @@
 // The small kernels of the GPU forward pass (forward_kernels.cuh has the contracts).
 #include <cfloat>
 
+#include "core/check.h"
 #include "forward_kernels.cuh"
 #include "kernels/cuda/cuda_util.cuh"
 

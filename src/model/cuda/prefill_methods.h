@@ -1,7 +1,7 @@
 // The prefill methods of the CUDA runtime: dense (attention_prefill_dense)
 // and flexprefill (FlexPrefillProbe on the device, the CPU method's block selection on the
 // host, attention_prefill_block_sparse), read from the registry's name and parameters as the
-// CPU Session reads them (methods/method_options.h), so `--prefill flexprefill
+// CPU Session reads them (methods/flexprefill.h), so `--prefill flexprefill
 // --prefill-param gamma=0.95` means the same on either device. Checked before any work: an
 // unknown method or parameter, a bad value (the CPU method's own checks run), a method not on
 // the GPU, or a value the GPU cannot honour is an Error naming it.
@@ -13,7 +13,7 @@
 
 #include "cumulus/core/shape.h"
 #include "cumulus/methods/registry.h"
-#include "kernels/cpu/flexprefill_select.h"
+#include "cumulus/kernels/flexprefill_select.h"
 
 namespace cumulus::cuda::model {
 
