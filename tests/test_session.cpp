@@ -17,6 +17,7 @@
 #include "cumulus/model/session.h"
 #include "cumulus/model/tokenizer.h"
 #include "fixtures.h"
+#include "kernel_check.h"
 
 using namespace cumulus;
 
@@ -322,6 +323,63 @@ TEST_F(Stories260K, BuildIndexesRunsOnPrefillOnceAndMatchesTheLazyBuild) {
 // restart_decode lets several methods continue one prefill (the eval harness): each
 // restarted run decodes exactly what a fresh session with that method decodes, whatever
 // ran before it (including lfps, which needs the prompt's last queries kept).
+// prefill_from copies another session's prompt: every method then decodes bit for bit as
+// after its own prefill (the methods `cumulus generate` runs side by side share one prefill).
+TEST_F(Stories260K, PrefillFromEqualsItsOwnPrefill) {
+  const std::vector<int32_t> prompt = tok_->encode(
+      "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun. One day, she "
+      "saw a big red ball in the park.",
+      true);
+  const std::vector<std::pair<std::string, std::map<std::string, std::string>>> methods = {
+      {"dense", {}}, {"tactic", {{"p", "0.7"}, {"cluster_size", "4"}}}, {"lfps", {{"s", "8"}}}, {"quest", {}}};
+  auto greedy_steps = [](Session& s, std::vector<float> logits) {
+    Sampler greedy({});
+    std::vector<float> all;
+    for (int i = 0; i < 16; ++i) {
+      logits = s.decode(greedy.sample(logits));
+      all.insert(all.end(), logits.begin(), logits.end());
+    }
+    return all;
+  };
+  SessionOptions source_opt;
+  source_opt.keep_prompt_queries = 8;
+  Session source(*weights_, source_opt);
+  const std::vector<float> prompt_logits = source.prefill(prompt);
+  source.build_indexes();
+  for (const auto& [m, params] : methods) {
+    SessionOptions o;
+    o.method = m;
+    o.params = params;
+    Session own(*weights_, o), copied(*weights_, o);
+    const std::vector<float> want_logits = own.prefill(prompt);
+    const std::vector<float> got_logits = copied.prefill_from(source);
+    EXPECT_EQ(got_logits, want_logits) << m;
+    EXPECT_EQ(got_logits, prompt_logits) << m;
+    EXPECT_EQ(copied.position(), static_cast<int>(prompt.size())) << m;
+    EXPECT_EQ(copied.prompt_tokens(), prompt) << m;
+    EXPECT_EQ(greedy_steps(copied, got_logits), greedy_steps(own, want_logits)) << m;
+  }
+  // Refused before anything changes: a used session, a source without a prompt or with too
+  // few kept queries, another prefill method.
+  Session used(*weights_, {});
+  used.prefill(prompt);
+  EXPECT_THROW(used.prefill_from(source), Error);
+  Session empty(*weights_, {}), target(*weights_, {});
+  EXPECT_THROW(target.prefill_from(empty), Error);
+  Session few(*weights_, {});
+  few.prefill(prompt);
+  SessionOptions lfps;
+  lfps.method = "lfps";
+  lfps.params = {{"s", "8"}};
+  Session needs_queries(*weights_, lfps);
+  check::expect_error([&] { needs_queries.prefill_from(few); }, "needs the prompt's last 8 queries");
+  EXPECT_EQ(needs_queries.position(), 0);
+  SessionOptions flex;
+  flex.prefill_method = "flexprefill";
+  Session other_prefill(*weights_, flex);
+  check::expect_error([&] { other_prefill.prefill_from(source); }, "prefilled by dense");
+}
+
 TEST_F(Stories260K, RestartDecodeEqualsAFreshSession) {
   const std::vector<int32_t> prompt = tok_->encode(
       "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun. One day, she "

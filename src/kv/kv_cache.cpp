@@ -217,6 +217,55 @@ void KvCache::append_rows(int layer, const void* k, const void* v, int n, bool r
   n_tokens_[layer] = t0 + n;
 }
 
+void KvCache::copy_prefix_from(const KvCache& src, int n) {
+  const Shape& s = src.shape();
+  CUMULUS_CHECK(s.n_layers == shape_.n_layers && s.n_kv_heads == shape_.n_kv_heads && s.head_dim == shape_.head_dim &&
+                    src.page_size() == page_size() && src.dtype() == dtype() && src.window_ == window_,
+                "KvCache::copy_prefix_from: the source cache (n_layers={}, n_kv_heads={}, head_dim={}, page_size={}, "
+                "dtype={}) is not shaped as this one (n_layers={}, n_kv_heads={}, head_dim={}, page_size={}, dtype={}), "
+                "or their windows differ",
+                s.n_layers, s.n_kv_heads, s.head_dim, src.page_size(), dtype_name(src.dtype()), shape_.n_layers,
+                shape_.n_kv_heads, shape_.head_dim, page_size(), dtype_name(dtype()));
+  CUMULUS_CHECK(n >= 0 && n <= options_.max_tokens, "KvCache::copy_prefix_from: n={} must be in [0, {}]", n,
+                options_.max_tokens);
+  std::vector<int> first(static_cast<size_t>(s.n_layers), 0);
+  for (int l = 0; l < s.n_layers; ++l) {
+    CUMULUS_CHECK(n_tokens(l) == 0, "KvCache::copy_prefix_from into a cache whose layer {} holds {} tokens", l,
+                  n_tokens(l));
+    CUMULUS_CHECK(src.n_tokens(l) >= n, "KvCache::copy_prefix_from: n={} but the source's layer {} holds {} tokens", n,
+                  l, src.n_tokens(l));
+    const int w = window_[static_cast<size_t>(l)];
+    if (w > 0) first[static_cast<size_t>(l)] = std::max(0, n - w + 1);
+    for (int h = 0; h < s.n_kv_heads; ++h) {
+      const PagedHeadView v = src.view(l, h);
+      for (int t = first[static_cast<size_t>(l)]; t < n; t += page_size())
+        CUMULUS_CHECK(v.k_pages[t >> v.page_shift] != nullptr,
+                      "KvCache::copy_prefix_from: the source's layer {} no longer holds token {}", l, t);
+    }
+  }
+  // Rows go over in pieces of [chunk][n_kv_heads][head_dim], the layout append_stored takes.
+  const size_t es = dtype_size(dtype()), hd = static_cast<size_t>(shape_.head_dim);
+  const size_t row = static_cast<size_t>(shape_.n_kv_heads) * hd * es;
+  constexpr int kChunk = 256;
+  std::vector<std::byte> k(kChunk * row), v(kChunk * row);
+  for (int l = 0; l < s.n_layers; ++l) {
+    const int from = first[static_cast<size_t>(l)];
+    if (from > 0) append_dropped(l, from);
+    for (int t0 = from; t0 < n; t0 += kChunk) {
+      const int c = std::min(kChunk, n - t0);
+      for (int h = 0; h < s.n_kv_heads; ++h) {
+        const PagedHeadView view = src.view(l, h);
+        for (int i = 0; i < c; ++i) {
+          const size_t at = static_cast<size_t>(i) * row + static_cast<size_t>(h) * hd * es;
+          std::memcpy(k.data() + at, view.key(t0 + i), hd * es);
+          std::memcpy(v.data() + at, view.value(t0 + i), hd * es);
+        }
+      }
+      append_stored(l, k.data(), v.data(), c);
+    }
+  }
+}
+
 void KvCache::append_dropped(int layer, int n) {
   CUMULUS_CHECK(layer >= 0 && layer < shape_.n_layers, "layer={} out of range [0, {})", layer, shape_.n_layers);
   CUMULUS_CHECK(window_[layer] > 0, "append_dropped(layer={}): the layer keeps every token (no window)", layer);

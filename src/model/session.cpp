@@ -208,6 +208,37 @@ const std::vector<float>& Session::kv_load(const KvSnapshot& snap, uint64_t mode
   return logits_;
 }
 
+const std::vector<float>& Session::prefill_from(const Session& other) {
+  CUMULUS_CHECK(pos_ == 0, "prefill_from into a session at position {}: use a fresh session", pos_);
+  CUMULUS_CHECK(other.prompt_end_ > 0, "prefill_from a session with no prompt: prefill it first");
+  CUMULUS_CHECK(&other.w_ == &w_, "prefill_from a session over other weights");
+  CUMULUS_CHECK(other.opt_.prefill_method == opt_.prefill_method && other.opt_.prefill_params == opt_.prefill_params,
+                "prefill_from a session whose prompt was prefilled by {} (this session prefills with {})",
+                other.opt_.prefill_method, opt_.prefill_method);
+  const int n = other.prompt_end_;
+  CUMULUS_CHECK(n <= capacity_, "prefill_from: the prompt of {} tokens exceeds this session's context of {} tokens",
+                n, capacity_);
+  const int rows = std::min(std::max(method_->prompt_queries(), opt_.keep_prompt_queries), n);
+  CUMULUS_CHECK(other.prompt_q_rows_ >= rows,
+                "prefill_from: method {} needs the prompt's last {} queries but the other session kept {} (set its "
+                "SessionOptions::keep_prompt_queries)",
+                method_->name(), rows, other.prompt_q_rows_);
+  kv_.copy_prefix_from(other.kv_, n);  // checks shape, page size, dtype and windows first
+  kv_.pin_window(n);
+  pos_ = prompt_end_ = n;
+  prompt_q_rows_ = rows;
+  const size_t row = static_cast<size_t>(w_.config.n_heads) * w_.config.head_dim;
+  prompt_q_.assign(w_.config.n_layers, {});
+  for (int l = 0; l < w_.config.n_layers; ++l) {
+    const std::vector<float>& q = other.prompt_q_[static_cast<size_t>(l)];  // its last prompt_q_rows_ rows
+    prompt_q_[static_cast<size_t>(l)].assign(q.end() - static_cast<ptrdiff_t>(rows * row), q.end());
+  }
+  prompt_tokens_ = other.prompt_tokens_;
+  prompt_logits_ = other.prompt_logits_;
+  logits_ = prompt_logits_;
+  return logits_;
+}
+
 void Session::reserve_rows(int rows) {
   if (rows <= rows_) return;
   const ModelConfig& c = w_.config;

@@ -82,6 +82,7 @@ struct RunResult {
   int prompt_len = 0, generated = 0;
   double prefill_s = 0, index_s = 0, decode_s = 0;  // index_s: the decode method's index build
   bool loaded = false;  // prefill_s is the time of --kv-load (no prefill ran)
+  bool shared = false;  // prefill_s is the time of copying the first run's prompt (Session::prefill_from)
   AttentionSummary summary;
   PrefillStats prefill_stats;
 };
@@ -111,16 +112,20 @@ struct LiveRun {
   bool done = false;
 };
 
-// Prefill (or --kv-load) and the method's index build over the prompt (tactic's k-means):
-// timed here, where they happen, not inside the first decode step.
+// Prefill (or --kv-load, or a copy of `from`'s prompt: the CPU prefills once for every
+// method) and the method's index build over the prompt (tactic's k-means): timed here,
+// where they happen, not inside the first decode step. keep_queries: the prompt queries
+// this run keeps for the runs that copy it.
 LiveRun start_run(const ModelWeights& w, const std::vector<int32_t>& prompt, const MethodSpec& spec,
-                  const GenerateOptions& o, KvSnapshotUse& kvs) {
+                  const GenerateOptions& o, KvSnapshotUse& kvs, Session* from = nullptr, int keep_queries = 0) {
   SessionOptions so = session_options(o, spec.method, spec.params);
   so.eval = o.eval;
-  if (kvs.save_pending) so.keep_prompt_queries = kKvSnapshotPromptQueries;  // for later runs' methods
+  so.keep_prompt_queries = keep_queries;
+  if (kvs.save_pending) so.keep_prompt_queries = std::max(keep_queries, kKvSnapshotPromptQueries);
   LiveRun L{runner_make(o.device, w, so), nullptr, Sampler({.temperature = o.temperature, .top_p = o.top_p,
                                                            .seed = o.seed}),
-            RunResult{spec.label, static_cast<int>(prompt.size()), 0, 0, 0, 0, kvs.load != nullptr, {}, {}},
+            RunResult{spec.label, static_cast<int>(prompt.size()), 0, 0, 0, 0, kvs.load != nullptr, from != nullptr,
+                      {}, {}},
             {}, false};
   ModelRunner& s = *L.runner;
   CUMULUS_CHECK(static_cast<int64_t>(prompt.size()) + o.max_tokens <= s.capacity(),
@@ -129,7 +134,9 @@ LiveRun start_run(const ModelWeights& w, const std::vector<int32_t>& prompt, con
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
   // --kv-load / --kv-save run on the CPU only (generate_validate).
-  L.logits = kvs.load ? &s.session()->kv_load(*kvs.load, kvs.model_id) : &s.prefill(prompt);
+  L.logits = kvs.load ? &s.session()->kv_load(*kvs.load, kvs.model_id)
+             : from   ? &s.session()->prefill_from(*from)
+                      : &s.prefill(prompt);
   L.r.prefill_s = std::chrono::duration<double>(clock::now() - t0).count();
   if (kvs.load)
     fmt::print(stderr, "kv-load: {} tokens from {} ({:.1f} MB) in {:.3f} s\n", prompt.size(), o.kv_load,
@@ -560,16 +567,24 @@ void run_generate(const GenerateOptions& o) {
   // model's context, and generate_validate checks each against the free memory alone: one
   // method at a time there.
   const size_t together = o.device == "cpu" ? specs.size() : 1;
+  // On the CPU the first run prefills and the others copy its prompt (Session::prefill_from,
+  // bit for bit the same cache), keeping the prompt queries the methods after it need.
+  int keep_queries = 0;
+  if (together > 1)
+    for (const MethodSpec& spec : specs)
+      keep_queries = std::max(keep_queries, Registry::builtin().make(spec.method, w.config.shape(), spec.params)
+                                                ->prompt_queries());
   std::vector<RunResult> results;
   for (size_t first = 0; first < specs.size(); first += together) {
     std::vector<LiveRun> runs;
     for (size_t i = first; i < std::min(specs.size(), first + together); ++i)
-      runs.push_back(start_run(w, prompt, specs[i], o, kvs));
+      runs.push_back(start_run(w, prompt, specs[i], o, kvs, runs.empty() ? nullptr : runs.front().runner->session(),
+                               keep_queries));
     decode_in_turn(runs, *tok, o.max_tokens);
     for (LiveRun& L : runs) {
       if (!o.quiet) fmt::print("\n--- {} ---\n{}\n", L.r.method, L.text);
       L.r.summary = L.runner->summary();
-      L.r.prefill_stats = L.runner->prefill_stats();
+      L.r.prefill_stats = (L.r.shared ? runs.front().runner : L.runner)->prefill_stats();
       results.push_back(std::move(L.r));
     }
   }
@@ -586,7 +601,10 @@ void run_generate(const GenerateOptions& o) {
     const double tps = decode_tps(r);
     fmt::print("{:<14} {:>7} {:>8.2f}s {:>10} {:>7.2f}s {:>7} {:>10.1f} {:>9} {:>9.1f}% {:>9.0f} {:>9}\n", r.method,
                r.prompt_len, r.prefill_s,
-               r.loaded ? std::string("kv-load") : fmt::format("{:.1f}", r.prompt_len / r.prefill_s), r.index_s,
+               r.loaded   ? std::string("kv-load")
+               : r.shared ? std::string("shared")
+                          : fmt::format("{:.1f}", r.prompt_len / r.prefill_s),
+               r.index_s,
                r.generated, tps,
                dense_tps > 0 && tps > 0 ? fmt::format("{:.2f}x", tps / dense_tps) : "-", 100 * s.mean_kv_fraction(),
                s.mean_tokens(), s.claimed_count ? fmt::format("{:.3f}", s.mean_claimed()) : "-");
@@ -595,6 +613,8 @@ void run_generate(const GenerateOptions& o) {
   }
   if (kvs.load)
     fmt::print("prefill: the time --kv-load took to read the prompt's cache (no prefill ran; tok/s: kv-load)\n");
+  else if (results.size() > 1 && results[1].shared)
+    fmt::print("prefill: the first method prefills; the others copy its prompt's cache (tok/s: shared)\n");
   fmt::print("index: the decode method's index build over the prompt, after the prefill (tactic's k-means; 0 for "
              "dense); vs dense: decode tok/s over the dense run's in this process; kv read: mean share of the dense "
              "K/V bytes read per decode step; tokens: mean tokens attended per head-step; claimed: mean mass the "

@@ -61,6 +61,12 @@ class KvCache {
   // leaves them. Non-finite values throw, before anything is written.
   void append_stored(int layer, const void* k, const void* v, int n);
 
+  // Fills this empty cache with the first n tokens of `src` (the same shape, page size, dtype
+  // and windows), bit for bit: pages and key statistics as if the same tokens had been
+  // appended. A window layer takes only the tokens its next query reads (the last w - 1),
+  // which `src` must still hold. Throws, before anything changes, on a mismatch.
+  void copy_prefix_from(const KvCache& src, int n);
+
   // A sliding-window layer: appends n tokens that its queries will never read (the start of
   // a KV snapshot that kept only the window): counted, not stored. The caller appends the
   // tokens the next query reads before any query runs. Throws for a layer that keeps every

@@ -143,6 +143,14 @@ class Session {
   // gives bit for bit the logits it gives after the prefill. Returns the prompt's logits.
   void kv_save(const std::string& path, uint64_t model_id) const;
   const std::vector<float>& kv_load(const KvSnapshot& snap, uint64_t model_id);
+  // The same in memory: takes the place of prefill in a fresh session by copying `other`'s
+  // prompt (its cache up to the prompt's end, tokens, last logits and last queries), so
+  // several methods continue one prefill side by side. `other` must run the same weights,
+  // cache options and prefill method, and have kept the prompt queries this session's
+  // method needs (SessionOptions::keep_prompt_queries); checked before anything changes.
+  // Decoding then gives bit for bit the logits it gives after the prefill. Returns the
+  // prompt's logits.
+  const std::vector<float>& prefill_from(const Session& other);
   // The prompt's tokens, prefilled or loaded.
   const std::vector<int32_t>& prompt_tokens() const { return prompt_tokens_; }
 
