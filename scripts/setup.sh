@@ -7,7 +7,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config
   libhwy-dev nlohmann-json3-dev libcli11-dev libfmt-dev
-  libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
+  libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libxxhash-dev
   clang libclang-rt-dev ccache
 )
 

@@ -53,7 +53,9 @@ void write_bytes(const fs::path& p, const std::vector<uint8_t>& b) {
 
 // Rewrites the trailing checksum so the file passes it (to reach the checks behind it).
 void fix_checksum(std::vector<uint8_t>& b) {
-  const uint64_t h = fnv1a64(b.data(), b.size() - 8);
+  uint32_t version = 0;
+  std::memcpy(&version, b.data() + 8, 4);
+  const uint64_t h = kv_snapshot_checksum(b.data(), b.size() - 8, version);
   std::memcpy(b.data() + b.size() - 8, &h, 8);
 }
 
@@ -468,10 +470,13 @@ TEST_F(KvSnapshotTest, BadFilesNameTheFieldAndValues) {
     b[0] = 'X';
     check(b, {"magic is 0x58", "not a cumulus KV snapshot"});
     b = bytes;
-    poke<uint32_t>(b, 8, 3);
-    check(b, {"version=3 is not supported", "versions 1 and 2"});
+    poke<uint32_t>(b, 8, 4);
+    check(b, {"version=4 is not supported", "versions 1 to 3"});
     fix_checksum(b);
-    check(b, {"version=3 is not supported"});
+    check(b, {"version=4 is not supported"});
+    b = bytes;
+    poke<uint32_t>(b, 8, 0);
+    check(b, {"version=0 is not supported"});
   }
   // Fields out of range, and sizes claimed far beyond the file: refused before allocating.
   {
@@ -502,7 +507,7 @@ TEST_F(KvSnapshotTest, BadFilesNameTheFieldAndValues) {
   // Values no writer makes, behind a valid checksum.
   uint32_t setup_bytes = 0;
   std::memcpy(&setup_bytes, bytes.data() + 56, 4);
-  const size_t first_at = (128 + setup_bytes + 63) / 64 * 64;  // version 2: u32 per layer
+  const size_t first_at = (128 + setup_bytes + 63) / 64 * 64;  // versions 2, 3: u32 per layer
   const size_t tokens_at = (first_at + 4 * 5 + 63) / 64 * 64;   // stories260K: 5 layers
   {
     std::vector<uint8_t> b = bytes;
@@ -536,8 +541,31 @@ TEST_F(KvSnapshotTest, BadFilesNameTheFieldAndValues) {
   expect_error([&] { KvSnapshot::open(dir_.string()); }, {dir_.string(), "directory"});
   expect_error([&] { KvSnapshot::open(path("missing.kvsnap")); }, {"missing.kvsnap"});
 
-  // A version 1 file (the same without the first tokens: every layer from token 0) loads
-  // and gives what the version 2 file gives.
+  // The file is version 3, whose checksum is XXH3-64: the FNV-1a of versions 1 and 2 over
+  // the same bytes is refused, and a version 2 file (the same bytes, FNV-1a) loads and gives
+  // what the version 3 file gives.
+  {
+    uint32_t version = 0;
+    std::memcpy(&version, bytes.data() + 8, 4);
+    EXPECT_EQ(version, 3u);
+    std::vector<uint8_t> b = bytes;
+    const uint64_t fnv = fnv1a64(b.data(), b.size() - 8);
+    std::memcpy(b.data() + b.size() - 8, &fnv, 8);
+    check(b, {"checksum mismatch"});
+    poke<uint32_t>(b, 8, 2);
+    const uint64_t fnv2 = fnv1a64(b.data(), b.size() - 8);  // the header changed: FNV again
+    std::memcpy(b.data() + b.size() - 8, &fnv2, 8);
+    write_bytes(path("v2.kvsnap"), b);
+    Session s1(w, {}), s2(w, {});
+    const std::vector<float> l1 = s1.kv_load(KvSnapshot::open(path("v2.kvsnap")), id);
+    const std::vector<float> l2 = s2.kv_load(KvSnapshot::open(good), id);
+    EXPECT_TRUE(same_bits(l1, l2));
+    expect_same_cache(s1.kv(), s2.kv());
+    const auto a1 = decode_greedy(s1, l1, 6), a2 = decode_greedy(s2, l2, 6);
+    for (size_t i = 0; i < a1.size(); ++i) EXPECT_TRUE(same_bits(a1[i], a2[i])) << "version 2, step " << i;
+  }
+  // A version 1 file (the same without the first tokens: every layer from token 0, FNV-1a)
+  // loads and gives what the version 3 file gives.
   {
     std::vector<uint8_t> v1(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(first_at));
     v1.insert(v1.end(), bytes.begin() + static_cast<std::ptrdiff_t>(tokens_at), bytes.end());

@@ -16,6 +16,10 @@
 #include "cumulus/kv/kv_snapshot.h"
 
 #include <fcntl.h>
+// xxHash (Debian's libxxhash-dev) compiled into this file: nothing to link, for the package's
+// consumers either.
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -24,6 +28,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <memory>
 
 #include "core/check.h"
 #include "cumulus/core/file.h"
@@ -154,6 +159,10 @@ uint64_t fnv1a64(const void* data, size_t n, uint64_t h) {
   return h;
 }
 
+uint64_t kv_snapshot_checksum(const void* data, size_t n, uint32_t version) {
+  return version >= 3 ? XXH3_64bits(data, n) : fnv1a64(data, n);
+}
+
 // ---------------------------------------------------------------------------------------
 // Writing
 
@@ -212,10 +221,12 @@ void kv_snapshot_write(const std::string& path, const KvSnapshotInfo& info, std:
     // Bytes go through `buf` (flushed at 4 MiB) so the checksum and the writes see large pieces.
     std::string buf;
     buf.reserve(size_t{4} << 20);
-    uint64_t h = kFnv1a64Basis;
+    const std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> xxh(XXH3_createState(), &XXH3_freeState);
+    CUMULUS_CHECK(xxh != nullptr && XXH3_64bits_reset(xxh.get()) == XXH_OK,
+                  "KV snapshot '{}': cannot start the checksum (out of memory)", path);
     size_t written = 0;
     auto flush = [&] {
-      h = fnv1a64(buf.data(), buf.size(), h);
+      XXH3_64bits_update(xxh.get(), buf.data(), buf.size());
       append(buf);
       written += buf.size();
       buf.clear();
@@ -268,7 +279,7 @@ void kv_snapshot_write(const std::string& path, const KvSnapshotInfo& info, std:
     CUMULUS_CHECK(written + kChecksumBytes == lay.total, "KV snapshot '{}': wrote {} bytes, the layout has {}", path,
                   written + kChecksumBytes, lay.total);
     uint8_t sum[kChecksumBytes];
-    store<uint64_t>(sum, h);
+    store<uint64_t>(sum, XXH3_64bits_digest(xxh.get()));
     append(std::string_view(reinterpret_cast<const char*>(sum), kChecksumBytes));
   });
 }
@@ -325,8 +336,8 @@ KvSnapshot KvSnapshot::open(const std::string& path) {
     CUMULUS_FAIL("KV snapshot '{}': magic is 0x{}, not \"CUMKVSNP\": not a cumulus KV snapshot", path, got);
   }
   const uint32_t version = load<uint32_t>(b + 8);
-  CUMULUS_CHECK(version == 1 || version == kKvSnapshotVersion,
-                "KV snapshot '{}': version={} is not supported (this build reads versions 1 and {})", path, version,
+  CUMULUS_CHECK(version >= 1 && version <= kKvSnapshotVersion,
+                "KV snapshot '{}': version={} is not supported (this build reads versions 1 to {})", path, version,
                 kKvSnapshotVersion);
   const uint32_t dt = load<uint32_t>(b + 12);
   CUMULUS_CHECK(dt <= 2, "KV snapshot '{}': dtype={} must be 0 (f32), 1 (f16) or 2 (bf16)", path, dt);
@@ -380,7 +391,7 @@ KvSnapshot KvSnapshot::open(const std::string& path) {
                 path, size, i.n_layers, i.n_heads, i.n_kv_heads, i.head_dim, i.vocab_size, dtype_name(i.dtype),
                 i.n_tokens, i.prompt_q_rows, setup_bytes, lay.total, size < lay.total ? "truncated" : "extra bytes");
   const uint64_t stored = load<uint64_t>(b + size - kChecksumBytes);
-  const uint64_t computed = fnv1a64(b, size - kChecksumBytes);
+  const uint64_t computed = kv_snapshot_checksum(b, size - kChecksumBytes, version);
   CUMULUS_CHECK(stored == computed,
                 "KV snapshot '{}': checksum mismatch: the file says 0x{:016x}, its bytes hash to 0x{:016x} (corrupted)",
                 path, stored, computed);

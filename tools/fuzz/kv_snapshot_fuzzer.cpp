@@ -26,7 +26,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1 || size > (size_t{1} << 20)) return 0;
   std::vector<uint8_t> file(data + 1, data + size);
   if ((data[0] & 1) != 0 && file.size() >= 8) {
-    const uint64_t h = fnv1a64(file.data(), file.size() - 8);
+    uint32_t version = 0;
+    if (file.size() >= 12) std::memcpy(&version, file.data() + 8, 4);
+    const uint64_t h = kv_snapshot_checksum(file.data(), file.size() - 8, version);
     std::memcpy(file.data() + file.size() - 8, &h, 8);
   }
   try {

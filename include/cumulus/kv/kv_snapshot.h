@@ -6,14 +6,15 @@
 // File (little-endian; every section starts at a multiple of 64 bytes, zero padded):
 //   header [128]   magic "CUMKVSNP", version, model id, shapes, dtype, counts
 //   setup          [setup_bytes] text: how the cache was made besides the model
-//   first          uint32 [n_layers] (version 2) the first token of each layer's K/V below:
+//   first          uint32 [n_layers] (versions 2, 3) the first token of each layer's K/V below:
 //                  0, or for a sliding-window layer the first its next query reads
 //   tokens         int32 [n_tokens]
 //   logits         float32 [vocab_size]
 //   prompt_q       float32 [n_layers][prompt_q_rows][n_heads][head_dim]
 //   kv             per layer: K [n_tokens - first][n_kv_heads][head_dim], V the same, in dtype
-//   checksum       uint64 FNV-1a 64 of every byte before it
-// Version 1 files (no `first`: every layer from token 0) are read as well.
+//   checksum       uint64 XXH3-64 of every byte before it (versions 1 and 2: FNV-1a 64)
+// Version 2 files (the same with FNV-1a) and version 1 files (no `first`: every layer from
+// token 0) are read as well.
 //
 // Reading maps the file and checks all of it (magic, version, each field's range, the
 // file's size against what the fields imply, the checksum, finite values, token ids)
@@ -32,7 +33,7 @@
 
 namespace cumulus {
 
-inline constexpr uint32_t kKvSnapshotVersion = 2;  // written; versions 1 and 2 are read
+inline constexpr uint32_t kKvSnapshotVersion = 3;  // written; versions 1, 2 and 3 are read
 // Prompt queries a saving run keeps at least, so that a method that learns from them
 // (lfps, s = 32 by default) can start from the snapshot.
 inline constexpr int kKvSnapshotPromptQueries = 64;
@@ -52,9 +53,15 @@ struct KvSnapshotInfo {
   std::vector<int> first_token{};
 };
 
-// FNV-1a 64, continued from `h` (start with kFnv1a64Basis): the snapshot's checksum.
+// FNV-1a 64, continued from `h` (start with kFnv1a64Basis): versions 1 and 2's checksum,
+// and model_identity's hash (model/model_identity.h).
 inline constexpr uint64_t kFnv1a64Basis = 14695981039346656037ull;
 uint64_t fnv1a64(const void* data, size_t n, uint64_t h = kFnv1a64Basis);
+
+// A snapshot's checksum of its first n bytes (every byte before the checksum) as `version`
+// computes it: XXH3-64 (seed 0) from version 3, FNV-1a 64 before. XXH3 hashes at memory
+// speed, so a 16 GiB snapshot does not wait on its checksum; FNV-1a goes a byte at a time.
+uint64_t kv_snapshot_checksum(const void* data, size_t n, uint32_t version);
 
 // Writes a snapshot of `kv` to `path` atomically (core/file.h): the first info.n_tokens
 // tokens of every layer (of a sliding-window layer, those of them the query at n_tokens
