@@ -10,6 +10,7 @@
 // machine's read bandwidth measured in the same run. Table on stdout, JSON with --json.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -29,6 +30,7 @@
 #include "cumulus/eval/membw.h"
 #include "cumulus/kernels/simd.h"
 #include "cumulus/eval/method_spec.h"
+#include "cumulus/eval/progress.h"
 #include "cumulus/eval/tasks.h"
 #include "cumulus/methods/registry.h"
 #include "cumulus/model/gguf.h"
@@ -112,6 +114,28 @@ struct LiveRun {
   bool done = false;
 };
 
+// The prompt's prefill, with a progress line on stderr when it is a terminal: a dense
+// prefill on the CPU goes in pieces of whole prefill chunks, so the session computes the same
+// chunks as in one call (a sparse prefill method chooses its chunks from the whole prompt:
+// one call, no progress).
+const std::vector<float>& prefill_with_progress(ModelRunner& s, const std::vector<int32_t>& prompt,
+                                                const GenerateOptions& o) {
+  const int kPiece = 4 * SessionOptions{}.prefill_chunk;
+  if (o.quiet || o.prefill != kDenseMethod || s.session() == nullptr || !::isatty(::fileno(stderr)) ||
+      static_cast<int>(prompt.size()) <= kPiece)
+    return s.prefill(prompt);
+  Progress progress(stderr);
+  progress.plan(static_cast<int64_t>(prompt.size()), 0);
+  progress.label("prefill");
+  const std::vector<float>* logits = nullptr;
+  for (size_t at = 0; at < prompt.size(); at += kPiece) {
+    const size_t n = std::min(prompt.size() - at, static_cast<size_t>(kPiece));
+    logits = &s.prefill(std::span<const int32_t>(prompt).subspan(at, n));
+    progress.prefilled(static_cast<int64_t>(n));
+  }
+  return *logits;
+}
+
 // Prefill (or --kv-load, or a copy of `from`'s prompt: the CPU prefills once for every
 // method) and the method's index build over the prompt (tactic's k-means): timed here,
 // where they happen, not inside the first decode step. keep_queries: the prompt queries
@@ -136,7 +160,7 @@ LiveRun start_run(const ModelWeights& w, const std::vector<int32_t>& prompt, con
   // --kv-load / --kv-save run on the CPU only (generate_validate).
   L.logits = kvs.load ? &s.session()->kv_load(*kvs.load, kvs.model_id)
              : from   ? &s.session()->prefill_from(*from)
-                      : &s.prefill(prompt);
+                      : &prefill_with_progress(s, prompt, o);
   L.r.prefill_s = std::chrono::duration<double>(clock::now() - t0).count();
   if (kvs.load)
     fmt::print(stderr, "kv-load: {} tokens from {} ({:.1f} MB) in {:.3f} s\n", prompt.size(), o.kv_load,
@@ -159,8 +183,9 @@ LiveRun start_run(const ModelWeights& w, const std::vector<int32_t>& prompt, con
 // 36 and 60 GB/s), so runs decoded one after another can meet different machines, and
 // their ratio says more about the drift than about the methods. A run's decode time is the
 // sum of its own steps.
-void decode_in_turn(std::vector<LiveRun>& runs, const Tokenizer& tok, int max_tokens) {
+void decode_in_turn(std::vector<LiveRun>& runs, const Tokenizer& tok, int max_tokens, bool stream) {
   using clock = std::chrono::steady_clock;
+  if (stream) fmt::print("\n--- {} ---\n", runs.front().r.method);
   for (int i = 0; i < max_tokens; ++i) {
     for (LiveRun& L : runs) {
       if (L.done) continue;
@@ -173,9 +198,16 @@ void decode_in_turn(std::vector<LiveRun>& runs, const Tokenizer& tok, int max_to
         if (i + 1 < max_tokens) L.logits = &L.runner->decode(next);
       }
       L.r.decode_s += std::chrono::duration<double>(clock::now() - t).count();
-      if (!L.done) L.text += tok.decode_piece(next);
+      if (!L.done) {
+        L.text += tok.decode_piece(next);
+        if (stream) {  // one method: its text as it comes (outside the timed step)
+          fmt::print("{}", tok.decode_piece(next));
+          std::fflush(stdout);
+        }
+      }
     }
   }
+  if (stream) fmt::print("\n");
 }
 
 // The prefill method's line under a table row (a sparse prefill method: its block share and
@@ -580,9 +612,10 @@ void run_generate(const GenerateOptions& o) {
     for (size_t i = first; i < std::min(specs.size(), first + together); ++i)
       runs.push_back(start_run(w, prompt, specs[i], o, kvs, runs.empty() ? nullptr : runs.front().runner->session(),
                                keep_queries));
-    decode_in_turn(runs, *tok, o.max_tokens);
+    const bool stream = !o.quiet && specs.size() == 1;
+    decode_in_turn(runs, *tok, o.max_tokens, stream);
     for (LiveRun& L : runs) {
-      if (!o.quiet) fmt::print("\n--- {} ---\n{}\n", L.r.method, L.text);
+      if (!o.quiet && !stream) fmt::print("\n--- {} ---\n{}\n", L.r.method, L.text);
       L.r.summary = L.runner->summary();
       L.r.prefill_stats = (L.r.shared ? runs.front().runner : L.runner)->prefill_stats();
       results.push_back(std::move(L.r));
