@@ -234,8 +234,7 @@ void KvCache::copy_prefix_from(const KvCache& src, int n) {
                   n_tokens(l));
     CUMULUS_CHECK(src.n_tokens(l) >= n, "KvCache::copy_prefix_from: n={} but the source's layer {} holds {} tokens", n,
                   l, src.n_tokens(l));
-    const int w = window_[static_cast<size_t>(l)];
-    if (w > 0) first[static_cast<size_t>(l)] = std::max(0, n - w + 1);
+    first[static_cast<size_t>(l)] = first_needed(l, n);
     for (int h = 0; h < s.n_kv_heads; ++h) {
       const PagedHeadView v = src.view(l, h);
       for (int t = first[static_cast<size_t>(l)]; t < n; t += page_size())
@@ -295,7 +294,12 @@ int KvCache::window(int layer) const {
 
 int KvCache::first_needed(int layer) const {
   CUMULUS_CHECK(layer >= 0 && layer < shape_.n_layers, "layer={} out of range [0, {})", layer, shape_.n_layers);
-  return window_[layer] > 0 ? std::max(0, n_tokens_[layer] - window_[layer] + 1) : 0;
+  return first_needed(layer, n_tokens_[layer]);
+}
+
+int KvCache::first_needed(int layer, int n) const {
+  CUMULUS_CHECK(layer >= 0 && layer < shape_.n_layers, "layer={} out of range [0, {})", layer, shape_.n_layers);
+  return window_[layer] > 0 ? std::max(0, n - window_[layer] + 1) : 0;
 }
 
 bool KvCache::pinned_page(int layer, int p) const {

@@ -191,7 +191,7 @@ void kv_snapshot_write(const std::string& path, const KvSnapshotInfo& info, std:
   for (int l = 0; l < s.n_layers; ++l) {
     const int w = kv.window(l);
     if (w == 0) continue;
-    const int first = std::max(0, info.n_tokens - w + 1);
+    const int first = kv.first_needed(l, info.n_tokens);
     out.first_token[static_cast<size_t>(l)] = first;
     const PagedHeadView v = kv.view(l, 0);
     for (int t = first; t < info.n_tokens; ++t)
@@ -496,8 +496,7 @@ void KvSnapshot::restore(KvCache& kv) const {
   const size_t row = static_cast<size_t>(info_.n_kv_heads) * info_.head_dim * dtype_size(info_.dtype);
   std::vector<int> need(static_cast<size_t>(s.n_layers));
   for (int l = 0; l < s.n_layers; ++l) {
-    const int w = kv.window(l);
-    need[static_cast<size_t>(l)] = w > 0 ? std::max(0, info_.n_tokens - w + 1) : 0;
+    need[static_cast<size_t>(l)] = kv.first_needed(l, info_.n_tokens);
     const int first = info_.first_token[static_cast<size_t>(l)];
     CUMULUS_CHECK(first <= need[static_cast<size_t>(l)],
                   "KV snapshot '{}': layer {} holds tokens from {} on, but this cache reads the layer from token {} "

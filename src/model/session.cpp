@@ -186,26 +186,13 @@ const std::vector<float>& Session::kv_load(const KvSnapshot& snap, uint64_t mode
   CUMULUS_CHECK(got.n_tokens <= capacity_, "KV snapshot '{}': n_tokens={} exceeds this session's context of {} tokens",
                 snap.path(), got.n_tokens, capacity_);
   // The prompt queries prefill would have kept for this session's method.
-  const int rows = std::min(std::max(method_->prompt_queries(), opt_.keep_prompt_queries), got.n_tokens);
+  const int rows = prompt_q_rows_for(got.n_tokens);
   CUMULUS_CHECK(got.prompt_q_rows >= rows,
                 "KV snapshot '{}': prompt_q_rows={} but method {} needs the prompt's last {} queries (save with "
                 "SessionOptions::keep_prompt_queries >= {})",
                 snap.path(), got.prompt_q_rows, method_->name(), rows, rows);
   snap.restore(kv_);
-  kv_.pin_window(got.n_tokens);
-  pos_ = prompt_end_ = got.n_tokens;
-  prompt_q_rows_ = rows;
-  const ModelConfig& c = w_.config;
-  prompt_q_.assign(c.n_layers, {});
-  const size_t row = static_cast<size_t>(c.n_heads) * c.head_dim;
-  for (int l = 0; l < c.n_layers; ++l) {
-    const std::span<const float> q = snap.prompt_q(l);  // the snapshot's last prompt_q_rows rows
-    prompt_q_[l].assign(q.end() - static_cast<ptrdiff_t>(rows * row), q.end());
-  }
-  prompt_tokens_.assign(snap.tokens().begin(), snap.tokens().end());
-  prompt_logits_.assign(snap.logits().begin(), snap.logits().end());
-  logits_ = prompt_logits_;
-  return logits_;
+  return adopt_prompt(got.n_tokens, rows, [&](int l) { return snap.prompt_q(l); }, snap.tokens(), snap.logits());
 }
 
 const std::vector<float>& Session::prefill_from(const Session& other) {
@@ -218,23 +205,34 @@ const std::vector<float>& Session::prefill_from(const Session& other) {
   const int n = other.prompt_end_;
   CUMULUS_CHECK(n <= capacity_, "prefill_from: the prompt of {} tokens exceeds this session's context of {} tokens",
                 n, capacity_);
-  const int rows = std::min(std::max(method_->prompt_queries(), opt_.keep_prompt_queries), n);
+  const int rows = prompt_q_rows_for(n);
   CUMULUS_CHECK(other.prompt_q_rows_ >= rows,
                 "prefill_from: method {} needs the prompt's last {} queries but the other session kept {} (set its "
                 "SessionOptions::keep_prompt_queries)",
                 method_->name(), rows, other.prompt_q_rows_);
   kv_.copy_prefix_from(other.kv_, n);  // checks shape, page size, dtype and windows first
+  return adopt_prompt(n, rows, [&](int l) { return std::span<const float>(other.prompt_q_[static_cast<size_t>(l)]); },
+                      other.prompt_tokens_, other.prompt_logits_);
+}
+
+int Session::prompt_q_rows_for(int n) const {
+  return std::min(std::max(method_->prompt_queries(), opt_.keep_prompt_queries), n);
+}
+
+const std::vector<float>& Session::adopt_prompt(int n, int rows,
+                                                const std::function<std::span<const float>(int)>& q_of,
+                                                std::span<const int32_t> tokens, std::span<const float> logits) {
   kv_.pin_window(n);
   pos_ = prompt_end_ = n;
   prompt_q_rows_ = rows;
   const size_t row = static_cast<size_t>(w_.config.n_heads) * w_.config.head_dim;
   prompt_q_.assign(w_.config.n_layers, {});
   for (int l = 0; l < w_.config.n_layers; ++l) {
-    const std::vector<float>& q = other.prompt_q_[static_cast<size_t>(l)];  // its last prompt_q_rows_ rows
+    const std::span<const float> q = q_of(l);  // that prompt's last rows, at its end
     prompt_q_[static_cast<size_t>(l)].assign(q.end() - static_cast<ptrdiff_t>(rows * row), q.end());
   }
-  prompt_tokens_ = other.prompt_tokens_;
-  prompt_logits_ = other.prompt_logits_;
+  prompt_tokens_.assign(tokens.begin(), tokens.end());
+  prompt_logits_.assign(logits.begin(), logits.end());
   logits_ = prompt_logits_;
   return logits_;
 }

@@ -92,6 +92,8 @@ class KvCache {
   // The first token whose K/V the layer holds for the query at position n_tokens(layer):
   // 0, or n_tokens - w + 1 for a sliding-window layer (never below 0).
   int first_needed(int layer) const;
+  // The same for the query after a prefix of n tokens: 0, or n - w + 1 (never below 0).
+  int first_needed(int layer, int n) const;
 
   // Bytes of memory the cache holds: K/V pages allocated (in use or free for reuse) and
   // the page statistics.

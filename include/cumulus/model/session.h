@@ -173,6 +173,14 @@ class Session {
   void attention_local(int layer, int c, const float* q, float* out);
   std::vector<PagedHeadView> layer_views(int layer) const;  // [n_kv_heads] views of a layer
   void reserve_rows(int rows);  // grows the scratch below to `rows` tokens
+  // How many of an n-token prompt's last queries this session keeps: what its method needs,
+  // or SessionOptions::keep_prompt_queries, at most n.
+  int prompt_q_rows_for(int n) const;
+  // Takes over a prompt of n tokens whose K/V is already in kv_ (kv_load, prefill_from): the
+  // position, the last `rows` queries of each layer (`q_of(layer)` ends with them), the
+  // tokens and the logits after the last one.
+  const std::vector<float>& adopt_prompt(int n, int rows, const std::function<std::span<const float>(int)>& q_of,
+                                         std::span<const int32_t> tokens, std::span<const float> logits);
 
   const ModelWeights& w_;
   SessionOptions opt_;
