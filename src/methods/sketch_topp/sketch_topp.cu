@@ -1087,7 +1087,7 @@ class SketchToppGpu final : public SparseDecoder {
     base().emit(st);
   }
 
-  // sparse_decoder_phase_times (bench_options.h), registered in the constructor.
+  // sparse_decoder_phase_times (kernels/cuda_decoder.h), registered in the constructor.
   std::vector<std::pair<std::string, double>> phase_times(void* stream) const {
     // Each phase of the last select() again, alone between events, after one untimed run
     // of it (the caches as that run left them, no flush): where the selection's time goes.

@@ -28,9 +28,9 @@
 #include <cmath>
 
 #include "core/check.h"
-#include "methods/cuda/bench_options.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "kernels/cuda/cuda_internal.cuh"
+#include "methods/tactic/tactic_gpu_paths.h"
 #include "methods/tactic/tactic_rules.h"
 #include "methods/method_options.h"
 
@@ -71,30 +71,7 @@ struct TacticParams {
   float* claimed;             // [rows]
   int32_t* budget;            // [rows]
   int rank_bins, rank_sz_off;  // the ranking kernel's bins and shared-memory layout
-  unsigned long long* phase;  // [rows][kRankPhaseSlots] %globaltimer at phase ends, or null
 };
-
-// Phases of the ranking kernel recorded with TacticGpuBenchOptions::record_phases: slot 0 the
-// start, slot i the end of phase i (1 .. kRankPhases); slot kRankPhases + 1 is 1 when the
-// row's ranking took CUB's sort.
-constexpr int kRankPhases = 6;
-constexpr int kRankPhaseSlots = 16;  // a row's slots: the ranking's 0 .. 7, the budget's 8 .. 13
-const char* const kRankPhaseNames[kRankPhases] = {"keys", "bins", "scatter", "bin sorts", "positions",
-                                                  "exact rows"};
-// The budget kernel's phases, slots kBudgetSlot0 (start) .. kBudgetSlot0 + kBudgetPhases.
-constexpr int kBudgetSlot0 = 8;
-constexpr int kBudgetPhases = 5;
-const char* const kBudgetPhaseNames[kBudgetPhases] = {"budget: tail and shift", "budget: fit", "budget: head sums",
-                                                      "budget: search", "budget: claim"};
-
-// %globaltimer into phase slot i of a row (thread 0; ph null: nothing).
-__device__ __forceinline__ void phase_mark(unsigned long long* ph, int i) {
-  if (ph == nullptr || threadIdx.x != 0) return;
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
-  ph[i] = t;
-}
-
 
 // Pool row of token t of list (seq, kv head) `list`: K and V of t are at row * head_dim.
 __device__ __forceinline__ int pool_row(const DeviceKvView& kv, int list, int t) {
@@ -407,8 +384,6 @@ __global__ void __launch_bounds__(kExactThreads) tactic_exact_kernel(TacticParam
 __device__ int tactic_budget_block(const TacticParams& p, int row, int L, const TacticWindows& w, float tail_m,
                                    double tail_s) {
   const float* ex = p.exact + static_cast<size_t>(row) * p.max_exact;
-  unsigned long long* ph =
-      p.phase != nullptr ? p.phase + static_cast<size_t>(row) * kRankPhaseSlots + kBudgetSlot0 : nullptr;
   // Shift: the largest scaled score among the exact and the tail tokens.
   // The loops over the exact scores load kB values per thread before using any, so the
   // loads' latencies overlap (loop by loop, each iteration waited for its load; the kernel
@@ -429,7 +404,6 @@ __device__ int tactic_budget_block(const TacticParams& p, int row, int L, const 
   const double shift_v = fmax(static_cast<double>(p.scale) * ex_max, static_cast<double>(tail_m));
   const double tail_sum = tail_m == -INFINITY ? 0.0 : tail_s * exp(static_cast<double>(tail_m) - shift_v);
   auto weight_exact = [&](int u) { return exp(p.scale * static_cast<double>(ex[u]) - shift_v); };
-  phase_mark(ph, 1);
 
   // The fit through the two window means (warp 0).
   __shared__ double s_fit[2];
@@ -452,7 +426,6 @@ __device__ int tactic_budget_block(const TacticParams& p, int row, int L, const 
     }
   }
   __syncthreads();
-  phase_mark(ph, 2);
   const double fa = w.exact_all ? 0.0 : s_fit[0], fb = w.exact_all ? 0.0 : s_fit[1];
   const int n_head = w.exact_all ? L : w.N;  // exactly weighted prefix of the list
 
@@ -482,7 +455,6 @@ __device__ int tactic_budget_block(const TacticParams& p, int row, int L, const 
     s_first = blockDim.x;
   }
   __syncthreads();
-  phase_mark(ph, 3);
   const bool search = p.p < 1.0 && total > 0;
   const double target = p.p * total;
   if (search && target <= head_total) {
@@ -522,14 +494,12 @@ __device__ int tactic_budget_block(const TacticParams& p, int row, int L, const 
     }
   }
   __syncthreads();
-  phase_mark(ph, 4);
   const int k = s_k;
   if (threadIdx.x == 0) {
     const double den = total + tail_sum;
     p.claimed[row] = den > 0 ? static_cast<float>((s_prefix + tail_sum) / den) : 1.0f;
     p.budget[row] = k;
   }
-  phase_mark(ph, 5);
   return k;
 }
 
@@ -537,7 +507,6 @@ __device__ int tactic_budget_block(const TacticParams& p, int row, int L, const 
 // budget and the claim.
 __global__ void __launch_bounds__(kBudgetThreads) tactic_budget_kernel(TacticParams p) {
   const int row = blockIdx.x;
-  phase_mark(p.phase != nullptr ? p.phase + static_cast<size_t>(row) * kRankPhaseSlots + kBudgetSlot0 : nullptr, 0);
   const int seq = row / p.n_q, h = (row % p.n_q) / p.group;
   const int list = seq * p.kv.n_kv_heads + h;
   const TacticSpan sp = tactic_span(p, list, p.kv.n_tokens[seq]);
@@ -782,9 +751,6 @@ __global__ void __launch_bounds__(kRankThreads) tactic_rank_kernel(TacticParams 
   const int32_t* csize = p.csize + static_cast<size_t>(list) * kc;
   const int32_t* cbeg = p.cbeg + static_cast<size_t>(list) * kc;
   const int32_t* members = p.members + static_cast<size_t>(list) * p.kv.max_tokens;
-  // Benchmarks: the end of each phase (slot 0: the start).
-  unsigned long long* ph = p.phase != nullptr ? p.phase + static_cast<size_t>(row) * kRankPhaseSlots : nullptr;
-  phase_mark(ph, 0);
 
   // Keys, sizes, the score range.
   float lo = INFINITY, hi = -INFINITY;
@@ -817,7 +783,6 @@ __global__ void __launch_bounds__(kRankThreads) tactic_rank_kernel(TacticParams 
   bad = __syncthreads_or(bad);
   const float scale = static_cast<float>(B - 1) / (hi - lo);
   bool cub_sort = bad || !(hi > lo) || !isfinite(scale) || n_c > kRankMaxClusters;
-  phase_mark(ph, 1);
   // Bucket sort: histogram, bin starts, scatter, each bin sorted by one thread.
   auto bin_of = [&](uint32_t k) { return min(B - 1, static_cast<int>((hi - key_float(k)) * scale)); };
   if (!cub_sort) {
@@ -832,12 +797,9 @@ __global__ void __launch_bounds__(kRankThreads) tactic_rank_kernel(TacticParams 
     for (int b = b0; b < b1; ++b) run += bcnt[b], bend[b] = run - bcnt[b];  // bin start, grows to its end
     cub_sort = __syncthreads_or(big);
   }
-  phase_mark(ph, 2);
-  if (ph != nullptr && tid == 0) ph[kRankPhases + 1] = cub_sort;
   if (!cub_sort) {
     for (int c = tid; c < n_c; c += nt) by_bin[atomicAdd(bend + bin_of(key[c]), 1)] = c;
     __syncthreads();
-    phase_mark(ph, 3);
     // Each cluster's place in its bin (key descending, index ascending) by counting the
     // bin's members ahead of it: a thread per cluster, so the longest chain is one bin's
     // size, not (as with a thread sorting each bin) the square of the most crowded bin's.
@@ -855,7 +817,6 @@ __global__ void __launch_bounds__(kRankThreads) tactic_rank_kernel(TacticParams 
       order[s0 + ahead] = c;
     }
   } else {
-    phase_mark(ph, 3);
     uint32_t keys[kRankItems];
     int32_t vals[kRankItems];
 #pragma unroll
@@ -874,7 +835,6 @@ __global__ void __launch_bounds__(kRankThreads) tactic_rank_kernel(TacticParams 
     }
   }
   __syncthreads();
-  phase_mark(ph, 4);
   // List positions of the ranks (prefix sums of the sizes in rank order), over key; order
   // and pos to global memory for the marks. A warp scans one contiguous segment of ranks,
   // 32 consecutive ranks per round (lanes on consecutive words: no bank conflicts), then
@@ -904,7 +864,6 @@ __global__ void __launch_bounds__(kRankThreads) tactic_rank_kernel(TacticParams 
     gpos[r] = pos[r];
     if (r < n_c) gorder[r] = order[r];
   }
-  phase_mark(ph, 5);
   // The pool rows at the exactly scored positions.
   const TacticWindows w = tactic_windows(L, p.init_ratio, p.window, p.p1, p.p2);
   int32_t* tok = p.tok + static_cast<size_t>(row) * p.max_exact;
@@ -938,15 +897,13 @@ __global__ void __launch_bounds__(kRankThreads) tactic_rank_kernel(TacticParams 
       if (at[j] >= 0) tok[u0 + j * nt + tid] = pool_row(p.kv, list, t[j]);
   }
   __syncthreads();
-  phase_mark(ph, 6);
 }
 
 class TacticGpu final : public SparseDecoder {
  public:
-  TacticGpu(const DeviceKvView& kv, int group, const TacticGpuOptions& o, const TacticGpuBenchOptions& bo,
+  TacticGpu(const DeviceKvView& kv, int group, const TacticGpuOptions& o, const TacticGpuPaths& bo,
             const AttentionPlanOptions& po)
-      : SparseDecoder(kv, group, po), o_(o), replica_of_(bo.replica_of) {
-    base().phase_times = [this](void* stream) { return phase_times(stream); };
+      : SparseDecoder(kv, group, po), o_(o) {
     CUMULUS_CHECK(o.p > 0 && o.p <= 1, "tactic: p={} must be in (0, 1]", o.p);
     CUMULUS_CHECK(o.cluster_size >= 1, "tactic: cluster_size={} must be >= 1", o.cluster_size);
     CUMULUS_CHECK(o.max_iter >= 1, "tactic: max_iter={} must be >= 1", o.max_iter);
@@ -956,13 +913,6 @@ class TacticGpu final : public SparseDecoder {
     CUMULUS_CHECK(o.sinks >= 0 && o.recent >= 0, "tactic: sinks={} and recent={} must be >= 0", o.sinks, o.recent);
     CUMULUS_CHECK(bo.mark_slices >= 0 && bo.mark_slices <= 1024, "tactic: mark_slices={} must be in [0, 1024]",
                   bo.mark_slices);
-    CUMULUS_CHECK(bo.replica_of.empty() || static_cast<int>(bo.replica_of.size()) == kv.n_seqs,
-                  "tactic: replica_of has {} entries, n_seqs={}", bo.replica_of.size(), kv.n_seqs);
-    const std::vector<int>& rep = bo.replica_of;
-    for (size_t s = 0; s < rep.size(); ++s)
-      CUMULUS_CHECK(rep[s] >= 0 && rep[s] <= static_cast<int>(s) &&
-                        (rep[s] == static_cast<int>(s) || rep[rep[s]] == rep[s]),
-                    "tactic: replica_of[{}]={} must name an earlier sequence that is its own source", s, rep[s]);
     const Base& b = base();
     const int n_lists = b.n_lists, rows = kv.n_seqs * b.n_q, mt = std::max(1, kv.max_tokens);
     kc_max_ = std::max(1, tactic_cluster_count(mt, o.cluster_size));
@@ -1022,10 +972,6 @@ class TacticGpu final : public SparseDecoder {
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                 static_cast<int>(range_smem_)));
       }
-      if (bo.record_phases) {
-        phase_ = DeviceBuffer(static_cast<size_t>(rows) * kRankPhaseSlots * sizeof(unsigned long long));
-        phase_.fill_bytes(0);
-      }
     } else {
       sort_ = std::make_unique<SortWorkspace>(rows, kc_max_);
       CUMULUS_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(tactic_positions_kernel),
@@ -1038,35 +984,6 @@ class TacticGpu final : public SparseDecoder {
     return static_cast<double>(base().kv.head_dim) * sizeof(float) / o_.cluster_size;
   }
 
-  // sparse_decoder_phase_times (bench_options.h), registered in the constructor.
-  std::vector<std::pair<std::string, double>> phase_times(void* stream) const {
-    if (phase_.data() == nullptr) return {};
-    CUMULUS_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
-    const int rows = base().kv.n_seqs * base().n_q;
-    const auto t = to_host<unsigned long long>(phase_, static_cast<size_t>(rows) * kRankPhaseSlots);
-    std::vector<std::pair<std::string, double>> r;
-    double cub_rows = 0;
-    for (int i = 0; i < kRankPhases; ++i) {
-      double sum = 0;
-      for (int row = 0; row < rows; ++row) {
-        const unsigned long long* x = t.data() + static_cast<size_t>(row) * kRankPhaseSlots;
-        sum += 1e-3 * static_cast<double>(x[i + 1] - x[i]);
-        if (i == 0) cub_rows += static_cast<double>(x[kRankPhases + 1]);
-      }
-      r.emplace_back(kRankPhaseNames[i], sum / rows);
-    }
-    for (int i = 0; i < kBudgetPhases; ++i) {
-      double sum = 0;
-      for (int row = 0; row < rows; ++row) {
-        const unsigned long long* x = t.data() + static_cast<size_t>(row) * kRankPhaseSlots + kBudgetSlot0;
-        sum += 1e-3 * static_cast<double>(x[i + 1] - x[i]);
-      }
-      r.emplace_back(kBudgetPhaseNames[i], sum / rows);
-    }
-    r.emplace_back("rows ranked by CUB", cub_rows);
-    return r;
-  }
-
   void prefill(void* stream, const DevicePromptQueries& /*pq*/) override {
     const Base& b = base();
     const DeviceKvView& kv = b.kv;
@@ -1077,18 +994,8 @@ class TacticGpu final : public SparseDecoder {
     CUMULUS_CUDA_CHECK(cudaStreamSynchronize(s));
     std::vector<int32_t> n_clu(b.n_lists, 0), n_idx(b.n_lists, 0);
     for (int seq = 0; seq < kv.n_seqs; ++seq) {
-      const int src = replica_of_.empty() ? seq : replica_of_[seq];
       for (int h = 0; h < n_kv; ++h) {
         const int list = seq * n_kv + h;
-        if (src != seq) {
-          const int from = src * n_kv + h;
-          CUMULUS_CHECK(n_tok[src] == n_tok[seq], "tactic: replica_of[{}]={} but the sequences hold {} and {} tokens",
-                        seq, src, n_tok[seq], n_tok[src]);
-          copy_list(from, list, s);
-          n_clu[list] = n_clu[from];
-          n_idx[list] = n_idx[from];
-          continue;
-        }
         n_idx[list] = n_tok[seq];
         n_clu[list] = cluster(seq, h, n_tok[seq], s);
       }
@@ -1194,24 +1101,7 @@ class TacticGpu final : public SparseDecoder {
     p.budget = b.budget.as<int32_t>();
     p.rank_bins = rank_bins_;
     p.rank_sz_off = rank_sz_off_;
-    p.phase = phase_.as<unsigned long long>();
     return p;
-  }
-
-  void copy_list(int from, int to, cudaStream_t s) {
-    const int D = base().kv.head_dim, mt = std::max(1, base().kv.max_tokens);
-    auto cp = [&](DeviceBuffer& buf, size_t per_list) {
-      CUMULUS_CUDA_CHECK(cudaMemcpyAsync(buf.as<char>() + to * per_list, buf.as<char>() + from * per_list, per_list,
-                                         cudaMemcpyDeviceToDevice, s));
-    };
-    cp(cent_, static_cast<size_t>(kc_max_) * D * sizeof(__half));
-    cp(csize_, static_cast<size_t>(kc_max_) * sizeof(int32_t));
-    cp(cbeg_, static_cast<size_t>(kc_max_) * sizeof(int32_t));
-    cp(members_, static_cast<size_t>(mt) * sizeof(int32_t));
-    if (range_marks_) {
-      cp(cid_, static_cast<size_t>(mt) * sizeof(int32_t));
-      cp(midx_, static_cast<size_t>(mt) * sizeof(int32_t));
-    }
   }
 
   // K-means of tokens [0, n) of (seq, h); returns the number of non-empty clusters.
@@ -1301,7 +1191,6 @@ class TacticGpu final : public SparseDecoder {
   }
 
   TacticGpuOptions o_;
-  std::vector<int> replica_of_;  // TacticGpuBenchOptions::replica_of
   int kc_max_ = 1, max_exact_ = 1, max_exact_ctas_ = 1;
   bool bucket_ = false;
   bool range_marks_ = false;  // tactic_mark_range_kernel (see the constructor)
@@ -1312,7 +1201,6 @@ class TacticGpu final : public SparseDecoder {
   size_t mark_smem_ = 0;
   int rank_bins_ = 0, rank_sz_off_ = 0;
   size_t rank_smem_ = 0;
-  DeviceBuffer phase_;
   bool prefilled_ = false;
   DeviceBuffer cent_, csize_, cbeg_, members_, n_clu_, n_idx_, cscore_, crowlen_, order_, pos_, tok_, exact_, tail_part_;
   std::unique_ptr<SortWorkspace> sort_;
@@ -1320,15 +1208,15 @@ class TacticGpu final : public SparseDecoder {
 
 }  // namespace
 
-std::unique_ptr<SparseDecoder> make_tactic_gpu_bench(const DeviceKvView& kv, int group, const TacticGpuOptions& o,
-                                                     const TacticGpuBenchOptions& bench,
+std::unique_ptr<SparseDecoder> make_tactic_gpu_paths(const DeviceKvView& kv, int group, const TacticGpuOptions& o,
+                                                     const TacticGpuPaths& paths,
                                                      const AttentionPlanOptions& plan) {
-  return std::make_unique<TacticGpu>(kv, group, o, bench, plan);
+  return std::make_unique<TacticGpu>(kv, group, o, paths, plan);
 }
 
 std::unique_ptr<SparseDecoder> make_tactic_gpu(const DeviceKvView& kv, int group, const TacticGpuOptions& o,
                                                const AttentionPlanOptions& plan) {
-  return make_tactic_gpu_bench(kv, group, o, TacticGpuBenchOptions{}, plan);
+  return make_tactic_gpu_paths(kv, group, o, TacticGpuPaths{}, plan);
 }
 
 // The registry's "tactic" on the GPU (MethodInfo::gpu): mode=fit only; the runtime
