@@ -573,6 +573,15 @@ json run_trace(const Registry& registry, const std::vector<MethodSpec>& specs, c
 int main(int argc, char** argv) {
   try {
     const Options o = parse(argc, argv);
+    // The dense plans, the methods and their parameters, checked before any work.
+    for (const std::string& spec : o.dense_plans) (void)plan_spec(spec);
+    const Registry registry = cuda::registry_with_gpu(Registry::builtin());
+    std::vector<MethodSpec> specs;
+    for (const std::string& m : o.methods) specs.push_back(method_spec(m, o.params, registry));
+    for (const std::string& p : o.params)
+      CUMULUS_CHECK(std::any_of(specs.begin(), specs.end(),
+                                [&](const MethodSpec& s) { return p.rfind(s.label + ".", 0) == 0; }),
+                    "--param: '{}' names no label of --methods", p);
     if (!cuda::device_available()) {
       fmt::print(stderr, "cuda_decode_bench: no CUDA device\n");
       return 1;
@@ -593,13 +602,6 @@ int main(int argc, char** argv) {
     Timer timer{st, flush, o.warmup, o.iters};
     report["options"] = {{"iters", o.iters}, {"warmup", o.warmup}, {"p", o.p}, {"concentration", o.concentration},
                          {"seed", o.seed}, {"flush_bytes", flush.size()}};
-    const Registry registry = cuda::registry_with_gpu(Registry::builtin());
-    std::vector<MethodSpec> specs;
-    for (const std::string& m : o.methods) specs.push_back(method_spec(m, o.params, registry));
-    for (const std::string& p : o.params)
-      CUMULUS_CHECK(std::any_of(specs.begin(), specs.end(),
-                                [&](const MethodSpec& s) { return p.rfind(s.label + ".", 0) == 0; }),
-                    "--param: '{}' names no label of --methods", p);
     ThreadPool pool(0);
     json runs = json::array();
     const int max_batch = *std::max_element(o.batches.begin(), o.batches.end());
@@ -729,6 +731,9 @@ int main(int argc, char** argv) {
     report["traces"] = traces;
     cumulus::file_write_atomic(o.json_path, report.dump(1), "--json");
     fmt::print("wrote {}\n", o.json_path);
+  } catch (const Error& e) {  // bad input: what, which value
+    fmt::print(stderr, "cuda_decode_bench: error: {}\n", e.message());
+    return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "cuda_decode_bench: error: {}\n", e.what());
     return 1;

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "cumulus/core/error.h"
 #include "cumulus/core/thread_pool.h"
 #include "cumulus/eval/synthetic.h"
 #include "cumulus/kernels/attention.h"
@@ -295,8 +296,8 @@ int run(int argc, char** argv) {
     else if (a == "--tensor-cores") tc = v != "0";
     else CUMULUS_FAIL("unknown option '{}'", a);
   }
-  CUMULUS_CHECK(iters >= 1 && (warps == 2 || warps == 4 || warps == 8), "--iters={} must be >= 1, --warps={} 2, 4 or 8",
-                iters, warps);
+  CUMULUS_CHECK(iters >= 1, "--iters={} must be >= 1", iters);
+  CUMULUS_CHECK(warps == 2 || warps == 4 || warps == 8, "--warps={} must be 2, 4 or 8", warps);
   if (!device_available()) {
     fmt::print(stderr, "attention_steal: no CUDA device\n");
     return 1;
@@ -399,6 +400,9 @@ int run(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     return cumulus::cuda::run(argc, argv);
+  } catch (const cumulus::Error& e) {  // bad input: what, which value
+    fmt::print(stderr, "attention_steal: error: {}\n", e.message());
+    return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "attention_steal: error: {}\n", e.what());
     return 1;

@@ -27,6 +27,7 @@
 #include "cumulus/kv/kv_cache.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "core/check.h"
+#include "cumulus/core/error.h"
 #include "methods/tactic/tactic_gpu_paths.h"
 
 namespace cumulus::cuda {
@@ -168,6 +169,9 @@ int run(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     return cumulus::cuda::run(argc, argv);
+  } catch (const cumulus::Error& e) {  // bad input: what, which value
+    fmt::print(stderr, "tactic_paths: error: {}\n", e.message());
+    return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "tactic_paths: error: {}\n", e.what());
     return 1;
