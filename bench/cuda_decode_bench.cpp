@@ -1,5 +1,7 @@
-// GPU decode benchmark (docs/cuda.md): our dense paged decode kernel and the GPU sparse
-// methods (sketch_topp, tactic, psa, quest, oracle_topp) on the synthetic workload (docs/workload.md) in
+// GPU decode benchmark (docs/cuda.md): our dense paged decode kernel and the registry's GPU
+// decode methods (default sketch_topp, tactic, psa, quest, oracle_topp; each built as the
+// model runtime builds it: cuda::registry_with_gpu, MethodInfo::gpu or its SelectPolicy) on
+// the synthetic workload (docs/workload.md) in
 // the llama3-8b shape (32 query heads, 8 kv heads, head_dim 128, f16) at several contexts and
 // batch sizes, and on real K/V/Q traces recorded by `cumulus trace`. PyTorch's
 // scaled_dot_product_attention runs in tools/device/torch_sdpa_bench.py on the same GPU in
@@ -16,21 +18,28 @@
 // fastest the step could run). Accuracy per query head comes from one untimed step:
 // the true softmax mass of the attended union (exp(lse_sparse - lse_dense)), the claim, the
 // share of tokens attended and ||o - o_dense|| / ||o_dense||. Batch b decodes synthetic query
-// step b of sequence copies that each live in their own memory.
+// step b of sequence copies that each live in their own memory. A method's target parameter
+// (MethodInfo::target_param) is --p; a fixed-budget method's budget (budget_param) is the mean
+// budget of the --match-budget method in the same run (before it: n / 20, at least 16).
+// The fused pipelines attend with their default plan, the policy methods with the fastest
+// dense plan. Variants the library does not run (work stealing, the CTA timeline, tactic's
+// forced paths) are dev/cuda's programs.
 //
 // Usage: cuda_decode_bench [--contexts 8192,32768,131072] [--batches 1,16] [--iters 30]
 //          [--warmup 5] [--p 0.9] [--concentration 1.0] [--seed 1] [--methods LIST]
-//          [--dense-plans LIST] [--trace FILE]... [--json PATH]
+//          [--param LABEL.KEY=VALUE]... [--match-budget LABEL] [--dense-plans LIST]
+//          [--trace FILE]... [--json PATH]
+// --methods: comma-separated registry names, or LABEL=NAME for a method under another label
+// (as `cumulus eval`), whose parameters --param sets: e.g. --methods sketch_topp,sk0=sketch_topp
+// --param sk0.gpu_dense_mib=0. The label names the method in the table and the JSON.
 // --dense-plans: our dense kernel's plans to time, comma-separated specs KIND WARPS [/cN]
-// [/mN] [/lN] [/nN] [/s0] [/pN] [/k0]: KIND simt or tc (tensor cores), WARPS 2, 4 or 8 per CTA, /c
+// [/mN] [/lN] [/nN] [/pN] [/k0]: KIND simt or tc (tensor cores), WARPS 2, 4 or 8 per CTA, /c
 // CTAs per SM (0 = occupancy limit), /m max_chunk, /n min_chunk (0 = the plan's default),
-// /s1 with work stealing (/s0 without: the default), /p L2 prefetch size (0, 128, 256; the
+// /p L2 prefetch size (0, 128, 256; the
 // default 256), /k0 the general kernel for dense ranges too (/k1, the default: the kernel
 // with one page lookup per block, AttentionPlanOptions::contiguous_dense), /l the index
 // lists' max_chunk (it leaves the dense time alone; the sparse methods attend with the
-// fastest dense plan, so give /l to one spec, or to all); e.g. tc4/c1/p0. The fastest valid
-// plan also runs once with a CTA timeline (its points per CTA) to show where a CTA's time
-// goes and how evenly the chunks finish.
+// fastest dense plan, so give /l to one spec, or to all); e.g. tc4/c1/p0.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -56,7 +65,6 @@
 #include "cumulus/methods/method.h"
 #include "cumulus/methods/registry.h"
 #include "cumulus/kv/kv_cache.h"
-#include "methods/cuda/bench_options.h"
 #include "model/cuda/decode_methods.h"
 
 using namespace cumulus;
@@ -68,8 +76,9 @@ struct Options {
   std::vector<int> contexts{8192, 32768, 131072};
   std::vector<int> batches{1, 16};
   std::vector<std::string> methods{"sketch_topp", "tactic", "psa", "quest", "oracle_topp"};
-  std::vector<std::string> traces;
-  std::vector<std::string> dense_plans{"simt8", "tc4", "tc8", "tc8/s1", "tc8/p0"};
+  std::vector<std::string> traces, params;
+  std::vector<std::string> dense_plans{"simt8", "tc4", "tc8", "tc8/p0"};
+  std::string match_budget = "tactic";
   int iters = 30, warmup = 5;
   double p = 0.9, concentration = 1.0;
   uint64_t seed = 1;
@@ -100,8 +109,10 @@ Options parse(int argc, char** argv) {
     if (a == "--contexts") o.contexts = ints(next());
     else if (a == "--batches") o.batches = ints(next());
     else if (a == "--methods") o.methods = split(next());
+    else if (a == "--param") o.params.push_back(next());
     else if (a == "--trace") o.traces.push_back(next());
     else if (a == "--dense-plans") o.dense_plans = split(next());
+    else if (a == "--match-budget") o.match_budget = next();
     else if (a == "--iters") o.iters = std::stoi(next());
     else if (a == "--warmup") o.warmup = std::stoi(next());
     else if (a == "--p") o.p = std::stod(next());
@@ -114,15 +125,9 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-// One --dense-plans spec ("tc8/c2/m65536") as plan options, public and bench-only.
-struct PlanSpec {
+// One --dense-plans spec ("tc8/c2/m65536") as plan options.
+cuda::AttentionPlanOptions plan_spec(const std::string& spec) {
   cuda::AttentionPlanOptions po;
-  cuda::AttentionPlanBenchOptions bench;
-};
-
-PlanSpec plan_spec(const std::string& spec) {
-  PlanSpec out;
-  cuda::AttentionPlanOptions& po = out.po;
   const std::vector<std::string> parts = [&] {
     std::vector<std::string> r;
     std::stringstream ss(spec);
@@ -145,14 +150,16 @@ PlanSpec plan_spec(const std::string& spec) {
       case 'c': po.ctas_per_sm = v; break;
       case 'm': po.max_chunk = v; break;
       case 'n': po.min_chunk = v; break;
-      case 's': out.bench.steal = v != 0; break;
+      case 's':
+        CUMULUS_CHECK(v == 0, "--dense-plans: '{}': work stealing is dev/cuda/attention_steal.cu, not the library", spec);
+        break;
       case 'p': po.l2_prefetch = v; break;
       case 'k': po.contiguous_dense = v != 0; break;
       case 'l': po.max_chunk_lists = v; break;
-      default: CUMULUS_FAIL("--dense-plans: field '{}' in '{}' must start with c, m, l, n, s, p or k", parts[i], spec);
+      default: CUMULUS_FAIL("--dense-plans: field '{}' in '{}' must start with c, m, l, n, p or k", parts[i], spec);
     }
   }
-  return out;
+  return po;
 }
 
 double median(std::vector<double> x) {
@@ -231,53 +238,6 @@ Accuracy accuracy(const std::vector<float>& out, const std::vector<float>& dense
   return a;
 }
 
-// CTA timelines of one launch ([CTA][kAttnTimelinePoints] ns after the first start, -1 = not
-// reached), over the CTAs that had a chunk (the grid holds more CTAs than any plan uses;
-// those without work start as multiprocessors free up and end at once): the span, quantiles
-// of the CTA end times, the busy share sum(end - start) / (CTAs x span), and for the CTAs
-// that computed blocks the median time from their start to each point (plan made, query
-// loads issued, warp 0's first block landed, warp 0 done, every warp done, end).
-json timeline_summary(const std::vector<int64_t>& t) {
-  constexpr int K = cuda::kAttnTimelinePoints;
-  std::vector<double> ends;
-  std::vector<std::vector<double>> at(K);
-  double busy = 0, span = 0;
-  for (size_t i = 0; i + K <= t.size(); i += K) {
-    const int64_t s = t[i + cuda::kTlStart], e = t[i + cuda::kTlEnd];
-    if (s < 0 || e < 0 || t[i + cuda::kTlPlanned] < 0) continue;  // no chunk: not part of the work
-    ends.push_back(1e-3 * e);
-    busy += 1e-3 * (e - s);
-    span = std::max(span, 1e-3 * e);
-    bool full = true;
-    for (int k = 0; k < K; ++k) full = full && t[i + k] >= 0;
-    if (full)
-      for (int k = 1; k < K; ++k) at[k].push_back(1e-3 * (t[i + k] - s));
-  }
-  if (ends.empty()) return json::object();
-  auto quantile = [](std::vector<double> v, double f) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[static_cast<size_t>(f * (v.size() - 1) + 0.5)];
-  };
-  json phases = json::object();
-  const char* names[K] = {"start", "planned", "query", "first_block", "warp0_done", "all_warps", "end"};
-  for (int k = 1; k < K; ++k) phases[names[k]] = quantile(at[k], 0.5);
-  return {{"ctas", ends.size()}, {"span_us", span}, {"end_p10_us", quantile(ends, 0.1)},
-          {"end_p50_us", quantile(ends, 0.5)}, {"end_p90_us", quantile(ends, 0.9)},
-          {"busy_share", busy / (ends.size() * span)}, {"median_us_from_cta_start", phases}};
-}
-
-void print_timeline(int batch, const std::string& what, const json& tl) {
-  if (tl.empty()) return;
-  const json& ph = tl["median_us_from_cta_start"];
-  fmt::print("  batch {:>2}: {} timeline ({} CTAs): ends p10 {:.1f} / p50 {:.1f} / p90 {:.1f} / last {:.1f} us, "
-             "busy {:.1f}%; a CTA's median us from its start: plan {:.1f}, query {:.1f}, first block {:.1f}, "
-             "warp 0 done {:.1f}, all warps {:.1f}, end {:.1f}\n",
-             batch, what, tl["ctas"].get<int>(), tl["end_p10_us"].get<double>(), tl["end_p50_us"].get<double>(),
-             tl["end_p90_us"].get<double>(), tl["span_us"].get<double>(), 100 * tl["busy_share"].get<double>(),
-             ph["planned"].get<double>(), ph["query"].get<double>(), ph["first_block"].get<double>(),
-             ph["warp0_done"].get<double>(), ph["all_warps"].get<double>(), ph["end"].get<double>());
-}
-
 struct Problem {
   cuda::DeviceKvCache* dev;
   int group;
@@ -291,7 +251,7 @@ struct Problem {
 // 1e-4 is reported and not chosen.
 json run_dense(const Problem& pb, const std::vector<std::string>& specs, cuda::Stream& st, Timer& timer,
                cuda::DeviceBuffer& out, cuda::DeviceBuffer& lse, double copy_gbps, const std::vector<float>& ref_out0,
-               double& best_us, PlanSpec& best_opts) {
+               double& best_us, cuda::AttentionPlanOptions& best_opts) {
   json variants = json::array();
   best_us = 1e300;
   json best;
@@ -299,13 +259,11 @@ json run_dense(const Problem& pb, const std::vector<std::string>& specs, cuda::S
   const size_t n_out = static_cast<size_t>(kv.n_seqs) * kv.n_kv_heads * pb.group * kv.head_dim;
   std::vector<float> reference;
   for (const std::string& spec : specs) {
-    const PlanSpec ps = plan_spec(spec);
-    const cuda::AttentionPlanOptions& po = ps.po;
+    const cuda::AttentionPlanOptions po = plan_spec(spec);
     json v = {{"plan", spec}, {"warps", po.warps}, {"tensor_cores", po.tensor_cores}, {"ctas_per_sm", po.ctas_per_sm},
               {"max_chunk", po.max_chunk}, {"min_chunk", po.min_chunk}};
     try {
       cuda::AttentionPlan plan(kv, pb.group, po);
-      cuda::attention_plan_set_bench(plan, ps.bench);
       v["warps_run"] = plan.warps();  // fewer than asked where the rings do not fit (head_dim 256)
       v["tensor_cores_run"] = plan.tensor_cores();  // false at head_dim 256
       cuda::DeviceDecodeArgs a;
@@ -338,18 +296,14 @@ json run_dense(const Problem& pb, const std::vector<std::string>& specs, cuda::S
       const double gbps = pb.dense_bytes / (med * 1e-6) / 1e9;
       v.update({{"us_median", med}, {"us_samples", us}, {"gbps", gbps}, {"pct_copy", 100.0 * gbps / copy_gbps},
                 {"err_vs_ref_seq0", err}, {"err_vs_simt", err_simt}, {"valid", err <= 1e-4}});
-      if (err <= 1e-4 && med < best_us) best_us = med, best = v, best_opts = ps;
+      if (err <= 1e-4 && med < best_us) best_us = med, best = v, best_opts = po;
     } catch (const std::exception& e) {
       v["error"] = e.what();
     }
     variants.push_back(v);
   }
-  // Leave the outputs of the best valid plan in out/lse (the reference for accuracy), with
-  // its CTA timeline: when the CTAs end relative to the earliest start.
-  best_opts.bench.timeline = true;
-  cuda::AttentionPlan plan(kv, pb.group, best_opts.po);
-  cuda::attention_plan_set_bench(plan, best_opts.bench);
-  best_opts.bench.timeline = false;
+  // Leave the outputs of the best valid plan in out/lse (the reference for accuracy).
+  cuda::AttentionPlan plan(kv, pb.group, best_opts);
   cuda::DeviceDecodeArgs a;
   a.kv = kv;
   a.group = pb.group;
@@ -357,105 +311,73 @@ json run_dense(const Problem& pb, const std::vector<std::string>& specs, cuda::S
   a.q = pb.q->as<float>();
   a.out = out.as<float>();
   a.lse = lse.as<float>();
-  cuda::attention_decode(a, plan, st.handle());  // warm
-  cuda::memset_async(timer.flush.data(), 1, timer.flush.size(), st.handle());
   cuda::attention_decode(a, plan, st.handle());
   plan.check(st.handle());
-  json timeline = timeline_summary(cuda::attention_plan_timeline(plan, st.handle()));
-  return {{"best", best}, {"variants", variants}, {"bytes", pb.dense_bytes}, {"timeline", timeline}};
+  return {{"best", best}, {"variants", variants}, {"bytes", pb.dense_bytes}};
 }
 
-// tactic (the paper), tactic_split (the ranking as a radix sort and a positions kernel),
-// tactic_s4 (the attention sinks in the dense tail: sinks=4, docs/methods.md), tactic_cmarks
-// (the marks by ranked cluster instead of by token range) and tactic_msN (those marks in N
-// slices per kv head: TacticGpuBenchOptions::mark_slices).
-bool is_tactic(const std::string& name) {
-  return name == "tactic" || name == "tactic_split" || name == "tactic_s4" || name == "tactic_cmarks" ||
-         name.rfind("tactic_ms", 0) == 0;
-}
+// One --methods entry: its label, the registry method and the --param values given to it.
+struct MethodSpec {
+  std::string label, name;
+  std::map<std::string, std::string> params;
+};
 
-cuda::TacticGpuOptions tactic_options(const std::string& name, double p) {
-  cuda::TacticGpuOptions o;
-  o.p = p;
-  o.sinks = name == "tactic_s4" ? 4 : 0;
-  return o;
-}
-
-cuda::TacticGpuBenchOptions tactic_bench_options(const std::string& name, int n_seqs) {
-  cuda::TacticGpuBenchOptions b;
-  b.bucket_ranking = name != "tactic_split";
-  b.token_marks = name != "tactic_cmarks" && name.rfind("tactic_ms", 0) != 0;
-  if (name.rfind("tactic_ms", 0) == 0) b.mark_slices = std::stoi(name.substr(9));
-  b.record_phases = true;
-  b.replica_of.assign(n_seqs, 0);  // copies of one cache: one clustering
-  return b;
-}
-
-// sketch_topp, and sketch_topp_wN_hN_dM: the same with the weights pass's and the
-// histogram pass's tokens per CTA set (SketchToppGpuOptions::weights_chunk, hist_chunk; 0 =
-// planned) and the step's dense cost rule at M MiB of K/V (dense_kv_bytes; d0: never).
-bool is_sketch(const std::string& name) { return name.rfind("sketch_topp", 0) == 0; }
-
-cuda::SketchToppGpuOptions sketch_options(const std::string& name, double p) {
-  cuda::SketchToppGpuOptions o;  // the CPU method's defaults (docs/methods.md), p from --p
-  o.p = p;
-  std::stringstream ss(name.substr(std::string("sketch_topp").size()));
-  std::string part;
-  while (std::getline(ss, part, '_')) {
-    if (part.empty()) continue;
-    CUMULUS_CHECK(part.size() >= 2 && (part[0] == 'w' || part[0] == 'h' || part[0] == 'd'),
-                  "method '{}': '{}' must be wN, hN (tokens per CTA of the weights / histogram pass) or dM (MiB)",
-                  name, part);
-    const int v = std::stoi(part.substr(1));
-    if (part[0] == 'd') o.dense_kv_bytes = static_cast<size_t>(v) << 20;
-    else (part[0] == 'w' ? o.weights_chunk : o.hist_chunk) = v;
+MethodSpec method_spec(const std::string& spec, const std::vector<std::string>& params, const Registry& registry) {
+  MethodSpec m;
+  const size_t as = spec.find('=');
+  m.label = spec.substr(0, as);
+  m.name = as == std::string::npos ? spec : spec.substr(as + 1);
+  CUMULUS_CHECK(!m.label.empty() && !m.name.empty(), "--methods: '{}' must be NAME or LABEL=NAME", spec);
+  for (const std::string& p : params) {
+    const size_t dot = p.find('.'), eq = p.find('=');
+    CUMULUS_CHECK(dot != std::string::npos && eq != std::string::npos && dot < eq,
+                  "--param: '{}' must be LABEL.KEY=VALUE", p);
+    if (p.substr(0, dot) == m.label) m.params[p.substr(dot + 1, eq - dot - 1)] = p.substr(eq + 1);
   }
-  return o;
+  const MethodInfo& info = registry.find(m.name);  // unknown: Error listing the known ones
+  CUMULUS_CHECK(method_kind_decodes(info.kind) && info.name != kDenseMethod,
+                "--methods: '{}' is not a sparse decode method (dense is the reference every run times)", m.name);
+  CUMULUS_CHECK(info.gpu.make != nullptr || info.make_policy != nullptr,
+                "--methods: '{}' does not run on the GPU (on cuda: {})", m.name,
+                cuda::model::cuda_decode_method_names(registry));
+  (void)registry.parse(m.name, m.params);  // bad keys and values before any work
+  return m;
 }
 
-// Methods that keep an index built at prefill (tactic's clusters, sketch_topp's sketch): on
-// a trace they are prefilled once over the prompt and see the decoded tokens appended.
-bool is_stateful(const std::string& name) { return is_tactic(name) || is_sketch(name); }
+// The spec's parameters with the run's target (MethodInfo::target_param = p) and fixed
+// budget (budget_param) where the spec does not set them.
+std::map<std::string, std::string> method_params(const MethodSpec& spec, const MethodInfo& info, double p,
+                                                 int fixed_budget) {
+  std::map<std::string, std::string> params = spec.params;
+  if (!info.target_param.empty()) params.emplace(info.target_param, fmt::format("{}", p));
+  if (!info.budget_param.empty()) params.emplace(info.budget_param, std::to_string(fixed_budget));
+  return params;
+}
 
-std::unique_ptr<cuda::SparseDecoder> make_method(const std::string& name, const cuda::DeviceKvView& kv, int group,
-                                                 double p, int n_seqs, int quest_budget,
-                                                 const cuda::AttentionPlanOptions& po) {
-  if (is_sketch(name)) return cuda::make_sketch_topp_gpu(kv, group, sketch_options(name, p), po);
-  if (is_tactic(name))
-    return cuda::make_tactic_gpu_bench(kv, group, tactic_options(name, p), tactic_bench_options(name, n_seqs), po);
-  if (name == "psa") {
-    cuda::PsaGpuOptions o;
-    o.threshold = p;
-    return cuda::make_psa_gpu(kv, group, o, po);
-  }
-  if (name == "psa_mb4") {
-    cuda::PsaGpuOptions o;
-    o.threshold = p;
-    o.microbatch = 4;
-    return cuda::make_psa_gpu(kv, group, o, po);
-  }
-  if (name == "quest" || name == "oracle_topp") {  // defined once over the selection ops (methods/policy.h)
-    const Shape shape{1, kv.n_kv_heads * group, kv.n_kv_heads, kv.head_dim};
-    const std::map<std::string, std::string> params =
-        name == "quest" ? std::map<std::string, std::string>{{"budget", std::to_string(quest_budget)}}
-                        : std::map<std::string, std::string>{{"p", fmt::format("{}", p)}};
-    return cuda::model::make_policy_decoder(Registry::builtin(), name, params, kv, shape, 0, po);
-  }
-  CUMULUS_FAIL(
-      "unknown method '{}' (sketch_topp, sketch_topp_wN_hN_dM, tactic, tactic_split, tactic_s4, tactic_cmarks, "
-      "tactic_msN, psa, psa_mb4, quest, oracle_topp)",
-      name);
+// Methods with a fused pipeline keep what prefill built (tactic's clusters, sketch_topp's
+// sketch): on a trace they are prefilled once over the prompt and see the decoded tokens
+// appended.
+bool is_stateful(const MethodInfo& info) { return info.gpu.make != nullptr; }
+
+std::unique_ptr<cuda::SparseDecoder> make_method(const Registry& registry, const MethodSpec& spec,
+                                                 const cuda::DeviceKvView& kv, int group, int layer, double p,
+                                                 int fixed_budget, const cuda::AttentionPlanOptions& po) {
+  const MethodInfo& info = registry.find(spec.name);
+  const Shape shape{1, kv.n_kv_heads * group, kv.n_kv_heads, kv.head_dim};
+  const std::map<std::string, std::string> params = method_params(spec, info, p, fixed_budget);
+  cuda::model::cuda_decode_method_check(registry, spec.name, params, shape);
+  if (info.gpu.make != nullptr) return info.gpu.make(kv, shape, layer, registry.parse(spec.name, params));
+  return cuda::model::make_policy_decoder(registry, spec.name, params, kv, shape, layer, po);
 }
 
 // One sparse method on one problem: prefill, accuracy step, timed select / attend / step.
-json run_sparse(const std::string& name, const Problem& pb, cuda::Stream& st, Timer& timer,
+json run_sparse(const Registry& registry, const MethodSpec& spec, const Problem& pb, cuda::Stream& st, Timer& timer,
                 const std::vector<float>& dense_out, cuda::DeviceBuffer& dense_lse, double dense_us, double copy_gbps,
-                int quest_budget, double p, bool time_it, Accuracy* acc_out = nullptr,
-                const PlanSpec& po = {}) {
+                int fixed_budget, double p, bool time_it, Accuracy* acc_out = nullptr,
+                const cuda::AttentionPlanOptions& po = {}) {
   const cuda::DeviceKvView kv = pb.dev->view();
   const int n_q = kv.n_kv_heads * pb.group, d = kv.head_dim;
-  auto m = make_method(name, kv, pb.group, p, kv.n_seqs, quest_budget, po.po);
-  cuda::sparse_decoder_set_plan_bench(*m, po.bench);
+  auto m = make_method(registry, spec, kv, pb.group, 0, p, fixed_budget, po);
   const auto t0 = std::chrono::steady_clock::now();
   m->prefill(st.handle());
   st.synchronize();
@@ -473,7 +395,7 @@ json run_sparse(const std::string& name, const Problem& pb, cuda::Stream& st, Ti
   if (acc_out != nullptr) *acc_out = acc;
   size_t attended = 0;
   for (int t : ss.tokens) attended += t;
-  json r = {{"method", name}, {"prefill_s", prefill_s}, {"true_mass", acc.mass}, {"tokens_frac", acc.tokens_frac},
+  json r = {{"method", spec.label}, {"prefill_s", prefill_s}, {"true_mass", acc.mass}, {"tokens_frac", acc.tokens_frac},
             {"rel_err", acc.rel_err}, {"max_err", acc.max_err}, {"attended_tokens", attended},
             {"ge_p_share", acc.ge_p}};
   r["claimed"] = acc.claimed_n ? json(acc.claimed) : json(nullptr);
@@ -503,23 +425,14 @@ json run_sparse(const std::string& name, const Problem& pb, cuda::Stream& st, Ti
   r["attend_pct_copy"] = 100.0 * att_bytes / (att * 1e-6) / 1e9 / copy_gbps;
   // None when no dense plan ran or none was valid (--dense-plans "": run_dense leaves 1e300).
   r["speedup_vs_our_dense"] = dense_us > 0 && dense_us < 1e300 ? json(dense_us / step) : json(nullptr);
-  {  // the attention's CTA timelines in one more step (after an L2 flush)
-    PlanSpec tl = po;
-    tl.bench.timeline = true;
-    cuda::sparse_decoder_set_plan_bench(*m, tl.bench);
-    cuda::memset_async(timer.flush.data(), 1, timer.flush.size(), st.handle());
-    m->select(pb.q->as<float>(), st.handle());
-    m->attend(pb.q->as<float>(), out.as<float>(), lse.as<float>(), nullptr, nullptr, st.handle());
-    r["attend_timeline"] = timeline_summary(cuda::sparse_decoder_plan_timeline(*m, st.handle()));
-    cuda::sparse_decoder_set_plan_bench(*m, po.bench);
-  }
-  if (is_sketch(name)) {
-    // The step's byte floor: the sketch of every token (codes + f16 offset and step) and
-    // the union's K/V rows, at the copy bandwidth.
+  if (m->select_bytes_per_token() > 0) {
+    // The step's byte floor: what the selection reads per token (sketch_topp: the sketch's
+    // codes + f16 offset and step; tactic: the centroids) and the union's K/V rows, at the
+    // copy bandwidth.
     double tokens = 0;
     for (int n : pb.dev->n_tokens()) tokens += n;
     const double sketch_bytes = tokens * kv.n_kv_heads * m->select_bytes_per_token();
-    r["sketch_bytes"] = sketch_bytes;
+    r["select_bytes"] = sketch_bytes;
     r["floor_bytes"] = sketch_bytes + att_bytes;
     r["floor_us"] = (sketch_bytes + att_bytes) / (copy_gbps * 1e9) * 1e6;
     r["floor_select_us"] = sketch_bytes / (copy_gbps * 1e9) * 1e6;
@@ -529,7 +442,8 @@ json run_sparse(const std::string& name, const Problem& pb, cuda::Stream& st, Ti
 }
 
 // ---- traces (cumulus trace; include/cumulus/eval/trace.h) ----
-json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Timer& timer, double copy_gbps) {
+json run_trace(const Registry& registry, const std::vector<MethodSpec>& specs, const std::string& path,
+               const Options& o, cuda::Stream& st, Timer& timer, double copy_gbps) {
   const TraceFile t = trace_read(path);
   const int group = t.group();
   json layers = json::array();
@@ -549,17 +463,12 @@ json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Time
     // the CPU) and sketch_topp sketches it once (the tokens decoded since are encoded by
     // each step with the prompt's normalisation); the other methods are stateless.
     std::map<std::string, std::unique_ptr<cuda::SparseDecoder>> tactics;
-    for (const auto& name : o.methods)
-      if (is_stateful(name)) {
+    const int fixed_budget = std::max(16, t.prompt_tokens / 20);
+    for (const MethodSpec& spec : specs)
+      if (is_stateful(registry.find(spec.name))) {
         dev.set_n_tokens({t.prompt_tokens});
-        if (is_sketch(name)) {
-          tactics[name] = cuda::make_sketch_topp_gpu(dev.view(), group, sketch_options(name, o.p));
-        } else {
-          cuda::TacticGpuOptions to = tactic_options(name, o.p);
-          to.layer = t.layers[li];
-          tactics[name] = cuda::make_tactic_gpu(dev.view(), group, to);
-        }
-        tactics[name]->prefill(st.handle());
+        tactics[spec.label] = make_method(registry, spec, dev.view(), group, t.layers[li], o.p, fixed_budget, {});
+        tactics[spec.label]->prefill(st.handle());
       }
     for (int j = 0; j < t.steps; ++j) {
       const int n_j = t.attended(j);
@@ -599,7 +508,7 @@ json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Time
         ref::attention_decode_dense(ra);
         cuda::DeviceBuffer pout(nq * d * sizeof(float)), plse(nq * sizeof(float));
         double best_us = 0;
-        PlanSpec best_opts;
+        cuda::AttentionPlanOptions best_opts;
         lj["dense_plans"] = run_dense(pb, o.dense_plans, st, timer, pout, plse, copy_gbps, ref_out, best_us, best_opts);
         for (const auto& v : lj["dense_plans"]["variants"])
           if (v.contains("error"))
@@ -613,7 +522,8 @@ json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Time
                        v["valid"].get<bool>() ? "" : "  INVALID");
         if (best_us < 1e300) dense_us = std::min(dense_us, best_us);
       }
-      for (const auto& name : o.methods) {
+      for (const MethodSpec& spec : specs) {
+        const std::string& name = spec.label;
         Accuracy acc;
         if (tactics.count(name) != 0) {
           cuda::SparseDecoder* m = tactics[name].get();
@@ -631,8 +541,8 @@ json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Time
             step_us[name] = median(timer.run(g));
           }
         } else {
-          const json r = run_sparse(name, pb, st, timer, dense_out, dlse, 1.0, copy_gbps, std::max(16, n_j / 20), o.p,
-                                    last, &acc);
+          const json r = run_sparse(registry, spec, pb, st, timer, dense_out, dlse, 1.0, copy_gbps,
+                                    std::max(16, n_j / 20), o.p, last, &acc);
           if (last) step_us[name] = r["step_us"];
         }
         accs[name].push_back(acc);
@@ -663,6 +573,15 @@ json run_trace(const std::string& path, const Options& o, cuda::Stream& st, Time
 int main(int argc, char** argv) {
   try {
     const Options o = parse(argc, argv);
+    // The dense plans, the methods and their parameters, checked before any work.
+    for (const std::string& spec : o.dense_plans) (void)plan_spec(spec);
+    const Registry registry = cuda::registry_with_gpu(Registry::builtin());
+    std::vector<MethodSpec> specs;
+    for (const std::string& m : o.methods) specs.push_back(method_spec(m, o.params, registry));
+    for (const std::string& p : o.params)
+      CUMULUS_CHECK(std::any_of(specs.begin(), specs.end(),
+                                [&](const MethodSpec& s) { return p.rfind(s.label + ".", 0) == 0; }),
+                    "--param: '{}' names no label of --methods", p);
     if (!cuda::device_available()) {
       fmt::print(stderr, "cuda_decode_bench: no CUDA device\n");
       return 1;
@@ -727,7 +646,7 @@ int main(int argc, char** argv) {
         Problem pb{&dev, so.shape.group(), &q,
                    static_cast<size_t>(b) * n * so.shape.n_kv_heads * so.shape.head_dim * 2 * 2};
         double dense_us = 0;
-        PlanSpec best_opts;
+        cuda::AttentionPlanOptions best_opts;
         json run = {{"context", n}, {"batch", b}};
         run["dense"] = run_dense(pb, o.dense_plans, st, timer, out, lse, copy_gbps, ref_out0, dense_us, best_opts);
         for (const auto& v : run["dense"]["variants"]) {
@@ -740,23 +659,24 @@ int main(int argc, char** argv) {
                      b, v["plan"].get<std::string>(), v["us_median"].get<double>(), v["gbps"].get<double>(), v["pct_copy"].get<double>(),
                      v["err_vs_ref_seq0"].get<double>(), v["valid"].get<bool>() ? "" : "  INVALID");
         }
-        if (run["dense"].contains("timeline")) print_timeline(b, "dense", run["dense"]["timeline"]);
         const auto dense_out = cuda::to_host<float>(out, nq * so.shape.head_dim);
         json methods = json::array();
-        int quest_budget = std::max(16, n / 20);
-        for (const auto& name : o.methods) {
+        int fixed_budget = std::max(16, n / 20);
+        for (const MethodSpec& spec : specs) {
+          const std::string& name = spec.label;
+          const MethodInfo& info = registry.find(spec.name);
           json r;
           try {
-            // The sparse methods attend with the plan that was fastest for dense here.
-            r = run_sparse(name, pb, st, timer, dense_out, lse, dense_us, copy_gbps, quest_budget, o.p, true, nullptr,
-                           best_opts);
+            // The policy methods attend with the plan that was fastest for dense here.
+            r = run_sparse(registry, spec, pb, st, timer, dense_out, lse, dense_us, copy_gbps, fixed_budget, o.p, true,
+                           nullptr, best_opts);
           } catch (const std::exception& e) {  // keep the other methods' results
             fmt::print("  batch {:>2}: {:<12} error: {}\n", b, name, e.what());
             methods.push_back({{"method", name}, {"error", e.what()}});
             continue;
           }
-          if (name == "tactic") quest_budget = std::max(16, static_cast<int>(r["budget_mean"].get<double>()));
-          if (name == "quest") r["budget_tokens"] = quest_budget;
+          if (name == o.match_budget) fixed_budget = std::max(16, static_cast<int>(r["budget_mean"].get<double>()));
+          if (!info.budget_param.empty() && spec.params.count(info.budget_param) == 0) r["budget_tokens"] = fixed_budget;
           const std::string vs = r["speedup_vs_our_dense"].is_null()
                                      ? std::string("(no dense plan)")
                                      : fmt::format("x{:5.2f} vs dense", r["speedup_vs_our_dense"].get<double>());
@@ -766,11 +686,11 @@ int main(int argc, char** argv) {
                      vs, r["true_mass"].get<double>(), 100 * r["tokens_frac"].get<double>(),
                      r["rel_err"].get<double>());
           if (r.contains("floor_us"))
-            fmt::print("  batch {:>2}: {:<12} byte floor {:7.1f} us (sketch {:.1f} MB: {:.1f} us; union K/V {:.1f} MB: "
+            fmt::print("  batch {:>2}: {:<12} byte floor {:7.1f} us (select {:.1f} MB: {:.1f} us; union K/V {:.1f} MB: "
                        "{:.1f} us) at the copy bandwidth; claimed {:.3f}; true mass >= p on {:.1f}% of heads\n",
-                       b, name, r["floor_us"].get<double>(), r["sketch_bytes"].get<double>() / 1e6,
+                       b, name, r["floor_us"].get<double>(), r["select_bytes"].get<double>() / 1e6,
                        r["floor_select_us"].get<double>(),
-                       (r["floor_bytes"].get<double>() - r["sketch_bytes"].get<double>()) / 1e6,
+                       (r["floor_bytes"].get<double>() - r["select_bytes"].get<double>()) / 1e6,
                        r["floor_attend_us"].get<double>(), r["claimed"].is_null() ? 0.0 : r["claimed"].get<double>(),
                        100 * r["ge_p_share"].get<double>());
           if (r.contains("select_phases_us")) {
@@ -779,7 +699,6 @@ int main(int argc, char** argv) {
               line += fmt::format(" {} {:.1f}", ph[0].get<std::string>(), ph[1].get<double>());
             fmt::print("  batch {:>2}: {:<12} select phases (us, one untimed step):{}\n", b, name, line);
           }
-          if (r.contains("attend_timeline")) print_timeline(b, name + " attend", r["attend_timeline"]);
           methods.push_back(r);
         }
         run["methods"] = methods;
@@ -794,7 +713,7 @@ int main(int argc, char** argv) {
     for (const auto& path : o.traces) {
       fmt::print("trace {}\n", path);
       try {
-        traces.push_back(run_trace(path, o, st, timer, copy_gbps));
+        traces.push_back(run_trace(registry, specs, path, o, st, timer, copy_gbps));
       } catch (const std::exception& e) {
         fmt::print("  error: {}\n", e.what());
         traces.push_back({{"path", path}, {"error", e.what()}, {"layers", json::array()}, {"header", json::object()}});
@@ -812,6 +731,9 @@ int main(int argc, char** argv) {
     report["traces"] = traces;
     cumulus::file_write_atomic(o.json_path, report.dump(1), "--json");
     fmt::print("wrote {}\n", o.json_path);
+  } catch (const Error& e) {  // bad input: what, which value
+    fmt::print(stderr, "cuda_decode_bench: error: {}\n", e.message());
+    return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "cuda_decode_bench: error: {}\n", e.what());
     return 1;

@@ -23,7 +23,7 @@
 #include "cumulus/kernels/attention.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "cumulus/methods/registry.h"
-#include "methods/cuda/bench_options.h"
+#include "methods/tactic/tactic_gpu_paths.h"
 #include "methods/lfps/lfps_tables.h"
 
 using namespace cumulus;
@@ -209,9 +209,7 @@ TEST(CudaMethods, TacticMatchesCpuMethod) {
     cuda::TacticGpuOptions to;
     to.sinks = cfg.sinks;
     to.recent = cfg.recent;
-    cuda::TacticGpuBenchOptions tb;
-    tb.replica_of = {0, 0, 0};
-    auto m = cuda::make_tactic_gpu_bench(dev.view(), sh.group(), to, tb);
+    auto m = cuda::make_tactic_gpu(dev.view(), sh.group(), to);
     m->prefill();
     const GpuRun g = run_method(*m, dev.view(), wl, n_seqs, qd, dlse);
     expect_consistent(g, wl, q, n_seqs, "tactic " + what);
@@ -262,11 +260,11 @@ TEST(CudaMethods, TacticBucketRankingMatchesRadixSort) {
     std::vector<GpuRun> runs;  // bucket ranking with the marks by token range, radix sort, bucket with cluster marks
     for (int variant : {0, 1, 2}) {
       const bool bucket = variant != 1;
-      cuda::TacticGpuBenchOptions tb;
+      cuda::TacticGpuPaths tb;
       tb.bucket_ranking = bucket;
       tb.token_marks = variant == 0;
       dev.set_n_tokens({cfg.prefill, cfg.prefill});
-      auto m = cuda::make_tactic_gpu_bench(dev.view(), sh.group(), {}, tb);
+      auto m = cuda::make_tactic_gpu_paths(dev.view(), sh.group(), {}, tb);
       m->prefill();
       dev.set_n_tokens({cfg.n, cfg.n});
       runs.push_back(run_method(*m, dev.view(), wl, n_seqs, qd, dlse));

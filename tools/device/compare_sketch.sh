@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # sketch_topp's GPU step, this build against a base build, in one device call (docs/cuda.md,
 # "The selection passes on the tensor cores"): the CUDA tests of build-device (TESTS, a
-# gtest filter; default all), then `cuda_decode_bench --methods sketch_topp,sketch_topp_d0
+# gtest filter; default all), then `cuda_decode_bench --methods sketch_topp,sketch_topp_d0=sketch_topp
 # --dense-plans tc8` of the base build (BASE: a directory holding its cuda_decode_bench, e.g.
 # the main branch's, staged by tools/device/prebuild.sh) and of build-device, alternated
 # twice; PyTorch's cuDNN and flash on the same shapes (tools/device/torch_sdpa_bench.py);
@@ -39,7 +39,7 @@ for i in 1 2; do
   for b in base new; do
     exe="$BIN/cuda_decode_bench"
     [ "$b" = base ] && exe="$BASE/cuda_decode_bench"
-    timeout 200 "$exe" --contexts "$CONTEXTS" --batches "$BATCHES" --methods sketch_topp,sketch_topp_d0 \
+    timeout 200 "$exe" --contexts "$CONTEXTS" --batches "$BATCHES" --methods sketch_topp,sketch_topp_d0=sketch_topp --param sketch_topp_d0.gpu_dense_mib=0 \
       --dense-plans tc8 --json "$RUNS/$b.$i.json" > "$RUNS/$b.$i.log" 2>&1
     echo "== $b round $i rc $?"
     grep -E "copy:|^context|dense tc8|step|phases" "$RUNS/$b.$i.log" | sed -E 's/ +/ /g'
@@ -52,7 +52,7 @@ echo "== torch rc $?"
 grep -E "copy|n=" "$RUNS/torch.log"
 
 if [ -n "${TRACE:-}" ]; then
-  timeout 150 "$BIN/cuda_decode_bench" --contexts "" --batches 1 --methods sketch_topp,sketch_topp_d0,tactic \
+  timeout 150 "$BIN/cuda_decode_bench" --contexts "" --batches 1 --methods sketch_topp,sketch_topp_d0=sketch_topp,tactic --param sketch_topp_d0.gpu_dense_mib=0 \
     --trace "$TRACE" --json "$RUNS/trace.json" > "$RUNS/trace.log" 2>&1
   echo "== trace rc $?"
   grep -vE "^  layer .* dense " "$RUNS/trace.log" | tail -16
@@ -69,7 +69,7 @@ if [ "${NCU:-0}" = 1 ]; then
   M=$M,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread
   for b in 16 1; do
     timeout 90 "$NCU_BIN" --clock-control none --metrics "$M" -k regex:sketch_weights --launch-count 1 \
-      "$BIN/cuda_decode_bench" --contexts 131072 --batches $b --iters 1 --warmup 0 --methods sketch_topp_d0 \
+      "$BIN/cuda_decode_bench" --contexts 131072 --batches $b --iters 1 --warmup 0 --methods sketch_topp_d0=sketch_topp --param sketch_topp_d0.gpu_dense_mib=0 \
       --dense-plans "" --json /tmp/ncu.json > "$RUNS/ncu_weights_b$b.txt" 2>&1
     echo "== ncu, weights pass, 128K batch $b rc $?"
     grep -E "__" "$RUNS/ncu_weights_b$b.txt" | awk '{print $1, $(NF-1), $NF}'

@@ -299,8 +299,8 @@ struct AttentionPlanOptions {
   // behind the longest list (sketch_topp at 128K, batch 16: 605 us at 32768, 402 at 8192;
   // docs/cuda.md); dense ranges are equal and take the larger cap (2% faster there).
   int max_chunk_lists = 0;
-  // Each CTA computes exactly its chunk (work stealing, measured slower, is a benchmarks'
-  // option: src/kernels/cuda/bench_options.h).
+  // Each CTA computes exactly its chunk (work stealing, measured slower, is a variant in
+  // dev/cuda/attention_steal.cu).
   // L2 fetch size hinted by the K/V copies on a miss: 0 (the 32-byte sectors asked for),
   // 128 or 256 bytes (default: 256; measured ~2% faster than 0 on dense at 128K).
   int l2_prefetch = 256;
@@ -310,7 +310,6 @@ struct AttentionPlanOptions {
   // lookup per row. The CUDA-core kernel at head_dim 64 and 128 has no such form. false:
   // the general kernel everywhere (benchmarks compare the two).
   bool contiguous_dense = true;
-  // The CTA timeline that benchmarks record is a bench-only knob too (bench_options.h).
 };
 
 // Workspace of attention_decode for one (kv shape, group): per-CTA partial results of the

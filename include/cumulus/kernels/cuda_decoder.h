@@ -115,4 +115,8 @@ using SelectStep = std::function<void(SelectOps&)>;
 std::unique_ptr<SparseDecoder> make_ops_gpu(const DeviceKvView& kv, int group, std::string name, SelectStep step,
                                             const AttentionPlanOptions& plan = {});
 
+// Profiling: microseconds of each phase of the decoder's last select(), where the method
+// times them (sketch_topp: each pass again alone between events); else empty. Synchronises.
+std::vector<std::pair<std::string, double>> sparse_decoder_phase_times(const SparseDecoder& m, void* stream = nullptr);
+
 }  // namespace cumulus::cuda

@@ -37,8 +37,8 @@ void attach_sketch_topp_gpu(Registry& r);
 // tactic (Tactic, section 4, Algorithm 1): k-means of the keys at prefill; per step clusters
 // ranked by q . centroid, the exactly scored head and windows of the unpacked list, the
 // a/x + b fit, the budget reaching P, the group's union, plus the dense tail. The ranking
-// and the marks run as docs/cuda.md describes (the variants kept for benchmarks are
-// src/methods/cuda/bench_options.h's). The parameters are the CPU method's (methods/tactic.h:
+// and the marks run as docs/cuda.md describes, each path chosen by size (tests force each:
+// src/methods/tactic/tactic_gpu_paths.h). The parameters are the CPU method's (methods/tactic.h:
 // p, cluster_size, max_iter, init_ratio, window, p1, p2, sinks, recent, seed), plus:
 struct TacticGpuOptions : TacticOptions {
   int layer = 0;  // seeds the k-means initial sample as on the CPU (seed, layer, kv head, 0)

@@ -134,7 +134,7 @@ struct SparseDecoder::Base {
   // nonzero entry leaves its head out of the tokens attended (accumulate_stats, stats()).
   const int* bypass = nullptr;
   std::unique_ptr<AttentionPlan> plan;
-  // Benchmarks (bench_options.h, sparse_decoder_phase_times): the phases of the last
+  // Profiling (sparse_decoder_phase_times, kernels/cuda_decoder.h): the phases of the last
   // select(), set by the methods that record them; empty for the others.
   std::function<std::vector<std::pair<std::string, double>>(void* stream)> phase_times;
 

@@ -6,7 +6,6 @@
 #include <limits>
 
 #include "core/check.h"
-#include "bench_options.h"
 #include "cuda_internal.cuh"
 #include "cumulus/kernels/cuda_decoder.h"
 #include "kernels/select_ops_check.h"
@@ -35,14 +34,6 @@ SparseDecoder::Base::Base(const DeviceKvView& v, int g, const AttentionPlanOptio
 SparseDecoder::SparseDecoder(const DeviceKvView& kv, int group, const AttentionPlanOptions& plan)
     : base_(std::make_unique<Base>(kv, group, plan)) {}
 SparseDecoder::~SparseDecoder() = default;
-
-void sparse_decoder_set_plan_bench(SparseDecoder& m, const AttentionPlanBenchOptions& o) {
-  attention_plan_set_bench(*SparseDecoder::Base::of(m).plan, o);
-}
-
-std::vector<int64_t> sparse_decoder_plan_timeline(const SparseDecoder& m, void* stream) {
-  return attention_plan_timeline(*SparseDecoder::Base::of(m).plan, stream);
-}
 
 std::vector<std::pair<std::string, double>> sparse_decoder_phase_times(const SparseDecoder& m, void* stream) {
   const SparseDecoder::Base& b = SparseDecoder::Base::of(m);
