@@ -41,7 +41,6 @@
 #include "cumulus/kernels/sketch.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "kernels/cuda/cuda_internal.cuh"
-#include "methods/method_options.h"
 
 namespace cumulus::cuda {
 namespace {
@@ -1218,8 +1217,8 @@ void attach_sketch_topp_gpu(Registry& r) {
                {.make = [](const DeviceKvView& kv, const Shape& shape, int,
                            const Params& p) -> std::unique_ptr<SparseDecoder> {
                   SketchToppGpuOptions o;
-                  methods::read_sketch_topp_options(p, o);
-                  o.dense_kv_bytes = static_cast<size_t>(p.get_int("gpu_dense_mib")) << 20;
+                  options_read(p, o);
+                  o.dense_kv_bytes = static_cast<size_t>(o.gpu_dense_mib) << 20;
                   return make_sketch_topp_gpu(kv, shape.group(), o);
                 },
                 .check = [](const Shape& shape, const Params&) {
