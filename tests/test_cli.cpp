@@ -102,6 +102,36 @@ TEST_F(Cli, MethodsAndOutputPathsAreCheckedFirst) {
                   "--json '/nonexistent/x.json'");
 }
 
+// Every method's parameters, ranges and relations (decode and prefill) are checked as the
+// method's constructor would check them, and those that need the model against its header,
+// before the weights are loaded: the model here has a tokenizer that cannot be read, so a
+// check that came after the load would report the tokenizer instead (and before a run
+// writes its snapshot).
+TEST_F(Cli, MethodRelationsAreCheckedBeforeTheModelLoads) {
+  const fs::path model = dir_ / "stories260K.bin";
+  fs::copy_file(model_, model);
+  std::ofstream(dir_ / "tok512.bin") << "not a tokenizer";
+  const std::string g = "generate --model " + model.string() + " --quiet --max-tokens 4 --prompt Once ";
+  const std::string e = "eval kl --model " + model.string() + " --text " + text_ + " --steps 2 ";
+  const std::string relation = "max_budget=64 is below min_budget=2048";
+  expect_rejected(g + "--method dense", "llama2c tokenizer");  // what the load meets
+  expect_rejected(g + "--method dense,tactic --param tactic.p1=0.9", "p1=0.9 and p2=0.6 need p1 < p2");
+  const fs::path snap = dir_ / "p.kvsnap";
+  expect_rejected(g + "--method dense,sketch_topp --param sketch_topp.rest=foo --kv-save " + snap.string(),
+                  "rest='foo' must be none or mean");
+  EXPECT_FALSE(fs::exists(snap));
+  expect_rejected(g + "--method dense,lfps --param lfps.r=1", "r=1 must be in [0, 1)");
+  expect_rejected(g + "--prefill flexprefill --prefill-param min_budget=2048 --prefill-param max_budget=64", relation);
+  expect_rejected(g + "--method quest --param quest.dense_layers=6", "dense_layers=6 exceeds the model's 5 layers");
+  expect_rejected(e + "--method tactic --prefill flexprefill --prefill-param min_budget=2048 --prefill-param "
+                      "max_budget=64",
+                  relation);
+  expect_rejected(e + "--method tactic --sweep tactic.p1=0.5,0.7", "p1=0.7 and p2=0.6 need p1 < p2");
+  expect_rejected(e + "--method quest --param quest.dense_layers=6", "dense_layers=6 exceeds the model's 5 layers");
+  // bench: before the workload is built and before the device is asked for.
+  expect_rejected("bench --device cuda --param lfps.r=1", "r=1 must be in [0, 1)");
+}
+
 // generate takes label=method as eval does (one parser, eval/method_spec.h).
 TEST_F(Cli, GenerateRunsLabelledMethods) {
   const CliResult r = cli_run("generate --model " + model_ + " --prompt 'Once upon' --max-tokens 3 "

@@ -30,6 +30,7 @@
 #include "cumulus/model/text.h"
 #include "cumulus/model/tokenizer.h"
 #include "fixtures.h"
+#include "kernel_check.h"
 
 using namespace cumulus;
 namespace fs = std::filesystem;
@@ -179,6 +180,44 @@ TEST(EvalMethodSpec, Errors) {
   EXPECT_THROW(method_specs_parse({"tactic"}, {}, {"p=0.5,,0.7"}), Error);
   EXPECT_THROW(method_specs_parse({"tactic"}, {"p"}), Error);
   EXPECT_THROW(method_specs_parse({"a.b=tactic"}), Error);
+}
+
+// Each variant is checked as its method's constructor checks it, when it is parsed: a value
+// in its range that breaks a relation, a choice no method has, and a value outside a
+// half-open range.
+TEST(EvalMethodSpec, RelationsAndChoicesAreCheckedWhenParsed) {
+  check::expect_error([] { method_specs_parse({"dense", "tactic"}, {"tactic.p1=0.9"}); },
+                      "method 'tactic': parameters p1=0.9 and p2=0.6 need p1 < p2");
+  check::expect_error([] { method_specs_parse({"tactic"}, {}, {"tactic.p1=0.5,0.7"}); }, "p1=0.7 and p2=0.6");
+  check::expect_error([] { method_specs_parse({"sketch_topp"}, {"rest=foo"}); },
+                      "method 'sketch_topp': parameter rest='foo' must be none or mean");
+  check::expect_error([] { method_specs_parse({"psa"}, {"stop=sure"}); }, "stop='sure' must be estimate or certified");
+  check::expect_error([] { method_specs_parse({"lfps"}, {"r=1"}); }, "method 'lfps': parameter r=1 must be in [0, 1)");
+  EXPECT_NO_THROW(method_specs_parse({"lfps"}, {"r=0.999"}));
+  EXPECT_NO_THROW(method_specs_parse({"tactic"}, {"p1=0.5", "p2=0.7"}));
+  // The prefill method's relations too, and the model's shape where a check needs it.
+  check::expect_error([] { prefill_spec_check("flexprefill", {{"min_budget", "2048"}, {"max_budget", "64"}}); },
+                      "max_budget=64 is below min_budget=2048");
+  EXPECT_NO_THROW(prefill_spec_check("flexprefill", {{"min_budget", "64"}, {"max_budget", "2048"}}));
+  const std::vector<MethodSpec> quest = method_specs_parse({"quest"}, {"dense_layers=6"});
+  check::expect_error([&] { method_specs_check(quest, Shape{5, 8, 4, 64}); },
+                      "method 'quest': parameter dense_layers=6 exceeds the model's 5 layers");
+  EXPECT_NO_THROW(method_specs_check(quest, Shape{6, 8, 4, 64}));
+}
+
+// eval's options carry the prefill method: validate() refuses a broken relation between its
+// parameters, before the model is read.
+TEST(EvalMethodSpec, EvalOptionsRefuseAPrefillRelation) {
+  EvalOptions o;
+  o.task = "kl";
+  o.text = "unused.txt";
+  o.methods = {"tactic"};
+  o.prefill_method = "flexprefill";
+  o.prefill_params = {{"min_budget", "2048"}, {"max_budget", "64"}};
+  check::expect_error([&] { o.validate(); }, "max_budget=64 is below min_budget=2048");
+  o.prefill_params = {};
+  o.params = {"tactic.p2=0.05"};
+  check::expect_error([&] { o.validate(); }, "p1=0.1 and p2=0.05 need p1 < p2");
 }
 
 TEST(EvalBudget, ParamOfEachFixedBudgetMethod) {

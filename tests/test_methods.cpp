@@ -156,6 +156,8 @@ TEST(Methods, RegistryCarriesTargetsBudgetsColoursAndKinds) {
   EXPECT_EQ(r.find("quest").budget_param, "budget");
   EXPECT_EQ(r.find("oracle_topk").budget_param, "k");
   EXPECT_EQ(r.find("streaming").budget_param, "window");
+  EXPECT_EQ(r.find("streaming").budget_extra_param, "sinks");  // it attends sinks + window
+  EXPECT_TRUE(r.find("quest").budget_extra_param.empty());
   EXPECT_TRUE(r.find("tactic").budget_param.empty());
   EXPECT_EQ(r.find(kDenseMethod).kind, MethodKind::decode_and_prefill);
   EXPECT_EQ(r.find_if_known("no_such_method"), nullptr);
@@ -173,6 +175,54 @@ TEST(Methods, RegistryCarriesTargetsBudgetsColoursAndKinds) {
     return nullptr;
   }}));
   check::expect_error([&] { copy.attach_gpu("quest", {}); }, "needs its factory");
+}
+
+// A method's parameters come from its options struct (methods/options.h): one spec per
+// field in order, the default the field's initial value, the range and the choices as
+// written there; Registry::check and the factories refuse what the constructor would.
+TEST(Methods, RegistryParametersComeFromTheOptionsStructs) {
+  const Registry& r = Registry::builtin();
+  auto spec = [&](const std::string& method, const std::string& key) {
+    for (const ParamSpec& p : r.find(method).params)
+      if (p.name == key) return p;
+    ADD_FAILURE() << method << " has no parameter " << key;
+    return ParamSpec{};
+  };
+  const ParamSpec decay = spec("lfps", "r");  // LFPS section 5: 0.95, in [0, 1)
+  EXPECT_EQ(decay.type, ParamType::kDouble);
+  EXPECT_EQ(decay.default_value, "0.95");
+  EXPECT_EQ(decay.min, 0.0);
+  EXPECT_EQ(decay.max, 1.0);
+  EXPECT_FALSE(decay.min_exclusive);
+  EXPECT_TRUE(decay.max_exclusive);
+  const ParamSpec mode = spec("tactic", "mode");
+  EXPECT_EQ(mode.type, ParamType::kChoice);
+  EXPECT_EQ(mode.default_value, "fit");
+  EXPECT_EQ(mode.choices, (std::vector<std::string>{"fit", "cluster_optimal"}));
+  EXPECT_EQ(spec("tactic", "seed").type, ParamType::kInt);
+  EXPECT_EQ(spec("sketch_topp", "rest").default_value, "mean");
+  EXPECT_EQ(spec("sketch_topp", "gpu_dense_mib").default_value, "256");
+  EXPECT_EQ(spec("psa", "threshold").default_value, "0.95");
+  EXPECT_EQ(spec("quest", "budget").default_value, "2048");
+  EXPECT_EQ(spec("streaming", "window").default_value, "2044");
+  EXPECT_EQ(spec("flexprefill", "min_budget").default_value, "1024");
+  std::vector<std::string> names;
+  for (const ParamSpec& p : r.find("psa").params) names.push_back(p.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"threshold", "microbatch", "criticality", "stop"}));
+
+  const Shape s{2, 4, 2, 32};
+  check::expect_error([&] { r.check("lfps", {{"r", "1"}}); }, "parameter r=1 must be in [0, 1)");
+  EXPECT_NO_THROW(r.check("lfps", {{"r", "0"}}));
+  check::expect_error([&] { r.check("psa", {{"threshold", "0"}}); }, "threshold=0 must be in (0, 1]");
+  check::expect_error([&] { r.check("tactic", {{"p1", "0.6"}}); }, "p1=0.6 and p2=0.6 need p1 < p2");
+  check::expect_error([&] { r.make("tactic", s, {{"p2", "0.05"}}); }, "need p1 < p2");
+  check::expect_error([&] { r.check("tactic", {{"mode", "best"}}); }, "mode='best' must be fit or cluster_optimal");
+  check::expect_error([&] { r.check("flexprefill", {{"max_budget", "8"}}); }, "max_budget=8 is below min_budget=1024");
+  // quest's dense_layers against the model's layers: only with a shape, and in make.
+  EXPECT_NO_THROW(r.check("quest", {{"dense_layers", "3"}}));
+  EXPECT_NO_THROW(r.check("quest", {{"dense_layers", "2"}}, &s));
+  check::expect_error([&] { r.check("quest", {{"dense_layers", "3"}}, &s); }, "dense_layers=3 exceeds the model's 2 layers");
+  check::expect_error([&] { r.make("quest", s, {{"dense_layers", "3"}}); }, "exceeds the model's 2 layers");
 }
 
 TEST(Methods, OracleTopPReachesPWithFewestTokens) {

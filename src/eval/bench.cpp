@@ -67,7 +67,7 @@ std::string params_commas(const std::map<std::string, std::string>& p) {
 }  // namespace
 
 void BenchOptions::validate() const {
-  shape_preset(shape);
+  const Shape workload_shape = shape_preset(shape);
   CUMULUS_CHECK(context >= 4096 && context <= 131072, "context={} must be in [4096, 131072]", context);
   CUMULUS_CHECK(threads >= 1 && threads <= 256, "threads={} must be in [1, 256]", threads);
   CUMULUS_CHECK(steps >= 1 && steps <= 1024, "steps={} must be in [1, 1024]", steps);
@@ -87,7 +87,8 @@ void BenchOptions::validate() const {
   for (const auto& [method, kv] : params) {
     CUMULUS_CHECK(std::find(names.begin(), names.end(), method) != names.end(),
                   "--param for method '{}', which is not benchmarked (methods: {})", method, fmt::join(names, ","));
-    reg.parse(method, kv);  // unknown key, bad value: Error naming method, key and value
+    // Unknown key, bad value, broken relation: Error naming method, key and value.
+    reg.check(method, kv, &workload_shape);
   }
 }
 

@@ -85,11 +85,16 @@ std::map<std::string, std::string> key_values_parse(const std::vector<std::strin
   return out;
 }
 
-void prefill_spec_check(const std::string& method, const std::map<std::string, std::string>& params) {
+void prefill_spec_check(const std::string& method, const std::map<std::string, std::string>& params,
+                        const Shape* shape) {
   const MethodInfo& info = Registry::builtin().find(method);
   CUMULUS_CHECK(info.make_prefill != nullptr, "--prefill {}: a {} method, not a prefill method", method,
                 method_kind_name(info.kind));
-  Registry::builtin().parse(method, params);
+  Registry::builtin().check(method, params, shape);
+}
+
+void method_specs_check(const std::vector<MethodSpec>& specs, const Shape& shape) {
+  for (const MethodSpec& s : specs) Registry::builtin().check(s.method, s.params, &shape);
 }
 
 std::string method_budget_warning(const MethodSpec& spec, int64_t context) {
@@ -167,8 +172,8 @@ std::vector<MethodSpec> method_specs_parse(const std::vector<std::string>& entri
         }
       variants = std::move(next);
     }
-    // Check every value now, so a typo fails before any model work.
-    for (const auto& v : variants) Registry::builtin().parse(v.method, v.params);
+    // Check every variant now, as its constructor would, so a typo fails before any model work.
+    for (const auto& v : variants) Registry::builtin().check(v.method, v.params);
     out.insert(out.end(), variants.begin(), variants.end());
   }
   return out;

@@ -229,17 +229,21 @@ std::vector<std::pair<std::string, const RunStats*>> curve_runs(const EvalReport
   return out;
 }
 
+// The `eval mass` variants' own colours, by the start of their names (tasks.cpp's labels,
+// lower case); the other variants take their method's.
+const std::vector<std::pair<std::string, std::string>>& variant_colors() {
+  static const std::vector<std::pair<std::string, std::string>> colors = {
+      {"optimal", "#4e79a7"}, {"cluster optimal", "#9c755f"}, {"psa (bound)", "#edc948"}, {"psa (certified)", "#000000"}};
+  return colors;
+}
+
 // One colour per method across every plot: the registry's (MethodInfo::color) for a curve
 // named after a method (mass variants and matched baselines by the method they run), the
-// `eval mass` variants' own (their labels, tasks.cpp); "" for names it does not know.
+// `eval mass` variants' own (variant_colors); "" for names it does not know.
 std::string method_color(const std::string& curve) {
   std::string n = curve;
   std::transform(n.begin(), n.end(), n.begin(), [](unsigned char c) { return std::tolower(c); });
-  static const std::vector<std::pair<std::string, std::string>> kVariants = {{"optimal", "#4e79a7"},
-                                                                             {"cluster optimal", "#9c755f"},
-                                                                             {"psa (bound)", "#edc948"},
-                                                                             {"psa (certified)", "#000000"}};
-  for (const auto& [prefix, color] : kVariants)
+  for (const auto& [prefix, color] : variant_colors())
     if (n.rfind(prefix, 0) == 0) return color;
   const MethodInfo* best = nullptr;  // the longest registered name the curve starts with
   for (const MethodInfo& m : Registry::builtin().list())
@@ -253,7 +257,8 @@ const std::vector<std::string>& spare_colors() {
   static const std::vector<std::string> spare = [] {
     const std::vector<std::string> palette = {"#bab0ac", "#d37295", "#a0cbe8", "#8cd17d", "#b6992d",
                                               "#499894", "#86bcb6", "#fabfd2", "#ffbe7d", "#f1ce63"};
-    std::set<std::string> taken = {"#4e79a7", "#9c755f", "#edc948", "#000000"};
+    std::set<std::string> taken;
+    for (const auto& [prefix, color] : variant_colors()) taken.insert(color);
     for (const MethodInfo& m : Registry::builtin().list()) taken.insert(m.color);
     std::vector<std::string> out;
     for (const std::string& c : palette)

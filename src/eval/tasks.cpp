@@ -61,13 +61,14 @@ struct MassVariant {
   const char* entry;
   const char* name;
   std::map<std::string, std::string> fixed;  // what defines the variant (wins over --param)
+  bool sets_budget = false;  // the fixed-budget rows are matched to this variant's mean tokens
 };
 
 std::vector<MassVariant> mass_variants() {
   return {
       {"optimal=oracle_topp", "Optimal", {}},
       {"cluster_optimal=tactic", "Cluster Optimal", {{"mode", "cluster_optimal"}}},
-      {"tactic", "Tactic", {{"mode", "fit"}}},
+      {"tactic", "Tactic", {{"mode", "fit"}}, true},
       {"psa_mean=psa", "PSA (mean)", {{"criticality", "mean"}, {"stop", "estimate"}}},
       {"psa_bound=psa", "PSA (bound)", {{"criticality", "bound"}, {"stop", "estimate"}}},
       // The certificate is a sum of Quest bounds over unvisited pages: visiting pages in
@@ -76,12 +77,19 @@ std::vector<MassVariant> mass_variants() {
   };
 }
 
-// mass: dense, the variants, then the LFPS and Quest rows matched to Tactic's budget.
+// The fixed-budget rows of mass, each given the budget-setting variant's mean tokens.
+struct MassMatched {
+  const char* entry;
+  const char* name;
+};
+
+std::vector<MassMatched> mass_matched() { return {{"lfps", "LFPS @ Tactic budget"}, {"quest", "Quest @ Tactic budget"}}; }
+
+// mass: dense, the variants, then the fixed-budget rows.
 std::vector<std::string> mass_entries() {
   std::vector<std::string> entries{"dense"};
   for (const auto& v : mass_variants()) entries.push_back(v.entry);
-  entries.push_back("lfps");
-  entries.push_back("quest");
+  for (const auto& m : mass_matched()) entries.push_back(m.entry);
   return entries;
 }
 
@@ -328,8 +336,10 @@ RunStats Evaluator::run_matched(const MethodSpec& base, double target_tokens, in
                                 const std::function<RunStats(const MethodSpec&, const std::string&)>& run) {
   const std::string key = budget_param(base.method);
   const auto resolved = Registry::builtin().parse(base.method, base.params).values();
-  // streaming attends sinks + window: the window is the budget less the sinks.
-  const int offset = base.method == "streaming" ? std::stoi(resolved.at("sinks")) : 0;
+  // A method that attends tokens besides its budget (streaming's sinks besides its window)
+  // is given the budget less them.
+  const std::string& extra = Registry::builtin().find(base.method).budget_extra_param;
+  const int offset = extra.empty() ? 0 : std::stoi(resolved.at(extra));
   auto clamp_budget = [&](double b) {
     return static_cast<int>(std::clamp<double>(std::round(b), 1.0, std::max(1, max_budget - offset)));
   };
@@ -438,14 +448,14 @@ void Evaluator::task_mass(EvalReport& rep) {
       s.params[Registry::builtin().find(s.method).target_param] = ptext;
       s.label += " p=" + ptext;
       RunStats r = run(s, variants[i].name);
-      if (std::string(variants[i].entry) == "tactic") tactic_tokens = r.tokens_mean;
+      if (variants[i].sets_budget) tactic_tokens = r.tokens_mean;
       rep.mass.push_back({p, std::move(r)});
     }
-    for (size_t i = variants.size() + 1; i < specs.size(); ++i) {
-      MethodSpec s = specs[i];
+    const std::vector<MassMatched> matched = mass_matched();
+    for (size_t i = 0; i < matched.size(); ++i) {
+      MethodSpec s = specs[variants.size() + 1 + i];
       s.label += " @ tactic p=" + ptext;
-      const std::string name = specs[i].method == "lfps" ? "LFPS @ Tactic budget" : "Quest @ Tactic budget";
-      rep.mass.push_back({p, run_matched(s, tactic_tokens, ctx, name, run)});
+      rep.mass.push_back({p, run_matched(s, tactic_tokens, ctx, matched[i].name, run)});
     }
   }
 }
@@ -674,6 +684,10 @@ void EvalOptions::validate() const {
 }
 
 void EvalOptions::validate(const ModelConfig& model) const {
+  // What the methods need of the model (quest's dense_layers within its layers).
+  const Shape shape = model.shape();
+  method_specs_check(eval_task_specs(*this), shape);
+  prefill_spec_check(prefill_method, prefill_params, &shape);
   const int ctx = model.context_length;
   if (task == "niah" || (task == "matched" && matched_niah)) {
     for (int l : lengths) CUMULUS_CHECK(l <= ctx, "length={} exceeds the model's context of {} tokens", l, ctx);

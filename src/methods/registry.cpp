@@ -1,6 +1,7 @@
 // The method registry: names, kinds, typed parameters with defaults, and factories.
 #include "cumulus/methods/registry.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <mutex>
@@ -33,8 +34,9 @@ double parse_number(const MethodInfo& m, const ParamSpec& p, const std::string& 
                   "method '{}': parameter {}='{}' is not a finite number", m.name, p.name, value);
   }
   const bool low_ok = p.min_exclusive ? x > p.min : x >= p.min;
-  CUMULUS_CHECK(low_ok && x <= p.max, "method '{}': parameter {}={} must be in {}{}, {}]", m.name, p.name, value,
-                p.min_exclusive ? "(" : "[", p.min, p.max);
+  const bool high_ok = p.max_exclusive ? x < p.max : x <= p.max;
+  CUMULUS_CHECK(low_ok && high_ok, "method '{}': parameter {}={} must be in {}{}, {}{}", m.name, p.name, value,
+                p.min_exclusive ? "(" : "[", p.min, p.max, p.max_exclusive ? ")" : "]");
   return x;
 }
 
@@ -47,6 +49,14 @@ void check_value(const MethodInfo& m, const ParamSpec& p, const std::string& val
                     "method '{}': parameter {}='{}' must be true or false", m.name, p.name, value);
       break;
     case ParamType::kString: break;
+    case ParamType::kChoice:
+      if (std::find(p.choices.begin(), p.choices.end(), value) == p.choices.end()) {
+        std::string names;
+        for (size_t i = 0; i < p.choices.size(); ++i)
+          names += (i == 0 ? "" : i + 1 == p.choices.size() ? " or " : ", ") + p.choices[i];
+        CUMULUS_FAIL("method '{}': parameter {}='{}' must be {}", m.name, p.name, value, names);
+      }
+      break;
   }
 }
 
@@ -87,13 +97,18 @@ const std::string& Params::get_string(const std::string& name) const {
 
 void Registry::add(MethodInfo info) {
   for (const auto& m : methods_) CUMULUS_CHECK(m.name != info.name, "method '{}' registered twice", info.name);
-  for (const auto& p : info.params) check_value(info, p, p.default_value);
+  Params defaults;
+  for (const auto& p : info.params) {
+    check_value(info, p, p.default_value);
+    defaults.values_[p.name] = p.default_value;
+  }
+  if (info.check != nullptr) info.check(defaults, nullptr);
   const bool decodes = info.make_decode != nullptr || info.make_policy != nullptr;
   CUMULUS_CHECK(decodes == method_kind_decodes(info.kind) &&
                     (info.make_prefill != nullptr) == (info.kind != MethodKind::decode),
                 "method '{}': kind {} does not match its factories (decode: {}, prefill: {})", info.name,
                 method_kind_name(info.kind), decodes, info.make_prefill != nullptr);
-  for (const std::string* key : {&info.target_param, &info.budget_param})
+  for (const std::string* key : {&info.target_param, &info.budget_param, &info.budget_extra_param})
     CUMULUS_CHECK(key->empty() || find_spec(info, *key) != nullptr, "method '{}': no parameter '{}' to target",
                   info.name, *key);
   if (info.make_policy != nullptr && info.make_decode == nullptr) {
@@ -145,13 +160,21 @@ Params Registry::parse(const std::string& name, const std::map<std::string, std:
   return out;
 }
 
+Params Registry::check(const std::string& name, const std::map<std::string, std::string>& overrides,
+                       const Shape* shape) const {
+  const MethodInfo& m = find(name);
+  Params p = parse(name, overrides);
+  if (m.check != nullptr) m.check(p, shape);
+  return p;
+}
+
 std::unique_ptr<DecodeMethod> Registry::make(const std::string& name, const Shape& shape,
                                              const std::map<std::string, std::string>& overrides) const {
   shape.validate();
   const MethodInfo& m = find(name);
   CUMULUS_CHECK(m.make_decode != nullptr, "method '{}' is a {} method, not a decode method", name,
                 method_kind_name(m.kind));
-  return m.make_decode(shape, parse(name, overrides));
+  return m.make_decode(shape, check(name, overrides, &shape));
 }
 
 std::shared_ptr<const SelectPolicy> Registry::make_policy(const std::string& name, const Shape& shape,
@@ -159,7 +182,7 @@ std::shared_ptr<const SelectPolicy> Registry::make_policy(const std::string& nam
   const MethodInfo& m = find(name);
   CUMULUS_CHECK(m.make_policy != nullptr, "method '{}' is not defined over the selection ops (methods/policy.h)", name);
   shape.validate();
-  return m.make_policy(shape, parse(name, overrides));
+  return m.make_policy(shape, check(name, overrides, &shape));
 }
 
 std::unique_ptr<PrefillMethod> Registry::make_prefill(const std::string& name, const Shape& shape,
@@ -168,7 +191,7 @@ std::unique_ptr<PrefillMethod> Registry::make_prefill(const std::string& name, c
   const MethodInfo& m = find(name);
   CUMULUS_CHECK(m.make_prefill != nullptr, "method '{}' is a {} method, not a prefill method", name,
                 method_kind_name(m.kind));
-  return m.make_prefill(shape, parse(name, overrides));
+  return m.make_prefill(shape, check(name, overrides, &shape));
 }
 
 const Registry& Registry::builtin() {

@@ -342,7 +342,7 @@ TEST(CudaMethods, PsaMatchesCpuMethod) {
         cuda::PsaGpuOptions po;
         po.threshold = 0.9;
         po.microbatch = mb;
-        po.criticality = std::string(crit) == "mean" ? cuda::PageScoreKind::kMean : cuda::PageScoreKind::kBound;
+        po.criticality = std::string(crit) == "mean" ? PsaCriticality::mean : PsaCriticality::bound;
         auto m = cuda::make_psa_gpu(dev.view(), sh.group(), po);
         const GpuRun g = run_method(*m, dev.view(), wl, n_seqs, qd, dlse);
         const std::string what = fmt::format("psa {} microbatch {} {}", shape, mb, crit);

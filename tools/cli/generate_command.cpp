@@ -524,6 +524,9 @@ std::vector<MethodSpec> generate_validate(const GenerateOptions& o, KvSnapshotUs
   if (!o.kv_save.empty()) file_check_output(o.kv_save, "--kv-save");
 
   const ModelConfig c = model_load_check(o.model, o.tokenizer);
+  const Shape shape = c.shape();
+  method_specs_check(specs, shape);  // what the methods need of the model, before its weights
+  prefill_spec_check(o.prefill, prefill_param_map(o.prefill_params), &shape);
   const int ctx = c.context_length;
   if (o.device != "cpu") {
     CUMULUS_CHECK(o.device == "cuda", "--device={} must be cpu or cuda", o.device);

@@ -97,7 +97,8 @@ struct EvalOptions {
   // reference's label; matched takes adaptive methods only).
   void validate() const;
   // The checks that need the model's hyperparameters (its header, model_load_check):
-  // context and NIAH lengths within the model's context.
+  // context and NIAH lengths within the model's context, the methods' parameters against
+  // its shape (method_specs_check).
   void validate(const ModelConfig& model) const;
 };
 

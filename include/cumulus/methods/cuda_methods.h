@@ -16,6 +16,7 @@
 
 #include "cumulus/kernels/cuda_decoder.h"
 #include "cumulus/methods/lfps.h"
+#include "cumulus/methods/psa.h"
 #include "cumulus/methods/registry.h"
 #include "cumulus/methods/sketch_topp.h"
 #include "cumulus/methods/tactic.h"
@@ -50,12 +51,9 @@ std::unique_ptr<SparseDecoder> make_tactic_gpu(const DeviceKvView& kv, int group
 // in microbatches until AS_acc / (AS_acc + AS_min N_left) >= threshold. The visits run in
 // rounds of growing size; after each round a verifying pass (the round's last CTA for each
 // head) finds the exact stopping microbatch on the device and marks the head done, and
-// later rounds skip done heads: no host round trip per microbatch (section 3.3).
-struct PsaGpuOptions {
-  double threshold = 0.95;
-  int microbatch = 1;
-  PageScoreKind criticality = PageScoreKind::kMean;
-};
+// later rounds skip done heads: no host round trip per microbatch (section 3.3). The
+// parameters are the CPU method's (methods/psa.h); stop must be estimate.
+struct PsaGpuOptions : PsaOptions {};
 std::unique_ptr<SparseDecoder> make_psa_gpu(const DeviceKvView& kv, int group, const PsaGpuOptions& o,
                                             const AttentionPlanOptions& plan = {});
 
@@ -81,7 +79,8 @@ struct SketchToppGpuOptions : SketchToppOptions {
   // attend() runs the dense kernel (claims 1). A step's selection costs a few fixed
   // launches whatever the context; below this size they cost more than the bytes they
   // save (docs/cuda.md "sketch_topp on the GPU" has the measurements). 0: never.
-  size_t dense_kv_bytes = size_t{256} << 20;
+  // Its default is the registry's gpu_dense_mib (methods/sketch_topp.h).
+  size_t dense_kv_bytes = static_cast<size_t>(gpu_dense_mib) << 20;
   // Tokens per CTA of the weights pass and of the histogram pass (0: planned from the batch
   // and the multiprocessor count; multiples of 512).
   int weights_chunk = 0;

@@ -11,6 +11,7 @@
 
 #include "cumulus/core/shape.h"
 #include "cumulus/methods/method.h"
+#include "cumulus/methods/options.h"
 #include "cumulus/methods/policy.h"
 #include "cumulus/methods/prefill.h"
 
@@ -20,32 +21,6 @@ namespace cuda {
 class SparseDecoder;  // kernels/cuda_decoder.h
 struct DeviceKvView;  // kernels/cuda.h
 }  // namespace cuda
-
-enum class ParamType { kInt, kDouble, kBool, kString };
-
-struct ParamSpec {
-  std::string name;
-  ParamType type = ParamType::kDouble;
-  std::string default_value;
-  std::string help;
-  double min = -1e300;  // inclusive range for numbers
-  double max = 1e300;
-  bool min_exclusive = false;  // e.g. P in (0, 1]
-};
-
-// Parameter values after validation against the spec (defaults filled in).
-class Params {
- public:
-  int get_int(const std::string& name) const;
-  double get_double(const std::string& name) const;
-  bool get_bool(const std::string& name) const;
-  const std::string& get_string(const std::string& name) const;
-  const std::map<std::string, std::string>& values() const { return values_; }
-
- private:
-  friend class Registry;
-  std::map<std::string, std::string> values_;
-};
 
 // A method's own GPU pipeline (methods/cuda_methods.h), which its src/methods/<name>/<name>.cu
 // attaches (cuda::registry_with_gpu, a CUDA build only). Methods without one run on the GPU
@@ -81,12 +56,18 @@ struct MethodInfo {
   MethodKind kind = MethodKind::decode;
   std::string paper;  // where it comes from
   std::string summary;
+  // Its parameters, generated from its options struct (options_params, methods/options.h).
   std::vector<ParamSpec> params;
   std::function<std::unique_ptr<DecodeMethod>(const Shape&, const Params&)> make_decode = nullptr;    // decode
   std::function<std::unique_ptr<PrefillMethod>(const Shape&, const Params&)> make_prefill = nullptr;  // prefill
   // A decode method defined once over the selection ops (methods/policy.h): every backend
   // runs this definition, and make_decode, when not set, is its CPU adapter.
   std::function<std::shared_ptr<const SelectPolicy>(const Shape&, const Params&)> make_policy = nullptr;
+  // What the method's constructor refuses beyond each value's range: relations between
+  // parameters (tactic's p1 < p2) and, given the model's shape, those that need it (quest's
+  // dense_layers within the model's layers); an Error naming them. Builds nothing
+  // (options_check, methods/options.h); nullptr: nothing beyond the ranges.
+  std::function<void(const Params&, const Shape*)> check = nullptr;
   // The parameter holding the attention mass the method targets ("p", PSA's "threshold");
   // empty for methods that target none (fixed budgets). Evaluation reports "reached P"
   // against it, and sweeps it over the targets of `eval mass`.
@@ -95,6 +76,10 @@ struct MethodInfo {
   // oracle_topk's "k", streaming's "window"); empty for adaptive methods. `eval matched`
   // sets it to the adaptive method's budget.
   std::string budget_param = {};
+  // The parameter holding tokens a fixed-budget method attends besides its budget
+  // (streaming's "sinks", beside its "window"); empty: none. `eval matched` gives
+  // budget_param the budget less these.
+  std::string budget_extra_param = {};
   // Its colour in the evaluation's plots ("#rrggbb"); empty: the plots' palette picks one
   // no registered method uses.
   std::string color = {};
@@ -118,6 +103,11 @@ class Registry {
   // Validates key=value overrides against the spec (unknown key, bad number, out of
   // range: Error naming method, key and value) and fills in defaults.
   Params parse(const std::string& name, const std::map<std::string, std::string>& overrides) const;
+  // Everything the method would refuse in these parameters, before any work: parse, then
+  // MethodInfo::check, with the model's shape where one is given (Error naming method, key
+  // and value). make, make_policy and make_prefill run the same checks.
+  Params check(const std::string& name, const std::map<std::string, std::string>& overrides,
+               const Shape* shape = nullptr) const;
   std::unique_ptr<DecodeMethod> make(const std::string& name, const Shape& shape,
                                      const std::map<std::string, std::string>& overrides = {}) const;
   // The policy of a method defined once over the selection ops (Error for any other).

@@ -54,18 +54,6 @@ class FlexPrefill final : public PrefillMethod {
 
 }  // namespace
 
-FlexPrefillOptions flexprefill_options(const Params& p) {
-  FlexPrefillOptions o;
-  o.config.gamma = p.get_double("gamma");
-  o.config.tau = p.get_double("tau");
-  o.config.block_size = p.get_int("block_size");
-  o.config.min_budget = p.get_int("min_budget");
-  o.config.max_budget = p.get_int("max_budget");
-  flexprefill::validate(o.config);
-  o.chunk = p.get_int("chunk");
-  return o;
-}
-
 void flexprefill_stats_add(PrefillStats& s, const flexprefill::Geometry& g, const BlockSparseLayout& layout,
                            const std::vector<flexprefill::HeadSelection>& heads) {
   int64_t causal = 0;
@@ -86,17 +74,12 @@ void register_flexprefill(Registry& r) {
          .kind = MethodKind::prefill,
          .paper = "FlexPrefill (ICLR 2025): pattern determination, index selection, Algorithms 3-4",
          .summary = "per head: query-aware or vertical-slash blocks reaching cumulative attention gamma",
-         .params = {{"gamma", ParamType::kDouble, "0.9", "cumulative attention threshold (1 = dense)", 0.0, 1.0, true},
-                    {"tau", ParamType::kDouble, "0.1", "query-aware iff sqrt(JSD) < tau (0 = never)", 0.0, 1.0},
-                    {"block_size", ParamType::kInt, "128", "tokens per query/key block", 8, 4096},
-                    {"min_budget", ParamType::kInt, "1024", "tokens: min vertical and slash budget each", 0, 1 << 30},
-                    {"max_budget", ParamType::kInt, "0", "tokens: max vertical and slash budget each (0 = none)", 0,
-                     1 << 30},
-                    {"chunk", ParamType::kInt, "0", "tokens per prefill forward (0 = the whole prompt)", 0, 1 << 30}},
+         .params = options_params<FlexPrefillOptions>(),  // methods/flexprefill.h
          .make_prefill = [](const Shape& s, const Params& p) -> std::unique_ptr<PrefillMethod> {
-           const FlexPrefillOptions o = flexprefill_options(p);
+           const FlexPrefillOptions o = options_read<FlexPrefillOptions>(p);
            return std::make_unique<FlexPrefill>(s, o.config, o.chunk);
-         }});
+         },
+         .check = options_check<FlexPrefillOptions>()});
 }
 
 }  // namespace cumulus

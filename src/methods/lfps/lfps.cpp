@@ -25,7 +25,6 @@
 #include "cumulus/kernels/selection.h"
 #include "cumulus/methods/registry.h"
 #include "lfps_tables.h"
-#include "methods/method_options.h"
 #include "methods/method_util.h"
 
 namespace cumulus {
@@ -326,60 +325,15 @@ const LfpsTables& lfps_tables(const DecodeMethod& method, int layer, int q_head)
 }  // namespace methods
 
 void register_lfps(Registry& r) {
-  // Every default is the options struct's own (methods/lfps.h).
-  const LfpsOptions d;
   r.add({.name = "lfps",
          .kind = MethodKind::decode,
          .paper = "LFPS: Learn from the Past, section 4.2, Algorithm 1, Eq. 4-10: candidates from vertical/slash "
                   "score tables of past attention, exact top-k over them, sink bypass",
          .summary = "top-k over candidates predicted from past attention (no mass claim); mean value vector when "
                     "the sink dominates",
-         .params = {{.name = "a",
-                     .type = ParamType::kDouble,
-                     .default_value = fmt::format("{}", d.a),
-                     .help = "threshold scale of Eq. 8 (section 5: 0.2 and 0.3)",
-                     .min = 0.0,
-                     .max = 1e6,
-                     .min_exclusive = true},
-                    {.name = "r",
-                     .type = ParamType::kDouble,
-                     .default_value = fmt::format("{}", d.r),
-                     .help = "table decay of Eq. 10, in [0, 1) (section 5: 0.95)",
-                     .min = 0.0,
-                     .max = 1.0},
-                    {.name = "epsilon",
-                     .type = ParamType::kDouble,
-                     .default_value = fmt::format("{}", d.epsilon),
-                     .help = "sink ratio above which a head outputs the mean value (Eq. 6; 1 disables)",
-                     .min = 0.0,
-                     .max = 1.0},
-                    {.name = "s",
-                     .type = ParamType::kInt,
-                     .default_value = fmt::format("{}", d.s),
-                     .help = "prompt queries that build the tables (Eq. 4; section 5: 32)",
-                     .min = 1,
-                     .max = 1 << 20},
-                    {.name = "budget",
-                     .type = ParamType::kInt,
-                     .default_value = fmt::format("{}", d.budget),
-                     .help = "top-k size per query head in tokens (0: budget_ratio of the cache)",
-                     .min = 0,
-                     .max = 1 << 30},
-                    {.name = "budget_ratio",
-                     .type = ParamType::kDouble,
-                     .default_value = fmt::format("{}", d.budget_ratio),
-                     .help = "top-k size as a share of the cache when budget=0 (Tables 1-2: 2%)",
-                     .min = 0.0,
-                     .max = 1.0,
-                     .min_exclusive = true},
-                    {.name = "sinks",
-                     .type = ParamType::kInt,
-                     .default_value = fmt::format("{}", d.sinks),
-                     .help = "first tokens always attended and kept out of the tables (section 5: four)",
-                     .min = 1,
-                     .max = 1 << 20}},
+         .params = options_params<LfpsOptions>(),  // methods/lfps.h
          .make_decode = [](const Shape& s, const Params& p) {
-           return std::make_unique<Lfps>(s, methods::read_lfps_options(p));
+           return std::make_unique<Lfps>(s, options_read<LfpsOptions>(p));
          },
          .budget_param = "budget",
          .color = "#ff9da7"});

@@ -24,7 +24,6 @@
 #include "cumulus/methods/lfps.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "kernels/cuda/cuda_internal.cuh"
-#include "methods/method_options.h"
 
 namespace cumulus::cuda {
 namespace {
@@ -753,7 +752,7 @@ LfpsTablesCopy lfps_gpu_download(const SparseDecoder& m, int seq, int q_head) {
 void attach_lfps_gpu(Registry& r) {
   r.attach_gpu("lfps", {.make = [](const DeviceKvView& kv, const Shape& shape, int,
                                    const Params& p) -> std::unique_ptr<SparseDecoder> {
-    return make_lfps_gpu(kv, shape.group(), methods::read_lfps_options(p));
+    return make_lfps_gpu(kv, shape.group(), options_read<LfpsOptions>(p));
   }});
 }
 

@@ -9,9 +9,18 @@
 namespace cumulus {
 namespace {
 
+struct OracleTopKOptions {
+  int k = 2048;
+
+  template <class F>
+  void fields(F& f) {
+    f.number(k, "k", ParamRange::closed(1, 1 << 30), "tokens per query head (k > context attends everything)");
+  }
+};
+
 class OracleTopK final : public SelectPolicy {
  public:
-  explicit OracleTopK(int k) : k_(k) {}
+  explicit OracleTopK(const OracleTopKOptions& o) : k_(o.k) {}
   void select(int, SelectOps& ops) const override {
     ops.score_tokens();
     ops.choose_topk(k_);
@@ -29,13 +38,10 @@ void register_oracle_topk(Registry& r) {
          .kind = MethodKind::decode,
          .paper = "exact top-k by true score (fixed-budget yardstick)",
          .summary = "k highest-scoring tokens per query head (reads every key to score it)",
-         .params = {{.name = "k",
-                     .type = ParamType::kInt,
-                     .default_value = "2048",
-                     .help = "tokens per query head (k > context attends everything)",
-                     .min = 1,
-                     .max = 1 << 30}},
-         .make_policy = [](const Shape&, const Params& p) { return std::make_shared<OracleTopK>(p.get_int("k")); },
+         .params = options_params<OracleTopKOptions>(),
+         .make_policy = [](const Shape&, const Params& p) {
+           return std::make_shared<OracleTopK>(options_read<OracleTopKOptions>(p));
+         },
          .budget_param = "k",
          .color = "#59a14f"});
 }

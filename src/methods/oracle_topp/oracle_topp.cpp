@@ -9,9 +9,18 @@
 namespace cumulus {
 namespace {
 
+struct OracleTopPOptions {
+  double p = 0.9;
+
+  template <class F>
+  void fields(F& f) {
+    f.number(p, "p", ParamRange::left_open(0, 1), "target cumulative attention mass, in (0, 1]");
+  }
+};
+
 class OracleTopP final : public SelectPolicy {
  public:
-  explicit OracleTopP(double p) : p_(p) {}
+  explicit OracleTopP(const OracleTopPOptions& o) : p_(o.p) {}
   void select(int, SelectOps& ops) const override {
     ops.score_tokens();
     ops.choose_top_mass(p_);
@@ -29,14 +38,10 @@ void register_oracle_topp(Registry& r) {
          .kind = MethodKind::decode,
          .paper = "Tactic, section 3 / Table 1 'Optimal': minimal set reaching P by true score",
          .summary = "exact top-p set per query head (reads every key to score it)",
-         .params = {{.name = "p",
-                     .type = ParamType::kDouble,
-                     .default_value = "0.9",
-                     .help = "target cumulative attention mass, in (0, 1]",
-                     .min = 0.0,
-                     .max = 1.0,
-                     .min_exclusive = true}},
-         .make_policy = [](const Shape&, const Params& p) { return std::make_shared<OracleTopP>(p.get_double("p")); },
+         .params = options_params<OracleTopPOptions>(),
+         .make_policy = [](const Shape&, const Params& p) {
+           return std::make_shared<OracleTopP>(options_read<OracleTopPOptions>(p));
+         },
          .target_param = "p",
          .color = "#4e79a7"});
 }

@@ -23,6 +23,7 @@
 #include "core/check.h"
 #include "cumulus/kernels/scoring.h"
 #include "cumulus/kernels/selection.h"
+#include "cumulus/methods/psa.h"
 #include "cumulus/methods/registry.h"
 #include "methods/method_util.h"
 
@@ -39,9 +40,6 @@ double log_add(double a, double b) {
   return m + std::log(std::exp(a - m) + std::exp(b - m));
 }
 
-enum class Criticality { kMean, kBound };
-enum class Stop { kEstimate, kCertified };
-
 // Scratch of one kv head's task.
 struct Scratch {
   std::vector<float> crit_scores, bounds, scores;
@@ -52,8 +50,8 @@ struct Scratch {
 
 class Psa final : public DecodeMethod {
  public:
-  Psa(const Shape& shape, double threshold, int microbatch, Criticality crit, Stop stop)
-      : shape_(shape), threshold_(threshold), microbatch_(microbatch), crit_(crit), stop_(stop) {}
+  Psa(const Shape& shape, const PsaOptions& o)
+      : shape_(shape), threshold_(o.threshold), microbatch_(o.microbatch), crit_(o.criticality), stop_(o.stop) {}
   std::string name() const override { return "psa"; }
 
   void decode(int layer, const float* q, const KvCache& kv, const DecodeContext& ctx, AttnOutput& out) override {
@@ -74,8 +72,8 @@ class Psa final : public DecodeMethod {
       }
       selection_normalize(uni);
       // Block metadata (float32 [n_pages][head_dim] arrays) is read once per kv head.
-      const int meta_arrays = (crit_ == Criticality::kMean ? 1 : 2) +
-                              (stop_ == Stop::kCertified && crit_ == Criticality::kMean ? 2 : 0);
+      const int meta_arrays = (crit_ == PsaCriticality::mean ? 1 : 2) +
+                              (stop_ == PsaStop::certified && crit_ == PsaCriticality::mean ? 2 : 0);
       methods::add_kv_head_bytes(shape_, h, static_cast<double>(meta_arrays) * v.n_pages() * d * sizeof(float), out);
     });
     methods::attend_selection(kv, layer, q, ctx, out);
@@ -88,7 +86,7 @@ class Psa final : public DecodeMethod {
     const int n_pages = v.n_pages();
     const double scale = attention_scale(v.head_dim);
     w.crit_scores.resize(n_pages);
-    if (crit_ == Criticality::kMean) {
+    if (crit_ == PsaCriticality::mean) {
       cpu::page_score_mean(v, q, w.crit_scores.data());
     } else {
       cpu::page_score_bound(v, q, w.crit_scores.data());
@@ -97,8 +95,8 @@ class Psa final : public DecodeMethod {
 
     // certified: w.log_rest[r] = log sum_{r' >= r} |b_r'| exp(scale * ub_b_r'), the bound on
     // what the blocks from rank r on can hold.
-    if (stop_ == Stop::kCertified) {
-      if (crit_ == Criticality::kBound) {
+    if (stop_ == PsaStop::certified) {
+      if (crit_ == PsaCriticality::bound) {
         w.bounds = w.crit_scores;
       } else {
         w.bounds.resize(n_pages);
@@ -142,7 +140,7 @@ class Psa final : public DecodeMethod {
       r = r_end;
       // Lines 15-16: P_acc = AS_acc / AS_total, as 1 / (1 + rest / AS_acc) in log space.
       double log_rest = kNegInf;
-      if (stop_ == Stop::kEstimate) {
+      if (stop_ == PsaStop::estimate) {
         if (n_left > 0) log_rest = log_min + std::log(static_cast<double>(n_left));
       } else {
         log_rest = w.log_rest[r];
@@ -156,8 +154,8 @@ class Psa final : public DecodeMethod {
   Shape shape_;
   double threshold_;
   int microbatch_;
-  Criticality crit_;
-  Stop stop_;
+  PsaCriticality crit_;
+  PsaStop stop_;
   std::vector<Scratch> scratch_;  // [n_kv_heads], one per task
 };
 
@@ -170,38 +168,9 @@ void register_psa(Registry& r) {
                   "the estimated mass reaches the threshold",
          .summary = "visit pages by criticality until AS_acc / (AS_acc + AS_min * N_left) >= threshold "
                     "(stop=certified: a guaranteed lower bound instead)",
-         .params = {{.name = "threshold",
-                     .type = ParamType::kDouble,
-                     .default_value = "0.95",
-                     .help = "attention weight threshold epsilon, in (0, 1] (section 3.2 example: 95%)",
-                     .min = 0.0,
-                     .max = 1.0,
-                     .min_exclusive = true},
-                    {.name = "microbatch",
-                     .type = ParamType::kInt,
-                     .default_value = "1",
-                     .help = "blocks per attention step m (Algorithm 1 uses 1, Figure 4 uses 4)",
-                     .min = 1,
-                     .max = 1 << 20},
-                    {.name = "criticality",
-                     .type = ParamType::kString,
-                     .default_value = "mean",
-                     .help = "block score: mean (q . mean key) or bound (Quest's q.k upper bound)"},
-                    {.name = "stop",
-                     .type = ParamType::kString,
-                     .default_value = "estimate",
-                     .help = "estimate (Algorithm 1, AS_min * N_left) or certified (Quest bound on every "
-                             "unvisited block: the claim is a lower bound of the true mass)"}},
+         .params = options_params<PsaOptions>(),  // methods/psa.h
          .make_decode = [](const Shape& s, const Params& p) {
-           const std::string& crit = p.get_string("criticality");
-           const std::string& stop = p.get_string("stop");
-           CUMULUS_CHECK(crit == "mean" || crit == "bound",
-                         "method 'psa': parameter criticality='{}' must be mean or bound", crit);
-           CUMULUS_CHECK(stop == "estimate" || stop == "certified",
-                         "method 'psa': parameter stop='{}' must be estimate or certified", stop);
-           return std::make_unique<Psa>(s, p.get_double("threshold"), p.get_int("microbatch"),
-                                        crit == "mean" ? Criticality::kMean : Criticality::kBound,
-                                        stop == "estimate" ? Stop::kEstimate : Stop::kCertified);
+           return std::make_unique<Psa>(s, options_read<PsaOptions>(p));
          },
          .target_param = "threshold",
          .color = "#76b7b2"});

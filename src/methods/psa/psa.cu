@@ -281,7 +281,7 @@ class PsaGpu final : public SparseDecoder {
       : SparseDecoder(kv, group, po), o_(o) {
     CUMULUS_CHECK(o.threshold > 0 && o.threshold <= 1, "psa: threshold={} must be in (0, 1]", o.threshold);
     CUMULUS_CHECK(o.microbatch >= 1, "psa: microbatch={} must be >= 1", o.microbatch);
-    if (o.criticality == PageScoreKind::kMean)
+    if (o.criticality == PsaCriticality::mean)
       CUMULUS_CHECK(kv.kmean != nullptr, "psa: kv.kmean must be non-null");
     else
       CUMULUS_CHECK(kv.kmin != nullptr && kv.kmax != nullptr, "psa: kv.kmin and kv.kmax must be non-null");
@@ -315,7 +315,7 @@ class PsaGpu final : public SparseDecoder {
   }
   std::string name() const override { return "psa"; }
   double select_bytes_per_token() const override {  // kmean, or kmin and kmax, float32 per page
-    return (o_.criticality == PageScoreKind::kMean ? 1.0 : 2.0) * base().kv.head_dim * sizeof(float) /
+    return (o_.criticality == PsaCriticality::mean ? 1.0 : 2.0) * base().kv.head_dim * sizeof(float) /
            base().kv.page_size;
   }
 
@@ -326,7 +326,8 @@ class PsaGpu final : public SparseDecoder {
     const int rows = b.kv.n_seqs * b.n_q;
     psa_init_kernel<<<ceil_div(rows, 256), 256, 0, s>>>(p, epoch_.as<int>());
     CUMULUS_CUDA_LAUNCH("psa_init_kernel");
-    page_score(b.kv, b.group, o_.criticality, q, crit_.as<float>(), stream);
+    const PageScoreKind kind = o_.criticality == PsaCriticality::mean ? PageScoreKind::kMean : PageScoreKind::kBound;
+    page_score(b.kv, b.group, kind, q, crit_.as<float>(), stream);
     sort_rows_desc(crit_.as<float>(), rowlen_.as<int32_t>(), rows, b.kv.max_pages, order_.as<int32_t>(), *sort_,
                    stream);
     for (size_t i = 0; i + 1 < bounds_.size(); ++i) {
@@ -389,13 +390,11 @@ void attach_psa_gpu(Registry& r) {
   r.attach_gpu("psa", {.make = [](const DeviceKvView& kv, const Shape& shape, int,
                                   const Params& p) -> std::unique_ptr<SparseDecoder> {
                          PsaGpuOptions o;
-                         o.threshold = p.get_double("threshold");
-                         o.microbatch = p.get_int("microbatch");
-                         o.criticality = p.get_string("criticality") == "mean" ? PageScoreKind::kMean : PageScoreKind::kBound;
+                         options_read(p, o);
                          return make_psa_gpu(kv, shape.group(), o);
                        },
                        .check = [](const Shape&, const Params& p) {
-                         CUMULUS_CHECK(p.get_string("stop") == "estimate",
+                         CUMULUS_CHECK(options_read<PsaOptions>(p).stop == PsaStop::estimate,
                                        "--device cuda: psa stop='{}' is not on cuda (the GPU pipeline implements "
                                        "stop=estimate)",
                                        p.get_string("stop"));

@@ -7,14 +7,31 @@
 // rule). A fixed-budget baseline: no mass claim (NaN). dense_layers: the first layers attend
 // every token, as Quest's evaluation code does for layers 0 and 1 (default 0 here: off).
 // Defined once over the selection ops (methods/policy.h): the CPU and the GPU run this.
+#include "core/check.h"
 #include "cumulus/methods/registry.h"
 
 namespace cumulus {
 namespace {
 
+struct QuestOptions {
+  int budget = 2048;
+  int dense_layers = 0;
+
+  template <class F>
+  void fields(F& f) {
+    f.number(budget, "budget", ParamRange::closed(1, 1 << 30), "token budget per query head, rounded up to whole pages");
+    f.number(dense_layers, "dense_layers", ParamRange::closed(0, 1 << 20),
+             "the first N layers attend every token (Quest's evaluation code keeps layers 0 and 1 dense)");
+  }
+  void check(const Shape& shape) const {
+    CUMULUS_CHECK(dense_layers <= shape.n_layers, "method 'quest': parameter dense_layers={} exceeds the model's {} layers",
+                  dense_layers, shape.n_layers);
+  }
+};
+
 class Quest final : public SelectPolicy {
  public:
-  Quest(int budget, int dense_layers) : budget_(budget), dense_layers_(dense_layers) {}
+  explicit Quest(const QuestOptions& o) : budget_(o.budget), dense_layers_(o.dense_layers) {}
   void select(int layer, SelectOps& ops) const override {
     if (dense_layer(layer)) {
       ops.mark_all();
@@ -38,21 +55,11 @@ void register_quest(Registry& r) {
          .kind = MethodKind::decode,
          .paper = "Quest (Tang et al., ICML 2024): top-k pages by the min/max upper bound",
          .summary = "pages with the largest q.k upper bound, budget/page_size pages per query head (no mass claim)",
-         .params = {{.name = "budget",
-                     .type = ParamType::kInt,
-                     .default_value = "2048",
-                     .help = "token budget per query head, rounded up to whole pages",
-                     .min = 1,
-                     .max = 1 << 30},
-                    {.name = "dense_layers",
-                     .type = ParamType::kInt,
-                     .default_value = "0",
-                     .help = "the first N layers attend every token (Quest's evaluation code keeps layers 0 and 1 dense)",
-                     .min = 0,
-                     .max = 1 << 20}},
+         .params = options_params<QuestOptions>(),
          .make_policy = [](const Shape&, const Params& p) {
-           return std::make_shared<Quest>(p.get_int("budget"), p.get_int("dense_layers"));
+           return std::make_shared<Quest>(options_read<QuestOptions>(p));
          },
+         .check = options_check<QuestOptions>(),
          .budget_param = "budget",
          .color = "#f28e2b"});
 }

@@ -37,10 +37,8 @@
 #include "cumulus/kernels/scoring.h"
 #include "cumulus/kernels/selection.h"
 #include "cumulus/kernels/sketch.h"
-#include "cumulus/methods/cuda_methods.h"
 #include "cumulus/methods/sketch_topp.h"
 #include "cumulus/methods/registry.h"
-#include "methods/method_options.h"
 #include "methods/method_util.h"
 
 namespace cumulus {
@@ -403,72 +401,17 @@ class SketchTopp final : public DecodeMethod {
 }  // namespace
 
 void register_sketch_topp(Registry& r) {
-  // Every default is the options structs' own (methods/sketch_topp.h, methods/cuda_methods.h).
-  const SketchToppOptions d;
-  const cuda::SketchToppGpuOptions g;
   r.add({.name = "sketch_topp",
          .kind = MethodKind::decode,
          .paper = "ours: top-p from a 4-bit key sketch (every token estimated, the group's union attended exactly, "
                   "claims exact over what was read)",
          .summary = "sinks + recent; union by 4-bit sketch estimate where every head reaches candidate_p; more tokens "
                     "until every head's exact share reaches P",
-         .params = {{.name = "p",
-                     .type = ParamType::kDouble,
-                     .default_value = fmt::format("{}", d.p),
-                     .help = "target cumulative attention mass of every query head over the group's union, in (0, 1]",
-                     .min = 0.0,
-                     .max = 1.0,
-                     .min_exclusive = true},
-                    {.name = "candidate_p",
-                     .type = ParamType::kDouble,
-                     .default_value = fmt::format("{}", d.candidate_p),
-                     .help = "share of each head's estimated mass the union is chosen to hold (the margin over p "
-                             "absorbs the sketch's error)",
-                     .min = 0.0,
-                     .max = 1.0,
-                     .min_exclusive = true},
-                    {.name = "sinks",
-                     .type = ParamType::kInt,
-                     .default_value = fmt::format("{}", d.sinks),
-                     .help = "first tokens always attended",
-                     .min = 0,
-                     .max = 1 << 30},
-                    {.name = "recent",
-                     .type = ParamType::kInt,
-                     .default_value = fmt::format("{}", d.recent),
-                     .help = "last tokens always attended",
-                     .min = 0,
-                     .max = 1 << 30},
-                    {.name = "min_context",
-                     .type = ParamType::kInt,
-                     .default_value = fmt::format("{}", d.min_context),
-                     .help = "contexts of at most this many tokens attend densely (the selection would not pay)",
-                     .min = 0,
-                     .max = 1 << 30},
-                    {.name = "rest",
-                     .type = ParamType::kString,
-                     .default_value = std::string(d.rest_mean ? "mean" : "none"),
-                     .help = "the tokens not read: mean (their estimated mass times the head's mean value row joins "
-                             "the output) or none (left out, as in every top-p method of the papers)"},
-                    {.name = "dense_above",
-                     .type = ParamType::kDouble,
-                     .default_value = fmt::format("{}", d.dense_above),
-                     .help = "a kv head whose union exceeds this share of its tokens attends densely",
-                     .min = 0.0,
-                     .max = 1.0},
-                    {.name = "gpu_dense_mib",
-                     .type = ParamType::kInt,
-                     .default_value = fmt::format("{}", g.dense_kv_bytes >> 20),
-                     .help = "--device cuda only (the CPU ignores it): a layer whose batch K/V is at most this many MiB "
-                             "attends densely, its selection's fixed launches costing more than the bytes they save "
-                             "(docs/cuda.md); 0: never",
-                     .min = 0,
-                     .max = 1 << 30}},
+         .params = options_params<SketchToppOptions>(),  // methods/sketch_topp.h
          .make_decode = [](const Shape& s, const Params& p) {
-           SketchToppOptions o;
-           methods::read_sketch_topp_options(p, o);
-           return std::make_unique<SketchTopp>(s, o);
+           return std::make_unique<SketchTopp>(s, options_read<SketchToppOptions>(p));
          },
+         .check = options_check<SketchToppOptions>(),
          .target_param = "p",
          .color = "#9467bd"});
 }

@@ -42,7 +42,6 @@
 
 #include "core/check.h"
 #include "cumulus/methods/cuda_methods.h"
-#include "methods/method_options.h"
 #include "methods/sketch_topp/sketch_topp_kernels.cuh"
 
 namespace cumulus::cuda {
@@ -361,8 +360,8 @@ void attach_sketch_topp_gpu(Registry& r) {
                {.make = [](const DeviceKvView& kv, const Shape& shape, int,
                            const Params& p) -> std::unique_ptr<SparseDecoder> {
                   SketchToppGpuOptions o;
-                  methods::read_sketch_topp_options(p, o);
-                  o.dense_kv_bytes = static_cast<size_t>(p.get_int("gpu_dense_mib")) << 20;
+                  options_read(p, o);
+                  o.dense_kv_bytes = static_cast<size_t>(o.gpu_dense_mib) << 20;
                   return make_sketch_topp_gpu(kv, shape.group(), o);
                 },
                 .check = [](const Shape& shape, const Params&) {

@@ -7,9 +7,21 @@
 namespace cumulus {
 namespace {
 
+struct StreamingOptions {
+  int sinks = 4;
+  int window = 2044;
+
+  template <class F>
+  void fields(F& f) {
+    f.number(sinks, "sinks", ParamRange::closed(0, 1 << 30), "initial tokens always kept (the paper uses 4)");
+    f.number(window, "window", ParamRange::closed(1, 1 << 30),
+             "most recent tokens kept (default: 2048-token budget with 4 sinks)");
+  }
+};
+
 class Streaming final : public SelectPolicy {
  public:
-  Streaming(int sinks, int window) : sinks_(sinks), window_(window) {}
+  explicit Streaming(const StreamingOptions& o) : sinks_(o.sinks), window_(o.window) {}
   void select(int, SelectOps& ops) const override { ops.mark_ends(sinks_, window_); }
 
  private:
@@ -23,22 +35,12 @@ void register_streaming(Registry& r) {
          .kind = MethodKind::decode,
          .paper = "StreamingLLM (Xiao et al., ICLR 2024): attention sinks + recent window",
          .summary = "first `sinks` tokens + last `window` tokens (no mass claim)",
-         .params = {{.name = "sinks",
-                     .type = ParamType::kInt,
-                     .default_value = "4",
-                     .help = "initial tokens always kept (the paper uses 4)",
-                     .min = 0,
-                     .max = 1 << 30},
-                    {.name = "window",
-                     .type = ParamType::kInt,
-                     .default_value = "2044",
-                     .help = "most recent tokens kept (default: 2048-token budget with 4 sinks)",
-                     .min = 1,
-                     .max = 1 << 30}},
+         .params = options_params<StreamingOptions>(),
          .make_policy = [](const Shape&, const Params& p) {
-           return std::make_shared<Streaming>(p.get_int("sinks"), p.get_int("window"));
+           return std::make_shared<Streaming>(options_read<StreamingOptions>(p));
          },
          .budget_param = "window",
+         .budget_extra_param = "sinks",
          .color = "#b07aa1"});
 }
 

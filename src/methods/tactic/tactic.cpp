@@ -31,18 +31,11 @@
 #include "cumulus/methods/tactic.h"
 #include "cumulus/methods/registry.h"
 #include "methods/tactic/tactic_rules.h"
-#include "methods/method_options.h"
 #include "methods/method_util.h"
 #include "tactic_fit.h"
 
 namespace cumulus {
 namespace {
-
-// The parameters the GPU pipeline shares (methods/tactic.h), and the CPU method's own.
-struct TacticMethodOptions : TacticOptions {
-  int recluster_interval = 2048;
-  bool cluster_optimal = false;
-};
 
 // The cluster index of one (layer, kv head): tokens [0, n_indexed) are in clusters.
 struct HeadIndex {
@@ -111,7 +104,7 @@ struct RankedList {
 
 class Tactic final : public DecodeMethod {
  public:
-  Tactic(const Shape& shape, const TacticMethodOptions& o)
+  Tactic(const Shape& shape, const TacticOptions& o)
       : shape_(shape),
         o_(o),
         index_(shape.n_layers),
@@ -377,7 +370,7 @@ class Tactic final : public DecodeMethod {
   }
 
   Shape shape_;
-  TacticMethodOptions o_;
+  TacticOptions o_;
   std::vector<std::vector<HeadIndex>> index_;  // [n_layers][n_kv_heads]
   std::vector<bool> prefilled_;       // [n_layers]
   std::vector<uint64_t> generation_;  // [n_layers] the cache's generation at on_prefill
@@ -390,95 +383,21 @@ class Tactic final : public DecodeMethod {
 
 }  // namespace
 
+void TacticOptions::check() const {
+  CUMULUS_CHECK(p1 < p2, "method 'tactic': parameters p1={} and p2={} need p1 < p2", p1, p2);
+}
+
 void register_tactic(Registry& r) {
-  // Every default is the options struct's own (methods/tactic.h and TacticMethodOptions above).
-  const TacticMethodOptions d;
   r.add({.name = "tactic",
          .kind = MethodKind::decode,
          .paper = "Tactic, section 4 + Algorithm 1: K-means clusters, ranked by q . centroid, budget by "
                   "fitting y = a/x + b",
          .summary = "fewest tokens whose estimated cumulative mass reaches P (dense tail after prefill)",
-         .params = {{.name = "p",
-                     .type = ParamType::kDouble,
-                     .default_value = fmt::format("{}", d.p),
-                     .help = "target cumulative attention mass P, in (0, 1] (Tables 2 and 4 use 0.7-0.9)",
-                     .min = 0.0,
-                     .max = 1.0,
-                     .min_exclusive = true},
-                    {.name = "cluster_size",
-                     .type = ParamType::kInt,
-                     .default_value = fmt::format("{}", d.cluster_size),
-                     .help = "average tokens per cluster (section 5.1 uses 16; section 4.2 says 32)",
-                     .min = 1,
-                     .max = 1 << 20},
-                    {.name = "max_iter",
-                     .type = ParamType::kInt,
-                     .default_value = fmt::format("{}", d.max_iter),
-                     .help = "K-means iterations at most (section 4.2)",
-                     .min = 1,
-                     .max = 1000},
-                    {.name = "init_ratio",
-                     .type = ParamType::kDouble,
-                     .default_value = fmt::format("{}", d.init_ratio),
-                     .help = "share of the list scored exactly at its head, N (section 4.4: 1-2%)",
-                     .min = 0.0,
-                     .max = 1.0},
-                    {.name = "window",
-                     .type = ParamType::kInt,
-                     .default_value = fmt::format("{}", d.window),
-                     .help = "tokens per sample window around p1 and p2 (not given in the paper)",
-                     .min = 1,
-                     .max = 1 << 20},
-                    {.name = "p1",
-                     .type = ParamType::kDouble,
-                     .default_value = fmt::format("{}", d.p1),
-                     .help = "first sample window centre, share of the list (section 4.4: 10%)",
-                     .min = 0.0,
-                     .max = 1.0},
-                    {.name = "p2",
-                     .type = ParamType::kDouble,
-                     .default_value = fmt::format("{}", d.p2),
-                     .help = "second sample window centre, share of the list (section 4.4: 60%)",
-                     .min = 0.0,
-                     .max = 1.0},
-                    {.name = "recluster_interval",
-                     .type = ParamType::kInt,
-                     .default_value = fmt::format("{}", d.recluster_interval),
-                     .help = "appended tokens attended densely before they are clustered (section 1: 2048)",
-                     .min = 1,
-                     .max = 1 << 30},
-                    {.name = "seed",
-                     .type = ParamType::kInt,
-                     .default_value = fmt::format("{}", d.seed),
-                     .help = "seed of the K-means initial sample",
-                     .min = 0,
-                     .max = 2147483647},
-                    {.name = "mode",
-                     .type = ParamType::kString,
-                     .default_value = std::string(d.cluster_optimal ? "cluster_optimal" : "fit"),
-                     .help = "fit (Algorithm 1) or cluster_optimal (true scores in cluster order, Table 1)"},
-                    {.name = "sinks",
-                     .type = ParamType::kInt,
-                     .default_value = fmt::format("{}", d.sinks),
-                     .help = "first tokens always attended and scored exactly, outside the fit (ours; 0 = the paper)",
-                     .min = 0,
-                     .max = 1 << 30},
-                    {.name = "recent",
-                     .type = ParamType::kInt,
-                     .default_value = fmt::format("{}", d.recent),
-                     .help = "last clustered tokens always attended and scored exactly (ours; 0 = the paper)",
-                     .min = 0,
-                     .max = 1 << 30}},
+         .params = options_params<TacticOptions>(),  // methods/tactic.h
          .make_decode = [](const Shape& s, const Params& p) {
-           TacticMethodOptions o;
-           methods::read_tactic_options(p, o);
-           o.recluster_interval = p.get_int("recluster_interval");
-           const std::string& mode = p.get_string("mode");
-           CUMULUS_CHECK(mode == "fit" || mode == "cluster_optimal",
-                         "method 'tactic': parameter mode='{}' must be fit or cluster_optimal", mode);
-           o.cluster_optimal = mode == "cluster_optimal";
-           return std::make_unique<Tactic>(s, o);
+           return std::make_unique<Tactic>(s, options_read<TacticOptions>(p));
          },
+         .check = options_check<TacticOptions>(),
          .target_param = "p",
          .color = "#e15759"});
 }

@@ -31,7 +31,6 @@
 
 #include "core/check.h"
 #include "cumulus/methods/cuda_methods.h"
-#include "methods/method_options.h"
 #include "methods/tactic/tactic_gpu_paths.h"
 #include "methods/tactic/tactic_kernels.cuh"
 
@@ -364,17 +363,17 @@ void attach_tactic_gpu(Registry& r) {
   r.attach_gpu("tactic", {.make = [](const DeviceKvView& kv, const Shape& shape, int layer,
                                      const Params& p) -> std::unique_ptr<SparseDecoder> {
                             TacticGpuOptions o;
-                            methods::read_tactic_options(p, o);
+                            options_read(p, o);
                             o.layer = layer;
                             return make_tactic_gpu(kv, shape.group(), o);
                           },
                           .check = [](const Shape&, const Params& p) {
-                            CUMULUS_CHECK(p.get_string("mode") == "fit",
+                            CUMULUS_CHECK(!options_read<TacticOptions>(p).cluster_optimal,
                                           "--device cuda: tactic mode='{}' is not on cuda (the GPU pipeline "
                                           "implements mode=fit)",
                                           p.get_string("mode"));
                           },
-                          .reindex_interval = [](const Params& p) { return p.get_int("recluster_interval"); }});
+                          .reindex_interval = [](const Params& p) { return options_read<TacticOptions>(p).recluster_interval; }});
 }
 
 }  // namespace cumulus::cuda

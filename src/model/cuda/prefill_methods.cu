@@ -1,5 +1,5 @@
 // The registry's prefill methods on the GPU (prefill_methods.h). flexprefill's parameters are
-// the CPU method's, read by the same function (flexprefill_options, methods/flexprefill.h); what the
+// the CPU method's, read into the same struct (FlexPrefillOptions, methods/flexprefill.h); what the
 // GPU kernels cannot take (docs/cuda.md "Model runtime", docs/methods.md "flexprefill") is
 // refused with the value rather than changed.
 #include <fmt/format.h>
@@ -22,7 +22,7 @@ CudaPrefillPlan cuda_prefill_plan(const Registry& registry, const std::string& m
   (void)registry.make_prefill(method, shape, params);  // the CPU method's checks of every value
   CudaPrefillPlan plan;
   if (method == kDenseMethod) return plan;
-  const FlexPrefillOptions o = flexprefill_options(registry.parse(method, params));
+  const FlexPrefillOptions o = options_read<FlexPrefillOptions>(registry.parse(method, params));
   CUMULUS_CHECK(head_dim_supported_cuda(shape.head_dim),
                 "--device cuda: prefill method 'flexprefill' needs head_dim 64, 128 or 256 on the GPU, not {}",
                 shape.head_dim);
