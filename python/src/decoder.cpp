@@ -19,6 +19,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -50,6 +51,23 @@ struct DecodeStats {
   NumpyArray<bool> bypass;
   std::vector<Selection> selections;  // [batch]
 };
+
+// The first element of `bytes` bytes of `type` values that is NaN or infinite; -1 if none.
+int64_t first_non_finite(const char* p, size_t bytes, DType type) {
+  if (type == DType::f32) {
+    const float* f = reinterpret_cast<const float*>(p);
+    for (size_t i = 0; i < bytes / 4; ++i)
+      if (!std::isfinite(f[i])) return static_cast<int64_t>(i);
+    return -1;
+  }
+  const uint16_t exponent = type == DType::f16 ? 0x7C00 : 0x7F80;  // all ones: Inf or NaN
+  for (size_t i = 0; i < bytes / 2; ++i) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * i, 2);
+    if ((h & exponent) == exponent) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
 
 class Decoder {
  public:
@@ -122,6 +140,13 @@ class Decoder {
     const char* kp = static_cast<const char*>(k.data());
     const char* vp = static_cast<const char*>(v.data());
     nb::gil_scoped_release release;
+    // KvCache::append refuses non-finite values before it writes; across a batch, every
+    // sequence's values are checked before the first is appended, so a failed call changes
+    // nothing.
+    if (count > 1)
+      for (const char* p : {kp, vp})
+        if (const int64_t at = first_non_finite(p, per_seq * count, stored ? store : DType::f32); at >= 0)
+          fail(where, "{}[{}] (flat index) is not finite: K/V must be finite", p == kp ? "k" : "v", at);
     for (int b = first; b < first + count; ++b) {
       Seq& s = seqs_[b];
       const size_t off = (b - first) * per_seq;

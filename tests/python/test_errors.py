@@ -113,3 +113,15 @@ def test_generate_errors_before_any_work(stories_model):
         stories_model.generate("Once", 4, top_p=0)
     with pytest.raises(cumulus.Error, match=r"tokens\[0\]=-1"):
         stories_model.detokenize([-1])
+
+
+def test_a_failed_batched_append_changes_nothing():
+    d = decoder(batch=2)
+    k = np.ones((2, 5, 2, 16), dtype=np.float32)
+    k[1, 3, 0, 7] = np.inf
+    with pytest.raises(cumulus.Error, match=r"k\[.*\] \(flat index\) is not finite"):
+        d.append(k, np.ones_like(k))
+    assert d.lengths() == [0, 0]
+    with pytest.raises(cumulus.Error, match="not finite|non-finite|NaN|Inf"):
+        d.append(k[1], np.ones_like(k[1]), seq=1)  # one sequence: the cache's own check
+    assert d.lengths() == [0, 0]
