@@ -16,6 +16,7 @@
 // arguments are checked against the device first, so the same calls will take CUDA tensors.
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -199,7 +200,7 @@ class Decoder {
     }
   }
 
-  nb::tuple decode(const AnyArray& q, int layer, const std::optional<nb::object>& out_obj) {
+  std::pair<nb::object, DecodeStats> decode(const AnyArray& q, int layer, const std::optional<nb::object>& out_obj) {
     constexpr const char* where = "Decoder.decode";
     check_layer(where, layer);
     const int h = shape_.n_q_heads, d = shape_.head_dim;
@@ -291,7 +292,7 @@ class Decoder {
                           : nb::cast(numpy_from<float>(std::move(fresh), {static_cast<size_t>(batch_),
                                                                           static_cast<size_t>(h), static_cast<size_t>(d)}));
     }
-    return nb::make_tuple(result_out, nb::cast(std::move(stats)));
+    return {result_out, std::move(stats)};
   }
 
   void truncate(int n, std::optional<int> seq) {
