@@ -1,0 +1,57 @@
+// Shared pieces of the Python module (python/src): the checks every array argument passes
+// before any work, the errors they raise, and the registration functions of each file.
+//
+// Errors: bad input raises cumulus.Error (a ValueError) whose text is cumulus::Error::what(),
+// "where: message"; `where` names the Python call ("Decoder.append"), the message the
+// argument and its value, as the C++ library's own errors do.
+#pragma once
+
+#include <fmt/format.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "cumulus/core/error.h"
+
+namespace cumulus::python {
+
+namespace nb = nanobind;
+
+// Any array: numpy, torch or anything else that speaks DLPack or the buffer protocol, of any
+// dtype, device and shape (read-only arrays too); array_check says what is wrong with it.
+using AnyArray = nb::ndarray<nb::ro>;
+
+template <typename... Args>
+[[noreturn]] void fail(const char* where, fmt::format_string<Args...> format, Args&&... args) {
+  throw Error(where, fmt::format(format, std::forward<Args>(args)...));
+}
+
+// "float32", "float16", "bfloat16", "int64", ...: an array's dtype as numpy and torch name it.
+std::string dtype_text(const AnyArray& a);
+// "[2, 3, 64]"
+std::string shape_text(const AnyArray& a);
+// "cpu", "cuda:0", ...
+std::string device_text(const AnyArray& a);
+bool is_float32(const AnyArray& a);
+
+// Checks that `a` (the argument `name` of the call `where`) is on the CPU, C-contiguous
+// (dimensions of extent 1 may have any stride) and of rank `ndim` with `shape` (a -1 extent
+// takes any size >= 1); raises cumulus.Error naming the argument and the value otherwise.
+void array_check(const char* where, const char* name, const AnyArray& a, const std::vector<int64_t>& shape);
+
+// Python keyword arguments of a method's parameters (p=0.9, stop="certified") as the
+// registry's key=value strings: bools "true"/"false", numbers and strings as Python's str().
+std::map<std::string, std::string> param_strings(const char* where, const nb::dict& params);
+
+// The machine's CPUs as the CLI counts them (this process's affinity mask), at most 256.
+int default_threads();
+
+void bind_methods(nb::module_& m);
+void bind_model(nb::module_& m);
+void bind_decoder(nb::module_& m);
+
+}  // namespace cumulus::python
