@@ -278,6 +278,58 @@ TEST_F(Cli, InconsistentOptionsAreRejected) {
   expect_rejected(eval("matched", "--method quest"), "quest is not an adaptive method");
 }
 
+// Numbers are decimal in every option and parameter, never clamped, and an error names the
+// option, the value and what is wrong with it.
+TEST_F(Cli, NumbersAreDecimalAndNeverClamped) {
+  // Leading zeros are decimal: 0600 is 600 (octal would be 384, which fits the context).
+  expect_rejected("generate --model " + model_ + " --max-tokens 0600", "--max-tokens 600 leaves no room");
+  expect_rejected(eval("kl", "--context 0600"), "context=600 exceeds the model's context of 512");
+  expect_rejected(gen("--max-tokens 0b11"), "--max-tokens: '0b11' is not a decimal integer");
+  expect_rejected(gen("--max-tokens 0x10"), "--max-tokens: '0x10' is not a decimal integer");
+  expect_rejected(gen("--max-tokens 2147483648"), "--max-tokens: '2147483648' is out of range [-2147483648, 2147483647]");
+  expect_rejected(gen("--bench --bench-context 64,0x40"), "--bench-context: '0x40' is not a decimal integer");
+  expect_rejected(gen("--threads 010x"), "--threads: '010x' is not a decimal integer");
+  expect_rejected(gen("--seed 18446744073709551616"), "--seed: '18446744073709551616' is out of range [0, 18446744073709551615]");
+  expect_rejected(gen("--seed 0x10"), "--seed: '0x10' is not a non-negative decimal integer");
+  expect_rejected(gen("--temperature 0x1p3"), "--temperature: '0x1p3' is not a decimal number");
+  expect_rejected(gen("--temperature 1e400"), "--temperature: '1e400' is out of range");
+  expect_rejected(gen("--top-p 1e-400 --temperature 1"), "--top-p: '1e-400' underflows");
+  expect_rejected(gen("--temperature nan"), "--temperature: 'nan' is not a finite number");
+  expect_rejected(gen("--method tactic --param p=1e-400"), "parameter p='1e-400' underflows");
+  expect_rejected(gen("--method tactic --param p=0x1p-1"), "parameter p='0x1p-1' is not a decimal number");
+  expect_rejected(gen("--method quest --param budget=99999999999"), "parameter budget='99999999999' is out of range");
+  expect_rejected(gen("--method quest --param budget=1e3"), "parameter budget='1e3' is not a decimal integer");
+  // A parameter's leading zeros are decimal too: budget=0600 is 600, beyond 512.
+  const CliResult r = cli_run(gen("--prompt 'Once upon a time' --method quest --param budget=0600"));
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("warning: quest: budget=600 covers the whole"), std::string::npos) << r.output;
+}
+
+// Options that contradict each other or would do nothing are refused before any work.
+TEST_F(Cli, ContradictoryOrIdleOptionsAreRejected) {
+  expect_rejected(gen("--bench-decode 4"), "--bench-decode is a --bench option: add --bench or drop --bench-decode");
+  expect_rejected(gen("--bench-context 64"), "--bench-context is a --bench option");
+  expect_rejected(gen("--repetitions 2"), "--repetitions is a --bench option");
+  expect_rejected(gen("--top-p 0.9"), "--top-p 0.9 samples, but --temperature 0 decodes greedily");
+  expect_rejected(gen("--method dense,"), "--method 'dense,': empty method name in the list");
+  expect_rejected(gen("--method dense,,tactic"), "empty method name");
+  expect_rejected(eval("kl", "--method dense,"), "empty method name");
+  expect_rejected(eval("kl", "--method tactic --sweep tactic.p=0.5,0.9 --param tactic.p=0.8"),
+                  "--sweep 'tactic.p=0.5,0.9' and --param 'tactic.p=0.8' both set tactic's parameter 'p'");
+  expect_rejected(eval("kl", "--method tactic --sweep p=0.5,0.9,0.50"), "values '0.5' and '0.50' are the same value");
+  expect_rejected(eval("kl", "--method tactic --sweep p=0.5,0.5"), "the same value");
+  expect_rejected(gen("--prompt ''"), "--prompt is empty");
+  const fs::path empty = dir_ / "empty.txt", only_header = dir_ / "header.txt";
+  std::ofstream(empty).flush();
+  std::ofstream(only_header) << "Title\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\n\n"
+                                "*** END OF THE PROJECT GUTENBERG EBOOK X ***\nlicense\n";
+  expect_rejected(gen("--prompt-file " + empty.string()), "holds no text");
+  expect_rejected(gen("--prompt-file " + only_header.string()), "holds no text");
+  // Still accepted: no prompt at all (BOS), --top-p when sampling, --bench with its options.
+  EXPECT_EQ(cli_run(gen("")).code, 0);
+  EXPECT_EQ(cli_run(gen("--prompt Hi --temperature 0.8 --top-p 0.9")).code, 0);
+}
+
 // --tokenizer belongs to llama2.c models; a GGUF model carries its own.
 TEST_F(Cli, TokenizerWithGgufIsRejected) {
   const fs::path gguf = test::smollm2_gguf_path();

@@ -3,13 +3,21 @@
 //     (tests/data/smollm2_tokens.json, from tools/reference/make_tokenizer_fixture.py),
 //     with the vocabulary from tokenizer.json and, when models/ has it, from the GGUF;
 //   - llama2.c tok512 (stories260K): round trips and byte fallback; the same vocabulary
-//     written as a GGUF `llama` tokenizer gives the same ids.
+//     written as a GGUF `llama` tokenizer gives the same ids;
+//   - byte-level BPE against the merge rule written plainly (PlainBpe), on varied text;
+//     long runs of one character in under a second; encode_prefix against encode.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
 
+#include <time.h>
+
+#include <array>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <random>
 
 #include "cumulus/core/error.h"
 #include "cumulus/model/gguf.h"
@@ -245,4 +253,188 @@ TEST(Tokenizer, GgufTokenizerErrorsNameTheFile) {
   w3.kv_string_array("tokenizer.ggml.merges", {});
   w3.kv_u32("tokenizer.ggml.bos_token_id", 5);
   EXPECT_THROW(tokenizer_from_gguf(GgufFile::from_bytes("b.gguf", w3.bytes())), Error);
+}
+
+namespace {
+
+// The byte-level BPE rule written plainly, as the reference for the tokenizer's priority
+// queue: each word's bytes become GPT-2's byte-map code points, one symbol each; the adjacent
+// pair with the lowest merge rank merges, leftmost first, until no pair has a merge. O(n^2)
+// in a word's length, on strings.
+struct PlainBpe {
+  std::map<std::string, int32_t> ids;
+  std::map<std::pair<std::string, std::string>, size_t> ranks;
+  std::array<std::string, 256> byte_symbol;
+  BpePreTokenizer pre = BpePreTokenizer::smollm;
+
+  explicit PlainBpe(const nlohmann::json& tokenizer_json) {
+    for (auto it = tokenizer_json.at("model").at("vocab").begin(); it != tokenizer_json.at("model").at("vocab").end();
+         ++it)
+      ids.emplace(it.key(), it.value().get<int32_t>());
+    size_t rank = 0;
+    for (const auto& m : tokenizer_json.at("model").at("merges")) {
+      std::pair<std::string, std::string> p;
+      if (m.is_string()) {
+        const std::string s = m.get<std::string>();
+        p = {s.substr(0, s.find(' ')), s.substr(s.find(' ') + 1)};
+      } else {
+        p = {m.at(0).get<std::string>(), m.at(1).get<std::string>()};
+      }
+      ranks.emplace(p, rank++);
+    }
+    // GPT-2's byte map: printable Latin-1 bytes are themselves, the rest 256, 257, ...
+    uint32_t next = 256;
+    for (uint32_t b = 0; b < 256; ++b) {
+      const bool printable = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+      const uint32_t cp = printable ? b : next++;
+      std::string& s = byte_symbol[b];
+      if (cp < 0x80) {
+        s += static_cast<char>(cp);
+      } else {
+        s += static_cast<char>(0xC0 | (cp >> 6));
+        s += static_cast<char>(0x80 | (cp & 0x3F));
+      }
+    }
+  }
+
+  std::vector<int32_t> encode(std::string_view text) const {
+    std::vector<int32_t> out;
+    for (std::string_view word : bpe_pre_tokenize(text, pre)) {
+      std::vector<std::string> sym;
+      for (char c : word) sym.push_back(byte_symbol[static_cast<uint8_t>(c)]);
+      for (;;) {
+        size_t best = sym.size(), best_rank = SIZE_MAX;
+        for (size_t i = 0; i + 1 < sym.size(); ++i) {
+          const auto it = ranks.find({sym[i], sym[i + 1]});
+          if (it != ranks.end() && it->second < best_rank) best_rank = it->second, best = i;
+        }
+        if (best == sym.size()) break;
+        sym[best] += sym[best + 1];
+        sym.erase(sym.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+      }
+      for (const auto& s : sym) out.push_back(ids.at(s));
+    }
+    return out;
+  }
+};
+
+// Varied text: runs of one character (the longest merge chains), random strings over a small
+// alphabet of letters, spaces, digits, punctuation, accents and cut UTF-8 sequences, and a
+// passage of prose.
+std::vector<std::string> varied_texts() {
+  std::vector<std::string> texts;
+  for (const char* unit : {"a", " ", "\n", "e\xCC\x81", "ab", "1", "!?", "\xE4\xB8"})
+    for (int n : {1, 2, 3, 7, 16, 33, 100, 257, 1000}) {
+      std::string t;
+      for (int i = 0; i < n; ++i) t += unit;
+      texts.push_back(t);
+    }
+  std::mt19937 rng(7);
+  const std::vector<std::string> alphabet = {"a", "b", "aa", " ", "  ", "\n", "the", "'s", "!", "\xC3\xA9", "7", "\t",
+                                             "\xE4\xB8\xAD", "\xE4", "ll", "ing", ".", ","};
+  for (int k = 0; k < 200; ++k) {
+    std::string t;
+    const int n = 1 + static_cast<int>(rng() % 120);
+    for (int i = 0; i < n; ++i) t += alphabet[rng() % alphabet.size()];
+    texts.push_back(t);
+  }
+  std::ifstream in(shared_dir() / "data/text/tinyshakespeare_input.txt");
+  std::string prose(20000, '\0');
+  in.read(prose.data(), static_cast<std::streamsize>(prose.size()));
+  prose.resize(static_cast<size_t>(in.gcount()));
+  if (!prose.empty()) texts.push_back(prose);
+  return texts;
+}
+
+// This thread's CPU time: what the work costs, whatever else the machine runs.
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+}  // namespace
+
+// A hand-worked vocabulary: ties in rank merge leftmost first ("aaa" -> [aa, a]), and a
+// lower-ranked pair wins over an earlier one ("aab": "a b" ranks before "a a" -> [a, ab]).
+TEST(Tokenizer, BpeMergesLowestRankLeftmostFirst) {
+  auto make = [](std::vector<std::pair<std::string, std::string>> merges) {
+    BpeVocab v;
+    v.tokens = {"a", "b", "aa", "ab", "aaaa"};
+    v.types.assign(v.tokens.size(), TokenType::normal);
+    v.merges = std::move(merges);
+    return BpeTokenizer("hand", std::move(v));
+  };
+  const BpeTokenizer aa_first = make({{"a", "a"}, {"a", "b"}, {"aa", "aa"}});
+  EXPECT_EQ(aa_first.encode("aaa", false), (std::vector<int32_t>{2, 0}));
+  EXPECT_EQ(aa_first.encode("aaaaa", false), (std::vector<int32_t>{4, 0}));
+  EXPECT_EQ(aa_first.encode("aab", false), (std::vector<int32_t>{2, 1}));
+  const BpeTokenizer ab_first = make({{"a", "b"}, {"a", "a"}, {"aa", "aa"}});
+  EXPECT_EQ(ab_first.encode("aab", false), (std::vector<int32_t>{0, 3}));
+  EXPECT_EQ(ab_first.encode("aaab", false), (std::vector<int32_t>{2, 3}));
+}
+
+// The tokenizer against the plain rule above on varied text, SmolLM2's vocabulary.
+TEST(Tokenizer, BpeMatchesThePlainMergeRule) {
+  if (!fs::exists(smollm2_json())) CUMULUS_FIXTURE_MISSING(smollm2_json() << " missing (../shared not present)");
+  const auto tok = tokenizer_from_hf_json(smollm2_json().string(), 1, 2);
+  std::ifstream in(smollm2_json());
+  const PlainBpe plain(nlohmann::json::parse(in));
+  size_t n_tokens = 0;
+  for (const std::string& t : varied_texts()) {
+    const std::vector<int32_t> want = plain.encode(t);
+    EXPECT_EQ(tok->encode(t, false), want) << "text: '" << t.substr(0, 80) << "' (" << t.size() << " bytes)";
+    n_tokens += want.size();
+  }
+  EXPECT_GT(n_tokens, 5000u);
+}
+
+// A pre-token of 1 MB of one character, or 50 KB of spaces, is one word for BPE: its merges
+// must not take quadratic time (the plain rule took 25 s on 100 KB, so hours on 1 MB). Both
+// tokenizers, within one second of CPU time in an optimised build (0.2-0.5 s here), five in
+// a sanitized or unoptimised one: a quadratic merge misses either by orders of magnitude.
+TEST(Tokenizer, LongRunsOfOneCharacterTokenizeInUnderASecond) {
+#if defined(__SANITIZE_ADDRESS__) || !defined(NDEBUG)
+  const double bound_s = 5.0;
+#else
+  const double bound_s = 1.0;
+#endif
+  std::vector<std::unique_ptr<Tokenizer>> toks;
+  if (fs::exists(smollm2_json())) toks.push_back(tokenizer_from_hf_json(smollm2_json().string(), 1, 2));
+  if (fs::exists(tok512())) toks.push_back(tokenizer_from_llama2c(tok512().string(), 512));
+  if (toks.empty()) CUMULUS_FIXTURE_MISSING("no tokenizer in " << shared_dir() << " (../shared not present)");
+  for (const auto& tok : toks) {
+    for (const std::string& text : {std::string(1 << 20, 'a'), std::string(50 << 10, ' '), std::string(1 << 20, '\n')}) {
+      const double t0 = thread_cpu_seconds();
+      const std::vector<int32_t> ids = tok->encode(text, false);
+      const double s = thread_cpu_seconds() - t0;
+      std::printf("%s: %zu bytes of 0x%02x: %zu ids in %.3f s of CPU\n", tok->source().c_str(), text.size(), text[0],
+                  ids.size(), s);
+      EXPECT_LT(s, bound_s) << tok->source() << ": " << text.size() << " bytes of 0x" << std::hex << int{text[0]};
+      EXPECT_EQ(tok->decode(ids), text);
+      if (text[0] == 'a' && tok->kind() == TokenizerKind::gpt2_bpe) {
+        EXPECT_LT(ids.size(), text.size() / 2);  // merged, not left as bytes
+      }
+    }
+  }
+}
+
+// encode_prefix(text, n) is the first n ids of encode(text), for every n, on both kinds.
+TEST(Tokenizer, EncodePrefixIsTheFirstIdsOfEncode) {
+  std::vector<std::unique_ptr<Tokenizer>> toks;
+  if (fs::exists(smollm2_json())) toks.push_back(tokenizer_from_hf_json(smollm2_json().string(), 1, 2));
+  if (fs::exists(tok512())) toks.push_back(tokenizer_from_llama2c(tok512().string(), 512));
+  if (toks.empty()) CUMULUS_FIXTURE_MISSING("no tokenizer in " << shared_dir() << " (../shared not present)");
+  std::vector<std::string> texts = varied_texts();
+  texts.push_back("hi <|im_start|>user\nhello<|im_end|> there  friend");
+  for (const auto& tok : toks)
+    for (const std::string& t : texts)
+      for (bool bos : {false, true}) {
+        const std::vector<int32_t> all = tok->encode(t, bos);
+        for (size_t n : {size_t{0}, size_t{1}, size_t{2}, size_t{5}, size_t{16}, all.size() / 2, all.size() - 1,
+                         all.size(), all.size() + 3}) {
+          const std::vector<int32_t> want(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(std::min(n, all.size())));
+          EXPECT_EQ(tok->encode_prefix(t, bos, n), want) << tok->source() << " n=" << n << " text: '" << t.substr(0, 60) << "'";
+        }
+      }
 }

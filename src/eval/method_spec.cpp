@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "core/check.h"
+#include "cumulus/core/number.h"
 #include "cumulus/methods/registry.h"
 
 namespace cumulus {
@@ -118,8 +119,16 @@ std::vector<MethodSpec> method_specs_parse(const std::vector<std::string>& entri
                                            const std::vector<std::string>& params,
                                            const std::vector<std::string>& sweeps) {
   CUMULUS_CHECK(!entries.empty(), "no method selected");
+  // Entries are split at commas here, so an empty name ("dense," or "a,,b") is refused
+  // (CLI11's own splitting drops it).
+  std::vector<std::string> names;
+  for (const auto& e : entries)
+    for (const auto& name : split_commas(e)) {
+      CUMULUS_CHECK(!name.empty(), "--method '{}': empty method name in the list", e);
+      names.push_back(name);
+    }
   std::vector<MethodSpec> base;
-  for (const auto& e : entries) {
+  for (const auto& e : names) {
     const size_t eq = e.find('=');
     MethodSpec s;
     s.method = eq == std::string::npos ? e : e.substr(eq + 1);
@@ -151,8 +160,20 @@ std::vector<MethodSpec> method_specs_parse(const std::vector<std::string>& entri
   for (const auto& s : sweeps) {
     const Override o = override_parse(s, "--sweep");
     const std::vector<std::string> values = split_commas(o.value);
-    for (const auto& v : values) CUMULUS_CHECK(!v.empty(), "--sweep '{}': empty value in the list", s);
+    for (size_t a = 0; a < values.size(); ++a) {
+      CUMULUS_CHECK(!values[a].empty(), "--sweep '{}': empty value in the list", s);
+      for (size_t b = 0; b < a; ++b) {
+        double x = 0, y = 0;
+        const bool same = values[a] == values[b] || (number_parse_double(values[a], &x).empty() &&
+                                                     number_parse_double(values[b], &y).empty() && x == y);
+        CUMULUS_CHECK(!same, "--sweep '{}': values '{}' and '{}' are the same value (it would run twice)", s,
+                      values[b], values[a]);
+      }
+    }
     for (size_t i : override_targets(base, o, s, "--sweep")) {
+      const auto set = set_by[i].find(o.key);
+      CUMULUS_CHECK(set == set_by[i].end(), "--sweep '{}' and --param '{}' both set {}'s parameter '{}': drop one",
+                    s, set == set_by[i].end() ? "" : set->second, base[i].label, o.key);
       for (const auto& [k, vs] : entry_sweeps[i])
         CUMULUS_CHECK(k != o.key, "--sweep '{}': {} already sweeps '{}'", s, base[i].label, k);
       entry_sweeps[i].emplace_back(o.key, values);

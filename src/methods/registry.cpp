@@ -2,11 +2,12 @@
 #include "cumulus/methods/registry.h"
 
 #include <algorithm>
-#include <charconv>
+#include <climits>
 #include <cmath>
 #include <mutex>
 
 #include "core/check.h"
+#include "cumulus/core/number.h"
 
 namespace cumulus {
 
@@ -18,20 +19,18 @@ const ParamSpec* find_spec(const MethodInfo& m, const std::string& key) {
   return nullptr;
 }
 
+// The one place a parameter's number is read (core/number.h: decimal only, never clamped;
+// an overflow or underflow says so), then checked against its range.
 double parse_number(const MethodInfo& m, const ParamSpec& p, const std::string& value) {
   double x = 0;
-  const char* b = value.data();
-  const char* e = b + value.size();
   if (p.type == ParamType::kInt) {
-    long long v = 0;
-    auto r = std::from_chars(b, e, v);
-    CUMULUS_CHECK(r.ec == std::errc() && r.ptr == e, "method '{}': parameter {}='{}' is not an integer", m.name,
-                  p.name, value);
+    int64_t v = 0;
+    const std::string err = number_parse_int(value, INT_MIN, INT_MAX, &v);
+    CUMULUS_CHECK(err.empty(), "method '{}': parameter {}='{}' {}", m.name, p.name, value, err);
     x = static_cast<double>(v);
   } else {
-    auto r = std::from_chars(b, e, x);
-    CUMULUS_CHECK(r.ec == std::errc() && r.ptr == e && std::isfinite(x),
-                  "method '{}': parameter {}='{}' is not a finite number", m.name, p.name, value);
+    const std::string err = number_parse_double(value, &x);
+    CUMULUS_CHECK(err.empty(), "method '{}': parameter {}='{}' {}", m.name, p.name, value, err);
   }
   const bool low_ok = p.min_exclusive ? x > p.min : x >= p.min;
   const bool high_ok = p.max_exclusive ? x < p.max : x <= p.max;
@@ -74,13 +73,19 @@ const char* method_kind_name(MethodKind kind) {
 int Params::get_int(const std::string& name) const {
   auto it = values_.find(name);
   CUMULUS_CHECK(it != values_.end(), "no parameter '{}'", name);
-  return std::stoi(it->second);
+  int64_t v = 0;
+  const std::string err = number_parse_int(it->second, INT_MIN, INT_MAX, &v);
+  CUMULUS_CHECK(err.empty(), "parameter {}='{}' {}", name, it->second, err);
+  return static_cast<int>(v);
 }
 
 double Params::get_double(const std::string& name) const {
   auto it = values_.find(name);
   CUMULUS_CHECK(it != values_.end(), "no parameter '{}'", name);
-  return std::stod(it->second);
+  double v = 0;
+  const std::string err = number_parse_double(it->second, &v);
+  CUMULUS_CHECK(err.empty(), "parameter {}='{}' {}", name, it->second, err);
+  return v;
 }
 
 bool Params::get_bool(const std::string& name) const {

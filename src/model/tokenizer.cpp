@@ -40,6 +40,12 @@ TokenType Tokenizer::token_type(int32_t id) const {
   return types_[static_cast<size_t>(id)];
 }
 
+std::vector<int32_t> Tokenizer::encode_prefix(std::string_view text, bool add_bos, size_t max_tokens) const {
+  std::vector<int32_t> ids = encode(text, add_bos);
+  if (ids.size() > max_tokens) ids.resize(max_tokens);
+  return ids;
+}
+
 std::string Tokenizer::decode(std::span<const int32_t> ids) const {
   std::string out;
   for (int32_t id : ids) out += decode_piece(id);

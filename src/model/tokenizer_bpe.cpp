@@ -7,9 +7,10 @@
 //      to each piece -- implemented by hand below as a scan over code points;
 //   3. each word's bytes become the printable code points of GPT-2's byte map, one symbol
 //      per byte, and the adjacent pair with the lowest merge rank is merged (leftmost first)
-//      until no pair has a merge.
+//      until no pair has a merge (a priority queue of pairs: O(n log n) in the word's length).
 #include <algorithm>
 #include <limits>
+#include <queue>
 
 #include "core/check.h"
 #include "model/tokenizer_impl.h"
@@ -179,46 +180,91 @@ BpeTokenizer::BpeTokenizer(std::string source, BpeVocab v) : pre_(v.pre) {
   }
 }
 
+// The merges run over a linked list of symbols with a priority queue of adjacent pairs
+// keyed by (merge rank, position of the left symbol): the lowest rank first, the leftmost
+// among equal ranks -- the order of the plain rule "merge the lowest-ranked adjacent pair,
+// leftmost first", in O(n log n) for a word of n bytes instead of O(n^2). A merge absorbs
+// the right symbol into the left one, so a symbol's index is its first byte's position and
+// index order is text order. An entry whose symbols have changed since it was queued is
+// stale and skipped.
 void BpeTokenizer::encode_word(std::string_view word, std::vector<int32_t>& out) const {
-  std::vector<int32_t> sym;
-  sym.reserve(word.size());
-  for (char ch : word) {
-    const int32_t id = byte_ids_[static_cast<uint8_t>(ch)];
-    if (id >= 0) {
-      sym.push_back(id);
-    } else {
-      CUMULUS_CHECK(unk_id_ >= 0, "{}: byte 0x{:02x} has no token and there is no unknown token", source_,
-                    static_cast<uint8_t>(ch));
-      sym.push_back(unk_id_);
+  struct Symbol {
+    int32_t id;          // -1 once merged into its left neighbour
+    int32_t prev, next;  // neighbours' indices, -1 at the ends
+  };
+  struct Pair {
+    int32_t rank, left, right, left_id, right_id, merged_id;
+  };
+  // priority_queue pops the largest: "a after b" when a has the higher rank, or on equal
+  // ranks (the same pair of tokens) the later position.
+  struct After {
+    bool operator()(const Pair& a, const Pair& b) const {
+      return a.rank != b.rank ? a.rank > b.rank : a.left > b.left;
     }
-  }
-  while (sym.size() > 1) {
-    int32_t best_rank = std::numeric_limits<int32_t>::max(), best_id = -1;
-    size_t best_pos = 0;
-    for (size_t i = 0; i + 1 < sym.size(); ++i) {
-      const uint64_t key = (static_cast<uint64_t>(sym[i]) << 32) | static_cast<uint32_t>(sym[i + 1]);
-      const auto it = merges_.find(key);
-      if (it != merges_.end() && it->second.first < best_rank) {
-        best_rank = it->second.first;
-        best_id = it->second.second;
-        best_pos = i;
-      }
+  };
+  CUMULUS_CHECK(word.size() < (size_t{1} << 31), "{}: a word of {} bytes is too long to encode", source_, word.size());
+  const int32_t n = static_cast<int32_t>(word.size());
+  std::vector<Symbol> sym(static_cast<size_t>(n));
+  for (int32_t i = 0; i < n; ++i) {
+    const uint8_t ch = static_cast<uint8_t>(word[static_cast<size_t>(i)]);
+    int32_t id = byte_ids_[ch];
+    if (id < 0) {
+      CUMULUS_CHECK(unk_id_ >= 0, "{}: byte 0x{:02x} has no token and there is no unknown token", source_, ch);
+      id = unk_id_;
     }
-    if (best_id < 0) break;
-    sym[best_pos] = best_id;
-    sym.erase(sym.begin() + static_cast<std::ptrdiff_t>(best_pos) + 1);
+    sym[static_cast<size_t>(i)] = Symbol{id, i - 1, i + 1 < n ? i + 1 : -1};
   }
-  out.insert(out.end(), sym.begin(), sym.end());
+  // The pair (l, r) of the current symbols, when the vocabulary has its merge.
+  auto pair_of = [&](int32_t l, int32_t r, Pair* p) {
+    if (l < 0 || r < 0) return false;
+    const int32_t lid = sym[static_cast<size_t>(l)].id, rid = sym[static_cast<size_t>(r)].id;
+    const auto it = merges_.find((static_cast<uint64_t>(lid) << 32) | static_cast<uint32_t>(rid));
+    if (it == merges_.end()) return false;
+    *p = Pair{it->second.first, l, r, lid, rid, it->second.second};
+    return true;
+  };
+  std::vector<Pair> initial;
+  initial.reserve(static_cast<size_t>(n));
+  for (int32_t i = 0; i + 1 < n; ++i)
+    if (Pair p; pair_of(i, i + 1, &p)) initial.push_back(p);
+  std::priority_queue<Pair, std::vector<Pair>, After> queue(After{}, std::move(initial));  // heapified in O(n)
+  auto push = [&](int32_t l, int32_t r) {
+    if (Pair p; pair_of(l, r, &p)) queue.push(p);
+  };
+  while (!queue.empty()) {
+    const Pair p = queue.top();
+    queue.pop();
+    Symbol& l = sym[static_cast<size_t>(p.left)];
+    Symbol& r = sym[static_cast<size_t>(p.right)];
+    if (l.id != p.left_id || l.next != p.right || r.id != p.right_id) continue;  // stale
+    l.id = p.merged_id;
+    l.next = r.next;
+    if (r.next >= 0) sym[static_cast<size_t>(r.next)].prev = p.left;
+    r.id = -1;
+    push(l.prev, p.left);
+    push(p.left, l.next);
+  }
+  for (int32_t i = n > 0 ? 0 : -1; i >= 0; i = sym[static_cast<size_t>(i)].next)
+    out.push_back(sym[static_cast<size_t>(i)].id);
 }
 
 std::vector<int32_t> BpeTokenizer::encode(std::string_view text, bool add_bos) const {
+  return encode_prefix(text, add_bos, std::numeric_limits<size_t>::max());
+}
+
+// Words encode independently of what follows them, so the ids stop after the word (or
+// special token) that brings them to max_tokens.
+std::vector<int32_t> BpeTokenizer::encode_prefix(std::string_view text, bool add_bos, size_t max_tokens) const {
   std::vector<int32_t> out;
   if (add_bos && bos_id_ >= 0) out.push_back(bos_id_);
   auto encode_plain = [&](std::string_view s) {
-    for (std::string_view w : bpe_pre_tokenize(s, pre_)) encode_word(w, out);
+    for (std::string_view w : bpe_pre_tokenize(s, pre_)) {
+      if (out.size() >= max_tokens) return;
+      encode_word(w, out);
+    }
   };
   size_t start = 0, i = 0;
-  while (i < text.size()) {
+  while (i < text.size() && out.size() < max_tokens) {
     int32_t hit = -1;
     if (special_first_[static_cast<uint8_t>(text[i])]) {
       for (int32_t id : specials_) {
@@ -234,11 +280,12 @@ std::vector<int32_t> BpeTokenizer::encode(std::string_view text, bool add_bos) c
       continue;
     }
     if (i > start) encode_plain(text.substr(start, i - start));
-    out.push_back(hit);
+    if (out.size() < max_tokens) out.push_back(hit);
     i += tokens_[static_cast<size_t>(hit)].size();
     start = i;
   }
-  if (start < text.size()) encode_plain(text.substr(start));
+  if (start < text.size() && out.size() < max_tokens) encode_plain(text.substr(start));
+  if (out.size() > max_tokens) out.resize(max_tokens);
   return out;
 }
 

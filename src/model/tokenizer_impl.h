@@ -33,6 +33,7 @@ class BpeTokenizer final : public Tokenizer {
  public:
   BpeTokenizer(std::string source, BpeVocab vocab);
   std::vector<int32_t> encode(std::string_view text, bool add_bos) const override;
+  std::vector<int32_t> encode_prefix(std::string_view text, bool add_bos, size_t max_tokens) const override;
   std::string decode_piece(int32_t id) const override;
 
  private:
@@ -61,10 +62,15 @@ class SpmTokenizer final : public Tokenizer {
  public:
   SpmTokenizer(TokenizerKind kind, std::string source, SpmVocab vocab);
   std::vector<int32_t> encode(std::string_view text, bool add_bos) const override;
+  std::vector<int32_t> encode_prefix(std::string_view text, bool add_bos, size_t max_tokens) const override;
   std::string decode_piece(int32_t id) const override;
   std::string decode(std::span<const int32_t> ids) const override;
 
  private:
+  // Whether no piece holds the space symbol after another character: then no merge spans
+  // the boundary between a character other than a space and the space after it, and the
+  // text before such a boundary encodes to the first ids of the whole text's encoding.
+  bool spaces_split_ = false;
   std::vector<float> scores_;
   std::unordered_map<std::string, int32_t> ids_;  // normal / user-defined tokens only
   std::array<int32_t, 256> byte_ids_{};           // <0xXX> tokens, or -1

@@ -4,6 +4,7 @@
 // merge the adjacent pair whose concatenation is a vocabulary piece with the highest score
 // (leftmost on ties). A symbol left that is not a piece (a character outside the
 // vocabulary) is written as its <0xXX> byte tokens, or <unk> without byte tokens.
+#include <algorithm>
 #include <queue>
 
 #include "core/check.h"
@@ -69,6 +70,35 @@ SpmTokenizer::SpmTokenizer(TokenizerKind kind, std::string source, SpmVocab v)
     } else if ((t == TokenType::normal || t == TokenType::user_defined) && !tokens_[i].empty()) {
       ids_.emplace(tokens_[i], static_cast<int32_t>(i));
     }
+  }
+  spaces_split_ = true;
+  for (const auto& [piece, id] : ids_) {
+    size_t at = 0;  // past the leading space symbols
+    while (piece.compare(at, space_symbol_.size(), space_symbol_) == 0) at += space_symbol_.size();
+    if (piece.find(space_symbol_, at) != std::string::npos) {
+      spaces_split_ = false;
+      break;
+    }
+  }
+}
+
+std::vector<int32_t> SpmTokenizer::encode_prefix(std::string_view text, bool add_bos, size_t max_tokens) const {
+  if (!spaces_split_) return Tokenizer::encode_prefix(text, add_bos, max_tokens);
+  // Prefixes that end before a space that follows another character, growing twofold: each
+  // gives the first ids of the whole encoding, so the first with max_tokens ids is the
+  // answer; the text read is at most about twice what those ids need.
+  size_t want = std::min(text.size(), 8 * std::min(max_tokens, text.size()) + 64);
+  for (;;) {
+    size_t end = want;
+    while (end < text.size() && !(text[end] == ' ' && text[end - 1] != ' ' &&
+                                  !text.substr(0, end).ends_with(space_symbol_)))
+      ++end;
+    std::vector<int32_t> ids = encode(text.substr(0, end), add_bos);
+    if (ids.size() >= max_tokens || end == text.size()) {
+      if (ids.size() > max_tokens) ids.resize(max_tokens);
+      return ids;
+    }
+    want = std::min(text.size(), 2 * end);
   }
 }
 

@@ -6,12 +6,14 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "cumulus/core/number.h"
 #include "cumulus/eval/bench.h"
 #include "cumulus/model/model_weights.h"
 #include "cumulus/model/runner.h"
@@ -46,9 +48,30 @@ std::vector<std::string> device_decode_methods(const std::string& device, const 
 // GPU pipelines, the CPU run's report; an Error naming the reason in a build without CUDA.
 BenchReport bench_run_cuda(const BenchOptions& options, std::FILE* log);
 
+// Integers on the command line: decimal only, never clamped (core/number.h), in [lo, hi].
+// A transform: it rewrites the value in plain decimal ("010" -> "10") for CLI11, whose own
+// conversion reads "010" as octal and "0x10" as hex.
+inline CLI::Validator decimal_range(int64_t lo, int64_t hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& s) -> std::string {
+        int64_t v = 0;
+        const std::string err = number_parse_int(s, lo, hi, &v);
+        if (!err.empty()) return "'" + s + "' " + err;
+        s = std::to_string(v);
+        return "";
+      },
+      "INT in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+}
+
+// Every number option of app's subcommands read as core/number.h reads numbers, before
+// CLI11 converts it: integer options (all `int` here; uint64_t seeds) through
+// decimal_range or seed_check, floating-point options refused when not a finite decimal
+// number or when they overflow or underflow. Call once, after the subcommands are added.
+void options_numbers_decimal(CLI::App& app);
+
 // --threads takes one range in every subcommand.
 inline constexpr int kThreadsMax = 256;
-inline CLI::Range threads_range() { return CLI::Range(1, kThreadsMax); }
+inline CLI::Validator threads_range() { return decimal_range(1, kThreadsMax); }
 
 // --threads' default: the CPUs this process may run on (its affinity mask, which taskset and
 // container CPU sets narrow), at most kThreadsMax.
@@ -59,12 +82,15 @@ inline int default_threads() {
   return std::clamp(n > 0 ? n : static_cast<int>(std::thread::hardware_concurrency()), 1, kThreadsMax);
 }
 
-// --seed: a non-negative integer (CLI11 alone would wrap -1 to 2^64 - 1).
+// --seed: a decimal integer in [0, 2^64) (CLI11 alone would wrap -1 to 2^64 - 1 and clamp
+// 2^64 to 2^64 - 1).
 inline CLI::Validator seed_check() {
   return CLI::Validator(
       [](std::string& s) -> std::string {
-        if (s.empty() || s.size() > 20 || s.find_first_not_of("0123456789") != std::string::npos)
-          return "must be an integer in [0, 2^64), not '" + s + "'";
+        uint64_t v = 0;
+        const std::string err = number_parse_uint(s, UINT64_MAX, &v);
+        if (!err.empty()) return "'" + s + "' " + err;
+        s = std::to_string(v);
         return "";
       },
       "SEED");

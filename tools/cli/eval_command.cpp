@@ -117,8 +117,7 @@ void add_eval_command(CLI::App& app) {
       ->required();
   cmd->add_option("--method", o.methods,
                   "methods, comma-separated; 'label=method' runs a method under its own label (default: all; "
-                  "matched: the adaptive method, default tactic; mass: fixed variants)")
-      ->delimiter(',');
+                  "matched: the adaptive method, default tactic; mass: fixed variants)");
   cmd->add_option("--param", o.params, "key=value or X.key=value, X a label or method (repeatable)");
   cmd->add_option("--sweep", o.sweeps, "X.key=v1,v2,...: one run per value, drawn as one curve (repeatable)");
   cmd->add_option("--prefill", o.prefill_method, "prefill attention shared by all methods")->capture_default_str();

@@ -60,6 +60,7 @@ struct GenerateOptions {
   uint64_t seed = 0;
   bool eval = false;
   bool quiet = false;
+  bool prompt_given = false;  // --prompt was on the command line (an empty one is refused)
   std::string weights = "compact";
   std::string device = "cpu";  // --device: cpu or cuda (device.cpp)
   std::string kv_save, kv_load;  // KV snapshot written after the prefill / loaded instead of it
@@ -499,6 +500,10 @@ std::vector<MethodSpec> generate_validate(const GenerateOptions& o, KvSnapshotUs
                 "--page-size={} must be a power of two in [1, 256]", o.page_size);
   CUMULUS_CHECK(o.temperature >= 0 && std::isfinite(o.temperature), "--temperature={} must be >= 0", o.temperature);
   CUMULUS_CHECK(o.top_p > 0 && o.top_p <= 1, "--top-p={} must be in (0, 1]", o.top_p);
+  CUMULUS_CHECK(o.top_p == 1 || o.temperature > 0,
+                "--top-p {} samples, but --temperature 0 decodes greedily: give --temperature > 0 or drop --top-p",
+                o.top_p);
+  CUMULUS_CHECK(!o.prompt_given || !o.prompt.empty(), "--prompt is empty: give a prompt, or none to start from BOS");
   if (o.bench) {
     CUMULUS_CHECK(o.bench_decode >= 1 && o.bench_decode <= 4096, "--bench-decode={} must be in [1, 4096]",
                   o.bench_decode);
@@ -570,6 +575,10 @@ std::vector<MethodSpec> generate_validate(const GenerateOptions& o, KvSnapshotUs
 void run_generate(const GenerateOptions& o) {
   KvSnapshotUse kvs;
   const std::vector<MethodSpec> specs = generate_validate(o, kvs);
+  const std::string text = o.prompt_file.empty() ? o.prompt : text_strip_gutenberg(text_read_file(o.prompt_file));
+  CUMULUS_CHECK(o.prompt_file.empty() || !text.empty(),
+                "--prompt-file '{}' holds no text (once a Gutenberg header and footer, if any, are stripped)",
+                o.prompt_file);
   const LoadedModel model = model_load(o.model, o.tokenizer, weight_storage_from_name(o.weights));
   const ModelWeights& w = model.weights;
   const Tokenizer* tok = model.tokenizer.get();
@@ -581,8 +590,9 @@ void run_generate(const GenerateOptions& o) {
     for (auto& t : prompt) t = id(rng);
     return o.device == "cpu" ? run_bench(w, prompt, specs, o) : run_bench_device(w, prompt, specs, o);
   }
-  std::string text = o.prompt_file.empty() ? o.prompt : text_strip_gutenberg(text_read_file(o.prompt_file));
-  std::vector<int32_t> prompt = tok->encode(text, tok->add_bos_default());
+  std::vector<int32_t> prompt = o.prompt_tokens > 0 ? tok->encode_prefix(text, tok->add_bos_default(),
+                                                                            static_cast<size_t>(o.prompt_tokens))
+                                                     : tok->encode(text, tok->add_bos_default());
   if (kvs.load) prompt.assign(kvs.load->tokens().begin(), kvs.load->tokens().end());
   if (prompt.empty() && tok->bos_id() >= 0) prompt.push_back(tok->bos_id());
   CUMULUS_CHECK(!prompt.empty(), "the prompt is empty and the tokenizer has no BOS token");
@@ -671,7 +681,6 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--method", o->methods,
                   "decode method(s), comma-separated: prefilled one after another, then (on the CPU) decoded in "
                   "turn, a token of each at a time; 'label=method' runs a method under its own label")
-      ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--param", o->params, "key=value or X.key=value, X a label or method (repeatable)");
   cmd->add_option("--prefill", o->prefill, "prefill method: dense or flexprefill")->capture_default_str();
@@ -703,7 +712,12 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--bench-decode", o->bench_decode, "--bench: decode steps timed per context")->capture_default_str();
   cmd->add_option("--repetitions", o->repetitions, "--bench: runs per context (median)")->capture_default_str();
   cmd->add_option("--json", o->json, "--bench: also write the results as JSON to this file");
-  cmd->callback([o] { run_generate(*o); });
+  cmd->callback([o, cmd] {
+    for (const char* name : {"--bench-context", "--bench-decode", "--repetitions"})
+      CUMULUS_CHECK(o->bench || cmd->count(name) == 0, "{} is a --bench option: add --bench or drop {}", name, name);
+    o->prompt_given = cmd->count("--prompt") > 0;
+    run_generate(*o);
+  });
 }
 
 WeightStorage weight_storage_from_name(const std::string& name) {

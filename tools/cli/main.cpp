@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   cumulus::cli::add_eval_command(app);
   cumulus::cli::add_info_command(app);
   cumulus::cli::add_trace_command(app);
+  cumulus::cli::options_numbers_decimal(app);
   // CLI11 answers an unknown first word with "A subcommand is required"; name it instead.
   if (argc > 1 && argv[1][0] != '-') {
     std::string known;

@@ -133,7 +133,8 @@ void run_trace(const TraceOptions& o) {
   ModelWeights w = model_weights_load(o.model);
   const ModelConfig& c = w.config;
   auto tok = tokenizer_from_gguf(GgufFile::open(o.model));
-  std::vector<int32_t> prompt = tok->encode(text_strip_gutenberg(text_read_file(o.text)), tok->add_bos_default());
+  std::vector<int32_t> prompt = tok->encode_prefix(text_strip_gutenberg(text_read_file(o.text)),
+                                                  tok->add_bos_default(), static_cast<size_t>(o.prompt_tokens));
   CUMULUS_CHECK(static_cast<int>(prompt.size()) >= o.prompt_tokens,
                 "--text {} has {} tokens, fewer than --prompt-tokens {}", o.text, prompt.size(), o.prompt_tokens);
   prompt.resize(o.prompt_tokens);

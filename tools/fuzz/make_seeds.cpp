@@ -246,7 +246,7 @@ std::vector<uint8_t> with_text(std::vector<uint8_t> prefix, std::vector<uint8_t>
 
 int main(int argc, char** argv) {
   if (argc != 2 && argc != 3) {
-    std::fprintf(stderr, "usage: %s [gguf|gguf_tokenizer|llama2c|llama2c_tokenizer|trace|kv_snapshot] DIR\n", argv[0]);
+    std::fprintf(stderr, "usage: %s [gguf|gguf_tokenizer|llama2c|llama2c_tokenizer|tokenizer_text|trace|kv_snapshot] DIR\n", argv[0]);
     return 2;
   }
   const std::string kind = argc == 3 ? argv[1] : "gguf";
@@ -280,6 +280,19 @@ int main(int argc, char** argv) {
                                              "l",     "o",   "ll",   "llo",    " w",     "r", "d", "He"};
     for (const char* text : {"Hello world", "A\nllo"})
       write(with_text({static_cast<uint8_t>(tokens.size() - 4)}, llama2c_tokenizer(tokens), text));
+  } else if (kind == "tokenizer_text") {
+    // [tokenizer and prefix length][repeat count, little-endian][text]
+    auto seed = [&](uint8_t pick, uint16_t repeat, const std::string& text) {
+      std::vector<uint8_t> b = {pick, static_cast<uint8_t>(repeat & 0xFF), static_cast<uint8_t>(repeat >> 8)};
+      b.insert(b.end(), text.begin(), text.end());
+      write(b);
+    };
+    for (uint8_t tok : {0, 1}) {
+      seed(static_cast<uint8_t>(tok | 16 << 1), 0, "Once upon a time, there was a little girl named Lily.\n");
+      seed(static_cast<uint8_t>(tok | 3 << 1), 4000, "a");
+      seed(static_cast<uint8_t>(tok | 1 << 1), 2000, " ");
+      seed(static_cast<uint8_t>(tok | 40 << 1), 300, "ab 12 \xC3\xA9<|im_end|>\n\n");
+    }
   } else if (kind == "trace") {
     write(trace(4, 2, 8, 5, 2, {0}));
     write(trace(6, 2, 8, 3, 3, {2, 5}));

@@ -5,10 +5,17 @@
 #   gguf_tokenizer     tokenizer from GGUF metadata alone, encode/decode of fuzzed text
 #   llama2c            llama2.c .bin detection and loader
 #   llama2c_tokenizer  llama2.c tok*.bin reader, encode/decode
+#   tokenizer_text     SmolLM2's and tok512's tokenizers on up to 256 KiB of fuzzed text
+#                      (encode, encode_prefix): their running time
 #   trace              `cumulus trace` file reader (sizes against the file) and its cache
 #   kv_snapshot        KV snapshot reader (--kv-load; sizes, checksum, values) and restore
 # A crash, a sanitizer report, a leak, a timeout or memory past -rss_limit_mb makes this
 # script fail and leaves the input in build/fuzz/NAME/ (crash-*, leak-*, timeout-*, oom-*).
+# The time limit per input (-timeout, wall clock) is FUZZ_TIMEOUT seconds (default 10) for
+# the file parsers and FUZZ_TOKENIZER_TIMEOUT (default 8) for the tokenizer fuzzers, so that
+# text which tokenizes slowly fails the run as a crash does: tokenizer_text's 256 KiB take
+# about 1 s of CPU with the sanitizers (3-5 s of wall clock on a loaded 2-core machine, the
+# first input also loading the vocabularies), a merge quadratic in a word's length minutes.
 #
 # Usage: tools/fuzz/run.sh [SECONDS_EACH] [NAME...]   (default 40 s each, every fuzzer)
 # Needs clang and libclang-rt-dev (scripts/setup.sh installs both).
@@ -17,7 +24,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 SECONDS_EACH="${1:-40}"
 shift || true
 NAMES=("$@")
-[ "${#NAMES[@]}" -gt 0 ] || NAMES=(gguf gguf_tokenizer llama2c llama2c_tokenizer trace kv_snapshot)
+[ "${#NAMES[@]}" -gt 0 ] || NAMES=(gguf gguf_tokenizer llama2c llama2c_tokenizer tokenizer_text trace kv_snapshot)
 OUT="${ROOT}/build/fuzz"
 CXX="${FUZZ_CXX:-clang++}"
 JOBS="${FUZZ_JOBS:-2}"
@@ -54,15 +61,20 @@ for src in "${LIB_SOURCES[@]}"; do OBJS+=("${OUT}/obj/$(echo "${src#${ROOT}/}" |
 failed=()
 for name in "${NAMES[@]}"; do
   echo "fuzz: building ${name}_fuzzer"
-  "${CXX}" "${FLAGS[@]}" -fsanitize=fuzzer "${ROOT}/tools/fuzz/${name}_fuzzer.cpp" "${OBJS[@]}" \
+  "${CXX}" "${FLAGS[@]}" -DCUMULUS_SHARED_DIR="\"${ROOT}/../shared\"" -fsanitize=fuzzer \
+    "${ROOT}/tools/fuzz/${name}_fuzzer.cpp" "${OBJS[@]}" \
     -lfmt -lhwy -lblas -lpthread -o "${OUT}/${name}_fuzzer"
   mkdir -p "${OUT}/${name}/corpus"
   "${OUT}/make_seeds" "${name}" "${OUT}/${name}/corpus"
-  echo "fuzz: running ${name}_fuzzer for ${SECONDS_EACH} s"
+  case "${name}" in
+    *tokenizer*) timeout_s="${FUZZ_TOKENIZER_TIMEOUT:-8}" ;;
+    *) timeout_s="${FUZZ_TIMEOUT:-10}" ;;
+  esac
+  echo "fuzz: running ${name}_fuzzer for ${SECONDS_EACH} s (at most ${timeout_s} s an input)"
   set +e
   (cd "${OUT}/${name}" && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
      "${OUT}/${name}_fuzzer" -max_total_time="${SECONDS_EACH}" -rss_limit_mb=2048 -malloc_limit_mb=1024 \
-     -timeout=10 -max_len=1048576 -print_final_stats=1 corpus 2>&1 | tail -n 12; exit "${PIPESTATUS[0]}")
+     -timeout="${timeout_s}" -max_len=1048576 -print_final_stats=1 corpus 2>&1 | tail -n 12; exit "${PIPESTATUS[0]}")
   status=$?
   set -e
   if [ "${status}" -ne 0 ]; then

@@ -49,6 +49,11 @@ class Tokenizer {
 
   // Text (UTF-8, or any bytes) to ids; prepends bos_id() when add_bos and there is one.
   virtual std::vector<int32_t> encode(std::string_view text, bool add_bos) const = 0;
+  // The first max_tokens ids of encode(text, add_bos) (all of them when it gives fewer),
+  // tokenizing no more of the text than that needs where the algorithm allows: byte-level
+  // BPE stops after the word that completes them; sentencepiece-style BPE encodes growing
+  // prefixes that end before a space no vocabulary piece can span.
+  virtual std::vector<int32_t> encode_prefix(std::string_view text, bool add_bos, size_t max_tokens) const;
   // The bytes one token stands for. Control tokens: byte-level BPE gives their text
   // ("<|im_end|>"), sentencepiece/llama2c give "" (their text is not part of the output).
   virtual std::string decode_piece(int32_t id) const = 0;
