@@ -16,6 +16,7 @@
 #include "cuda_test_util.h"
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/attention.h"
+#include "cumulus/kv/cuda_kv_cache.h"
 #include "kernels/cuda/bench_options.h"
 
 using namespace cumulus;

@@ -33,6 +33,7 @@
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/cuda.h"
+#include "cumulus/kv/cuda_kv_cache.h"
 #include "cumulus/kernels/cuda_prefill.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "cumulus/methods/method.h"
@@ -40,7 +41,7 @@
 #include "cumulus/model/cuda_runner.h"
 #include "decode_methods.h"
 #include "forward_kernels.cuh"
-#include "kernels/cuda/cuda_util.cuh"
+#include "core/cuda/cuda_util.cuh"
 #include "prefill_methods.h"
 
 namespace cumulus {
