@@ -61,6 +61,7 @@
 #include "cumulus/eval/trace.h"
 #include "cumulus/kernels/attention.h"
 #include "cumulus/kernels/cuda.h"
+#include "cumulus/kv/cuda_kv_cache.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "cumulus/methods/method.h"
 #include "cumulus/methods/registry.h"

@@ -31,6 +31,7 @@
 #include "cumulus/eval/synthetic.h"
 #include "cumulus/kernels/attention.h"
 #include "cumulus/kernels/cuda.h"
+#include "cumulus/kv/cuda_kv_cache.h"
 #include "cumulus/kv/kv_cache.h"
 #include "cumulus/methods/method.h"
 #include "kernels/cuda/attention_kernels.cuh"

@@ -24,6 +24,7 @@
 #include "cumulus/core/thread_pool.h"
 #include "cumulus/eval/synthetic.h"
 #include "cumulus/kernels/cuda.h"
+#include "cumulus/kv/cuda_kv_cache.h"
 #include "cumulus/kv/kv_cache.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "core/check.h"

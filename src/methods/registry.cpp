@@ -135,6 +135,17 @@ bool Registry::attach_gpu(const std::string& name, GpuPipeline gpu) {
   return false;
 }
 
+bool Registry::attach_gpu_prefill(const std::string& name, GpuPrefill gpu) {
+  CUMULUS_CHECK(gpu.make != nullptr, "method '{}': a GPU prefill needs its factory", name);
+  for (auto& m : methods_) {
+    if (m.name != name) continue;
+    CUMULUS_CHECK(m.make_prefill != nullptr, "method '{}' is a decode method: no prefill to attach", name);
+    m.gpu_prefill = std::move(gpu);
+    return true;
+  }
+  return false;
+}
+
 const MethodInfo* Registry::find_if_known(const std::string& name) const {
   for (const auto& m : methods_)
     if (m.name == name) return &m;

@@ -13,6 +13,7 @@
 #include "cumulus/eval/synthetic.h"
 #include "cumulus/kernels/attention.h"
 #include "cumulus/kernels/cuda.h"
+#include "cumulus/kv/cuda_kv_cache.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "cumulus/methods/registry.h"
 #include "model/cuda/decode_methods.h"

@@ -15,6 +15,7 @@
 #include "cuda_test_util.h"
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/attention.h"
+#include "cumulus/kv/cuda_kv_cache.h"
 
 using namespace cumulus;
 using namespace cumulus::cuda_test;

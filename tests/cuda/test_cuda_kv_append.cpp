@@ -13,6 +13,7 @@
 #include "cuda_test_util.h"
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/cuda.h"
+#include "cumulus/kv/cuda_kv_cache.h"
 #include "cumulus/kv/kv_cache.h"
 
 using namespace cumulus;

@@ -23,6 +23,7 @@
 #include "cumulus/kernels/attention.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "cumulus/methods/registry.h"
+#include "cumulus/kv/cuda_kv_cache.h"
 #include "methods/tactic/tactic_gpu_paths.h"
 #include "methods/lfps/lfps_tables.h"
 

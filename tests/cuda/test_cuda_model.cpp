@@ -28,6 +28,8 @@
 #include "cumulus/core/error.h"
 #include "cumulus/core/dtype.h"
 #include "cumulus/eval/tasks.h"
+#include "cumulus/methods/cuda_methods.h"
+#include "cumulus/methods/registry.h"
 #include "cumulus/model/cuda_runner.h"
 #include "cumulus/model/model_weights.h"
 #include "cumulus/model/runner.h"
@@ -861,6 +863,32 @@ TEST(CudaModel, FlexPrefillValuesTheGpuCannotHonourAreRefused) {
   d8.head_dim = 8;
   d8.rope_dim = 8;
   refused("flexprefill", {}, d8, "head_dim 64, 128 or 256 on the GPU, not 8");
+}
+
+// The runtime prefills through what the registry attaches (MethodInfo::gpu_prefill): dense
+// and flexprefill have it, and a user's prefill method without one is refused before any
+// work, naming it and the methods that run on the GPU. Needs no GPU.
+TEST(CudaModel, PrefillMethodsWithoutAGpuPrefillAreRefused) {
+  const Registry gpu = cuda::registry_with_gpu(Registry::builtin());
+  for (const MethodInfo& m : gpu.list())
+    EXPECT_EQ(m.gpu_prefill.make != nullptr, m.name == "dense" || m.name == "flexprefill") << m.name;
+  Registry user = Registry::builtin();
+  MethodInfo mine;
+  mine.name = "my_prefill";
+  mine.kind = MethodKind::prefill;
+  mine.make_prefill = [](const Shape& shape, const Params&) { return Registry::builtin().make_prefill("dense", shape); };
+  user.add(mine);
+  SessionOptions o;
+  o.registry = &user;
+  o.prefill_method = "my_prefill";
+  try {
+    cuda_runner_check(llama3_shaped_config(4096), o);
+    ADD_FAILURE() << "my_prefill (no GPU prefill) was accepted on cuda";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("prefill method 'my_prefill' is not yet on cuda (on cuda: dense, flexprefill)"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // eval --device cuda's default methods: the GPU pipelines that take the model's shape, so a

@@ -13,6 +13,7 @@
 #include "cumulus/kernels/kmeans.h"
 #include "cumulus/kernels/scoring.h"
 #include "cumulus/kernels/selection.h"
+#include "cumulus/kv/cuda_kv_cache.h"
 
 using namespace cumulus;
 using namespace cumulus::cuda_test;

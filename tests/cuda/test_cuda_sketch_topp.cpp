@@ -30,6 +30,7 @@
 #include "cumulus/methods/cuda_methods.h"
 #include "cumulus/kernels/sketch.h"
 #include "cumulus/methods/registry.h"
+#include "cumulus/kv/cuda_kv_cache.h"
 
 using namespace cumulus;
 using namespace cumulus::cuda_test;

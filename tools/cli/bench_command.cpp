@@ -1,6 +1,7 @@
 // `cumulus bench`: every decode method on the synthetic workload; accuracy against dense,
 // time per decode step and GB/s against the read bandwidth measured in the same run.
-// The logic lives in src/eval/bench.cpp; this file maps options onto BenchOptions.
+// The logic lives in src/eval/bench.cpp and, for --device cuda, src/eval/cuda/bench_cuda.cu
+// (through device.cpp's bench_run_device); this file maps options onto BenchOptions.
 //
 // Output: the table goes to stdout. `--json PATH` also writes the JSON report to PATH;
 // `--json -` writes the JSON to stdout instead and moves the table to stderr, so stdout
@@ -53,7 +54,7 @@ void bench_command_run(const BenchArgs& a) {
   CUMULUS_CHECK(a.device == "cpu" || a.device == "cuda", "--device={} must be cpu or cuda", a.device);
   o.validate();
   if (!a.json.empty() && a.json != "-") file_check_output(a.json, "--json");
-  const BenchReport rep = a.device == "cuda" ? bench_run_cuda(o, stderr) : bench_run(o, stderr);
+  const BenchReport rep = bench_run_device(a.device, o, stderr);
   const std::string table = bench_table(rep);
   if (a.json == "-") {
     fmt::print(stderr, "\n{}", table);

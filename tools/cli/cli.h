@@ -44,9 +44,9 @@ std::string device_line();
 // The decode methods --device cuda runs for this model (dense and the GPU pipelines that take
 // its shape); an Error naming the reason in a build without CUDA.
 std::vector<std::string> device_decode_methods(const std::string& device, const ModelConfig& config);
-// `cumulus bench --device cuda` (bench_cuda.cpp): the synthetic benchmark's methods on the
-// GPU pipelines, the CPU run's report; an Error naming the reason in a build without CUDA.
-BenchReport bench_run_cuda(const BenchOptions& options, std::FILE* log);
+// `cumulus bench` on `device`: bench_run (cpu) or bench_run_cuda (cuda, eval/cuda_bench.h),
+// the same report; an Error naming the reason for cuda in a build without CUDA.
+BenchReport bench_run_device(const std::string& device, const BenchOptions& options, std::FILE* log);
 
 // Integers on the command line: decimal only, never clamped (core/number.h), in [lo, hi].
 // A transform: it rewrites the value in plain decimal ("010" -> "10") for CLI11, whose own

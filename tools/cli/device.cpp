@@ -1,12 +1,14 @@
-// --device cpu|cuda: which runtime runs the model (model/runner.h). The CUDA runtime is
-// linked only in a CUDA build (CUMULUS_HAVE_CUDA, from cumulus_cuda); elsewhere --device
-// cuda is an error naming the reason, raised before the model is loaded.
+// --device cpu|cuda: which runtime runs the model (model/runner.h) or the benchmark
+// (eval/bench.h, eval/cuda_bench.h). The CUDA runtime is linked only in a CUDA build
+// (CUMULUS_HAVE_CUDA, from the CUDA libraries); elsewhere --device cuda is an error naming
+// the reason, raised before the model is loaded.
 #include <fmt/format.h>
 
 #include "core/check.h"
 #include "cli.h"
 #include "cumulus/core/error.h"
 #ifdef CUMULUS_HAVE_CUDA
+#include "cumulus/eval/cuda_bench.h"
 #include "cumulus/model/cuda_runner.h"
 #endif
 
@@ -41,6 +43,17 @@ std::vector<std::string> device_decode_methods(const std::string& device, const 
 #else
   device_check(device, config, {});
   return {};  // not reached: device_check throws
+#endif
+}
+
+BenchReport bench_run_device(const std::string& device, const BenchOptions& options, std::FILE* log) {
+  CUMULUS_CHECK(device == "cpu" || device == "cuda", "--device={} must be cpu or cuda", device);
+  if (device == "cpu") return bench_run(options, log);
+#ifdef CUMULUS_HAVE_CUDA
+  return bench_run_cuda(options, log);
+#else
+  CUMULUS_FAIL("--device cuda: this build of cumulus has no CUDA backend (configure with -DCUMULUS_CUDA=ON, the "
+               "`cuda` preset)");
 #endif
 }
 

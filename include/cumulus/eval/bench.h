@@ -94,7 +94,7 @@ struct BenchMachine {
 
 struct BenchReport {
   BenchOptions options;
-  // --device cuda (tools/cli/bench_cuda.cpp): the GPU's name, and membw.gbps_median is its
+  // --device cuda (eval/cuda_bench.h): the GPU's name, and membw.gbps_median is its
   // device-to-device copy bandwidth (read + write); empty: the CPU run described above.
   std::string device;
   Shape shape;

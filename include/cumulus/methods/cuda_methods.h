@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cumulus/kernels/cuda_decoder.h"
+#include "cumulus/kernels/cuda_prefill.h"
 #include "cumulus/methods/lfps.h"
 #include "cumulus/methods/psa.h"
 #include "cumulus/methods/registry.h"
@@ -25,8 +26,9 @@ namespace cumulus::cuda {
 
 // `base` with the GPU pipelines attached (MethodInfo::gpu) to the methods that have one
 // (dense, tactic, psa, lfps, sketch_topp: each method's .cu attaches its own,
-// src/methods/cuda/gpu_pipelines.cu lists them); a method of `base` that is not built in
-// keeps what it has. The CUDA runtime builds its decoders from this.
+// src/methods/cuda/gpu_pipelines.cu lists them) and the GPU prefill attentions
+// (MethodInfo::gpu_prefill: dense, flexprefill); a method of `base` that is not built in
+// keeps what it has. The CUDA runtime builds its decoders and its prefill from this.
 Registry registry_with_gpu(const Registry& base);
 
 // Each fused method's attachment, called by registry_with_gpu (src/methods/<name>/<name>.cu).
@@ -34,6 +36,27 @@ void attach_tactic_gpu(Registry& r);
 void attach_psa_gpu(Registry& r);
 void attach_lfps_gpu(Registry& r);
 void attach_sketch_topp_gpu(Registry& r);
+// Each prefill method's GPU attention (MethodInfo::gpu_prefill), the same way.
+void attach_flexprefill_gpu(Registry& r);
+
+// A prefill method's attention on the GPU (MethodInfo::gpu_prefill makes it), for one
+// sequence: the runtime prefills the prompt in one forward pass from position 0 and hands
+// each layer's attention of it here (dense needs none: the runtime's own kernels).
+class PrefillAttention {
+ public:
+  virtual ~PrefillAttention() = default;
+  // Device memory a prompt of n tokens takes besides the runtime's scratch (at most).
+  virtual size_t device_bytes(int n) const = 0;
+  // Throws Error when the current device cannot run it (reads the device, allocates nothing).
+  virtual void device_check() const {}
+  // Before the first layer of a prompt of n tokens.
+  virtual void begin(int n) = 0;
+  // One layer's attention of the prompt (a: head-major, q_first 0) into a.out, enqueued on
+  // `stream`; may wait for it. Adds the layer's blocks, patterns and times to `stats`.
+  virtual void attend(const DevicePrefillArgs& a, void* stream, PrefillStats& stats) = 0;
+  // After the prompt's last layer: frees what begin() took.
+  virtual void end() = 0;
+};
 
 // tactic (Tactic, section 4, Algorithm 1): k-means of the keys at prefill; per step clusters
 // ranked by q . centroid, the exactly scored head and windows of the unpacked list, the

@@ -18,8 +18,9 @@
 namespace cumulus {
 
 namespace cuda {
-class SparseDecoder;  // kernels/cuda_decoder.h
-struct DeviceKvView;  // kernels/cuda.h
+class SparseDecoder;     // kernels/cuda_decoder.h
+struct DeviceKvView;     // kernels/cuda.h
+class PrefillAttention;  // methods/cuda_methods.h
 }  // namespace cuda
 
 // A method's own GPU pipeline (methods/cuda_methods.h), which its src/methods/<name>/<name>.cu
@@ -39,6 +40,19 @@ struct GpuPipeline {
   std::function<int(const Params& params)> reindex_interval = nullptr;
   // Takes any head_dim (dense attention); the selection pipelines take 64, 128 or 256.
   bool any_head_dim = false;
+};
+
+// A prefill method's attention on the GPU (cuda::PrefillAttention, methods/cuda_methods.h),
+// which its .cu attaches (cuda::registry_with_gpu, a CUDA build only); a prefill method
+// without one does not run on the GPU.
+struct GpuPrefill {
+  // The attention of a model of `shape` (nullptr: the runtime's dense kernels); touches no
+  // device until a prompt begins.
+  std::function<std::unique_ptr<cuda::PrefillAttention>(const Shape& shape, const Params& params, int n_threads)>
+      make = nullptr;
+  // Refuses, before any work and reading no device, a shape or parameter value the GPU does
+  // not implement (Error naming it); the CPU method's own checks run besides.
+  std::function<void(const Shape& shape, const Params& params)> check = nullptr;
 };
 
 // The reference every comparison is made against: dense attention, a decode and a prefill
@@ -85,6 +99,8 @@ struct MethodInfo {
   std::string color = {};
   // Its fused GPU pipeline, once attached (GpuPipeline above).
   GpuPipeline gpu = {};
+  // Its GPU prefill attention, once attached (GpuPrefill above).
+  GpuPrefill gpu_prefill = {};
 };
 
 class Registry {
@@ -96,6 +112,8 @@ class Registry {
   // Attaches a GPU pipeline to the method `name`; false (nothing changes) when the registry
   // has no such method.
   bool attach_gpu(const std::string& name, GpuPipeline gpu);
+  // The same for a prefill method's GPU attention.
+  bool attach_gpu_prefill(const std::string& name, GpuPrefill gpu);
   const MethodInfo& find(const std::string& name) const;  // throws Error listing known names
   const MethodInfo* find_if_known(const std::string& name) const;  // nullptr when unknown
   const std::vector<MethodInfo>& list() const { return methods_; }

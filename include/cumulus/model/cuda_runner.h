@@ -4,8 +4,9 @@
 // session's decode method: dense, a fused GPU pipeline (sketch_topp, tactic, psa;
 // methods/cuda_methods.h) or a method defined over the selection ops (quest, oracle_topp,
 // oracle_topk, streaming; methods/policy.h), built from the registry's parameters
-// (src/model/cuda/decode_methods.h), and prefill attention dense or flexprefill
-// (src/model/cuda/prefill_methods.h; prefill_stats() as the CPU method's). In eval mode
+// (src/model/cuda/decode_methods.h), and prefill attention dense or a prefill method's own
+// (MethodInfo::gpu_prefill: flexprefill; src/model/cuda/prefill_methods.h; prefill_stats()
+// as the CPU method's). In eval mode
 // (SessionOptions::eval) each step also runs the dense pass and fills last_step() with each
 // head's true mass, as the CPU does. Built only with
 // CUMULUS_CUDA=ON (the library cumulus_model_cuda); plain C++, no CUDA type in sight.
@@ -31,8 +32,8 @@ namespace cumulus {
 size_t cuda_runner_bytes(const ModelConfig& config, const SessionOptions& options, int n_seqs = 1);
 
 // Throws Error naming the reason when a CUDA runner cannot run this model with these options:
-// a prefill method other than dense and flexprefill, or a flexprefill value the GPU cannot
-// honour (chunk other than 0, block_size not a multiple of 64 or too large for the probe's
+// a prefill method without a GPU prefill (MethodInfo::gpu_prefill: dense, flexprefill), or a
+// flexprefill value the GPU cannot honour (chunk other than 0, block_size not a multiple of 64 or too large for the probe's
 // shared memory, head_dim other than 64/128/256; checked first, before the device is
 // touched, but for the shared memory); no CUDA device; an architecture or feature not on the
 // GPU yet (gemma3); a decode method not on the GPU or a parameter value its GPU pipeline does

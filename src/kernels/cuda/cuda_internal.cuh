@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "cuda_util.cuh"
+#include "core/cuda/cuda_util.cuh"
 
 namespace cumulus::cuda {
 

@@ -38,7 +38,7 @@
 #include <cmath>
 #include <limits>
 
-#include "cuda_util.cuh"
+#include "core/cuda/cuda_util.cuh"
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/cuda_prefill.h"
 #include "cumulus/kernels/flexprefill_select.h"

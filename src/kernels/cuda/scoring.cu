@@ -8,7 +8,7 @@
 #include <cmath>
 
 #include "core/check.h"
-#include "cuda_util.cuh"
+#include "core/cuda/cuda_util.cuh"
 #include "cumulus/kernels/cuda.h"
 
 namespace cumulus::cuda {

@@ -9,8 +9,8 @@
 //              head_dim 64/128/256) or the generic rows kernel; a prefill chunk starting at
 //              a multiple of 64 through attention_prefill_dense (head_dim 64/128/256; after
 //              the first chunk over the cached keys gathered head-major), else the rows kernel;
-//              with flexprefill the whole prompt in one chunk: FlexPrefillProbe, the host
-//              selection, attention_prefill_block_sparse
+//              with a prefill method of its own (MethodInfo::gpu_prefill: flexprefill) the
+//              whole prompt in one chunk through its cuda::PrefillAttention
 //              x += att Wo^T (the residual is the GEMM's beta = 1)
 //              xn = RMSNorm(x) * ffn_norm; act f16 = silu(xn Wg^T) * (xn Wu^T); x += act Wd^T
 //   logits [vocab] f32 = RMSNorm(x_last) * output_norm, times the classifier
@@ -33,6 +33,7 @@
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/cuda.h"
+#include "cumulus/kv/cuda_kv_cache.h"
 #include "cumulus/kernels/cuda_prefill.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "cumulus/methods/method.h"
@@ -40,8 +41,7 @@
 #include "cumulus/model/cuda_runner.h"
 #include "decode_methods.h"
 #include "forward_kernels.cuh"
-#include "kernels/cuda/cuda_util.cuh"
-#include "cumulus/methods/flexprefill.h"
+#include "core/cuda/cuda_util.cuh"
 #include "prefill_methods.h"
 
 namespace cumulus {
@@ -63,10 +63,11 @@ int context_of(const ModelConfig& c, const SessionOptions& o) {
 
 // Rows of the prefill chunk the scratch is sized for.
 // A multiple of 64 from 64 up, so every chunk of a prompt starts where the tuned prefill
-// kernel can take it. flexprefill: the whole context, since its probe reads the prompt's last
-// block and the prompt goes through one forward pass (the CPU method's chunk_tokens, chunk=0).
-int chunk_of(const ModelConfig& c, const SessionOptions& o) {
-  if (o.prefill_method == "flexprefill") return context_of(c, o);
+// kernel can take it. whole_prompt (a prefill method's own attention, as flexprefill's, whose
+// probe reads the prompt's last block): the whole context, the prompt in one forward pass
+// (the CPU method's chunk_tokens, chunk=0).
+int chunk_of(const ModelConfig& c, const SessionOptions& o, bool whole_prompt) {
+  if (whole_prompt) return context_of(c, o);
   const int ch = std::max(1, std::min(std::max(o.prefill_chunk, 2048), context_of(c, o)));
   return ch >= 64 ? ch - ch % 64 : ch;
 }
@@ -172,10 +173,6 @@ class CudaRunner final : public CudaModelRunner {
   void count_step();
   // Eval mode: last_ from the step just run (the eval buffers and each decoder's stats()).
   void collect_eval_step();
-  // flexprefill's attention of one layer's prompt (a: head-major f16, q_first 0): the probe
-  // on the device, the CPU method's selection on the host, the block-sparse kernel; waits for
-  // the stream (the selection needs the probe, the statistics the kernel's time).
-  void attention_flexprefill(const cuda::DevicePrefillArgs& a);
   // The decode method's decoders, one per layer (nullptr: the layer attends densely); on
   // success the runner's method becomes `method`.
   void make_decoders(const std::string& method, const std::map<std::string, std::string>& params);
@@ -230,12 +227,9 @@ class CudaRunner final : public CudaModelRunner {
   // for a method that learns from them (SparseDecoder::prompt_queries: lfps), kept by prefill().
   DeviceBuffer pq_;
   int pq_rows_ = 0, pq_end_ = 0;  // rows kept; the end of the prompt they are the last of
-  // The prefill method (SessionOptions::prefill_method and prefill_params) and what
-  // flexprefill keeps: the probe for the prompt being prefilled, the host selection's threads
-  // (SessionOptions::n_threads), the statistics the CPU method reports.
+  // The prefill method (SessionOptions::prefill_method and prefill_params; its attention,
+  // unless dense) and the statistics the CPU method reports.
   cuda::model::CudaPrefillPlan pplan_;
-  std::unique_ptr<cuda::FlexPrefillProbe> probe_;
-  std::unique_ptr<ThreadPool> pool_;
   PrefillStats prefill_stats_;
 };
 
@@ -308,7 +302,10 @@ CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o, int n_seqs
   const char* graphs = std::getenv("CUMULUS_CUDA_GRAPHS");
   use_graph_ = graphs == nullptr || std::string(graphs) != "0";
   capacity_ = context_of(c_, o);
-  rows_ = std::max(chunk_of(c_, o), n_seqs_);
+  registry_gpu_ = cuda::registry_with_gpu(o.registry != nullptr ? *o.registry : Registry::builtin());
+  registry_ = &registry_gpu_;
+  pplan_ = cuda::model::cuda_prefill_plan(*registry_, o.prefill_method, o.prefill_params, c_.shape(), o.n_threads);
+  rows_ = std::max(chunk_of(c_, o, pplan_.attention != nullptr), n_seqs_);
   // One cache per layer, its pages reserved for the whole context up front (a decode step
   // then never touches the host's page tables).
   for (int l = 0; l < c_.n_layers; ++l) {
@@ -350,8 +347,6 @@ CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o, int n_seqs
   CUMULUS_CUDA_CHECK(cudaMallocHost(&logits_host_, static_cast<size_t>(c_.vocab_size) * sizeof(float)));
   CUMULUS_CUDA_CHECK(cudaMallocHost(&ids_host_, n_seqs_ * sizeof(int32_t)));
   logits_.resize(c_.vocab_size);
-  registry_gpu_ = cuda::registry_with_gpu(o.registry != nullptr ? *o.registry : Registry::builtin());
-  registry_ = &registry_gpu_;
   stats_acc_ = DeviceBuffer(4 * sizeof(double));
   stats_acc_.fill_bytes(0);
   if (o.eval) {
@@ -361,8 +356,6 @@ CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o, int n_seqs
     ev_mass_ = DeviceBuffer(heads * sizeof(float));
     ev_out_ = DeviceBuffer(heads * c_.head_dim * sizeof(float));
   }
-  pplan_ = cuda::model::cuda_prefill_plan(*registry_, o.prefill_method, o.prefill_params, c_.shape());
-  if (pplan_.flexprefill) pool_ = std::make_unique<ThreadPool>(o.n_threads);
   make_decoders(o.method, o.params);
 }
 
@@ -449,15 +442,15 @@ const std::vector<float>& CudaRunner::prefill(std::span<const int32_t> tokens) {
   for (size_t i = 0; i < tokens.size(); ++i)
     CUMULUS_CHECK(tokens[i] >= 0 && tokens[i] < c_.vocab_size,
                   "token id {} at position {} is outside the vocabulary [0, {})", tokens[i], pos_ + i, c_.vocab_size);
-  if (pplan_.flexprefill) {
-    // The CPU Session runs a prompt fed in pieces as flexprefill chunks at their positions;
-    // the GPU's probe and block-sparse kernel take a prompt from position 0 only.
+  if (pplan_.attention) {
+    // The CPU Session runs a prompt fed in pieces as the method's chunks at their positions;
+    // a prefill attention on the GPU (flexprefill's probe and block-sparse kernel) takes a
+    // prompt from position 0 only.
     CUMULUS_CHECK(pos_ == 0,
-                  "prefill of {} tokens at position {}: flexprefill on cuda prefills one prompt in one call from "
+                  "prefill of {} tokens at position {}: {} on cuda prefills one prompt in one call from "
                   "position 0 (a prompt fed in pieces is not yet on cuda)",
-                  tokens.size(), pos_);
-    probe_ = std::make_unique<cuda::FlexPrefillProbe>(static_cast<int>(tokens.size()), c_.n_heads, c_.n_kv_heads,
-                                                      c_.head_dim, pplan_.config.block_size);
+                  tokens.size(), pos_, opt_.prefill_method);
+    pplan_.attention->begin(static_cast<int>(tokens.size()));
   }
   // The prompt's last queries per layer (after RoPE), for a method that learns from them
   // (lfps) now or after restart_decode (keep_prompt_queries), as the CPU Session keeps them.
@@ -482,33 +475,9 @@ const std::vector<float>& CudaRunner::prefill(std::span<const int32_t> tokens) {
   pq_rows_ = rows;
   for (size_t i = 0; i < tokens.size(); i += rows_)
     forward(tokens.subspan(i, std::min<size_t>(rows_, tokens.size() - i)), false);
-  probe_.reset();
+  if (pplan_.attention) pplan_.attention->end();
   prompt_end_ = pos_;
   return logits_;
-}
-
-void CudaRunner::attention_flexprefill(const cuda::DevicePrefillArgs& a) {
-  using clock = std::chrono::steady_clock;
-  const flexprefill::Config& cfg = pplan_.config;
-  const flexprefill::Geometry g{0, a.n, cfg.block_size};
-  stream_.synchronize();  // the layer's products and RoPE, so the clock times the selection alone
-  const auto t0 = clock::now();
-  // Every causal block without a probe (gamma = 1, a short prompt, a budget covering all):
-  // flexprefill_select reads nothing of the probe then.
-  if (!flexprefill::selects_everything(cfg, g)) {
-    probe_->run(a, st_);
-    probe_->download(st_);
-  }
-  std::vector<flexprefill::HeadSelection> heads;
-  const BlockSparseLayout layout = cuda::flexprefill_select(cfg, *probe_, *pool_, &heads);
-  const cuda::DeviceBlockLayout device_layout = cuda::DeviceBlockLayout::upload(layout, a.n);
-  const auto t1 = clock::now();
-  cuda::attention_prefill_block_sparse(a, device_layout, st_);
-  stream_.synchronize();  // the kernel's time, and device_layout outlives it
-  const auto t2 = clock::now();
-  flexprefill_stats_add(prefill_stats_, g, layout, heads);
-  prefill_stats_.select_seconds += std::chrono::duration<double>(t1 - t0).count();
-  prefill_stats_.attention_seconds += std::chrono::duration<double>(t2 - t1).count();
 }
 
 const std::vector<float>& CudaRunner::decode(int32_t token) {
@@ -763,8 +732,8 @@ void CudaRunner::enqueue_forward(int n, bool decode_mode, bool greedy) {
       a.n_kv_heads = c.n_kv_heads;
       a.head_dim = c.head_dim;
       a.scale = scale;
-      if (pplan_.flexprefill) {
-        attention_flexprefill(a);
+      if (pplan_.attention) {
+        pplan_.attention->attend(a, st_, prefill_stats_);  // waits for the stream
       } else {
         cuda::attention_prefill_dense(a, st_);
       }
@@ -807,10 +776,12 @@ size_t cuda_runner_bytes(const ModelConfig& c, const SessionOptions& o, int n_se
   const size_t norms = (2 * static_cast<size_t>(c.n_layers) + 1) * c.dim * sizeof(float);
   // Eval mode: the dense pass's outputs and log-sum-exp, the masses and the method's outputs.
   const size_t eval = o.eval ? 2 * static_cast<size_t>(c.n_layers) * c.n_heads * (c.head_dim + 1) * sizeof(float) : 0;
-  const cuda::model::CudaPrefillPlan pplan = cuda::model::cuda_prefill_plan(
-      o.registry != nullptr ? *o.registry : Registry::builtin(), o.prefill_method, o.prefill_params, c.shape());
-  return weight_elems(c) * 2 + norms + c.n_layers * kv + scratch_bytes(c, std::max(chunk_of(c, o), n_seqs), ctx) +
-         cuda::model::cuda_prefill_bytes(pplan, c.shape(), ctx) +
+  const cuda::model::CudaPrefillPlan pplan =
+      cuda::model::cuda_prefill_plan(cuda::registry_with_gpu(o.registry != nullptr ? *o.registry : Registry::builtin()),
+                                     o.prefill_method, o.prefill_params, c.shape(), o.n_threads);
+  return weight_elems(c) * 2 + norms + c.n_layers * kv +
+         scratch_bytes(c, std::max(chunk_of(c, o, pplan.attention != nullptr), n_seqs), ctx) +
+         cuda::model::cuda_prefill_bytes(pplan, ctx) +
          static_cast<size_t>(n_seqs) * c.vocab_size * sizeof(float) + eval;
 }
 
@@ -820,7 +791,7 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs
   // any machine.
   const Registry registry = cuda::registry_with_gpu(o.registry != nullptr ? *o.registry : Registry::builtin());
   const cuda::model::CudaPrefillPlan pplan =
-      cuda::model::cuda_prefill_plan(registry, o.prefill_method, o.prefill_params, c.shape());
+      cuda::model::cuda_prefill_plan(registry, o.prefill_method, o.prefill_params, c.shape(), o.n_threads);
   CUMULUS_CHECK(cuda::device_available(),
                 "--device cuda: no CUDA device is available (no GPU, or no driver that this build's CUDA runtime can "
                 "use)");
@@ -831,7 +802,7 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs
                 "--device cuda: head_dim={} rope_dim={} not supported (even head_dim <= 256, rope_dim == head_dim)",
                 c.head_dim, c.rope_dim);
   cuda::model::cuda_decode_method_check(registry, o.method, o.params, c.shape());
-  cuda::model::cuda_prefill_device_check(pplan, c.shape());
+  cuda::model::cuda_prefill_device_check(pplan);
   CUMULUS_CHECK(!o.eval || n_seqs == 1, "--device cuda: eval mode (true mass) runs one sequence, not {}", n_seqs);
   CUMULUS_CHECK(o.kv.dtype == DType::f16 || o.kv.dtype == DType::bf16,
                 "--device cuda: KV dtype {} is not supported on the GPU (f16, bf16)", dtype_name(o.kv.dtype));
@@ -854,10 +825,11 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs
                 "(weights f16 {}, KV cache {}, decode method '{}' {}{}), the device has {} free of {}",
                 ctx, n_seqs, gib(need), gib(weight_elems(c) * 2), gib(c.n_layers * kv_layer), o.method,
                 gib(decoders),
-                // flexprefill prefills the whole prompt in one forward pass: scratch for the context
-                pplan.flexprefill
-                    ? fmt::format(", flexprefill's whole-prompt scratch {}",
-                                  gib(scratch_bytes(c, ctx, ctx) + cuda::model::cuda_prefill_bytes(pplan, c.shape(), ctx)))
+                // a prefill attention (flexprefill's) takes the whole prompt in one forward pass:
+                // scratch for the context
+                pplan.attention
+                    ? fmt::format(", {}'s whole-prompt scratch {}", o.prefill_method,
+                                  gib(scratch_bytes(c, ctx, ctx) + cuda::model::cuda_prefill_bytes(pplan, ctx)))
                     : std::string(),
                 gib(free_b), gib(total_b));
 }

@@ -7,7 +7,7 @@
 #include "core/check.h"
 #include "cumulus/kernels/cuda.h"
 #include "decode_methods.h"
-#include "kernels/cuda/cuda_util.cuh"
+#include "core/cuda/cuda_util.cuh"
 
 namespace cumulus::cuda::model {
 namespace {

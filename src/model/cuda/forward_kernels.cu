@@ -3,7 +3,7 @@
 
 #include "core/check.h"
 #include "forward_kernels.cuh"
-#include "kernels/cuda/cuda_util.cuh"
+#include "core/cuda/cuda_util.cuh"
 
 namespace cumulus::cuda::model {
 namespace {

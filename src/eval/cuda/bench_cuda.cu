@@ -1,5 +1,5 @@
-// `cumulus bench --device cuda`: the CPU benchmark's workload and table on
-// the GPU. The synthetic workload (eval/synthetic.h, the same seeds and defaults as the CPU
+// `cumulus bench --device cuda` (eval/cuda_bench.h): the CPU benchmark's (bench.cpp beside
+// this folder) workload and table on the GPU. The synthetic workload (eval/synthetic.h, the same seeds and defaults as the CPU
 // run) is uploaded to a DeviceKvCache of one sequence; each decode method runs as the model
 // runtime runs it (src/model/cuda/decode_methods.h: the registry's names and parameters, the
 // GPU decoders of methods/cuda_methods.h and kernels/cuda_decoder.h; dense is attention_decode).
@@ -12,12 +12,6 @@
 //     (SparseDecoder::select_bytes_per_token), as the CPU methods count them;
 //   ref: the device-to-device copy bandwidth (read + write) measured in the same run.
 // The table and JSON are the CPU run's (eval/bench.h; BenchReport::device set).
-#include "core/check.h"
-#include "cli.h"
-#include "cumulus/core/error.h"
-#include "cumulus/eval/bench.h"
-
-#ifdef CUMULUS_HAVE_CUDA
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -25,29 +19,23 @@
 #include <cmath>
 #include <limits>
 
+#include "core/check.h"
+#include "cumulus/core/error.h"
 #include "cumulus/core/thread_pool.h"
+#include "cumulus/eval/bench.h"
+#include "cumulus/eval/cuda_bench.h"
 #include "cumulus/eval/method_spec.h"
 #include "cumulus/eval/synthetic.h"
 #include "cumulus/kernels/attention.h"
 #include "cumulus/kernels/cuda.h"
+#include "cumulus/kv/cuda_kv_cache.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "cumulus/kv/kv_cache.h"
 #include "cumulus/methods/registry.h"
 #include "cumulus/model/cuda_runner.h"
 #include "model/cuda/decode_methods.h"
-#endif
 
-namespace cumulus::cli {
-
-#ifndef CUMULUS_HAVE_CUDA
-
-BenchReport bench_run_cuda(const BenchOptions&, std::FILE*) {
-  CUMULUS_FAIL("--device cuda: this build of cumulus has no CUDA backend (configure with -DCUMULUS_CUDA=ON, the "
-               "`cuda` preset)");
-}
-
-#else
-
+namespace cumulus {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -67,7 +55,7 @@ void log_line(std::FILE* log, const std::string& s) {
 // The methods of a --device cuda run: the listed ones, or every method with a GPU pipeline;
 // dense first.
 std::vector<std::string> method_names(const BenchOptions& o) {
-  std::vector<std::string> names{"dense"};
+  std::vector<std::string> names{kDenseMethod};
   std::vector<std::string> listed = o.methods;
   if (listed.empty()) {
     const Registry gpu = cuda::registry_with_gpu(Registry::builtin());
@@ -269,6 +257,4 @@ BenchReport bench_run_cuda(const BenchOptions& o, std::FILE* log) {
   return rep;
 }
 
-#endif
-
-}  // namespace cumulus::cli
+}  // namespace cumulus

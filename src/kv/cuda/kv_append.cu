@@ -9,8 +9,8 @@
 #include <algorithm>
 
 #include "core/check.h"
-#include "cuda_util.cuh"
-#include "cumulus/kernels/cuda.h"
+#include "core/cuda/cuda_util.cuh"
+#include "cumulus/kv/cuda_kv_cache.h"
 
 namespace cumulus::cuda {
 namespace {

@@ -2,7 +2,8 @@
 // goes through CUMULUS_CUDA_CHECK, whose error names the call, the file and the line),
 // 16-byte loads of f16/bf16 rows widened to float32, warp reductions, and the
 // order-preserving float <-> uint32 key used by the sorts and selections. Internal to
-// src/kernels/cuda: public headers never include CUDA headers (DESIGN.md).
+// the CUDA libraries (src/*/cuda, src/methods/*/*.cu): public headers never include CUDA
+// headers.
 #pragma once
 
 #include <cuda_bf16.h>
