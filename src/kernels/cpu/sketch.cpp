@@ -5,9 +5,14 @@
 //     CMakeLists.txt): the low and high nibbles of a chunk are two u8 vectors, each lane
 //     holding 4 dims of one token, and dpbusd multiplies them by the query's 4 int8 values
 //     and adds into the lane: 2 instructions per query per chunk, for 16 tokens x 8 dims.
-//   - Every other target: each dim's nibble is shifted out of the lane, converted to float
-//     and multiplied by the query's int8 value as float (exact: the sums stay below 2^24),
-//     so the integer dot product is the same number on every target.
+//   - AVX2 and AVX-512 without VNNI: the same two u8 vectors go through maddubs, which
+//     multiplies u8 by s8 and adds pairs into 16-bit lanes (at most 2 x 15 x 127 = 3810 in
+//     size, exact); the low and high nibbles' pairs are added, four chunks accumulate in
+//     16 bits (4 x 7620 < 2^15), then one madd by ones widens them to 32-bit lanes.
+//   - Every other target (SSE4, scalar, non-x86): each dim's nibble is shifted out of the
+//     lane, converted to float and multiplied by the query's int8 value as float (exact:
+//     the sums stay below 2^24).
+//   So the integer dot product is the same number on every target.
 // Then est = base + offset_t qsum + step_t qstep dot, in float32.
 
 // This file is compiled once per SIMD target by foreach_target.h.
@@ -89,6 +94,75 @@ CUMULUS_SKETCH_ATTR HWY_INLINE void sketch_block_dots(const uint8_t* HWY_RESTRIC
     for (int j = 0; j < G; ++j)
       _mm512_storeu_ps(dot + (b * G + j) * kSketchBlock,
                        _mm512_cvtepi32_ps(_mm512_add_epi32(acc[b][j][0], acc[b][j][1])));
+#elif HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3
+#if HWY_TARGET == HWY_AVX2
+  // 8 tokens per vector: a 64-byte chunk is two vectors. 4 queries per pass keep their
+  // 16-bit accumulators (4 x 2), the chunk (4) and the query words (2) in 16 registers.
+  using V = __m256i;
+  constexpr int kParts = 2, kQ = 4;
+  const auto load = [](const uint8_t* p) HWY_ATTR { return _mm256_loadu_si256(reinterpret_cast<const V*>(p)); };
+  const auto low_nibbles = [](V v, V m) HWY_ATTR { return _mm256_and_si256(v, m); };
+  const auto high_nibbles = [](V v, V m) HWY_ATTR { return _mm256_and_si256(_mm256_srli_epi16(v, 4), m); };
+  const auto dot_pairs = [](V u, V w) HWY_ATTR { return _mm256_maddubs_epi16(u, w); };
+  const auto add16 = [](V x, V y) HWY_ATTR { return _mm256_add_epi16(x, y); };
+  const auto widen_add = [](V acc, V x, V one) HWY_ATTR { return _mm256_add_epi32(acc, _mm256_madd_epi16(x, one)); };
+  const auto store = [](float* p, V x) HWY_ATTR { _mm256_storeu_ps(p, _mm256_cvtepi32_ps(x)); };
+  const auto bcast = [](int32_t w) HWY_ATTR { return _mm256_set1_epi32(w); };
+  const V low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
+#else
+  // 16 tokens per vector: a chunk is one vector; 8 queries per pass (32 registers).
+  using V = __m512i;
+  constexpr int kParts = 1, kQ = 8;
+  const auto load = [](const uint8_t* p) HWY_ATTR { return _mm512_loadu_si512(p); };
+  const auto low_nibbles = [](V v, V m) HWY_ATTR { return _mm512_and_si512(v, m); };
+  const auto high_nibbles = [](V v, V m) HWY_ATTR { return _mm512_and_si512(_mm512_srli_epi16(v, 4), m); };
+  const auto dot_pairs = [](V u, V w) HWY_ATTR { return _mm512_maddubs_epi16(u, w); };
+  const auto add16 = [](V x, V y) HWY_ATTR { return _mm512_add_epi16(x, y); };
+  const auto widen_add = [](V acc, V x, V one) HWY_ATTR { return _mm512_add_epi32(acc, _mm512_madd_epi16(x, one)); };
+  const auto store = [](float* p, V x) HWY_ATTR { _mm512_storeu_ps(p, _mm512_cvtepi32_ps(x)); };
+  const auto bcast = [](int32_t w) HWY_ATTR { return _mm512_set1_epi32(w); };
+  const V low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1), zero = _mm512_setzero_si512();
+#endif
+  constexpr int kLanes = kSketchBlock / kParts;  // tokens per vector
+  constexpr int kChunks16 = 4;                    // chunks summed in 16 bits before widening
+  constexpr int kMaxQ = G < kQ ? G : kQ;
+  for (int b = 0; b < B; ++b) {
+    const uint8_t* blk = block + b * block_bytes;
+    for (int j0 = 0; j0 < G; j0 += kQ) {
+      const int g = std::min(kQ, G - j0);
+      V acc[kMaxQ][kParts];
+      for (int j = 0; j < kMaxQ; ++j)
+        for (int p = 0; p < kParts; ++p) acc[j][p] = zero;
+      for (int c0 = 0; c0 < n_chunks; c0 += kChunks16) {
+        V acc16[kMaxQ][kParts];
+#pragma GCC unroll 8
+        for (int j = 0; j < kMaxQ; ++j)
+          for (int p = 0; p < kParts; ++p) acc16[j][p] = zero;
+        const int c1 = std::min(n_chunks, c0 + kChunks16);
+        for (int c = c0; c < c1; ++c) {
+          V lo[kParts], hi[kParts];
+          for (int p = 0; p < kParts; ++p) {
+            const V v = load(blk + static_cast<size_t>(c) * 64 + static_cast<size_t>(p * 64 / kParts));
+            lo[p] = low_nibbles(v, low4);
+            hi[p] = high_nibbles(v, low4);
+          }
+          const int32_t* q = qw + (static_cast<size_t>(c) * G + j0) * 2;
+#pragma GCC unroll 8
+          for (int j = 0; j < kMaxQ; ++j) {
+            if (j >= g) break;
+            const V ql = bcast(q[2 * j]), qh = bcast(q[2 * j + 1]);
+            for (int p = 0; p < kParts; ++p)
+              acc16[j][p] = add16(acc16[j][p], add16(dot_pairs(lo[p], ql), dot_pairs(hi[p], qh)));
+          }
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < kMaxQ; ++j)
+          for (int p = 0; p < kParts; ++p) acc[j][p] = widen_add(acc[j][p], acc16[j][p], ones);
+      }
+      for (int j = 0; j < g; ++j)
+        for (int p = 0; p < kParts; ++p) store(dot + (b * G + j0 + j) * kSketchBlock + p * kLanes, acc[j][p]);
+    }
+  }
 #else
   // q8 as float (exact: the sums stay below 2^24). Lanes of N tokens, 16 / N parts.
   const hn::ScalableTag<uint32_t> du;
