@@ -29,6 +29,10 @@ double parse_number(const MethodInfo& m, const ParamSpec& p, const std::string& 
     x = static_cast<double>(v);
   } else {
     auto r = std::from_chars(b, e, x);
+    CUMULUS_CHECK(r.ec != std::errc::result_out_of_range || r.ptr != e,
+                  "method '{}': parameter {}='{}' is beyond what a double holds (its magnitude must be 0 or between "
+                  "about 1e-308 and 1e308)",
+                  m.name, p.name, value);
     CUMULUS_CHECK(r.ec == std::errc() && r.ptr == e && std::isfinite(x),
                   "method '{}': parameter {}='{}' is not a finite number", m.name, p.name, value);
   }

@@ -97,7 +97,7 @@ std::vector<uint8_t> gemma3_layer_pattern(const GgufFile& f, const std::string& 
 }  // namespace
 
 ModelFormat model_format_of(const std::string& path) {
-  file_check_input(path, "model");
+  file_check_regular(path, "model");  // stat before open: a FIFO would block open()
   if (gguf_has_magic(path)) return ModelFormat::gguf;
   // llama2.c files have no magic: a file is one when its header is consistent with its size.
   try {
