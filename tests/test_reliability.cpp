@@ -267,5 +267,25 @@ TEST_F(Reliability, SnapshotOfOtherWeightsIsRefusedBeforeLoading) {
   EXPECT_EQ(loaded.code, 0) << loaded.output;
 }
 
+// `info` refuses what `generate` refuses: a GGUF whose tensor was renamed (so one the model
+// needs is missing) ends in the same error, with no tensor data read.
+TEST_F(Reliability, InfoRefusesAGgufThatGenerateRefuses) {
+  const fs::path m = test::smollm2_gguf_path();
+  if (!fs::exists(m)) CUMULUS_FIXTURE_MISSING("no " << m);
+  std::ifstream in(m, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t at = bytes.find("blk.3.attn_q.weight");
+  ASSERT_NE(at, std::string::npos);
+  bytes[at + 10] = 'X';  // blk.3.attn_X.weight: same length, same offsets
+  std::ofstream(path("renamed.gguf"), std::ios::binary) << bytes;
+  const std::string want = "missing tensor 'blk.3.attn_q.weight'";
+  expect_rejected(cli("generate --model " + path("renamed.gguf") + " --quiet --max-tokens 2"), want, "generate");
+  const CliRun info = cli("info --model " + path("renamed.gguf"));
+  expect_rejected(info, want, "info");
+  EXPECT_NE(info.output.find("architecture   llama"), std::string::npos) << info.output;  // it still says what it read
+  const CliRun good = cli("info --model " + m.string());
+  EXPECT_EQ(good.code, 0) << good.output;
+}
+
 }  // namespace
 }  // namespace cumulus

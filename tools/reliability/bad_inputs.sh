@@ -31,6 +31,15 @@ head -c 100 "${TOK}" > "${W}/tok_truncated.bin"
 { cat "${TOK}"; printf 'xyz'; } > "${W}/tok_padded.bin"
 mkdir -p "${W}/lonely" && cp "${S}" "${W}/lonely/"
 [ -f "${M}" ] && head -c 200000 "${M}" > "${W}/m_truncated.gguf"
+# The GGUF with one tensor renamed (blk.3.attn_q.weight -> blk.3.attn_X.weight): it parses, but
+# a tensor the model needs is missing.
+[ -f "${M}" ] && python3 - "${M}" "${W}/m_renamed.gguf" <<'PY'
+import sys
+b = bytearray(open(sys.argv[1], "rb").read())
+at = b.find(b"blk.3.attn_q.weight")
+b[at + 10] = ord("X")
+open(sys.argv[2], "wb").write(b)
+PY
 # A trace whose header claims 4 records of 4M tokens (tens of GB) in a 160 KB file.
 python3 - "${W}/trace_claims.bin" <<'PY'
 import struct, sys
@@ -78,6 +87,7 @@ CASES=(
   "model|eval kl --model ${W}/random.bin --text ${T}"
   "model|info --model ${W}"
   "model|generate --model ${W}/m_truncated.gguf"
+  "model|info --model ${W}/m_renamed.gguf"
   # tokenizers
   "tokenizer|${G} --tokenizer ${W}"
   "tokenizer|${G} --tokenizer ${W}/none.bin"
