@@ -245,7 +245,9 @@ TEST_F(Reliability, CliFifosStdoutAndLimitsEndInClearErrors) {
     const CliRun r = cli("generate --model " + test::smollm2_gguf_path().string() +
                           " --quiet --max-tokens 8000 --kv-dtype f32 --method dense,tactic,quest,streaming,psa,lfps,"
                           "oracle_topk",
-                      "ulimit -v 700000;");
+                      // One OpenBLAS thread: on a many-core machine its threads' buffers alone
+                      // would exceed the limit (the address-space check, not this one).
+                      "ulimit -v 700000; OPENBLAS_NUM_THREADS=1");
     expect_rejected(r, "this run needs about 2.", "memory check");
     expect_rejected(r, "is available (the address-space limit (ulimit -v)", "memory check");
   }

@@ -199,8 +199,8 @@ CASES=(
   "special file|${G} --kv-load /dev/zero"
   # resource limits and write failures: each must end in an error naming it within seconds
   "resource|@ulimit -v 100000; exec \"\$CLI\" ${G}"
-  "resource|@ulimit -v 300000; exec \"\$CLI\" eval kl --model ${M} --text ${T} --context 2048 --weights f32"
-  "resource|@ulimit -v 700000; exec \"\$CLI\" generate --model ${M} --quiet --max-tokens 8000 --kv-dtype f32 --method dense,tactic,quest,streaming,psa,lfps,oracle_topk"
+  "resource|@ulimit -v 300000; OPENBLAS_NUM_THREADS=1 exec \"\$CLI\" eval kl --model ${M} --text ${T} --context 2048 --weights f32"
+  "resource|@ulimit -v 700000; OPENBLAS_NUM_THREADS=1 exec \"\$CLI\" generate --model ${M} --quiet --max-tokens 8000 --kv-dtype f32 --method dense,tactic,quest,streaming,psa,lfps,oracle_topk"
   "resource|@[ ${NPROC_SKIP} = 0 ] || exit 99; ulimit -u 20; exec ${AS_USER} \"\$CLI\" ${G} --threads 64"
   "resource|@exec \"\$CLI\" ${G} > /dev/full"
   "resource|@exec \"\$CLI\" info --model ${S} > /dev/full"
