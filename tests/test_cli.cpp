@@ -239,9 +239,9 @@ TEST_F(Cli, ErrorsNameTheCause) {
   // found the fault (that one shows with CUMULUS_DEBUG set).
   const CliResult r = cli_run("generate --model " + (dir_ / "none.gguf").string());
   EXPECT_NE(r.output.find("error: model '"), std::string::npos) << r.output;
-  EXPECT_EQ(r.output.find("file_check_input"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("file_check_regular"), std::string::npos) << r.output;
   const CliResult with_where = cli_run_env("CUMULUS_DEBUG=1", "generate --model " + (dir_ / "none.gguf").string());
-  EXPECT_NE(with_where.output.find("error: file_check_input: model '"), std::string::npos) << with_where.output;
+  EXPECT_NE(with_where.output.find("error: file_check_regular: model '"), std::string::npos) << with_where.output;
 }
 
 // A fixed budget that covers the whole context runs dense attention under the method's

@@ -634,6 +634,53 @@ CliRun cli(const std::string& args, const std::string& err_file) {
   return r;
 }
 
+// Every gap between sections must be zero (docs/kv_snapshot.md), those after the tokens
+// too; and the file is read, not mapped: replacing it after open() changes nothing.
+TEST_F(KvSnapshotTest, PaddingAfterTheTokensIsCheckedAndTheFileIsCopied) {
+  if (!fs::exists(stories_bin())) CUMULUS_FIXTURE_MISSING("no " << stories_bin());
+  const ModelWeights w = model_weights_load(stories_bin().string());
+  const uint64_t id = model_identity(stories_bin().string());
+  const std::string good = path("good.kvsnap");
+  const std::vector<int32_t> prompt = prompt_ids(21, w.config.vocab_size, 5);
+  {
+    Session s(w, {});
+    s.prefill(prompt);
+    s.kv_save(good, id);
+  }
+  const std::vector<uint8_t> bytes = read_bytes(good);
+  // The layout from the format's description: header 128 bytes, setup text, `first`
+  // (n_layers u32), tokens (n_tokens i32), logits (vocab f32); each section at a multiple of 64.
+  auto align = [](size_t x) { return (x + 63) / 64 * 64; };
+  uint32_t n_layers = 0, vocab = 0, n_tokens = 0, setup = 0;
+  std::memcpy(&n_layers, bytes.data() + 24, 4);
+  std::memcpy(&vocab, bytes.data() + 40, 4);
+  std::memcpy(&n_tokens, bytes.data() + 48, 4);
+  std::memcpy(&setup, bytes.data() + 56, 4);
+  ASSERT_EQ(n_tokens, 21u);
+  const size_t tokens = align(align(128 + setup) + 4 * n_layers);
+  const size_t tokens_end = tokens + 4 * n_tokens, logits = align(tokens_end);
+  const size_t logits_end = logits + 4 * vocab, prompt_q = align(logits_end);
+  for (size_t at : {tokens_end, logits - 1, logits_end, prompt_q - 1}) {
+    if (at >= prompt_q || (at >= logits && at < logits_end)) continue;  // no gap there
+    SCOPED_TRACE(at);
+    std::vector<uint8_t> b = bytes;
+    b[at] = 0x5a;
+    fix_checksum(b);
+    write_bytes(path("bad.kvsnap"), b);
+    expect_error([&] { KvSnapshot::open(path("bad.kvsnap")); },
+                 {fmt::format("padding byte {} is 0x5a, must be 0", at)});
+  }
+  // Opened, then truncated and rewritten under it (`cp` over the file): the snapshot keeps
+  // what it read (a mapping would die of SIGBUS here).
+  const KvSnapshot snap = KvSnapshot::open(good);
+  const std::vector<int32_t> before(snap.tokens().begin(), snap.tokens().end());
+  write_bytes(good, std::vector<uint8_t>(100, 0));
+  Session s(w, {});
+  s.kv_load(snap, id);
+  EXPECT_EQ(before, prompt);
+  EXPECT_EQ(s.position(), 21);
+}
+
 }  // namespace
 
 TEST_F(KvSnapshotTest, CliGenerateAndEvalFromASnapshot) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <system_error>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -39,7 +40,24 @@ ThreadPool::ThreadPool(int n_threads) {
   if (n_threads == 0) n_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   CUMULUS_CHECK(n_threads >= 1 && n_threads <= 1024, "n_threads={} must be in [1, 1024] (0 = all cores)",
                 n_threads);
-  for (int w = 1; w < n_threads; ++w) workers_.emplace_back([this, w] { worker_loop(w); });
+  workers_.reserve(static_cast<size_t>(n_threads - 1));
+  for (int w = 1; w < n_threads; ++w) {
+    try {
+      workers_.emplace_back([this, w] { worker_loop(w); });
+    } catch (const std::system_error& e) {
+      // The threads already started wait for work on this pool's condition variable: stop
+      // and join them before the pool's members go (destroying the variable under them
+      // deadlocks; a joinable std::thread terminates).
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stop_ = true;
+      }
+      cv_start_.notify_all();
+      for (auto& t : workers_) t.join();
+      CUMULUS_FAIL("cannot start thread {} of {} ({}; a process limit such as `ulimit -u`?): use fewer threads", w + 1,
+                   n_threads, e.code().message());
+    }
+  }
 }
 
 ThreadPool::~ThreadPool() {

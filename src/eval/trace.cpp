@@ -38,7 +38,7 @@ int header_int(const nlohmann::json& v, const std::string& path, const char* key
 }  // namespace
 
 TraceFile trace_read(const std::string& path) {
-  file_check_input(path, "trace");
+  file_check_regular(path, "trace");
   std::ifstream f(path, std::ios::binary);
   CUMULUS_CHECK(f.good(), "trace {}: cannot open ({})", path, std::strerror(errno));
   // The header's sizes are checked against the file's real size before any allocation: a

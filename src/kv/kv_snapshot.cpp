@@ -20,7 +20,6 @@
 // consumers either.
 #define XXH_INLINE_ALL
 #include <xxhash.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -29,6 +28,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <new>
 
 #include "core/check.h"
 #include "cumulus/core/file.h"
@@ -287,12 +287,11 @@ void kv_snapshot_write(const std::string& path, const KvSnapshotInfo& info, std:
 // ---------------------------------------------------------------------------------------
 // Reading
 
+// The file's bytes, read into memory by open(): a mapping would die of SIGBUS when the
+// file is truncated while the run uses it (a `cp` over the snapshot mid-run); a copy
+// cannot change under us, and a change during the read is detected and named.
 struct KvSnapshot::Mapping {
-  void* addr = nullptr;
-  size_t size = 0;
-  ~Mapping() {
-    if (addr != nullptr) ::munmap(addr, size);
-  }
+  std::unique_ptr<uint8_t[]> bytes;
 };
 
 KvSnapshot::KvSnapshot(KvSnapshot&&) noexcept = default;
@@ -300,32 +299,43 @@ KvSnapshot& KvSnapshot::operator=(KvSnapshot&&) noexcept = default;
 KvSnapshot::~KvSnapshot() = default;
 
 KvSnapshot KvSnapshot::open(const std::string& path) {
-  file_check_input(path, "KV snapshot");
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  file_check_regular(path, "KV snapshot");  // stat before open: a FIFO would block open()
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   CUMULUS_CHECK(fd >= 0, "KV snapshot '{}': cannot open ({})", path, std::strerror(errno));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    const int err = errno;
-    ::close(fd);
-    CUMULUS_FAIL("KV snapshot '{}': not a regular file ({})", path, std::strerror(err));
-  }
+  CUMULUS_CHECK(::fstat(fd, &st) == 0, "KV snapshot '{}': cannot stat ({})", path, std::strerror(errno));
+  CUMULUS_CHECK(S_ISREG(st.st_mode), "KV snapshot '{}': not a regular file (replaced while opened?)", path);
   const auto size = static_cast<size_t>(st.st_size);
-  if (size < kHeaderBytes + kChecksumBytes) {
-    ::close(fd);
-    CUMULUS_FAIL("KV snapshot '{}': {} bytes is less than the {} of a header and a checksum (truncated?)", path, size,
-                 kHeaderBytes + kChecksumBytes);
-  }
-  void* addr = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_err = errno;
-  ::close(fd);
-  CUMULUS_CHECK(addr != MAP_FAILED, "KV snapshot '{}': cannot map {} bytes ({})", path, size,
-                std::strerror(map_err));
+  CUMULUS_CHECK(size >= kHeaderBytes + kChecksumBytes,
+                "KV snapshot '{}': {} bytes is less than the {} of a header and a checksum (truncated?)", path, size,
+                kHeaderBytes + kChecksumBytes);
   KvSnapshot s;
   s.map_ = std::make_unique<Mapping>();
-  s.map_->addr = addr;
-  s.map_->size = size;
+  s.map_->bytes.reset(new (std::nothrow) uint8_t[size]);
+  CUMULUS_CHECK(s.map_->bytes != nullptr, "KV snapshot '{}': cannot allocate {} bytes ({:.1f} MiB) to read it", path,
+                size, size / 1048576.0);
+  for (size_t done = 0; done < size;) {
+    const ssize_t n = ::pread(fd, s.map_->bytes.get() + done, size - done, static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    CUMULUS_CHECK(n >= 0, "KV snapshot '{}': read failed at byte {} ({})", path, done, std::strerror(errno));
+    CUMULUS_CHECK(n > 0,
+                  "KV snapshot '{}': the file ended at byte {} while it was read, though it had {} bytes: it changed "
+                  "while it was read (copied over?); load it again once it is complete",
+                  path, done, size);
+    done += static_cast<size_t>(n);
+  }
+  struct stat after {};
+  CUMULUS_CHECK(::fstat(fd, &after) == 0 && after.st_size == st.st_size && after.st_mtim.tv_sec == st.st_mtim.tv_sec &&
+                    after.st_mtim.tv_nsec == st.st_mtim.tv_nsec,
+                "KV snapshot '{}': the file changed while it was read ({} bytes before, {} after; copied over?); load "
+                "it again once it is complete",
+                path, size, after.st_size);
   s.path_ = path;
-  s.base_ = static_cast<const uint8_t*>(addr);
+  s.base_ = s.map_->bytes.get();
   s.size_ = size;
   const uint8_t* b = s.base_;
 
@@ -402,9 +412,16 @@ KvSnapshot KvSnapshot::open(const std::string& path) {
   i.setup.assign(reinterpret_cast<const char*>(b + kHeaderBytes), setup_bytes);
   check_setup_text(path, i.setup);
   const size_t first_end = version >= 2 ? lay.first + 4 * static_cast<size_t>(i.n_layers) : lay.first;
-  for (size_t j = kHeaderBytes + setup_bytes; j < lay.tokens; ++j)
-    CUMULUS_CHECK(b[j] == 0 || (j >= lay.first && j < first_end), "KV snapshot '{}': padding byte {} is 0x{:02x}, must be 0",
-                  path, j, b[j]);
+  // The gaps between sections (docs/kv_snapshot.md): [start, end) pairs.
+  const size_t q_bytes = 4 * static_cast<size_t>(i.n_layers) * i.prompt_q_rows * i.n_heads * i.head_dim;
+  const std::pair<size_t, size_t> gaps[] = {{kHeaderBytes + setup_bytes, lay.first},
+                                            {first_end, lay.tokens},
+                                            {lay.tokens + 4 * static_cast<size_t>(i.n_tokens), lay.logits},
+                                            {lay.logits + 4 * static_cast<size_t>(i.vocab_size), lay.prompt_q},
+                                            {lay.prompt_q + q_bytes, lay.kv}};
+  for (const auto& [from, to] : gaps)
+    for (size_t j = from; j < to; ++j)
+      CUMULUS_CHECK(b[j] == 0, "KV snapshot '{}': padding byte {} is 0x{:02x}, must be 0", path, j, b[j]);
   if (i.first_token.empty()) i.first_token.assign(static_cast<size_t>(i.n_layers), 0);  // version 1
   s.off_tokens_ = lay.tokens;
   s.off_logits_ = lay.logits;

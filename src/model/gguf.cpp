@@ -17,6 +17,7 @@
 #include <unordered_set>
 
 #include "core/check.h"
+#include "cumulus/core/file.h"
 
 static_assert(std::endian::native == std::endian::little, "GGUF reader assumes a little-endian host");
 
@@ -197,6 +198,7 @@ GgufFile GgufFile::open(const std::string& path) {
   GgufFile f;
   f.path_ = path;
   f.storage_ = std::make_unique<Storage>();
+  file_check_regular(path, "gguf");  // stat before open: a FIFO would block open()
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   CUMULUS_CHECK(fd >= 0, "gguf: cannot open '{}': {}", path, std::strerror(errno));
   struct stat st {};

@@ -35,7 +35,7 @@ ModelConfig model_load_check(const std::string& model, const std::string& tokeni
                   "--tokenizer '{}' given with the GGUF model '{}', which carries its own tokenizer: drop --tokenizer",
                   tokenizer, model);
   } else {
-    file_check_input(llama2c_tokenizer_path(model, tokenizer, c.vocab_size), "llama2c tokenizer");
+    file_check_regular(llama2c_tokenizer_path(model, tokenizer, c.vocab_size), "llama2c tokenizer");
   }
   return c;
 }

@@ -97,7 +97,7 @@ std::vector<uint8_t> gemma3_layer_pattern(const GgufFile& f, const std::string& 
 }  // namespace
 
 ModelFormat model_format_of(const std::string& path) {
-  file_check_input(path, "model");
+  file_check_regular(path, "model");  // stat before open: a FIFO would block open()
   if (gguf_has_magic(path)) return ModelFormat::gguf;
   // llama2.c files have no magic: a file is one when its header is consistent with its size.
   try {
@@ -189,7 +189,21 @@ ModelConfig model_config_from_gguf(const GgufFile& f) {
   return c;
 }
 
-ModelWeights model_weights_from_gguf(const GgufFile& f, WeightStorage storage) {
+namespace {
+
+// The weights, or with check_only no data: each tensor found and checked (name, shape,
+// type) as the load would, so a file the load refuses is refused without reading it.
+ModelWeights weights_from_gguf(const GgufFile& f, WeightStorage storage, bool check_only) {
+  auto vec = [&](const std::string& name, uint64_t ne0) {
+    if (!check_only) return load_vector(f, name, ne0);
+    find_checked(f, name, {ne0});
+    return std::vector<float>{};
+  };
+  auto mat = [&](const std::string& name, uint64_t ne0, uint64_t ne1) {
+    if (!check_only) return load_matrix(f, name, ne0, ne1, storage);
+    find_checked(f, name, {ne0, ne1});
+    return WeightMatrix{};
+  };
   ModelWeights w;
   w.config = model_config_from_gguf(f);
   const ModelConfig& c = w.config;
@@ -198,32 +212,44 @@ ModelWeights model_weights_from_gguf(const GgufFile& f, WeightStorage storage) {
   const auto kv_dim = static_cast<uint64_t>(c.n_kv_heads) * static_cast<uint64_t>(c.head_dim);
   const auto vocab = static_cast<uint64_t>(c.vocab_size);
 
-  w.token_embd = load_matrix(f, "token_embd.weight", dim, vocab, storage);
+  w.token_embd = mat("token_embd.weight", dim, vocab);
   w.layers.resize(static_cast<size_t>(c.n_layers));
   for (int l = 0; l < c.n_layers; ++l) {
     const std::string b = fmt::format("blk.{}.", l);
     LayerWeights& L = w.layers[static_cast<size_t>(l)];
-    L.attn_norm = load_vector(f, b + "attn_norm.weight", dim);
-    L.wq = load_matrix(f, b + "attn_q.weight", dim, q_dim, storage);
-    L.wk = load_matrix(f, b + "attn_k.weight", dim, kv_dim, storage);
-    L.wv = load_matrix(f, b + "attn_v.weight", dim, kv_dim, storage);
-    L.wo = load_matrix(f, b + "attn_output.weight", q_dim, dim, storage);
-    L.ffn_norm = load_vector(f, b + "ffn_norm.weight", dim);
-    L.w_gate = load_matrix(f, b + "ffn_gate.weight", dim, hidden, storage);
-    L.w_down = load_matrix(f, b + "ffn_down.weight", hidden, dim, storage);
-    L.w_up = load_matrix(f, b + "ffn_up.weight", dim, hidden, storage);
+    L.attn_norm = vec(b + "attn_norm.weight", dim);
+    L.wq = mat(b + "attn_q.weight", dim, q_dim);
+    L.wk = mat(b + "attn_k.weight", dim, kv_dim);
+    L.wv = mat(b + "attn_v.weight", dim, kv_dim);
+    L.wo = mat(b + "attn_output.weight", q_dim, dim);
+    L.ffn_norm = vec(b + "ffn_norm.weight", dim);
+    L.w_gate = mat(b + "ffn_gate.weight", dim, hidden);
+    L.w_down = mat(b + "ffn_down.weight", hidden, dim);
+    L.w_up = mat(b + "ffn_up.weight", dim, hidden);
     if (c.qk_norm) {
-      L.attn_q_norm = load_vector(f, b + "attn_q_norm.weight", static_cast<uint64_t>(c.head_dim));
-      L.attn_k_norm = load_vector(f, b + "attn_k_norm.weight", static_cast<uint64_t>(c.head_dim));
+      L.attn_q_norm = vec(b + "attn_q_norm.weight", static_cast<uint64_t>(c.head_dim));
+      L.attn_k_norm = vec(b + "attn_k_norm.weight", static_cast<uint64_t>(c.head_dim));
     }
     if (c.post_norms) {
-      L.post_attention_norm = load_vector(f, b + "post_attention_norm.weight", dim);
-      L.post_ffw_norm = load_vector(f, b + "post_ffw_norm.weight", dim);
+      L.post_attention_norm = vec(b + "post_attention_norm.weight", dim);
+      L.post_ffw_norm = vec(b + "post_ffw_norm.weight", dim);
     }
   }
-  w.output_norm = load_vector(f, "output_norm.weight", dim);
-  if (!c.tied_output) w.output = load_matrix(f, "output.weight", dim, vocab, storage);
+  w.output_norm = vec("output_norm.weight", dim);
+  if (!c.tied_output) w.output = mat("output.weight", dim, vocab);
   return w;
+}
+
+}  // namespace
+
+ModelWeights model_weights_from_gguf(const GgufFile& f, WeightStorage storage) {
+  return weights_from_gguf(f, storage, false);
+}
+
+void model_weights_check(const std::string& path) {
+  if (model_format_of(path) == ModelFormat::gguf) weights_from_gguf(GgufFile::open(path), WeightStorage::compact, true);
+  // llama2.c: model_config_from_llama2c checks the file's size against its header.
+  else (void)model_config_from_llama2c(path);
 }
 
 ModelWeights model_weights_load(const std::string& path, WeightStorage storage) {

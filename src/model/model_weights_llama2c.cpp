@@ -101,7 +101,7 @@ uint64_t file_size_of(const std::string& path, std::ifstream& in) {
 }  // namespace
 
 ModelConfig model_config_from_llama2c(const std::string& path) {
-  file_check_input(path, "llama2c model");
+  file_check_regular(path, "llama2c model");
   std::ifstream in(path, std::ios::binary);
   CUMULUS_CHECK(in.good(), "llama2c: cannot open '{}' ({})", path, std::strerror(errno));
   const uint64_t size = file_size_of(path, in);
@@ -110,7 +110,7 @@ ModelConfig model_config_from_llama2c(const std::string& path) {
 }
 
 ModelWeights model_weights_from_llama2c(const std::string& path) {
-  file_check_input(path, "llama2c model");
+  file_check_regular(path, "llama2c model");
   std::ifstream in(path, std::ios::binary);
   CUMULUS_CHECK(in.good(), "llama2c: cannot open '{}' ({})", path, std::strerror(errno));
   const uint64_t size = file_size_of(path, in);

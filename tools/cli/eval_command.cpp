@@ -13,6 +13,8 @@
 
 #include "core/check.h"
 #include "cli.h"
+#include "limits.h"
+#include "paths.h"
 #include "cumulus/core/error.h"
 #include "cumulus/core/file.h"
 #include "cumulus/eval/report.h"
@@ -33,6 +35,9 @@ void eval_command_run(EvalArgs& a) {
   // model and tokenizer files, and every output path (an hour's evaluation must not be lost
   // to a typo in --markdown).
   EvalOptions o = a.o;
+  paths_check_distinct({{"--model", a.model}, {"--tokenizer", a.tokenizer}, {"--text", o.text},
+                        {"--kv-load", o.kv_load}, {"--json", a.json, true}, {"--markdown", a.markdown, true},
+                        {"--kv-save", o.kv_save, true}});
   o.kv_dtype = dtype_from_name(a.kv_dtype);
   o.prefill_params = prefill_param_map(a.prefill_params);
   const WeightStorage storage = weight_storage_from_name(a.weights);
@@ -61,10 +66,19 @@ void eval_command_run(EvalArgs& a) {
   }
   if (!o.kv_load.empty()) {
     const KvSnapshot snap = model_snapshot_open(o.kv_load, a.model, o.page_size, o.kv_dtype);
+    snapshot_weights_check(o.kv_load, snap.info().setup, a.model, a.weights);
     const int ctx = o.context > 0 ? o.context : config.context_length;
     CUMULUS_CHECK(snap.info().n_tokens == ctx - o.steps,
                   "--kv-load '{}': the snapshot holds a prompt of {} tokens; --context {} - --steps {} needs {}",
                   o.kv_load, snap.info().n_tokens, ctx, o.steps, ctx - o.steps);
+  }
+
+  if (o.device == "cpu") {
+    // The weights and the K/V of the longest prompt and its steps (one session) must fit.
+    const int64_t tokens = eval_capacity(o, config);
+    memory_check("this evaluation", memory_weights_bytes(a.model, config, storage),
+                 memory_kv_bytes(config, o.kv_dtype, tokens, 1), 0,
+                 fmt::format("{} tokens in {}, --weights {}", tokens, a.kv_dtype, a.weights));
   }
 
   if (o.task != "matched")  // matched gives its baselines their budgets

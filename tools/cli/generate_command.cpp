@@ -25,6 +25,8 @@
 
 #include "core/check.h"
 #include "cli.h"
+#include "limits.h"
+#include "paths.h"
 #include "cumulus/core/error.h"
 #include "cumulus/core/file.h"
 #include "cumulus/eval/membw.h"
@@ -491,6 +493,8 @@ void run_bench_device(const ModelWeights& w, const std::vector<int32_t>& source,
 // the methods to run, and opens and checks a --kv-load snapshot into kvs. The model's header
 // gives its context, which bounds --bench-context and --max-tokens.
 std::vector<MethodSpec> generate_validate(const GenerateOptions& o, KvSnapshotUse& kvs) {
+  paths_check_distinct({{"--model", o.model}, {"--tokenizer", o.tokenizer}, {"--prompt-file", o.prompt_file},
+                        {"--kv-load", o.kv_load}, {"--json", o.json, true}, {"--kv-save", o.kv_save, true}});
   CUMULUS_CHECK(o.prompt.empty() || o.prompt_file.empty(), "give --prompt or --prompt-file, not both");
   CUMULUS_CHECK(o.max_tokens >= 1, "--max-tokens={} must be >= 1", o.max_tokens);
   CUMULUS_CHECK(o.prompt_tokens >= 0, "--prompt-tokens={} must be >= 0", o.prompt_tokens);
@@ -561,11 +565,22 @@ std::vector<MethodSpec> generate_validate(const GenerateOptions& o, KvSnapshotUs
   if (!o.kv_load.empty()) {
     kvs.load = std::make_unique<KvSnapshot>(model_snapshot_open(o.kv_load, o.model, o.page_size,
                                                                dtype_from_name(o.kv_dtype)));
+    snapshot_weights_check(o.kv_load, kvs.load->info().setup, o.model, o.weights);
     const int n = kvs.load->info().n_tokens;
     CUMULUS_CHECK(static_cast<int64_t>(n) + o.max_tokens <= ctx,
                   "--kv-load '{}': its prompt of {} tokens + --max-tokens {} exceeds the context of model '{}' ({} "
                   "tokens)",
                   o.kv_load, n, o.max_tokens, o.model, ctx);
+  }
+  if (o.device == "cpu") {
+    // The weights, and the K/V of every run decoded in turn at its longest, must fit.
+    const int64_t tokens = o.bench ? *std::max_element(o.bench_contexts.begin(), o.bench_contexts.end()) + o.bench_decode
+                                   : std::min<int64_t>(ctx, (kvs.load ? kvs.load->info().n_tokens : 1) + o.max_tokens);
+    const int sessions = o.bench ? 1 : static_cast<int>(specs.size());
+    memory_check("this run", memory_weights_bytes(o.model, c, weight_storage_from_name(o.weights)),
+                 memory_kv_bytes(c, dtype_from_name(o.kv_dtype), tokens, sessions),
+                 kvs.load ? kvs.load->file_bytes() : 0,
+                 fmt::format("{} tokens x {} method(s) in {}, --weights {}", tokens, sessions, o.kv_dtype, o.weights));
   }
   if (!o.kv_save.empty() || !o.kv_load.empty()) kvs.model_id = model_identity(o.model);
   kvs.save_pending = !o.kv_save.empty();

@@ -85,6 +85,8 @@ void run_info(const InfoOptions& o) {
     for (const auto& [name, e] : types)
       fmt::print("tensor type    {:<5} {:>4} tensors, {:>12} elements\n", name, e.first, e.second);
     print_tokenizer(*tokenizer_from_gguf(f));
+    // What generate and eval would refuse, info refuses too (after printing what it read).
+    model_weights_check(o.model);
     return;
   }
   const ModelConfig c = model_config_from_llama2c(o.model);

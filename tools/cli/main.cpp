@@ -2,13 +2,53 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <unistd.h>
+
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <new>
 #include <string>
 
 #include "cli.h"
 #include "cumulus/core/error.h"
+#include "cumulus/core/file.h"
 #include "cumulus/kernels/simd.h"
+#include "limits.h"
+#include "paths.h"
+
+namespace {
+
+// The size of the last allocation that failed, for "out of memory" messages: operator new
+// is replaced in this program (not in the library) only to record it.
+std::atomic<size_t> g_failed_alloc{0};
+
+// Flushes what was printed and ends the process without the library destructors: after an
+// error OpenBLAS's threads may be stuck retrying a buffer the address-space limit refuses,
+// and its destructor would join them forever.
+[[noreturn]] void exit_now(int code) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  ::_exit(code);
+}
+
+}  // namespace
+
+#if !defined(__SANITIZE_ADDRESS__)
+void* operator new(size_t n) {
+  for (;;) {
+    if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+    const std::new_handler h = std::get_new_handler();
+    if (h == nullptr) {
+      g_failed_alloc.store(n);
+      throw std::bad_alloc();
+    }
+    h();
+  }
+}
+void* operator new[](size_t n) { return ::operator new(n); }
+// operator delete stays the library's, which frees what malloc gave.
+#endif
 
 int main(int argc, char** argv) {
   CLI::App app{"cumulus: adaptive sparse attention for long-context LLM inference"};
@@ -20,6 +60,9 @@ int main(int argc, char** argv) {
   cumulus::cli::add_info_command(app);
   cumulus::cli::add_trace_command(app);
   cumulus::cli::options_numbers_decimal(app);
+  cumulus::cli::paths_refuse_empty(app);
+  // An interrupted --kv-save, --json, ... leaves no temporary file behind.
+  cumulus::file_temp_cleanup_on_signals();
   // CLI11 answers an unknown first word with "A subcommand is required"; name it instead.
   if (argc > 1 && argv[1][0] != '-') {
     std::string known;
@@ -34,9 +77,13 @@ int main(int argc, char** argv) {
     }
   }
   try {
+    // Before anything else: an address-space limit too small for OpenBLAS's threads.
+    cumulus::cli::address_space_check();
     // CUMULUS_SIMD caps the CPU kernels' SIMD target (kernels/simd.h) before any runs.
     cumulus::cpu::simd_select_from_env();
     app.parse(argc, argv);
+    // A report cut short by a full disk or a closed pipe must not exit 0.
+    cumulus::cli::stdout_check();
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const cumulus::Error& e) {
@@ -44,10 +91,18 @@ int main(int argc, char** argv) {
     // shown only with CUMULUS_DEBUG set (e.g. "error: file_check_input: ...").
     const char* debug = std::getenv("CUMULUS_DEBUG");
     fmt::print(stderr, "error: {}\n", debug != nullptr && *debug != '\0' ? std::string(e.what()) : e.message());
-    return 1;
+    exit_now(1);
+  } catch (const std::bad_alloc&) {
+    const cumulus::cli::MemoryRoom room = cumulus::cli::memory_room();
+    const size_t n = g_failed_alloc.load();
+    fmt::print(stderr, "error: out of memory: {} failed; {:.1f} MiB is available ({})\n",
+               n > 0 ? fmt::format("an allocation of {} bytes ({:.1f} MiB)", n, n / 1048576.0)
+                     : std::string("an allocation"),
+               room.bytes / 1048576.0, room.source);
+    exit_now(1);
   } catch (const std::exception& e) {
     fmt::print(stderr, "error: {}\n", e.what());
-    return 1;
+    exit_now(1);
   }
   return 0;
 }

@@ -27,6 +27,7 @@
 
 #include "core/check.h"
 #include "cli.h"
+#include "paths.h"
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/error.h"
 #include "cumulus/core/file.h"
@@ -119,6 +120,7 @@ void run_trace(const TraceOptions& o) {
   CUMULUS_CHECK(o.steps >= 1 && o.steps <= 4096, "--steps={} must be in [1, 4096]", o.steps);
   CUMULUS_CHECK(!o.layers.empty(), "--layers must name at least one layer");
   // Paths and the model's header before the model is loaded.
+  paths_check_distinct({{"--model", o.model}, {"--text", o.text}, {"--out", o.out, true}});
   file_check_input(o.text, "--text");
   file_check_output(o.out, "--out");
   {

@@ -16,7 +16,8 @@
 // Version 2 files (the same with FNV-1a) and version 1 files (no `first`: every layer from
 // token 0) are read as well.
 //
-// Reading maps the file and checks all of it (magic, version, each field's range, the
+// Reading copies the file into memory (a mapping dies of SIGBUS when the file is truncated
+// under it) and checks all of it (magic, version, each field's range, the
 // file's size against what the fields imply, the checksum, finite values, token ids)
 // before anything of it is used or any size read from it is allocated.
 #pragma once
@@ -74,7 +75,7 @@ void kv_snapshot_write(const std::string& path, const KvSnapshotInfo& info, std:
                        std::span<const float> logits, const std::vector<std::vector<float>>& prompt_q,
                        const KvCache& kv);
 
-// A snapshot file, mapped read-only and checked completely by open().
+// A snapshot file, read into memory and checked completely by open().
 class KvSnapshot {
  public:
   // Throws Error naming the file, the field and its value for: a file that cannot be read or

@@ -124,5 +124,9 @@ ModelWeights model_weights_from_gguf(const GgufFile& file, WeightStorage storage
 ModelWeights model_weights_from_llama2c(const std::string& path);
 // Either format, by magic.
 ModelWeights model_weights_load(const std::string& path, WeightStorage storage = WeightStorage::compact);
+// Throws the Error model_weights_load would for this file (a missing tensor, a wrong shape, a
+// type that cannot be dequantised; llama2.c: a size its header does not imply) without
+// reading any tensor data: what `cumulus info` checks.
+void model_weights_check(const std::string& path);
 
 }  // namespace cumulus
