@@ -13,6 +13,7 @@
 #include <fstream>
 #include <string>
 
+#include "cli_run.h"
 #include "fixtures.h"
 
 namespace cumulus {
@@ -20,31 +21,14 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct CliResult {
-  int code = -1;
-  std::string output;  // stdout and stderr together
-};
-
-CliResult cli_run_impl(const std::string& env, const std::string& args, int seconds) {
-  const std::string cmd =
-      env + "timeout " + std::to_string(seconds) + " " + std::string(CUMULUS_CLI_PATH) + " " + args + " 2>&1";
-  CliResult r;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  std::array<char, 4096> buf{};
-  size_t n = 0;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int status = ::pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
-}
+using test::CliResult;
 
 // Runs `cumulus ARGS` from a scratch folder with a time limit of `seconds`.
-CliResult cli_run(const std::string& args, int seconds = 20) { return cli_run_impl("", args, seconds); }
+CliResult cli_run(const std::string& args, int seconds = 20) { return test::cli_exec("", args, seconds); }
 
 // The same with environment assignments before the command ("A=1 B=2").
 CliResult cli_run_env(const std::string& env, const std::string& args, int seconds = 20) {
-  return cli_run_impl(env + " ", args, seconds);
+  return test::cli_exec(env, args, seconds);
 }
 
 class Cli : public ::testing::Test {

@@ -19,6 +19,7 @@
 #include "cumulus/core/error.h"
 #include "cumulus/core/file.h"
 #include "cumulus/core/thread_pool.h"
+#include "cli_run.h"
 #include "fixtures.h"
 #include "kernel_check.h"
 
@@ -35,24 +36,11 @@ constexpr bool kSanitized = true;
 constexpr bool kSanitized = false;
 #endif
 
-struct CliRun {
-  int code = -1;
-  std::string output;  // stdout and stderr together
-};
+using CliRun = test::CliResult;
 
 // `cumulus ARGS` under `timeout`, after the shell words in `pre` (e.g. "ulimit -v 100000;").
 CliRun cli(const std::string& args, const std::string& pre = "", int seconds = 20) {
-  const std::string cmd = "(" + pre + " timeout " + std::to_string(seconds) + " " + std::string(CUMULUS_CLI_PATH) +
-                          " " + args + ") 2>&1";
-  CliRun r;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  std::array<char, 4096> buf{};
-  size_t n = 0;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int status = ::pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
+  return test::cli_exec(pre, args, seconds);
 }
 
 class Reliability : public ::testing::Test {
