@@ -106,6 +106,8 @@ struct PyParam {
   nb::object default_value;
   nb::object min, max;  // None when unbounded
   bool min_exclusive = false;
+  bool max_exclusive = false;
+  std::vector<std::string> choices;  // type 'choice': the names allowed
 };
 
 struct PyMethod {
@@ -119,7 +121,8 @@ nb::object typed_value(ParamType type, const std::string& text) {
     case ParamType::kInt: return nb::int_(std::stoll(text));
     case ParamType::kDouble: return nb::float_(std::stod(text));
     case ParamType::kBool: return nb::bool_(text == "true" || text == "1");
-    case ParamType::kString: return nb::str(text.c_str());
+    case ParamType::kString:
+    case ParamType::kChoice: return nb::str(text.c_str());
   }
   return nb::none();
 }
@@ -130,6 +133,7 @@ const char* type_name(ParamType type) {
     case ParamType::kDouble: return "float";
     case ParamType::kBool: return "bool";
     case ParamType::kString: return "str";
+    case ParamType::kChoice: return "choice";
   }
   return "?";
 }
@@ -146,7 +150,7 @@ std::vector<PyMethod> methods_list() {
                method_kind_decodes(m.kind), m.kind != MethodKind::decode, {}};
     for (const ParamSpec& s : m.params)
       p.params.push_back({s.name, type_name(s.type), s.help, typed_value(s.type, s.default_value),
-                          bound(s.type, s.min), bound(s.type, s.max), s.min_exclusive});
+                          bound(s.type, s.min), bound(s.type, s.max), s.min_exclusive, s.max_exclusive, s.choices});
     out.push_back(std::move(p));
   }
   return out;
@@ -173,12 +177,14 @@ void translate_error(const std::exception_ptr& p, void*) {
 void bind_methods(nb::module_& m) {
   nb::class_<PyParam>(m, "Param", "A method parameter as the registry declares it (cumulus.methods()).")
       .def_ro("name", &PyParam::name)
-      .def_ro("type", &PyParam::type, "'int', 'float', 'bool' or 'str'")
+      .def_ro("type", &PyParam::type, "'int', 'float', 'bool', 'str' or 'choice' (a str, one of choices)")
       .def_ro("default", &PyParam::default_value, "the paper's default, typed")
       .def_ro("help", &PyParam::help)
       .def_ro("min", &PyParam::min, "inclusive lower bound (exclusive when min_exclusive); None: unbounded")
-      .def_ro("max", &PyParam::max, "inclusive upper bound; None: unbounded")
+      .def_ro("max", &PyParam::max, "inclusive upper bound (exclusive when max_exclusive); None: unbounded")
       .def_ro("min_exclusive", &PyParam::min_exclusive)
+      .def_ro("max_exclusive", &PyParam::max_exclusive)
+      .def_ro("choices", &PyParam::choices, "the names a 'choice' parameter takes (empty otherwise)")
       .def("__repr__", [](const PyParam& p) {
         return fmt::format("Param({}: {} = {})", p.name, p.type, nb::repr(p.default_value).c_str());
       });

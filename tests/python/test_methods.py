@@ -20,17 +20,22 @@ def test_methods_lists_the_documented_methods():
 
 
 def test_every_default_is_typed_and_in_its_range():
-    types = {"int": int, "float": float, "bool": bool, "str": str}
+    types = {"int": int, "float": float, "bool": bool, "str": str, "choice": str}
     for m in cumulus.methods():
         for p in m.params:
             assert type(p.default) is types[p.type], (m.name, p.name, p.default)
             if p.min is not None:
                 assert p.default > p.min if p.min_exclusive else p.default >= p.min, (m.name, p.name)
             if p.max is not None:
-                assert p.default <= p.max, (m.name, p.name)
+                assert p.default < p.max if p.max_exclusive else p.default <= p.max, (m.name, p.name)
+            assert (p.type == "choice") == bool(p.choices), (m.name, p.name, p.choices)
+            if p.choices:
+                assert p.default in p.choices, (m.name, p.name, p.default, p.choices)
             assert p.help, (m.name, p.name)
     p = next(p for p in next(m for m in cumulus.methods() if m.name == "oracle_topp").params if p.name == "p")
     assert (p.min, p.max, p.min_exclusive, p.default) == (0.0, 1.0, True, 0.9)
+    rest = next(p for p in next(m for m in cumulus.methods() if m.name == "sketch_topp").params if p.name == "rest")
+    assert rest.type == "choice" and rest.default == "mean" and "none" in rest.choices
 
 
 def test_methods_match_the_cli(cli):
