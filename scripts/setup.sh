@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs cumulus's build dependencies from Debian packages (clang and its runtime are for
-# the libFuzzer target in tools/fuzz). Idempotent: packages already present are not
-# reinstalled, and apt-get update runs only when something is missing.
+# the libFuzzer target in tools/fuzz; Python's headers, pip and venv for the Python package).
+# Idempotent: packages already present are not reinstalled, and apt-get update runs only
+# when something is missing.
 set -euo pipefail
 
 packages=(
@@ -9,6 +10,7 @@ packages=(
   libhwy-dev nlohmann-json3-dev libcli11-dev libfmt-dev
   libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libxxhash-dev
   clang libclang-rt-dev ccache
+  python3-dev python3-pip python3-venv
 )
 
 missing=()

@@ -4,6 +4,8 @@
 - ``cumulus.Decoder``: one decode method over a paged KV cache it owns, on arrays
   (numpy, torch CPU tensors; read in place through DLPack or the buffer protocol).
 - ``cumulus.methods()``: the registry, with every parameter's type, default and range.
+- ``cumulus.transformers`` (import it; needs torch and transformers): any decode method inside
+  a Hugging Face transformers model, through its ``AttentionInterface`` and a ``Cache``.
 - ``cumulus.Error``: what every bad input raises (a ValueError and a RuntimeError) with the
   C++ library's message.
 

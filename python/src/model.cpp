@@ -8,6 +8,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <memory>
@@ -105,19 +106,9 @@ class Model {
     if (!(temperature >= 0) || !std::isfinite(temperature))
       fail(where, "temperature={} must be >= 0", temperature);
     if (!(top_p > 0 && top_p <= 1)) fail(where, "top_p={} must be in (0, 1]", top_p);
-    std::map<std::string, std::string> mp = params ? param_strings(where, *params) : std::map<std::string, std::string>{};
-    for (const auto& [k, v] : param_strings(where, method_params)) {
-      if (mp.count(k)) fail(where, "method parameter '{}' given twice (in params and as a keyword)", k);
-      mp[k] = v;
-    }
+    const std::map<std::string, std::string> mp = decode_params(where, method, params, method_params);
     const std::map<std::string, std::string> pp =
         prefill_params ? param_strings(where, *prefill_params) : std::map<std::string, std::string>{};
-    // The method and its parameters, the prefill method, then the prompt: before any work.
-    const MethodInfo& info = Registry::builtin().find(method);
-    if (!method_kind_decodes(info.kind))
-      fail(where, "method='{}' is a {} method, not a decode method (give it as prefill=)", method,
-           method_kind_name(info.kind));
-    Registry::builtin().parse(method, mp);
     prefill_spec_check(prefill, pp);
     std::vector<int32_t> ids;
     if (const std::string* text = std::get_if<std::string>(&prompt)) {
@@ -194,6 +185,44 @@ class Model {
     return r;
   }
 
+  // Teacher-forced logits: the first `prompt_tokens` ids are prefilled (dense), the method's
+  // index is built, then every later id is decoded through the method in turn. Row 0 holds the
+  // logits after the prompt, row i those after ids[prompt_tokens + i - 1]: [n - prompt_tokens
+  // + 1, vocab] float32. What `generate` computes, with the tokens given instead of sampled.
+  nb::ndarray<nb::numpy, float, nb::ndim<2>> logits(const std::vector<int32_t>& ids, std::optional<int> prompt_tokens,
+                                                    const std::string& method, const std::optional<nb::dict>& params,
+                                                    bool eval, const nb::kwargs& method_params) {
+    constexpr const char* where = "Model.logits";
+    const ModelConfig& c = model_.weights.config;
+    const std::map<std::string, std::string> mp = decode_params(where, method, params, method_params);
+    if (ids.empty()) fail(where, "tokens is empty");
+    check_ids(where, ids, "tokens");
+    const int64_t n = static_cast<int64_t>(ids.size());
+    const int64_t np = prompt_tokens.value_or(static_cast<int>(n));
+    if (np < 1 || np > n) fail(where, "prompt_tokens={} must be in [1, {}] (the number of tokens)", np, n);
+    if (n > c.context_length) fail(where, "{} tokens exceed the model's context of {} tokens", n, c.context_length);
+    const SessionOptions so = options(method, mp, "dense", {}, eval);
+#ifdef CUMULUS_HAVE_CUDA
+    if (device_ == "cuda") cuda_runner_check(c, so);
+#endif
+    const int64_t rows = n - np + 1, vocab = c.vocab_size;
+    auto* data = new float[static_cast<size_t>(rows * vocab)];
+    nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+    {
+      nb::gil_scoped_release release;
+      std::unique_ptr<ModelRunner> runner = make_runner(so);
+      const std::vector<int32_t> prompt(ids.begin(), ids.begin() + np);
+      const std::vector<float>* l = &runner->prefill(prompt);
+      runner->build_indexes();
+      for (int64_t r = 0; r < rows; ++r) {
+        if (r > 0) l = &runner->decode(ids[static_cast<size_t>(np + r - 1)]);
+        std::copy(l->begin(), l->end(), data + r * vocab);
+      }
+    }
+    return nb::ndarray<nb::numpy, float, nb::ndim<2>>(data, {static_cast<size_t>(rows), static_cast<size_t>(vocab)},
+                                                      owner);
+  }
+
   const ModelConfig& config() const { return model_.weights.config; }
   const Tokenizer& tokenizer() const { return *model_.tokenizer; }
   const std::string& path() const { return model_.path; }
@@ -206,6 +235,24 @@ class Model {
     for (size_t i = 0; i < ids.size(); ++i)
       if (ids[i] < 0 || ids[i] >= vocab)
         fail(where, "{}[{}]={} is not a token id of this model (vocabulary of {})", name, i, ids[i], vocab);
+  }
+
+  // The decode method's parameters from `params` and keywords, parsed by the registry: before
+  // any work.
+  static std::map<std::string, std::string> decode_params(const char* where, const std::string& method,
+                                                          const std::optional<nb::dict>& params,
+                                                          const nb::kwargs& method_params) {
+    std::map<std::string, std::string> mp = params ? param_strings(where, *params) : std::map<std::string, std::string>{};
+    for (const auto& [k, v] : param_strings(where, method_params)) {
+      if (mp.count(k)) fail(where, "method parameter '{}' given twice (in params and as a keyword)", k);
+      mp[k] = v;
+    }
+    const MethodInfo& info = Registry::builtin().find(method);
+    if (!method_kind_decodes(info.kind))
+      fail(where, "method='{}' is a {} method, not a decode method (give it as prefill=)", method,
+           method_kind_name(info.kind));
+    Registry::builtin().parse(method, mp);
+    return mp;
   }
 
   SessionOptions options(const std::string& method, const std::map<std::string, std::string>& params,
@@ -307,6 +354,12 @@ void bind_model(nb::module_& mod) {
            "name generate takes itself, such as tactic's seed). prefill: 'dense' or 'flexprefill' with "
            "prefill_params. temperature 0 is greedy; eval=True also measures the true mass of every attended "
            "set. Stops at EOS. The GIL is released while it runs.")
+      .def("logits", &Model::logits, nb::arg("tokens"), nb::kw_only(), nb::arg("prompt_tokens") = nb::none(),
+           nb::arg("method") = "dense", nb::arg("params") = nb::none(), nb::arg("eval") = false,
+           nb::arg("method_params"),
+           "Teacher-forced logits: the first prompt_tokens ids (default all) are prefilled densely, the method's "
+           "index is built, then each later id is decoded through `method`. Returns float32 [len(tokens) - "
+           "prompt_tokens + 1, vocab]: row 0 after the prompt, row i after tokens[prompt_tokens + i - 1].")
       .def_prop_ro("path", &Model::path)
       .def_prop_ro("device", &Model::device)
       .def_prop_ro("threads", &Model::threads)

@@ -90,3 +90,27 @@ def test_device_cuda_without_cuda_is_a_clear_error():
         pytest.skip("this build has the CUDA backend")
     with pytest.raises(cumulus.Error, match="no CUDA backend"):
         cumulus.Model(str(STORIES / "stories260K.bin"), device="cuda")
+
+
+@pytest.mark.parametrize("method", ["dense", "sketch_topp", "quest"])
+def test_logits_rows_are_the_logits_generate_samples_from(stories_model, method):
+    """Teacher-forced on generate's own greedy tokens, Model.logits' rows have those tokens as
+    their argmax: the two calls run the same prefill, index and decode steps."""
+    import numpy as np
+
+    prompt = stories_model.tokenize("Once upon a time, there was a little girl")
+    r = stories_model.generate(prompt, max_tokens=24, method=method)
+    logits = stories_model.logits(prompt + r.tokens[:-1], prompt_tokens=len(prompt), method=method)
+    assert logits.shape == (len(r.tokens), stories_model.vocab_size) and logits.dtype == np.float32
+    assert list(logits.argmax(axis=1)) == r.tokens
+
+
+def test_logits_bad_input(stories_model):
+    with pytest.raises(cumulus.Error, match=r"prompt_tokens=0 must be in \[1, 3\]"):
+        stories_model.logits([1, 2, 3], prompt_tokens=0)
+    with pytest.raises(cumulus.Error, match="tokens is empty"):
+        stories_model.logits([])
+    with pytest.raises(cumulus.Error, match=r"tokens\[1\]=9999 is not a token id"):
+        stories_model.logits([1, 9999])
+    with pytest.raises(cumulus.Error, match="method='nope' is unknown"):
+        stories_model.logits([1, 2], method="nope")
