@@ -314,6 +314,26 @@ TEST_F(Cli, ContradictoryOrIdleOptionsAreRejected) {
   EXPECT_EQ(cli_run(gen("--prompt Hi --temperature 0.8 --top-p 0.9")).code, 0);
 }
 
+// Every comma list refuses an empty item, naming the option and the value (CLI11's own
+// splitting dropped it: "--lengths 256," ran 256 alone), before any work.
+TEST_F(Cli, ListsRefuseEmptyItems) {
+  const std::string empty_item = "' has an empty item";
+  expect_rejected(gen("--bench --bench-context 64,,128 --bench-decode 2"), "--bench-context: '64,,128" + empty_item);
+  expect_rejected(gen("--bench --bench-context 64, --bench-decode 2"), "--bench-context: '64," + empty_item);
+  expect_rejected(eval("niah", "--lengths 256, --depths 0.5"), "--lengths: '256," + empty_item);
+  expect_rejected(eval("niah", "--lengths 256 --depths ,0.5"), "--depths: ',0.5" + empty_item);
+  expect_rejected(eval("mass", "--targets 0.5,,0.9"), "--targets: '0.5,,0.9" + empty_item);
+  expect_rejected(eval("matched", "--baselines quest,"), "--baselines: 'quest," + empty_item);
+  expect_rejected("bench --methods dense,,tactic", "--methods: 'dense,,tactic" + empty_item);
+  expect_rejected("trace --model " + model_ + " --text " + text_ + " --layers 1,,2", "--layers: '1,,2" + empty_item);
+  expect_rejected(eval("niah", "--lengths ''"), "--lengths: ''" + empty_item.substr(1));
+  // A repeated option keeps every item, in order; the numbers are read as every number is.
+  expect_rejected(eval("niah", "--lengths 256 --lengths 300,1024"), "length=1024 exceeds the model's context of 512");
+  expect_rejected(eval("niah", "--lengths 256,0x100"), "--lengths: '0x100' is not a decimal integer");
+  expect_rejected(eval("niah", "--depths 0.5,0x1p-1"), "--depths: '0x1p-1' is not a decimal number");
+  expect_rejected(gen("--bench --bench-context 64,2147483648"), "--bench-context: '2147483648' is out of range");
+}
+
 // --tokenizer belongs to llama2.c models; a GGUF model carries its own.
 TEST_F(Cli, TokenizerWithGgufIsRejected) {
   const fs::path gguf = test::smollm2_gguf_path();

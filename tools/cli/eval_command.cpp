@@ -141,18 +141,17 @@ void add_eval_command(CLI::App& app) {
                   "(0: the model's context)")
       ->capture_default_str();
   cmd->add_option("--steps", o.steps, "teacher-forced continuation tokens")->capture_default_str();
-  cmd->add_option("--lengths", o.lengths, "niah: prompt + answer lengths in tokens")->delimiter(',')->capture_default_str();
-  cmd->add_option("--depths", o.depths, "niah: needle depths in [0, 1]")->delimiter(',')->capture_default_str();
+  list_option(cmd, "--lengths", &o.lengths, "niah: prompt + answer lengths in tokens, comma-separated");
+  list_option(cmd, "--depths", &o.depths, "niah: needle depths in [0, 1], comma-separated");
   cmd->add_option("--needles", o.needles, "niah: prompts (numbers) per (length, depth)")->capture_default_str();
   cmd->add_option("--answer-tokens", o.answer_tokens, "niah: greedy answer budget")->capture_default_str();
   cmd->add_option("--template", o.niah_template, "niah prompt: auto (chat when the vocabulary has ChatML), chat, plain")
       ->check(CLI::IsMember({"auto", "chat", "plain"}))
       ->capture_default_str();
   cmd->add_option("--seed", o.seed, "niah: seed of the numbers")->check(seed_check())->capture_default_str();
-  cmd->add_option("--targets", o.targets, "mass: target P values")->delimiter(',')->capture_default_str();
-  cmd->add_option("--baselines", o.baselines, "matched: fixed-budget methods given the adaptive method's budget")
-      ->delimiter(',')
-      ->capture_default_str();
+  list_option(cmd, "--targets", &o.targets, "mass: target P values, comma-separated");
+  list_option(cmd, "--baselines", &o.baselines,
+              "matched: fixed-budget methods given the adaptive method's budget, comma-separated");
   cmd->add_option("--match-iters", o.match_iters, "budget runs per matched baseline at most (1: budget = target)")
       ->capture_default_str();
   cmd->add_flag("--niah", o.matched_niah, "matched: also the NIAH grid (--lengths, --depths), matched per prompt");

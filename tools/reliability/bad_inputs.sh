@@ -158,6 +158,14 @@ CASES=(
   "number|bench --context 10"
   "number|bench --membw-mib 100000000"
   "number|trace --profile-synthetic smollm2-135m --p 2"
+  # comma lists with an empty item (CLI11's splitting dropped it)
+  "list|${G} --bench --bench-context 64,,128 --bench-decode 2"
+  "list|eval niah --model ${S} --text ${T} --lengths 256, --depths 0.5"
+  "list|eval niah --model ${S} --text ${T} --lengths 256 --depths ,0.5"
+  "list|eval mass --model ${S} --text ${T} --targets 0.5,,0.9"
+  "list|eval matched --model ${S} --text ${T} --baselines quest,"
+  "list|bench --methods dense,,tactic"
+  "list|trace --model ${M} --text ${T} --layers 1,,2 --out ${W}/t.bin"
   # output paths
   "output|${E} --markdown /nonexistent/x.md"
   "output|${E} --json /nonexistent/x.json"
