@@ -334,6 +334,26 @@ TEST_F(Cli, ListsRefuseEmptyItems) {
   expect_rejected(gen("--bench --bench-context 64,2147483648"), "--bench-context: '2147483648' is out of range");
 }
 
+// An eval text that is empty or only whitespace once a Gutenberg header and footer are
+// stripped is refused before the model loads: the model here has a tokenizer that cannot be
+// read, so a check after the load would report the tokenizer instead.
+TEST_F(Cli, BlankEvalTextIsRejectedBeforeTheModelLoads) {
+  const fs::path model = dir_ / "stories260K.bin";
+  fs::copy_file(model_, model);
+  std::ofstream(dir_ / "tok512.bin") << "not a tokenizer";
+  const fs::path blank = dir_ / "blank.txt", empty = dir_ / "empty.txt", only_header = dir_ / "header.txt";
+  std::ofstream(blank) << " \n\t\r\n  \n";
+  std::ofstream(empty).flush();
+  std::ofstream(only_header) << "Title\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\n \n\n"
+                                "*** END OF THE PROJECT GUTENBERG EBOOK X ***\nlicense\n";
+  const std::string e = "eval kl --model " + model.string() + " --context 128 --steps 4 --text ";
+  expect_rejected(e + blank.string(), "--text '" + blank.string() + "' holds no text: only 8 bytes of whitespace");
+  expect_rejected(e + empty.string(), "--text '" + empty.string() + "' holds no text: it is empty");
+  expect_rejected(e + only_header.string(), "holds no text: it is empty (once a Gutenberg header");
+  expect_rejected("eval niah --model " + model.string() + " --text " + blank.string(), "holds no text");
+  expect_rejected(e + text_, "llama2c tokenizer");  // a real text gets as far as the load
+}
+
 // --tokenizer belongs to llama2.c models; a GGUF model carries its own.
 TEST_F(Cli, TokenizerWithGgufIsRejected) {
   const fs::path gguf = test::smollm2_gguf_path();

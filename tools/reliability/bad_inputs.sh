@@ -25,6 +25,7 @@ mkdir -p "${ROOT}/build"
 # Scratch inputs: junk, empty, truncated and padded copies of real files.
 head -c 4096 /dev/urandom > "${W}/random.bin"
 : > "${W}/empty"
+printf ' \n\t\n  \n' > "${W}/blank.txt"
 head -c 100 "${S}" > "${W}/s_truncated.bin"
 { cat "${S}"; printf 'x'; } > "${W}/s_padded.bin"
 head -c 100 "${TOK}" > "${W}/tok_truncated.bin"
@@ -106,6 +107,7 @@ CASES=(
   "text|eval kl --model ${S} --text ${W}"
   "text|eval kl --model ${S} --text ${W}/none.txt"
   "text|eval niah --model ${S} --text /dev/zero --lengths 256 --depths 0.5"
+  "text|eval kl --model ${S} --text ${W}/blank.txt"
   # methods and parameters
   "method|${G} --method nosuch"
   "method|${G} --method dense,tactic,x=nosuch"
