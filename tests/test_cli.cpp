@@ -8,12 +8,18 @@
 #include <unistd.h>
 
 #include <array>
+#include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <sstream>
 #include <string>
+#include <utility>
 
 #include "cli_run.h"
+#include "cumulus/methods/registry.h"
 #include "fixtures.h"
 
 namespace cumulus {
@@ -360,6 +366,67 @@ TEST_F(Cli, TokenizerWithGgufIsRejected) {
   if (!fs::exists(gguf)) CUMULUS_FIXTURE_MISSING(gguf << " missing: run scripts/fetch-model.sh");
   const fs::path tok = test::stories260k_dir() / "tok512.bin";
   expect_rejected("generate --model " + gguf.string() + " --tokenizer " + tok.string(), "drop --tokenizer");
+}
+
+// `cumulus methods` prints each parameter's type and its range or choices. The values below
+// are those the options structs declare (tactic.h: p in ParamRange::left_open(0, 1), mode one
+// of {"fit", "cluster_optimal"}; lfps.h: r in right_open(0, 1); flexprefill.h: block_size in
+// closed(8, 4096)); then every parameter of the registry is found with its declared bounds.
+TEST(CliMethods, ListsParametersWithTheirRangesAndChoices) {
+  const CliResult r = test::cli_exec("", "methods", 20);
+  ASSERT_EQ(r.code, 0) << r.output;
+  // (method, "--param key=default") -> the rest of its line, with runs of spaces made one.
+  std::map<std::pair<std::string, std::string>, std::string> rows;
+  std::istringstream in(r.output);
+  std::string line, method;
+  while (std::getline(in, line)) {
+    if (!line.empty() && line[0] != ' ') method = line.substr(0, line.find(' '));
+    const size_t flag = line.find("--");
+    if (line.rfind("  ", 0) != 0 || flag == std::string::npos) continue;
+    std::istringstream words(line.substr(flag));
+    std::string f, key, w, rest;
+    words >> f >> key;
+    while (words >> w) rest += (rest.empty() ? "" : " ") + w;
+    rows[{method, f + " " + key}] = rest;
+  }
+  const auto row = [&](const std::string& m, const std::string& key) {
+    const auto it = rows.find({m, key});
+    return it == rows.end() ? std::string("(no row '" + key + "' for " + m + ")") : it->second;
+  };
+  EXPECT_EQ(row("tactic", "--param p=0.9").rfind("float (0, 1] ", 0), 0u) << row("tactic", "--param p=0.9");
+  EXPECT_EQ(row("tactic", "--param mode=fit").rfind("choice fit|cluster_optimal ", 0), 0u)
+      << row("tactic", "--param mode=fit");
+  EXPECT_EQ(row("lfps", "--param r=0.95").rfind("float [0, 1) ", 0), 0u) << row("lfps", "--param r=0.95");
+  EXPECT_EQ(row("flexprefill", "--prefill-param block_size=128").rfind("int [8, 4096] ", 0), 0u)
+      << row("flexprefill", "--prefill-param block_size=128");
+
+  // Every parameter, its bounds written here from the registry's declared numbers.
+  const auto bound = [](double v) -> std::string {
+    if (std::fabs(v) >= 1e300) return v < 0 ? "-inf" : "inf";
+    if (v == std::floor(v)) return std::to_string(static_cast<long long>(v));
+    char buf[32];
+    return std::string(buf, std::to_chars(buf, buf + sizeof buf, v).ptr);
+  };
+  size_t checked = 0;
+  for (const MethodInfo& m : Registry::builtin().list())
+    for (const ParamSpec& p : m.params) {
+      std::string want;
+      if (p.type == ParamType::kInt || p.type == ParamType::kDouble) {
+        want = std::string(p.type == ParamType::kInt ? "int " : "float ") + (p.min_exclusive ? "(" : "[") +
+               bound(p.min) + ", " + bound(p.max) + (p.max_exclusive ? ")" : "]");
+      } else if (p.type == ParamType::kChoice) {
+        want = "choice";
+        for (size_t i = 0; i < p.choices.size(); ++i) want += (i == 0 ? " " : "|") + p.choices[i];
+      } else {
+        continue;
+      }
+      const std::string key = std::string(m.make_decode ? "--param " : "--prefill-param ") + p.name + "=" +
+                              p.default_value;
+      EXPECT_EQ(row(m.name, key).rfind(want + " ", 0), 0u) << m.name << " " << key << ": wanted '" << want
+                                                            << "', got '" << row(m.name, key) << "'";
+      ++checked;
+    }
+  EXPECT_GE(checked, 40u);
 }
 
 // Gemma 3 270M through the command line: info shows its layer pattern, generate
