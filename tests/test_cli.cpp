@@ -21,6 +21,7 @@
 #include "cli_run.h"
 #include "cumulus/methods/registry.h"
 #include "fixtures.h"
+#include "scratch_dir.h"
 
 namespace cumulus {
 namespace {
@@ -43,12 +44,6 @@ class Cli : public ::testing::Test {
     model_ = (test::stories260k_dir() / "stories260K.bin").string();
     text_ = (test::shared_dir() / "data/text/tinyshakespeare_input.txt").string();
     if (!fs::exists(model_) || !fs::exists(text_)) CUMULUS_FIXTURE_MISSING("no " << model_ << " or " << text_);
-    dir_ = fs::temp_directory_path() / ("cumulus_cli_test_" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
   }
   // Exit code 1 or CLI11's own (105: validation) and the message naming what is wrong.
   static void expect_rejected(const std::string& args, const std::string& needle) {
@@ -64,7 +59,8 @@ class Cli : public ::testing::Test {
     return "eval " + task + " --model " + model_ + " --text " + text_ + " " + rest;
   }
   std::string model_, text_;
-  fs::path dir_;
+  test::ScratchDir scratch_{"cumulus_cli_test"};
+  const fs::path dir_ = scratch_.dir();
 };
 
 // Defect 1: --bench contexts are checked against the model's context (512 tokens).

@@ -23,6 +23,7 @@
 #include "cli_run.h"
 #include "fixtures.h"
 #include "kernel_check.h"
+#include "scratch_dir.h"
 
 namespace cumulus {
 namespace {
@@ -46,16 +47,7 @@ CliRun cli(const std::string& args, const std::string& pre = "", int seconds = 2
 
 class Reliability : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("cumulus_reliability_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  std::string path(const std::string& name) const { return scratch_.path(name); }
   void write(const std::string& name, const std::string& text) const { std::ofstream(path(name)) << text; }
   // Copies of the fixtures in the scratch folder: a test that writes must never reach them.
   bool copy_fixtures() {
@@ -74,7 +66,8 @@ class Reliability : public ::testing::Test {
     EXPECT_LT(r.code, 124) << "timed out or died of a signal: " << what << "\n" << r.output;
     EXPECT_NE(r.output.find(needle), std::string::npos) << what << "\nwanted '" << needle << "' in:\n" << r.output;
   }
-  fs::path dir_;
+  test::ScratchDir scratch_{"cumulus_reliability"};
+  const fs::path dir_ = scratch_.dir();
   std::string model_, text_;
 };
 
