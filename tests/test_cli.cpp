@@ -8,13 +8,20 @@
 #include <unistd.h>
 
 #include <array>
+#include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <sstream>
 #include <string>
+#include <utility>
 
 #include "cli_run.h"
+#include "cumulus/methods/registry.h"
 #include "fixtures.h"
+#include "scratch_dir.h"
 
 namespace cumulus {
 namespace {
@@ -37,12 +44,6 @@ class Cli : public ::testing::Test {
     model_ = (test::stories260k_dir() / "stories260K.bin").string();
     text_ = (test::shared_dir() / "data/text/tinyshakespeare_input.txt").string();
     if (!fs::exists(model_) || !fs::exists(text_)) CUMULUS_FIXTURE_MISSING("no " << model_ << " or " << text_);
-    dir_ = fs::temp_directory_path() / ("cumulus_cli_test_" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
   }
   // Exit code 1 or CLI11's own (105: validation) and the message naming what is wrong.
   static void expect_rejected(const std::string& args, const std::string& needle) {
@@ -58,7 +59,8 @@ class Cli : public ::testing::Test {
     return "eval " + task + " --model " + model_ + " --text " + text_ + " " + rest;
   }
   std::string model_, text_;
-  fs::path dir_;
+  test::ScratchDir scratch_{"cumulus_cli_test"};
+  const fs::path dir_ = scratch_.dir();
 };
 
 // Defect 1: --bench contexts are checked against the model's context (512 tokens).
@@ -314,12 +316,113 @@ TEST_F(Cli, ContradictoryOrIdleOptionsAreRejected) {
   EXPECT_EQ(cli_run(gen("--prompt Hi --temperature 0.8 --top-p 0.9")).code, 0);
 }
 
+// Every comma list refuses an empty item, naming the option and the value (CLI11's own
+// splitting dropped it: "--lengths 256," ran 256 alone), before any work.
+TEST_F(Cli, ListsRefuseEmptyItems) {
+  const std::string empty_item = "' has an empty item";
+  expect_rejected(gen("--bench --bench-context 64,,128 --bench-decode 2"), "--bench-context: '64,,128" + empty_item);
+  expect_rejected(gen("--bench --bench-context 64, --bench-decode 2"), "--bench-context: '64," + empty_item);
+  expect_rejected(eval("niah", "--lengths 256, --depths 0.5"), "--lengths: '256," + empty_item);
+  expect_rejected(eval("niah", "--lengths 256 --depths ,0.5"), "--depths: ',0.5" + empty_item);
+  expect_rejected(eval("mass", "--targets 0.5,,0.9"), "--targets: '0.5,,0.9" + empty_item);
+  expect_rejected(eval("matched", "--baselines quest,"), "--baselines: 'quest," + empty_item);
+  expect_rejected("bench --methods dense,,tactic", "--methods: 'dense,,tactic" + empty_item);
+  expect_rejected("trace --model " + model_ + " --text " + text_ + " --layers 1,,2", "--layers: '1,,2" + empty_item);
+  expect_rejected(eval("niah", "--lengths ''"), "--lengths: ''" + empty_item.substr(1));
+  // A repeated option keeps every item, in order; the numbers are read as every number is.
+  expect_rejected(eval("niah", "--lengths 256 --lengths 300,1024"), "length=1024 exceeds the model's context of 512");
+  expect_rejected(eval("niah", "--lengths 256,0x100"), "--lengths: '0x100' is not a decimal integer");
+  expect_rejected(eval("niah", "--depths 0.5,0x1p-1"), "--depths: '0x1p-1' is not a decimal number");
+  expect_rejected(gen("--bench --bench-context 64,2147483648"), "--bench-context: '2147483648' is out of range");
+}
+
+// An eval text that is empty or only whitespace once a Gutenberg header and footer are
+// stripped is refused before the model loads: the model here has a tokenizer that cannot be
+// read, so a check after the load would report the tokenizer instead.
+TEST_F(Cli, BlankEvalTextIsRejectedBeforeTheModelLoads) {
+  const fs::path model = dir_ / "stories260K.bin";
+  fs::copy_file(model_, model);
+  std::ofstream(dir_ / "tok512.bin") << "not a tokenizer";
+  const fs::path blank = dir_ / "blank.txt", empty = dir_ / "empty.txt", only_header = dir_ / "header.txt";
+  std::ofstream(blank) << " \n\t\r\n  \n";
+  std::ofstream(empty).flush();
+  std::ofstream(only_header) << "Title\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\n \n\n"
+                                "*** END OF THE PROJECT GUTENBERG EBOOK X ***\nlicense\n";
+  const std::string e = "eval kl --model " + model.string() + " --context 128 --steps 4 --text ";
+  expect_rejected(e + blank.string(), "--text '" + blank.string() + "' holds no text: only 8 bytes of whitespace");
+  expect_rejected(e + empty.string(), "--text '" + empty.string() + "' holds no text: it is empty");
+  expect_rejected(e + only_header.string(), "holds no text: it is empty (once a Gutenberg header");
+  expect_rejected("eval niah --model " + model.string() + " --text " + blank.string(), "holds no text");
+  expect_rejected(e + text_, "llama2c tokenizer");  // a real text gets as far as the load
+}
+
 // --tokenizer belongs to llama2.c models; a GGUF model carries its own.
 TEST_F(Cli, TokenizerWithGgufIsRejected) {
   const fs::path gguf = test::smollm2_gguf_path();
   if (!fs::exists(gguf)) CUMULUS_FIXTURE_MISSING(gguf << " missing: run scripts/fetch-model.sh");
   const fs::path tok = test::stories260k_dir() / "tok512.bin";
   expect_rejected("generate --model " + gguf.string() + " --tokenizer " + tok.string(), "drop --tokenizer");
+}
+
+// `cumulus methods` prints each parameter's type and its range or choices. The values below
+// are those the options structs declare (tactic.h: p in ParamRange::left_open(0, 1), mode one
+// of {"fit", "cluster_optimal"}; lfps.h: r in right_open(0, 1); flexprefill.h: block_size in
+// closed(8, 4096)); then every parameter of the registry is found with its declared bounds.
+TEST(CliMethods, ListsParametersWithTheirRangesAndChoices) {
+  const CliResult r = test::cli_exec("", "methods", 20);
+  ASSERT_EQ(r.code, 0) << r.output;
+  // (method, "--param key=default") -> the rest of its line, with runs of spaces made one.
+  std::map<std::pair<std::string, std::string>, std::string> rows;
+  std::istringstream in(r.output);
+  std::string line, method;
+  while (std::getline(in, line)) {
+    if (!line.empty() && line[0] != ' ') method = line.substr(0, line.find(' '));
+    const size_t flag = line.find("--");
+    if (line.rfind("  ", 0) != 0 || flag == std::string::npos) continue;
+    std::istringstream words(line.substr(flag));
+    std::string f, key, w, rest;
+    words >> f >> key;
+    while (words >> w) rest += (rest.empty() ? "" : " ") + w;
+    rows[{method, f + " " + key}] = rest;
+  }
+  const auto row = [&](const std::string& m, const std::string& key) {
+    const auto it = rows.find({m, key});
+    return it == rows.end() ? std::string("(no row '" + key + "' for " + m + ")") : it->second;
+  };
+  EXPECT_EQ(row("tactic", "--param p=0.9").rfind("float (0, 1] ", 0), 0u) << row("tactic", "--param p=0.9");
+  EXPECT_EQ(row("tactic", "--param mode=fit").rfind("choice fit|cluster_optimal ", 0), 0u)
+      << row("tactic", "--param mode=fit");
+  EXPECT_EQ(row("lfps", "--param r=0.95").rfind("float [0, 1) ", 0), 0u) << row("lfps", "--param r=0.95");
+  EXPECT_EQ(row("flexprefill", "--prefill-param block_size=128").rfind("int [8, 4096] ", 0), 0u)
+      << row("flexprefill", "--prefill-param block_size=128");
+
+  // Every parameter, its bounds written here from the registry's declared numbers.
+  const auto bound = [](double v) -> std::string {
+    if (std::fabs(v) >= 1e300) return v < 0 ? "-inf" : "inf";
+    if (v == std::floor(v)) return std::to_string(static_cast<long long>(v));
+    char buf[32];
+    return std::string(buf, std::to_chars(buf, buf + sizeof buf, v).ptr);
+  };
+  size_t checked = 0;
+  for (const MethodInfo& m : Registry::builtin().list())
+    for (const ParamSpec& p : m.params) {
+      std::string want;
+      if (p.type == ParamType::kInt || p.type == ParamType::kDouble) {
+        want = std::string(p.type == ParamType::kInt ? "int " : "float ") + (p.min_exclusive ? "(" : "[") +
+               bound(p.min) + ", " + bound(p.max) + (p.max_exclusive ? ")" : "]");
+      } else if (p.type == ParamType::kChoice) {
+        want = "choice";
+        for (size_t i = 0; i < p.choices.size(); ++i) want += (i == 0 ? " " : "|") + p.choices[i];
+      } else {
+        continue;
+      }
+      const std::string key = std::string(m.make_decode ? "--param " : "--prefill-param ") + p.name + "=" +
+                              p.default_value;
+      EXPECT_EQ(row(m.name, key).rfind(want + " ", 0), 0u) << m.name << " " << key << ": wanted '" << want
+                                                            << "', got '" << row(m.name, key) << "'";
+      ++checked;
+    }
+  EXPECT_GE(checked, 40u);
 }
 
 // Gemma 3 270M through the command line: info shows its layer pattern, generate

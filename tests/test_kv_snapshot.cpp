@@ -30,6 +30,7 @@
 #include "cumulus/model/sampler.h"
 #include "cumulus/model/session.h"
 #include "fixtures.h"
+#include "scratch_dir.h"
 #include "test_model_gguf_writer.h"
 
 using namespace cumulus;
@@ -119,16 +120,7 @@ std::vector<int32_t> prompt_ids(int n, int vocab, uint32_t seed) {
 
 class KvSnapshotTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("cumulus_kvsnap_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  std::string path(const std::string& name) const { return scratch_.path(name); }
 
   // For each method: a session that prefilled `prompt` and one that loaded the snapshot a
   // third session saved decode the same greedy tokens with bit-identical logits.
@@ -177,7 +169,8 @@ class KvSnapshotTest : public ::testing::Test {
     }
   }
 
-  fs::path dir_;
+  test::ScratchDir scratch_{"cumulus_kvsnap"};
+  const fs::path dir_ = scratch_.dir();
 };
 
 // Each decode method paired with parameters that make it sparse at ~50-100 tokens.

@@ -1,8 +1,9 @@
 // What the CLI and the core do when the user or the machine gets in the way: outputs that
 // name an input, empty paths, FIFOs, temporary names beyond the file system's limit, a
 // signal during a write, a thread that cannot start, stdout that cannot be written, an
-// address-space limit, a run larger than the memory (docs/reliability.md). The CLI cases run
-// the built binary under `timeout`, so a hang fails the test by its exit code (124).
+// address-space limit, a run larger than the memory, an allocation that fails
+// (docs/reliability.md). The CLI cases run the built binary under `timeout`, so a hang fails
+// the test by its exit code (124).
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -22,6 +23,7 @@
 #include "cli_run.h"
 #include "fixtures.h"
 #include "kernel_check.h"
+#include "scratch_dir.h"
 
 namespace cumulus {
 namespace {
@@ -45,16 +47,7 @@ CliRun cli(const std::string& args, const std::string& pre = "", int seconds = 2
 
 class Reliability : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("cumulus_reliability_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  std::string path(const std::string& name) const { return scratch_.path(name); }
   void write(const std::string& name, const std::string& text) const { std::ofstream(path(name)) << text; }
   // Copies of the fixtures in the scratch folder: a test that writes must never reach them.
   bool copy_fixtures() {
@@ -73,7 +66,8 @@ class Reliability : public ::testing::Test {
     EXPECT_LT(r.code, 124) << "timed out or died of a signal: " << what << "\n" << r.output;
     EXPECT_NE(r.output.find(needle), std::string::npos) << what << "\nwanted '" << needle << "' in:\n" << r.output;
   }
-  fs::path dir_;
+  test::ScratchDir scratch_{"cumulus_reliability"};
+  const fs::path dir_ = scratch_.dir();
   std::string model_, text_;
 };
 
@@ -241,6 +235,24 @@ TEST_F(Reliability, CliFifosStdoutAndLimitsEndInClearErrors) {
   }
   // A parameter beyond a double's range is named as such.
   expect_rejected(cli(gen + "--method tactic --param p=1e-400"), "underflows", "p=1e-400");
+}
+
+// An allocation that fails in the CLI names its size: a 250,000,000-byte prompt file (sparse:
+// no disk used; file_read reserves the file's size) read whole under an address-space limit of 244 MiB, which leaves room for
+// OpenBLAS's one thread buffer but not for the text. 250,000,000 / 2^20 = 238.4 MiB.
+TEST_F(Reliability, CliOutOfMemoryNamesTheSizeOfTheAllocation) {
+  if (kSanitized) GTEST_SKIP() << "an address-space limit under the address sanitizer";
+  const fs::path model = test::stories260k_dir() / "stories260K.bin";
+  if (!fs::exists(model)) CUMULUS_FIXTURE_MISSING("no " << model);
+  std::ofstream(path("big.txt")).flush();
+  fs::resize_file(path("big.txt"), 250000000);
+  const CliRun r = cli("generate --model " + model.string() + " --threads 1 --max-tokens 2 --prompt-file " +
+                           path("big.txt"),
+                       "ulimit -v 250000; OPENBLAS_NUM_THREADS=1");
+  expect_rejected(r, "error: out of memory: an allocation of ", "250-MB prompt under ulimit -v 250000");
+  expect_rejected(r, " bytes (238.4 MiB) failed; ", "the size");
+  expect_rejected(r, "is available (the address-space limit (ulimit -v)", "the room");
+  EXPECT_EQ(r.output.find("std::bad_alloc"), std::string::npos) << r.output;
 }
 
 // A snapshot of a quantised run offered to `--weights f32` (which dequantises every tensor,

@@ -77,8 +77,7 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--shape", o.shape, "Attention shape: llama3-8b (32/8 heads, d 128) or smollm2-135m (9/3, d 64)")
       ->capture_default_str();
   cmd->add_option("--context", o.context, "Tokens in the KV cache, 4096..131072")->capture_default_str();
-  cmd->add_option("--methods", o.methods, "Comma-separated decode methods (default: all; dense always runs)")
-      ->delimiter(',');
+  list_option(cmd, "--methods", &o.methods, "Comma-separated decode methods (default: all; dense always runs)");
   cmd->add_option("--param", args->params, "Method parameter method.key=value (repeatable), e.g. oracle_topk.k=1024");
   cmd->add_option("--dtype", args->dtype, "KV storage dtype: f16, bf16 or f32")->capture_default_str();
   o.threads = default_threads();

@@ -69,6 +69,19 @@ inline CLI::Validator decimal_range(int64_t lo, int64_t hi) {
 // number or when they overflow or underflow. Call once, after the subcommands are added.
 void options_numbers_decimal(CLI::App& app);
 
+// A comma-separated list option (repeatable; items in order): CLI11's delimiter drops empty
+// items ("1,,2", "1,"), so the items are split here and an empty one is an error naming the
+// option and the value; int and double items are read as options_numbers_decimal reads
+// numbers (which leaves these options alone: their type names hold a comma). The help shows
+// the target's value as the default.
+inline constexpr const char* kListInt = "INT,...";
+inline constexpr const char* kListFloat = "FLOAT,...";
+inline constexpr const char* kListText = "TEXT,...";
+CLI::Option* list_option(CLI::App* cmd, const std::string& name, std::vector<int>* target, const std::string& help);
+CLI::Option* list_option(CLI::App* cmd, const std::string& name, std::vector<double>* target, const std::string& help);
+CLI::Option* list_option(CLI::App* cmd, const std::string& name, std::vector<std::string>* target,
+                         const std::string& help);
+
 // --threads takes one range in every subcommand.
 inline constexpr int kThreadsMax = 256;
 inline CLI::Validator threads_range() { return decimal_range(1, kThreadsMax); }

@@ -7,6 +7,8 @@
 // draws on stderr when stderr is a terminal.
 #include <fmt/format.h>
 
+#include <sys/stat.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -19,6 +21,7 @@
 #include "cumulus/core/file.h"
 #include "cumulus/eval/report.h"
 #include "cumulus/eval/tasks.h"
+#include "cumulus/model/text.h"
 
 namespace cumulus::cli {
 namespace {
@@ -29,6 +32,19 @@ struct EvalArgs {
   std::vector<std::string> prefill_params;
   std::string json, markdown, svg_dir;
 };
+
+// A --text of only whitespace once a Gutenberg header and footer are stripped ended after the
+// model loaded, in "text has 1 tokens, the task needs 129". A regular file is read here
+// (the task reads it again); a pipe (`--text <(cmd)`) can be read once only, so the task's
+// own check stands for it.
+void text_check_nonblank(const std::string& path) {
+  struct stat st{};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return;
+  const std::string text = text_strip_gutenberg(text_read_file(path));
+  CUMULUS_CHECK(text.find_first_not_of(" \t\r\n\f\v") != std::string::npos,
+                "--text '{}' holds no text: {} (once a Gutenberg header and footer, if any, are stripped)", path,
+                text.empty() ? "it is empty" : fmt::format("only {} bytes of whitespace", text.size()));
+}
 
 void eval_command_run(EvalArgs& a) {
   // Everything is checked before the model is loaded: options, methods, the text, the
@@ -43,6 +59,7 @@ void eval_command_run(EvalArgs& a) {
   const WeightStorage storage = weight_storage_from_name(a.weights);
   o.validate();
   file_check_input(o.text, "--text");
+  text_check_nonblank(o.text);
   if (!a.markdown.empty()) file_check_output(a.markdown, "--markdown");
   if (!a.json.empty()) file_check_output(a.json, "--json");
   if (!a.svg_dir.empty()) dir_check_output(a.svg_dir, "--svg-dir");
@@ -141,18 +158,17 @@ void add_eval_command(CLI::App& app) {
                   "(0: the model's context)")
       ->capture_default_str();
   cmd->add_option("--steps", o.steps, "teacher-forced continuation tokens")->capture_default_str();
-  cmd->add_option("--lengths", o.lengths, "niah: prompt + answer lengths in tokens")->delimiter(',')->capture_default_str();
-  cmd->add_option("--depths", o.depths, "niah: needle depths in [0, 1]")->delimiter(',')->capture_default_str();
+  list_option(cmd, "--lengths", &o.lengths, "niah: prompt + answer lengths in tokens, comma-separated");
+  list_option(cmd, "--depths", &o.depths, "niah: needle depths in [0, 1], comma-separated");
   cmd->add_option("--needles", o.needles, "niah: prompts (numbers) per (length, depth)")->capture_default_str();
   cmd->add_option("--answer-tokens", o.answer_tokens, "niah: greedy answer budget")->capture_default_str();
   cmd->add_option("--template", o.niah_template, "niah prompt: auto (chat when the vocabulary has ChatML), chat, plain")
       ->check(CLI::IsMember({"auto", "chat", "plain"}))
       ->capture_default_str();
   cmd->add_option("--seed", o.seed, "niah: seed of the numbers")->check(seed_check())->capture_default_str();
-  cmd->add_option("--targets", o.targets, "mass: target P values")->delimiter(',')->capture_default_str();
-  cmd->add_option("--baselines", o.baselines, "matched: fixed-budget methods given the adaptive method's budget")
-      ->delimiter(',')
-      ->capture_default_str();
+  list_option(cmd, "--targets", &o.targets, "mass: target P values, comma-separated");
+  list_option(cmd, "--baselines", &o.baselines,
+              "matched: fixed-budget methods given the adaptive method's budget, comma-separated");
   cmd->add_option("--match-iters", o.match_iters, "budget runs per matched baseline at most (1: budget = target)")
       ->capture_default_str();
   cmd->add_flag("--niah", o.matched_niah, "matched: also the NIAH grid (--lengths, --depths), matched per prompt");

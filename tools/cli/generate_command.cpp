@@ -721,9 +721,7 @@ void add_generate_command(CLI::App& app) {
                   "load the prompt and its KV cache from a --kv-save file instead of prefilling it");
   cmd->add_flag("--bench", o->bench,
                 "benchmark: prefill each --bench-context tokens, then decode --bench-decode tokens; table, profile, JSON");
-  cmd->add_option("--bench-context", o->bench_contexts, "--bench: context lengths, comma-separated")
-      ->delimiter(',')
-      ->capture_default_str();
+  list_option(cmd, "--bench-context", &o->bench_contexts, "--bench: context lengths, comma-separated");
   cmd->add_option("--bench-decode", o->bench_decode, "--bench: decode steps timed per context")->capture_default_str();
   cmd->add_option("--repetitions", o->repetitions, "--bench: runs per context (median)")->capture_default_str();
   cmd->add_option("--json", o->json, "--bench: also write the results as JSON to this file");

@@ -4,7 +4,7 @@
 
 #include <unistd.h>
 
-#include <atomic>
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <new>
@@ -19,9 +19,22 @@
 
 namespace {
 
-// The size of the last allocation that failed, for "out of memory" messages: operator new
-// is replaced in this program (not in the library) only to record it.
-std::atomic<size_t> g_failed_alloc{0};
+// The error operator new throws in this program: a std::bad_alloc that carries the size
+// asked for, so the message names the allocation that failed (the size travels with the
+// exception: never that of an earlier failure a caller handled, such as a nothrow new's).
+// what() says it too, for code that turns an exception into its text.
+class AllocFailed : public std::bad_alloc {
+ public:
+  explicit AllocFailed(size_t bytes) : bytes_(bytes) {
+    std::snprintf(what_, sizeof what_, "out of memory: an allocation of %zu bytes failed", bytes);
+  }
+  size_t bytes() const { return bytes_; }
+  const char* what() const noexcept override { return what_; }
+
+ private:
+  size_t bytes_;
+  char what_[80];
+};
 
 // Flushes what was printed and ends the process without the library destructors: after an
 // error OpenBLAS's threads may be stuck retrying a buffer the address-space limit refuses,
@@ -34,20 +47,34 @@ std::atomic<size_t> g_failed_alloc{0};
 
 }  // namespace
 
+// operator new is replaced in this program (not in the library) only to throw AllocFailed.
+// A std::set_new_handler handler would not do: it is given no size, and it is called again
+// for nothrow new, whose failure the caller handles. Ending the process from the handler
+// would also skip the unwinding that removes the temporary files of writes in flight
+// (core/file.h); throwing from it is what the default does. The aligned forms (over-aligned
+// types) are replaced too; operator delete stays the library's, which frees what malloc and
+// posix_memalign gave, and the nothrow forms are the library's, which call these.
 #if !defined(__SANITIZE_ADDRESS__)
 void* operator new(size_t n) {
   for (;;) {
     if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
     const std::new_handler h = std::get_new_handler();
-    if (h == nullptr) {
-      g_failed_alloc.store(n);
-      throw std::bad_alloc();
-    }
+    if (h == nullptr) throw AllocFailed(n);
     h();
   }
 }
 void* operator new[](size_t n) { return ::operator new(n); }
-// operator delete stays the library's, which frees what malloc gave.
+void* operator new(size_t n, std::align_val_t align) {
+  const size_t a = std::max(static_cast<size_t>(align), sizeof(void*));
+  for (;;) {
+    void* p = nullptr;
+    if (::posix_memalign(&p, a, n == 0 ? 1 : n) == 0) return p;
+    const std::new_handler h = std::get_new_handler();
+    if (h == nullptr) throw AllocFailed(n);
+    h();
+  }
+}
+void* operator new[](size_t n, std::align_val_t align) { return ::operator new(n, align); }
 #endif
 
 int main(int argc, char** argv) {
@@ -92,12 +119,19 @@ int main(int argc, char** argv) {
     const char* debug = std::getenv("CUMULUS_DEBUG");
     fmt::print(stderr, "error: {}\n", debug != nullptr && *debug != '\0' ? std::string(e.what()) : e.message());
     exit_now(1);
-  } catch (const std::bad_alloc&) {
+  } catch (const AllocFailed& e) {
     const cumulus::cli::MemoryRoom room = cumulus::cli::memory_room();
-    const size_t n = g_failed_alloc.load();
-    fmt::print(stderr, "error: out of memory: {} failed; {:.1f} MiB is available ({})\n",
-               n > 0 ? fmt::format("an allocation of {} bytes ({:.1f} MiB)", n, n / 1048576.0)
-                     : std::string("an allocation"),
+    fmt::print(stderr,
+               "error: out of memory: an allocation of {} bytes ({:.1f} MiB) failed; {:.1f} MiB is available ({})\n",
+               e.bytes(), e.bytes() / 1048576.0, room.bytes / 1048576.0, room.source);
+    exit_now(1);
+  } catch (const std::bad_alloc&) {
+    // The aligned buffers (the weights, the K/V cache, the prefill's scratch: core/buffer.h)
+    // are not allocated through operator new, so their size is not known here.
+    const cumulus::cli::MemoryRoom room = cumulus::cli::memory_room();
+    fmt::print(stderr,
+               "error: out of memory: an aligned buffer (weights, K/V cache or prefill scratch) could not be "
+               "allocated; {:.1f} MiB is available ({})\n",
                room.bytes / 1048576.0, room.source);
     exit_now(1);
   } catch (const std::exception& e) {

@@ -28,6 +28,7 @@ void options_numbers_decimal(CLI::App& app) {
   for (CLI::App* sub : app.get_subcommands({})) {
     for (CLI::Option* opt : sub->get_options()) {
       const std::string type = opt->get_type_name();
+      if (type.find(',') != std::string::npos) continue;  // a list_option reads its own items
       if (type.starts_with("INT") || type.starts_with("UINT") || type.starts_with("FLOAT"))
         opt->transform(number_transform(type));
     }

@@ -222,7 +222,7 @@ void add_trace_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--prompt-tokens", o->prompt_tokens, "prompt length in tokens")->capture_default_str();
   cmd->add_option("--steps", o->steps, "greedy decode steps recorded")->capture_default_str();
-  cmd->add_option("--layers", o->layers, "layers to record, comma-separated")->delimiter(',')->capture_default_str();
+  list_option(cmd, "--layers", &o->layers, "layers to record, comma-separated");
   cmd->add_option("--threads", o->threads, "threads (default: this machine's CPUs)")
       ->check(threads_range())
       ->capture_default_str();

@@ -7,15 +7,16 @@
 # (flashinfer_decode_bench, built here by tools/device/build_flashinfer_bench.sh). Every
 # program times the same way (a CUDA graph of the call, a 256 MiB L2 flush before each
 # replay, the median of 30) and measures the copy bandwidth in its own process. Then the
-# CUDA tests of build-device (TESTS, a gtest filter; default all) and, with METHODS, the
-# sparse steps of both builds (the sparse attention shares the kernel).
+# CUDA tests of build-device (TESTS, a gtest filter; default all) and, with METHODS (registry
+# names, comma-separated, as every build's cuda_decode_bench --methods takes them), the sparse
+# steps of every build (the sparse attention shares the kernel).
 #
 # Files in $OUT: compare.log (everything below), base_<i>.json, base2_<i>.json, new_<i>.json,
 # torch.json, flashinfer.json, tests.log, sparse_<build>.json (at most 8 files come back from
 # a device call: name fewer builds or rounds when all are wanted).
 # Usage (on the device machine, from the tree holding build-device/ and BASE):
 #   BASE=dir [BASE2=dir] [PLANS=tc8,tc8/k0] [CONTEXTS=8192,32768,131072] [BATCHES=1,4,16] [FLASHINFER=path]
-#   [METHODS=sketch_topp_d0] [TESTS=filter] tools/device/compare_dense.sh
+#   [METHODS=sketch_topp,tactic] [TESTS=filter] tools/device/compare_dense.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out}

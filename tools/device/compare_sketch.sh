@@ -2,9 +2,11 @@
 # sketch_topp's GPU step, this build against a base build, in one device call (docs/cuda.md,
 # "The selection passes on the tensor cores"): the CUDA tests of build-device (TESTS, a
 # gtest filter; default all), then `cuda_decode_bench --methods sketch_topp,sketch_topp_d0=sketch_topp
-# --dense-plans tc8` of the base build (BASE: a directory holding its cuda_decode_bench, e.g.
+# --param sketch_topp_d0.gpu_dense_mib=0 --dense-plans tc8` (sketch_topp_d0: sketch_topp without
+# the step-cost rule) of the base build (BASE: a directory holding its cuda_decode_bench, e.g.
 # the main branch's, staged by tools/device/prebuild.sh) and of build-device, alternated
-# twice; PyTorch's cuDNN and flash on the same shapes (tools/device/torch_sdpa_bench.py);
+# twice; a base built before cuda_decode_bench took --param and LABEL=NAME (it refuses
+# --param) runs `--methods sketch_topp,sketch_topp_d0`, its built-in name for the same method; PyTorch's cuDNN and flash on the same shapes (tools/device/torch_sdpa_bench.py);
 # with TRACE (a `cumulus trace` file) the methods on that trace and PyTorch on its shape
 # (TRACE_SHAPE, e.g. 9,3,64, and TRACE_CONTEXT, e.g. 8016); with NCU=1 Nsight Compute's
 # instruction and DRAM counts of the weights pass at 128K, batches 16 and 1. Every program
@@ -31,6 +33,19 @@ CONTEXTS=${CONTEXTS:-8192,32768,131072}
 BATCHES=${BATCHES:-1,4,16}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.mem --format=csv,noheader
 
+# Sets M (the --methods list) and P (the --param words) for the cuda_decode_bench $1. The probe
+# ends in argument checks, before any device work: a build without --param says "unknown
+# option '--param'", a build with it refuses --iters 0.
+sketch_methods() {
+  if timeout 30 "$1" --param sketch_topp_d0.gpu_dense_mib=0 --iters 0 2>&1 | grep -q "unknown option '--param'"; then
+    M=sketch_topp,sketch_topp_d0
+    P=()
+  else
+    M=sketch_topp,sketch_topp_d0=sketch_topp
+    P=(--param sketch_topp_d0.gpu_dense_mib=0)
+  fi
+}
+
 timeout 300 "$BIN/cumulus_cuda_tests" --gtest_color=no --gtest_filter="${TESTS:-*}" > "$OUT/tests.log" 2>&1
 echo "tests rc $?"
 grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/tests.log" | head -20
@@ -39,9 +54,10 @@ for i in 1 2; do
   for b in base new; do
     exe="$BIN/cuda_decode_bench"
     [ "$b" = base ] && exe="$BASE/cuda_decode_bench"
-    timeout 200 "$exe" --contexts "$CONTEXTS" --batches "$BATCHES" --methods sketch_topp,sketch_topp_d0=sketch_topp --param sketch_topp_d0.gpu_dense_mib=0 \
+    sketch_methods "$exe"
+    timeout 200 "$exe" --contexts "$CONTEXTS" --batches "$BATCHES" --methods "$M" ${P[@]+"${P[@]}"} \
       --dense-plans tc8 --json "$RUNS/$b.$i.json" > "$RUNS/$b.$i.log" 2>&1
-    echo "== $b round $i rc $?"
+    echo "== $b round $i rc $? (--methods $M ${P[*]})"
     grep -E "copy:|^context|dense tc8|step|phases" "$RUNS/$b.$i.log" | sed -E 's/ +/ /g'
   done
 done

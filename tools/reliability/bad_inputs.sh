@@ -25,6 +25,7 @@ mkdir -p "${ROOT}/build"
 # Scratch inputs: junk, empty, truncated and padded copies of real files.
 head -c 4096 /dev/urandom > "${W}/random.bin"
 : > "${W}/empty"
+printf ' \n\t\n  \n' > "${W}/blank.txt"
 head -c 100 "${S}" > "${W}/s_truncated.bin"
 { cat "${S}"; printf 'x'; } > "${W}/s_padded.bin"
 head -c 100 "${TOK}" > "${W}/tok_truncated.bin"
@@ -106,6 +107,7 @@ CASES=(
   "text|eval kl --model ${S} --text ${W}"
   "text|eval kl --model ${S} --text ${W}/none.txt"
   "text|eval niah --model ${S} --text /dev/zero --lengths 256 --depths 0.5"
+  "text|eval kl --model ${S} --text ${W}/blank.txt"
   # methods and parameters
   "method|${G} --method nosuch"
   "method|${G} --method dense,tactic,x=nosuch"
@@ -158,6 +160,14 @@ CASES=(
   "number|bench --context 10"
   "number|bench --membw-mib 100000000"
   "number|trace --profile-synthetic smollm2-135m --p 2"
+  # comma lists with an empty item (CLI11's splitting dropped it)
+  "list|${G} --bench --bench-context 64,,128 --bench-decode 2"
+  "list|eval niah --model ${S} --text ${T} --lengths 256, --depths 0.5"
+  "list|eval niah --model ${S} --text ${T} --lengths 256 --depths ,0.5"
+  "list|eval mass --model ${S} --text ${T} --targets 0.5,,0.9"
+  "list|eval matched --model ${S} --text ${T} --baselines quest,"
+  "list|bench --methods dense,,tactic"
+  "list|trace --model ${M} --text ${T} --layers 1,,2 --out ${W}/t.bin"
   # output paths
   "output|${E} --markdown /nonexistent/x.md"
   "output|${E} --json /nonexistent/x.json"
