@@ -16,8 +16,8 @@ and switches the model to it. Then:
 - Sliding-window layers (Gemma 3's local layers, Mistral with a window) stay with
   transformers: their own cache layer and SDPA over the window.
 
-The decoders hold K/V on the CPU; a model on another device is refused. Decode steps are not
-differentiable.
+A model on the CPU decodes through CPU decoders, a model on a CUDA device through the GPU
+decoders (a build with CUDA). Decode steps are not differentiable.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import time
+import weakref
 from typing import Any
-
-import numpy as np
 
 from . import _cumulus
 from ._errors import Error
@@ -58,9 +58,14 @@ def _fail(where: str, message: str) -> None:
 # Statistics
 
 
+_TOTAL_KEYS = ("steps", "tokens_attended", "claimed_mass", "claimed_count", "kv_read_share", "true_mass",
+               "true_count")
+
+
 @dataclasses.dataclass
 class LayerStats:
-    """One layer's decode steps through cumulus, summed since ``enable`` or the last reset."""
+    """One layer's decode steps through cumulus, summed since ``enable`` or the last reset
+    (``cumulus.Decoder.totals`` of every cache's decoder)."""
 
     layer: int  # the model's layer index
     layer_steps: int = 0  # decode steps of this layer, one per sequence and token
@@ -70,8 +75,7 @@ class LayerStats:
     claimed_count: int = 0
     true_sum: float = 0.0
     true_count: int = 0
-    kv_bytes_read: float = 0.0  # K/V bytes the method read, selection included
-    kv_bytes_dense: float = 0.0  # what dense attention reads over the same steps
+    kv_share_sum: float = 0.0  # each step's share of the dense K/V bytes read, selection included
 
     @property
     def tokens_attended(self) -> float:
@@ -90,8 +94,18 @@ class LayerStats:
 
     @property
     def kv_read_fraction(self) -> float:
-        """K/V bytes read over the bytes dense attention reads in the same steps."""
-        return self.kv_bytes_read / self.kv_bytes_dense if self.kv_bytes_dense else 0.0
+        """Mean share of the dense K/V bytes a step read, selection included."""
+        return self.kv_share_sum / self.layer_steps if self.layer_steps else 0.0
+
+    def _add(self, t: dict, sign: float = 1.0, n_q_heads: int = 0) -> None:
+        self.layer_steps += int(sign * t["steps"])
+        self.head_steps += int(sign * t["steps"] * n_q_heads)
+        self.tokens_attended_sum += sign * t["tokens_attended"]
+        self.claimed_sum += sign * t["claimed_mass"]
+        self.claimed_count += int(sign * t["claimed_count"])
+        self.true_sum += sign * t["true_mass"]
+        self.true_count += int(sign * t["true_count"])
+        self.kv_share_sum += sign * t["kv_read_share"]
 
 
 @dataclasses.dataclass
@@ -127,12 +141,27 @@ class Stats:
         return self._total().true_mass
 
     @property
-    def kv_bytes_read(self) -> float:
-        return self._total().kv_bytes_read
-
-    @property
     def kv_read_fraction(self) -> float:
         return self._total().kv_read_fraction
+
+
+class _Box:
+    """A cache's decoder, for the statistics: read while the cache lives, folded into the
+    model's totals when it goes (weakref.finalize), so no cache is kept alive for them."""
+
+    def __init__(self):
+        self.decoder = None
+        self.offset: dict[int, dict] = {}  # totals at the last reset, per decoder layer
+
+
+def _fold(state: "_State", box: _Box) -> None:
+    if box.decoder is not None:
+        for layer, j in state.decoder_layer.items():
+            state.stats[layer]._add(box.decoder.totals(j), n_q_heads=state.n_q_heads)
+            if j in box.offset:
+                state.stats[layer]._add(box.offset[j], -1.0, state.n_q_heads)
+        box.decoder = None
+    state.live.discard(box)
 
 
 # ----------------------------------------------------------------------------------------
@@ -151,17 +180,39 @@ class _State:
         self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.n_layers = cfg.num_hidden_layers
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 131072)
         self.window = _sliding_windows(cfg)  # per layer: None (full attention) or the window
         self.full_layers = [i for i, w in enumerate(self.window) if w is None]
         self.decoder_layer = {layer: j for j, layer in enumerate(self.full_layers)}
-        self.stats = {layer: LayerStats(layer=layer) for layer in self.full_layers}
+        self.stats = {layer: LayerStats(layer=layer) for layer in self.full_layers}  # folded caches
+        self.live: weakref.WeakSet[_Box] = weakref.WeakSet()  # the caches alive now
         self.pending = None  # the CumulusLayer whose update() ran last, for the attention call
+        # Benchmarks (bench/transformers_bench.py): with profile set, the attention calls
+        # synchronise the device around their work and add up, in seconds, the time inside
+        # the cumulus calls (append, decode) and inside the whole attention function.
+        self.profile = False
+        self.time_cumulus = 0.0
+        self.time_attention = 0.0
         self.original_attn = None
         self.original_forward = None
         self.cache_arg = None
 
     def reset_stats(self) -> None:
         self.stats = {layer: LayerStats(layer=layer) for layer in self.full_layers}
+        for box in list(self.live):
+            if box.decoder is not None:
+                box.offset = {j: box.decoder.totals(j) for j in self.decoder_layer.values()}
+
+    def current(self) -> dict[int, LayerStats]:
+        out = {layer: dataclasses.replace(s) for layer, s in self.stats.items()}
+        for box in list(self.live):
+            if box.decoder is None:
+                continue
+            for layer, j in self.decoder_layer.items():
+                out[layer]._add(box.decoder.totals(j), n_q_heads=self.n_q_heads)
+                if j in box.offset:
+                    out[layer]._add(box.offset[j], -1.0, self.n_q_heads)
+        return out
 
 
 def _sliding_windows(cfg) -> list[int | None]:
@@ -197,9 +248,13 @@ class CumulusLayer(CacheLayerMixin):
 
     def __init__(self, cache: "CumulusCache", layer: int):
         super().__init__()
-        self.cache = cache
+        self._cache = weakref.ref(cache)  # no cycle: the cache and its decoder go when unused
         self.layer = layer
         self.cumulative_length = 0  # tokens seen, padding included, as the masks count them
+
+    @property
+    def cache(self) -> "CumulusCache":
+        return self._cache()
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.device = key_states.device
@@ -270,6 +325,8 @@ class CumulusCache(Cache):
         self.params = dict(state.params)
         self.options = dict(state.options)
         self.decoder: _cumulus.Decoder | None = None
+        self._box = _Box()
+        weakref.finalize(self, _fold, state, self._box)
         layers = [
             CumulusLayer(self, i) if w is None else DynamicSlidingWindowLayer(sliding_window=w)
             for i, w in enumerate(state.window)
@@ -282,20 +339,27 @@ class CumulusCache(Cache):
                 _fail("CumulusCache", f"batch of {key_states.shape[0]} sequences; this cache holds "
                       f"{self.decoder.batch}")
             return
-        where = "CumulusCache"
-        if key_states.device.type != "cpu":
-            _fail(where, f"K/V on {key_states.device}: the transformers integration runs on CPU "
-                  "tensors (the CUDA Decoder is not in the package yet)")
         opts = dict(self.options)
+        cuda = key_states.device.type == "cuda"
         if opts.get("dtype") is None:
+            # The GPU stores 16-bit K/V only: a float32 model's K/V are stored as f16 there.
             opts["dtype"] = _KV_DTYPE.get(key_states.dtype, "f32")
+            if cuda and opts["dtype"] == "f32":
+                opts["dtype"] = "f16"
+        if cuda:
+            opts["device"] = "cuda"
+            # The device caches are sized at max_tokens up front: the model's context by default.
+            opts.setdefault("max_tokens", self.state.max_positions)
         s = self.state
         self.decoder = _cumulus.Decoder(
             self.method, n_kv_heads=s.n_kv_heads, n_q_heads=s.n_q_heads, head_dim=s.head_dim,
             n_layers=len(s.full_layers), batch=int(key_states.shape[0]), params=self.params, **opts)
+        self._box.decoder = self.decoder
+        s.live.add(self._box)
 
     def reset(self):
         super().reset()
+        _fold(self.state, self._box)
         self.decoder = None
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -328,9 +392,9 @@ def _valid_columns(mask, b: int, kv_len: int):
 
 
 def _to_decoder(x, dtype: str):
-    """[B, H, T, D] -> [B, T, H, D], C-contiguous, in the storage dtype or float32."""
+    """[B, H, T, D] -> [B, T, H, D], C-contiguous, in the storage dtype (CPU) or float32."""
     x = x.detach().transpose(1, 2)
-    if x.dtype != _TORCH_DTYPE[dtype]:
+    if x.dtype != _TORCH_DTYPE[dtype] or x.device.type == "cuda":
         x = x.float()
     return x.contiguous()
 
@@ -341,24 +405,6 @@ def _scaled_q(q, module, scaling, head_dim: int):
     if scaling is not None and not math.isclose(scaling * math.sqrt(head_dim), 1.0, rel_tol=1e-7):
         q = q * (scaling * math.sqrt(head_dim))
     return q.contiguous()
-
-
-def _record(state: _State, layer: int, st, lengths: list[int], esize: int) -> None:
-    s = state.stats[layer]
-    att = np.asarray(st.tokens_attended, dtype=np.float64)
-    s.layer_steps += att.shape[0] if att.ndim == 2 else 1
-    s.head_steps += att.size
-    s.tokens_attended_sum += float(att.sum())
-    claimed = np.asarray(st.mass_claimed, dtype=np.float64)
-    ok = ~np.isnan(claimed)
-    s.claimed_sum += float(claimed[ok].sum())
-    s.claimed_count += int(ok.sum())
-    true = np.asarray(st.mass_true, dtype=np.float64)
-    ok = ~np.isnan(true)
-    s.true_sum += float(true[ok].sum())
-    s.true_count += int(ok.sum())
-    s.kv_bytes_read += float(np.asarray(st.bytes_read, dtype=np.float64).sum())
-    s.kv_bytes_dense += float(sum(lengths)) * state.n_kv_heads * state.head_dim * 2 * esize
 
 
 def cumulus_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -387,6 +433,16 @@ def cumulus_attention(module, query, key, value, attention_mask, dropout: float 
         k, v = _to_decoder(key, dtype), _to_decoder(value, dtype)
         q_all = _scaled_q(query.transpose(1, 2), module, scaling, D)  # [B, T, Hq, D]
         want = dec.prompt_queries
+        if dec.device == "cuda":
+            # The GPU caches append every sequence at once: no padding.
+            for b in range(B):
+                valid = _valid_columns(attention_mask, b, T)
+                if valid is not None and not bool(valid.all()):
+                    _fail("cumulus.transformers", f"sequence {b} is padded: on cuda the sequences of a batch "
+                          "must be of one length (no padding)")
+            dec.append(k, v, layer=layer)
+            dec.build_index(layer=layer, prompt_q=q_all[:, -want:].contiguous() if want > 0 else None)
+            return out, None
         for b in range(B):
             valid = _valid_columns(attention_mask, b, T)
             kb, vb, qb = (k[b], v[b], q_all[b]) if valid is None else (k[b][valid], v[b][valid], q_all[b][valid])
@@ -397,7 +453,28 @@ def cumulus_attention(module, query, key, value, attention_mask, dropout: float 
             dec.build_index(layer=layer, prompt_q=rows, seq=b)
         return out, None
     # Decode: each new token in turn, appended then decoded over the method's selection.
-    if attention_mask is not None:
+    if state.profile:
+        _sync(query)
+        t0 = time.perf_counter()
+        out = _decode_rows(state, module, layer_obj, query, key, value, attention_mask, scaling, dec, layer, lengths)
+        _sync(query)
+        state.time_attention += time.perf_counter() - t0
+        return out
+    return _decode_rows(state, module, layer_obj, query, key, value, attention_mask, scaling, dec, layer, lengths)
+
+
+def _sync(x) -> None:
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+
+
+def _decode_rows(state, module, layer_obj, query, key, value, attention_mask, scaling, dec, layer, lengths):
+    B, Hq, T, D = query.shape
+    dtype = dec.dtype
+    cuda = dec.device == "cuda"
+    # On CPU the mask is checked against the cache; on cuda the prefill refused padding, and
+    # reading the mask back would make every layer wait for the device.
+    if attention_mask is not None and not cuda:
         for b in range(B):
             valid = _valid_columns(attention_mask, b, layer_obj.cumulative_length)
             n_valid = int(valid.sum())
@@ -407,14 +484,26 @@ def cumulus_attention(module, query, key, value, attention_mask, dropout: float 
                       "masks with left padding are supported")
     k, v = _to_decoder(key, dtype), _to_decoder(value, dtype)  # [B, T, Hkv, D]
     q = _scaled_q(query, module, scaling, D)  # [B, Hq, T, D]
-    out = torch.empty((B, T, Hq, D), dtype=torch.float32)
-    esize = torch.finfo(_TORCH_DTYPE[dtype]).bits // 8
+    out = torch.empty((B, T, Hq, D), dtype=torch.float32, device=query.device)
+    # One token (the common case): k, v, q and out need no slicing, and out is written in place.
+    step = out.view(B, Hq, D) if T == 1 else torch.empty((B, Hq, D), dtype=torch.float32, device=query.device)
+    # Per-step statistics only where the totals lack them: the true mass on cuda (eval).
+    want = dec.eval and cuda
     for t in range(T):
-        dec.append(k[:, t:t + 1].contiguous(), v[:, t:t + 1].contiguous(), layer=layer)
-        step_out = out[:, t]
-        o, st = dec.decode(q[:, :, t].contiguous(), layer=layer)
-        step_out.copy_(torch.from_numpy(o))
-        _record(state, module.layer_idx, st, [n + t + 1 for n in lengths], esize)
+        if T == 1:
+            kt, vt, qt = k, v, q.view(B, Hq, D)
+        else:
+            kt, vt, qt = k[:, t:t + 1].contiguous(), v[:, t:t + 1].contiguous(), q[:, :, t].contiguous()
+        if state.profile:
+            _sync(query)
+            t0 = time.perf_counter()
+        dec.append(kt, vt, layer=layer)
+        dec.decode(qt, layer=layer, out=step, stats=want)
+        if state.profile:
+            _sync(query)
+            state.time_cumulus += time.perf_counter() - t0
+        if T > 1:
+            out[:, t].copy_(step)
     return out.to(query.dtype), None
 
 
@@ -513,10 +602,14 @@ def enable(model, method: str = "sketch_topp", *, params: dict | None = None, kv
     for name in ("attn_logit_softcapping",):
         if getattr(cfg, name, None):
             _fail(where, f"config.{name}={getattr(cfg, name)}: soft-capped attention logits are not supported")
-    devices = {p.device.type for p in model.parameters()}
-    if devices - {"cpu"}:
-        _fail(where, f"the model's parameters are on {sorted(devices)}: the transformers integration runs on "
-              "CPU tensors (the CUDA Decoder is not in the package yet)")
+    devices = {str(p.device) for p in model.parameters()}
+    if len(devices) != 1 or not (devices <= {"cpu"} or next(iter(devices)).startswith("cuda")):
+        _fail(where, f"the model's parameters are on {sorted(devices)}: cumulus runs a model on the CPU or "
+              "on one CUDA device")
+    device = next(iter(devices)).split(":")[0]
+    if device == "cuda" and not _cumulus.has_cuda:
+        _fail(where, "the model is on cuda but this build of cumulus has no CUDA backend (pip install . -C "
+              "cmake.define.CUMULUS_CUDA=ON)")
     options = {"dtype": kv_dtype, "page_size": page_size, "threads": threads, "eval": eval}
     if max_tokens is not None:
         options["max_tokens"] = max_tokens
@@ -525,9 +618,9 @@ def enable(model, method: str = "sketch_topp", *, params: dict | None = None, kv
         _fail(where, "the model has no full-attention layer: nothing for cumulus to decode")
     # A decoder of the model's shape checks the method's parameters and the options now.
     probe = _cumulus.Decoder(method, n_kv_heads=state.n_kv_heads, n_q_heads=state.n_q_heads,
-                             head_dim=state.head_dim, dtype=kv_dtype or "f32", page_size=page_size,
-                             threads=threads, eval=eval, params=mp,
-                             **({"max_tokens": max_tokens} if max_tokens is not None else {}))
+                             head_dim=state.head_dim, page_size=page_size, threads=threads, eval=eval,
+                             params=mp, device=device, max_tokens=16,
+                             dtype=kv_dtype or ("f16" if device == "cuda" else "f32"))
     state.params = dict(mp)
     del probe
     _registered()
@@ -575,8 +668,8 @@ def stats(model, *, reset: bool = False) -> Stats:
     state: _State | None = getattr(model, "_cumulus_state", None)
     if state is None:
         _fail("cumulus.transformers.stats", "the model is not enabled")
-    out = Stats(method=state.method, params=dict(state.params),
-                layers=[dataclasses.replace(state.stats[i]) for i in state.full_layers])
+    current = state.current()
+    out = Stats(method=state.method, params=dict(state.params), layers=[current[i] for i in state.full_layers])
     if reset:
         state.reset_stats()
     return out

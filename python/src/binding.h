@@ -41,11 +41,24 @@ bool is_float32(const AnyArray& a);
 // Checks that `a` (the argument `name` of the call `where`) is on the CPU, C-contiguous
 // (dimensions of extent 1 may have any stride) and of rank `ndim` with `shape` (a -1 extent
 // takes any size >= 1); raises cumulus.Error naming the argument and the value otherwise.
-void array_check(const char* where, const char* name, const AnyArray& a, const std::vector<int64_t>& shape);
+// A Decoder layer's decode steps summed since it was made (Decoder.totals): per sequence-step
+// the tokens attended summed over query heads, the claims of heads that make one and their
+// count, the share of the dense K/V bytes read (selection included), and (eval) the true mass
+// of the attended sets and their count.
+struct StepTotals {
+  double steps = 0, tokens = 0, claimed = 0, claimed_n = 0, kv_share = 0, true_mass = 0, true_n = 0;
+};
+
+// device_type: nb::device::cpu::value, or nb::device::cuda::value for the CUDA Decoder.
+void array_check(const char* where, const char* name, const AnyArray& a, const std::vector<int64_t>& shape,
+                 int32_t device_type = nb::device::cpu::value);
 
 // Python keyword arguments of a method's parameters (p=0.9, stop="certified") as the
 // registry's key=value strings: bools "true"/"false", numbers and strings as Python's str().
 std::map<std::string, std::string> param_strings(const char* where, const nb::dict& params);
+
+// device is "cpu" or "cuda", and "cuda" only in a build with the CUDA backend.
+void device_check(const char* where, const std::string& device);
 
 // The machine's CPUs as the CLI counts them (this process's affinity mask), at most 256.
 int default_threads();

@@ -11,9 +11,9 @@
 // so their indexes are built again over what remains.
 //
 // Arrays: K/V float32 (or already in the storage dtype: float16 for dtype f16, bfloat16 for
-// bf16), q float32, all CPU and C-contiguous, read where they lie. A CUDA Decoder (the GPU
-// decoders of kernels/cuda_decoder.h over a DeviceKvCache) takes device="cuda" later; the
-// arguments are checked against the device first, so the same calls will take CUDA tensors.
+// bf16), q float32, all CPU and C-contiguous, read where they lie. device="cuda" runs the
+// GPU decoders over DeviceKvCaches instead (cuda_decoder.h): the same calls on CUDA float32
+// tensors.
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
@@ -22,10 +22,12 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <optional>
 
 #include "binding.h"
+#include "cuda_decoder.h"
 #include "cumulus/core/thread_pool.h"
 #include "cumulus/kv/kv_cache.h"
 #include "cumulus/methods/method.h"
@@ -77,12 +79,7 @@ class Decoder {
           const std::string& device, const std::optional<nb::dict>& params, const nb::kwargs& method_params)
       : shape_{n_layers, n_q_heads, n_kv_heads, head_dim}, batch_(batch), eval_(eval) {
     constexpr const char* where = "Decoder";
-    if (device != "cpu") {
-      if (device == "cuda")
-        fail(where, "device='cuda': the Python Decoder runs on cpu only so far (the CUDA model runtime is "
-                    "Model(device='cuda'))");
-      fail(where, "device='{}' must be 'cpu'", device);
-    }
+    device_check(where, device);
     if (batch < 1) fail(where, "batch={} must be >= 1", batch);
     const int n_threads = threads.value_or(default_threads());
     if (n_threads < 1 || n_threads > 256) fail(where, "threads={} must be in [1, 256]", n_threads);
@@ -98,17 +95,34 @@ class Decoder {
     kv_options_.max_tokens = max_tokens;
     method_name_ = method;
     resolved_ = Registry::builtin().parse(method, params_).values();
+    if (device == "cuda") {
+      if (!method_kind_decodes(Registry::builtin().find(method).kind))
+        fail(where, "method='{}' is not a decode method", method);
+#ifdef CUMULUS_HAVE_CUDA
+      cuda_ = CudaDecoder::make(method, params_, shape_, batch, kv_options_.dtype, page_size, max_tokens, eval);
+      prompt_queries_ = cuda_->prompt_queries();
+#endif
+      pool_ = std::make_unique<ThreadPool>(1);
+      return;
+    }
     for (int b = 0; b < batch; ++b) {
       seqs_.push_back(Seq{KvCache(shape_, kv_options_), Registry::builtin().make(method, shape_, params_),
                           std::vector<bool>(n_layers, false), AttnOutput{}});
     }
     prompt_queries_ = seqs_.front().method->prompt_queries();
+    totals_.assign(n_layers, StepTotals{});
     pool_ = std::make_unique<ThreadPool>(n_threads);
   }
 
   void append(const AnyArray& k, const AnyArray& v, int layer, std::optional<int> seq) {
     constexpr const char* where = "Decoder.append";
     check_layer(where, layer);
+    if (cuda_) {
+      if (seq && batch_ != 1)
+        fail(where, "seq={}: on cuda every sequence appends at once (k [batch, n, n_kv_heads, head_dim])", *seq);
+      if (seq) seq_index(where, seq);
+      return cuda_->append(k, v, layer);
+    }
     const int kvh = shape_.n_kv_heads, d = shape_.head_dim;
     int first = 0, count = batch_;
     if (seq || k.ndim() == 3) {
@@ -164,6 +178,11 @@ class Decoder {
   void build_index(int layer, const std::optional<AnyArray>& prompt_q, std::optional<int> seq) {
     constexpr const char* where = "Decoder.build_index";
     check_layer(where, layer);
+    if (cuda_) {
+      if (seq && batch_ != 1) fail(where, "seq={}: on cuda the index is built for every sequence at once", *seq);
+      if (seq) seq_index(where, seq);
+      return cuda_->build_index(layer, prompt_q ? &*prompt_q : nullptr);
+    }
     int first = 0, count = batch_;
     int rows = 0;
     const float* qp = nullptr;
@@ -200,7 +219,8 @@ class Decoder {
     }
   }
 
-  std::pair<nb::object, DecodeStats> decode(const AnyArray& q, int layer, const std::optional<nb::object>& out_obj) {
+  std::pair<nb::object, nb::object> decode(const AnyArray& q, int layer, const std::optional<nb::object>& out_obj,
+                                           bool want_stats) {
     constexpr const char* where = "Decoder.decode";
     check_layer(where, layer);
     const int h = shape_.n_q_heads, d = shape_.head_dim;
@@ -208,13 +228,15 @@ class Decoder {
     if (single && batch_ != 1)
       fail(where, "q has shape {}: this Decoder holds {} sequences, give q as [{}, {}, {}]", shape_text(q), batch_,
            batch_, h, d);
+    const int32_t dev = cuda_ ? nb::device::cuda::value : nb::device::cpu::value;
     if (single)
-      array_check(where, "q", q, {h, d});
+      array_check(where, "q", q, {h, d}, dev);
     else
-      array_check(where, "q", q, {batch_, h, d});
+      array_check(where, "q", q, {batch_, h, d}, dev);
     if (!is_float32(q)) fail(where, "q is {}: give float32", dtype_text(q));
     std::vector<int64_t> qshape(q.ndim());
     for (size_t i = 0; i < q.ndim(); ++i) qshape[i] = static_cast<int64_t>(q.shape(i));
+    if (cuda_) return decode_cuda(q, qshape, layer, out_obj, single, want_stats);
     float* dst = nullptr;
     std::vector<float> fresh;
     const bool out = out_obj.has_value() && !out_obj->is_none();
@@ -251,6 +273,7 @@ class Decoder {
         }
         decode_step(*s.method, layer, qp + b * qd, s.kv, ctx, s.result);
         std::memcpy(dst + b * qd, s.result.out.data(), qd * sizeof(float));
+        add_totals(totals_[layer], s.result, s.kv.n_tokens(layer));
         for (int i = 0; i < h; ++i) {
           const StepStats& st = s.result.stats[i];
           const size_t j = static_cast<size_t>(b) * h + i;
@@ -292,7 +315,19 @@ class Decoder {
                           : nb::cast(numpy_from<float>(std::move(fresh), {static_cast<size_t>(batch_),
                                                                           static_cast<size_t>(h), static_cast<size_t>(d)}));
     }
-    return {result_out, std::move(stats)};
+    if (!want_stats) return {result_out, nb::none()};
+    return {result_out, nb::cast(std::move(stats))};
+  }
+
+  StepTotals totals(int layer) {
+    check_layer("Decoder.totals", layer);
+#ifdef CUMULUS_HAVE_CUDA
+    if (cuda_) {
+      nb::gil_scoped_release release;
+      return cuda_->totals(layer);
+    }
+#endif
+    return totals_[layer];
   }
 
   void truncate(int n, std::optional<int> seq) {
@@ -302,6 +337,7 @@ class Decoder {
       first = seq_index(where, seq);
       count = 1;
     }
+    if (cuda_) return cuda_->truncate(n, seq);
     if (n < 0) fail(where, "n={} must be >= 0", n);
     for (int b = first; b < first + count; ++b)
       for (int l = 0; l < shape_.n_layers; ++l)
@@ -317,12 +353,14 @@ class Decoder {
 
   std::vector<int> lengths(int layer) const {
     check_layer("Decoder.lengths", layer);
+    if (cuda_) return cuda_->lengths(layer);
     std::vector<int> out;
     for (const Seq& s : seqs_) out.push_back(s.kv.n_tokens(layer));
     return out;
   }
 
   size_t kv_bytes() const {
+    if (cuda_) return cuda_->kv_bytes();
     size_t b = 0;
     for (const Seq& s : seqs_) b += s.kv.bytes_allocated();
     return b;
@@ -335,6 +373,7 @@ class Decoder {
   const KvCacheOptions& kv_options() const { return kv_options_; }
   int threads() const { return pool_->n_threads(); }
   bool eval() const { return eval_; }
+  std::string device() const { return cuda_ ? "cuda" : "cpu"; }
   int prompt_queries() const { return prompt_queries_; }
 
  private:
@@ -358,13 +397,86 @@ class Decoder {
     return *seq;
   }
 
+  // device="cuda": q and out on the device; the statistics as the CPU's (no selections).
+  std::pair<nb::object, nb::object> decode_cuda(const AnyArray& q, const std::vector<int64_t>& qshape, int layer,
+                                                const std::optional<nb::object>& out_obj, bool single,
+                                                bool want_stats) {
+    constexpr const char* where = "Decoder.decode";
+    const int h = shape_.n_q_heads;
+    float* dst = nullptr;
+    nb::object result_out;
+    if (out_obj.has_value() && !out_obj->is_none()) {
+      nb::ndarray<> o;
+      if (!nb::try_cast(*out_obj, o, false))
+        fail(where, "out={} is not a writable array", nb::repr(*out_obj).c_str());
+      const AnyArray view(o);
+      array_check(where, "out", view, qshape, nb::device::cuda::value);
+      if (!is_float32(view)) fail(where, "out is {}: give float32", dtype_text(view));
+      if (o.data() == q.data()) fail(where, "out is q: give another array");
+      dst = static_cast<float*>(o.data());
+      result_out = *out_obj;
+    }
+#ifdef CUMULUS_HAVE_CUDA
+    if (dst == nullptr) {
+      nb::capsule owner;
+      dst = cuda_alloc_floats(static_cast<size_t>(batch_) * h * shape_.head_dim, owner);
+      std::vector<size_t> shape(qshape.begin(), qshape.end());
+      result_out = nb::cast(nb::ndarray<nb::pytorch, float>(dst, shape.size(), shape.data(), owner, nullptr,
+                                                            nb::dtype<float>(), nb::device::cuda::value,
+                                                            cuda_current_device()));
+    }
+    CudaStepStats cs = cuda_->decode(q, layer, dst, want_stats);
+#else
+    (void)dst;
+    CudaStepStats cs;
+#endif
+    if (!want_stats) return {result_out, nb::none()};
+    auto shape2 = [&](auto&& v) {
+      using T = typename std::decay_t<decltype(v)>::value_type;
+      return single ? numpy_from<T>(std::move(v), {static_cast<size_t>(h)})
+                    : numpy_from<T>(std::move(v), {static_cast<size_t>(batch_), static_cast<size_t>(h)});
+    };
+    DecodeStats stats;
+    stats.tokens_attended = shape2(cs.tokens);
+    stats.mass_claimed = shape2(cs.claimed);
+    stats.bytes_read = shape2(cs.bytes);
+    std::vector<double> err(cs.mass_true.size(), std::numeric_limits<double>::quiet_NaN());
+    stats.mass_true = shape2(cs.mass_true);
+    stats.out_err = shape2(err);
+    {
+      auto* owned = new std::vector<uint8_t>(std::move(cs.bypass));
+      nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<uint8_t>*>(p); });
+      const size_t s1[1] = {static_cast<size_t>(h)};
+      const size_t s2[2] = {static_cast<size_t>(batch_), static_cast<size_t>(h)};
+      stats.bypass = NumpyArray<bool>(reinterpret_cast<bool*>(owned->data()), single ? 1 : 2, single ? s1 : s2, owner);
+    }
+    return {result_out, nb::cast(std::move(stats))};
+  }
+
+  // One sequence-step of a CPU layer into its totals: the share of the dense bytes (n
+  // tokens' K and V in every kv head) that the step read.
+  void add_totals(StepTotals& t, const AttnOutput& r, int n) const {
+    double bytes = 0;
+    t.steps += 1;
+    for (const StepStats& st : r.stats) {
+      t.tokens += st.tokens_attended;
+      if (!std::isnan(st.mass_claimed)) t.claimed += st.mass_claimed, t.claimed_n += 1;
+      if (!std::isnan(st.mass_true)) t.true_mass += st.mass_true, t.true_n += 1;
+      bytes += st.bytes_read;
+    }
+    const double dense = static_cast<double>(n) * shape_.n_kv_heads * shape_.head_dim * 2 * dtype_size(kv_options_.dtype);
+    if (dense > 0) t.kv_share += bytes / dense;
+  }
+
   Shape shape_;
   int batch_;
   bool eval_;
+  std::unique_ptr<CudaDecoder> cuda_;
   KvCacheOptions kv_options_;
   std::string method_name_;
   std::map<std::string, std::string> params_, resolved_;
   std::vector<Seq> seqs_;
+  std::vector<StepTotals> totals_;  // [n_layers], the CPU decoder's
   std::unique_ptr<ThreadPool> pool_;
   AttentionWorkspace workspace_;
   int prompt_queries_ = 0;
@@ -427,10 +539,30 @@ void bind_decoder(nb::module_& mod) {
            "[rows, n_q_heads, head_dim] (or [batch, rows, ...]) float32, for methods that learn from them "
            "(prompt_queries > 0).")
       .def("decode", &Decoder::decode, nb::arg("q"), nb::kw_only(), nb::arg("layer") = 0,
-           nb::arg("out") = nb::none(),
+           nb::arg("out") = nb::none(), nb::arg("stats") = true,
            "One decode step of every sequence at `layer`: q [batch, n_q_heads, head_dim] (or [n_q_heads, "
            "head_dim] when batch is 1) float32, after the step's K/V were appended. Returns (out, stats): out "
-           "like q (numpy, or the `out` array given, written in place), stats a DecodeStats.")
+           "like q (numpy or a CUDA tensor, or the `out` array given, written in place), stats a DecodeStats, or "
+           "None with stats=False (on cuda nothing then waits for the device; totals() still counts the step).")
+      .def(
+          "totals",
+          [](Decoder& d, int layer) {
+            const StepTotals t = d.totals(layer);
+            nb::dict r;
+            r["steps"] = t.steps;
+            r["tokens_attended"] = t.tokens;
+            r["claimed_mass"] = t.claimed;
+            r["claimed_count"] = t.claimed_n;
+            r["kv_read_share"] = t.kv_share;
+            r["true_mass"] = t.true_mass;
+            r["true_count"] = t.true_n;
+            return r;
+          },
+          nb::arg("layer") = 0,
+          "The layer's decode steps summed since the Decoder was made, as a dict: steps (sequence-steps), "
+          "tokens_attended (summed over query heads), claimed_mass and claimed_count (heads that claim), "
+          "kv_read_share (each step's share of the dense K/V bytes read, selection included), true_mass and "
+          "true_count (eval). On cuda it waits for the device.")
       .def("truncate", &Decoder::truncate, nb::arg("n"), nb::kw_only(), nb::arg("seq") = nb::none(),
            "Keeps the first n tokens of every layer (of sequence `seq`, or of all) and starts its method afresh: "
            "the index is built again by build_index or the next decode.")
@@ -446,9 +578,9 @@ void bind_decoder(nb::module_& mod) {
       .def_prop_ro("dtype", [](const Decoder& d) { return std::string(dtype_name(d.kv_options().dtype)); })
       .def_prop_ro("page_size", [](const Decoder& d) { return d.kv_options().page_size; })
       .def_prop_ro("max_tokens", [](const Decoder& d) { return d.kv_options().max_tokens; })
+      .def_prop_ro("device", &Decoder::device, "'cpu' or 'cuda'")
       .def_prop_ro("threads", &Decoder::threads)
       .def_prop_ro("eval", &Decoder::eval)
-      .def_prop_ro("device", [](const Decoder&) { return std::string("cpu"); })
       .def_prop_ro("prompt_queries", &Decoder::prompt_queries,
                    "how many of the prompt's last queries build_index wants in prompt_q (0: none)")
       .def("__repr__", [](const Decoder& d) {

@@ -63,12 +63,7 @@ class Model {
         const std::string& weights, const std::string& kv_dtype, int page_size)
       : device_(device), threads_(threads.value_or(default_threads())), page_size_(page_size) {
     constexpr const char* where = "Model";
-    if (device != "cpu" && device != "cuda") fail(where, "device='{}' must be 'cpu' or 'cuda'", device);
-#ifndef CUMULUS_HAVE_CUDA
-    if (device == "cuda")
-      fail(where, "device='cuda': this build of cumulus has no CUDA backend (pip install . -C "
-                  "cmake.define.CUMULUS_CUDA=ON)");
-#endif
+    device_check(where, device);
     if (threads_ < 1 || threads_ > 256) fail(where, "threads={} must be in [1, 256]", threads_);
     if (page_size < 1 || page_size > 256 || (page_size & (page_size - 1)) != 0)
       fail(where, "page_size={} must be a power of two in [1, 256]", page_size);

@@ -46,9 +46,13 @@ std::string device_text(const AnyArray& a) {
 
 bool is_float32(const AnyArray& a) { return a.dtype() == nb::dtype<float>(); }
 
-void array_check(const char* where, const char* name, const AnyArray& a, const std::vector<int64_t>& shape) {
-  if (a.device_type() != nb::device::cpu::value)
-    fail(where, "{} is on {}: this object works on cpu arrays (numpy, torch CPU tensors)", name, device_text(a));
+void array_check(const char* where, const char* name, const AnyArray& a, const std::vector<int64_t>& shape,
+                 int32_t device_type) {
+  if (a.device_type() != device_type) {
+    if (device_type == nb::device::cpu::value)
+      fail(where, "{} is on {}: this object works on cpu arrays (numpy, torch CPU tensors)", name, device_text(a));
+    fail(where, "{} is on {}: this Decoder works on cuda tensors", name, device_text(a));
+  }
   bool shape_ok = a.ndim() == shape.size();
   for (size_t i = 0; shape_ok && i < shape.size(); ++i)
     shape_ok = shape[i] < 0 ? a.shape(i) >= 1 : static_cast<int64_t>(a.shape(i)) == shape[i];
@@ -70,6 +74,15 @@ void array_check(const char* where, const char* name, const AnyArray& a, const s
     }
     expect *= static_cast<int64_t>(a.shape(i));
   }
+}
+
+void device_check(const char* where, const std::string& device) {
+  if (device != "cpu" && device != "cuda") fail(where, "device='{}' must be 'cpu' or 'cuda'", device);
+#ifndef CUMULUS_HAVE_CUDA
+  if (device == "cuda")
+    fail(where, "device='cuda': this build of cumulus has no CUDA backend (pip install . -C "
+                "cmake.define.CUMULUS_CUDA=ON)");
+#endif
 }
 
 std::map<std::string, std::string> param_strings(const char* where, const nb::dict& params) {
