@@ -32,6 +32,9 @@ def _small(kind: str):
     elif kind == "qwen2":
         cfg = transformers.Qwen2Config(**common)
         cls = transformers.Qwen2ForCausalLM
+    elif kind == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=16)
+        cls = transformers.Qwen3ForCausalLM
     elif kind == "mistral":
         cfg = transformers.MistralConfig(**common, sliding_window=None)
         cls = transformers.MistralForCausalLM
@@ -57,12 +60,13 @@ def _small(kind: str):
 
 
 def _generate(model, ids, n, **kw):
+    kw.setdefault("do_sample", False)
     with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, output_logits=True,
+        return model.generate(ids, max_new_tokens=n, min_new_tokens=n, output_logits=True,
                               return_dict_in_generate=True, **kw)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
 def test_dense_generates_eager_tokens(kind):
     model = _small(kind)
     ids = torch.randint(0, 320, (1, 50), generator=torch.Generator().manual_seed(1))
@@ -86,6 +90,21 @@ def test_dense_generates_eager_tokens(kind):
     assert model.config._attn_implementation == "eager"
     again = _generate(model, ids, 40)
     assert torch.equal(ref.sequences, again.sequences)
+
+
+def test_sampled_decoding_matches_eager():
+    """Sampling (temperature, top-k, top-p) draws the same tokens from the same generator when
+    the logits agree to float32 rounding."""
+    model = _small("llama")
+    ids = torch.randint(0, 320, (2, 30), generator=torch.Generator().manual_seed(7))
+    kw = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.95)
+    torch.manual_seed(11)
+    ref = _generate(model, ids, 32, **kw)
+    ct.enable(model, "dense")
+    torch.manual_seed(11)
+    got = _generate(model, ids, 32, **kw)
+    assert torch.equal(ref.sequences, got.sequences)
+    assert not torch.equal(got.sequences, _generate(model, ids, 32).sequences)  # it did sample
 
 
 def test_left_padded_batch_matches_eager():
