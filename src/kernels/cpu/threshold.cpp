@@ -29,6 +29,48 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 constexpr int kMaxRows = 8;  // rows summed in one pass (a GQA group); more go in further passes
 
+// Copying out the lanes a mask selects. AVX-512 compresses in registers (vcompressps), then
+// a plain store: its compress to memory is slow on some CPUs (Zen 4). Elsewhere Highway's
+// Compress permutes through a table that it copies to the stack on every call (rep movsq in
+// AVX2 profiles: 70% of the group-key pass), so the lanes are copied one by one from the
+// mask's bits: few lanes are selected where these functions use it. Either way the first
+// count entries of the output hold the selected lanes in order, and with compress up to N
+// lanes of slack after them are written.
+#if HWY_TARGET <= HWY_AVX3
+constexpr bool kCompressInRegisters = true;
+#else
+constexpr bool kCompressInRegisters = false;
+#endif
+
+// The mask's lanes as bits, lane i at bit i (N <= 64).
+template <class D, class M>
+HWY_INLINE uint64_t mask_bits(D d, M m) {
+  uint8_t bytes[8] = {};
+  hn::StoreMaskBits(d, m, bytes);
+  uint64_t b = 0;
+  for (int i = 7; i >= 0; --i) b = (b << 8) | bytes[i];
+  return b;
+}
+
+// Appends the lanes of each of the `count` vectors v[c] that `m` selects to out[c] + at;
+// returns how many lanes that is.
+template <class D, class M, typename T>
+HWY_INLINE size_t append_selected(D d, M m, const hn::Vec<D>* v, int count, T* const* out, size_t at) {
+  if constexpr (kCompressInRegisters) {
+    for (int c = 0; c < count; ++c) hn::StoreU(hn::Compress(v[c], m), d, out[c] + at);
+    return hn::CountTrue(d, m);
+  } else {
+    HWY_ALIGN T lanes[hn::MaxLanes(d)];
+    size_t n = 0;
+    for (int c = 0; c < count; ++c) {
+      hn::Store(v[c], d, lanes);
+      n = 0;
+      for (uint64_t b = mask_bits(d, m); b != 0; b &= b - 1) out[c][at + n++] = lanes[__builtin_ctzll(b)];
+    }
+    return n;
+  }
+}
+
 // True where x is not a finite nonnegative float (NaN fails both compares).
 template <class D>
 HWY_INLINE auto threshold_bad(D d, hn::Vec<D> x) {
@@ -107,15 +149,19 @@ size_t threshold_band(const float* key, const float* const* rows, int n_rows, si
       const auto k = hn::LoadU(d, key + i);
       const auto up = hn::Ge(k, vhi);
       const auto in = hn::And(hn::Ge(k, vlo), hn::Not(up));
-      // Compress in registers, then a plain store: AVX-512's compress to memory is slow
-      // on some CPUs (Zen 4). Each array has N lanes of slack for the whole-vector store.
-      if (r0 == 0) hn::StoreU(hn::Compress(k, in), d, band_key + m);
+      // The band's entries, copied out (append_selected); each array has N lanes of slack.
+      hn::Vec<decltype(d)> x[kMaxRows + 1];
+      float* dst[kMaxRows + 1];
       for (int j = 0; j < R; ++j) {
-        const auto x = hn::LoadU(d, rows[r0 + j] + i);
-        acc[j] = hn::Add(acc[j], hn::IfThenElseZero(up, x));
-        hn::StoreU(hn::Compress(x, in), d, band[r0 + j] + m);
+        x[j] = hn::LoadU(d, rows[r0 + j] + i);
+        acc[j] = hn::Add(acc[j], hn::IfThenElseZero(up, x[j]));
+        dst[j] = band[r0 + j];
       }
-      m += hn::CountTrue(d, in);
+      if (!hn::AllFalse(d, in)) {
+        x[R] = k;
+        dst[R] = band_key;
+        m += append_selected(d, in, x, r0 == 0 ? R + 1 : R, dst, m);
+      }
     }
     for (int j = 0; j < R; ++j) above[r0 + j] += hn::GetLane(hn::SumOfLanes(d, acc[j]));
     for (size_t t = i; t < n; ++t) {
@@ -397,12 +443,16 @@ size_t group_key_pass(const float* HWY_RESTRICT w, size_t nn, const float* inv, 
     if (banding) {
       const auto up = hn::Ge(k, vhi);
       const auto in = hn::And(hn::Ge(k, vlo), hn::Not(up));
-      hn::StoreU(hn::Compress(k, in), d, band_key + m);
-      for (int j = 0; j < R; ++j) {
-        up_sum[j] = hn::Add(up_sum[j], hn::IfThenElseZero(up, x[j]));
-        hn::StoreU(hn::Compress(x[j], in), d, band[j] + m);
+      for (int j = 0; j < R; ++j) up_sum[j] = hn::Add(up_sum[j], hn::IfThenElseZero(up, x[j]));
+      // Most vectors hold no key in the band, and skip the copy (append_selected).
+      if (!hn::AllFalse(d, in)) {
+        hn::Vec<decltype(d)> v[R + 1];
+        float* dst[R + 1];
+        for (int j = 0; j < R; ++j) v[j] = x[j], dst[j] = band[j];
+        v[R] = k;
+        dst[R] = band_key;
+        m += append_selected(d, in, v, R + 1, dst, m);
       }
-      m += hn::CountTrue(d, in);
     }
   }
   for (int j = 0; j < R; ++j) {
@@ -501,9 +551,8 @@ void select_any_above_impl(const float* w, int n_rows, int n, const float* tau, 
     for (int j = 1; j < n_rows; ++j)
       m = hn::Or(m, hn::Ge(hn::LoadU(d, w + static_cast<size_t>(j) * n + i), hn::Set(d, tau[j])));
     const auto mi = hn::RebindMask(di, m);
-    // Compress in registers, then a plain store (compress to memory is slow on Zen 4).
-    hn::StoreU(hn::Compress(idx, mi), di, o + count);
-    count += hn::CountTrue(di, mi);
+    int32_t* const dst[1] = {o};
+    if (!hn::AllFalse(di, mi)) count += append_selected(di, mi, &idx, 1, dst, count);
     idx = hn::Add(idx, step);
   }
   for (; i < static_cast<size_t>(n); ++i) {
