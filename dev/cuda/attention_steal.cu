@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "dev_util.h"
 #include "cumulus/core/error.h"
 #include "cumulus/core/thread_pool.h"
 #include "cumulus/eval/synthetic.h"
@@ -38,6 +39,9 @@
 
 namespace cumulus::cuda {
 namespace {
+
+using dev::ints;
+using dev::median;
 
 constexpr int kUnitBlocks = 4;  // blocks per claimed unit of work
 
@@ -227,11 +231,6 @@ struct DevLaunch {
   }
 };
 
-double median(std::vector<double> x) {
-  std::sort(x.begin(), x.end());
-  const size_t n = x.size();
-  return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
-}
 
 double rel_err(const std::vector<float>& a, const std::vector<float>& ref, size_t n) {
   double num = 0, den = 0;
@@ -274,13 +273,6 @@ std::string timeline_summary(const std::vector<int64_t>& t) {
                      quantile(at[kAttnAllWarps], 0.5), quantile(at[kAttnEnd], 0.5));
 }
 
-std::vector<int> ints(const std::string& s) {
-  std::vector<int> r;
-  std::stringstream ss(s);
-  std::string x;
-  while (std::getline(ss, x, ',')) r.push_back(std::stoi(x));
-  return r;
-}
 
 int run(int argc, char** argv) {
   std::vector<int> contexts{8192, 131072}, batches{1, 16};
@@ -290,10 +282,10 @@ int run(int argc, char** argv) {
     const std::string a = argv[i];
     CUMULUS_CHECK(i + 1 < argc, "option {} needs a value", a);
     const std::string v = argv[++i];
-    if (a == "--contexts") contexts = ints(v);
-    else if (a == "--batches") batches = ints(v);
-    else if (a == "--iters") iters = std::stoi(v);
-    else if (a == "--warps") warps = std::stoi(v);
+    if (a == "--contexts") contexts = ints(a, v);
+    else if (a == "--batches") batches = ints(a, v);
+    else if (a == "--iters") iters = dev::positive_int(a, v);
+    else if (a == "--warps") warps = dev::positive_int(a, v);
     else if (a == "--tensor-cores") tc = v != "0";
     else CUMULUS_FAIL("unknown option '{}'", a);
   }
@@ -399,13 +391,5 @@ int run(int argc, char** argv) {
 }  // namespace cumulus::cuda
 
 int main(int argc, char** argv) {
-  try {
-    return cumulus::cuda::run(argc, argv);
-  } catch (const cumulus::Error& e) {  // bad input: what, which value
-    fmt::print(stderr, "attention_steal: error: {}\n", e.message());
-    return 1;
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "attention_steal: error: {}\n", e.what());
-    return 1;
-  }
+  return cumulus::cuda::dev::main_of("attention_steal", cumulus::cuda::run, argc, argv);
 }

@@ -28,25 +28,17 @@
 #include "cumulus/kv/kv_cache.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "core/check.h"
+#include "dev_util.h"
 #include "cumulus/core/error.h"
 #include "methods/tactic/tactic_gpu_paths.h"
 
 namespace cumulus::cuda {
 namespace {
 
-double median(std::vector<double> x) {
-  std::sort(x.begin(), x.end());
-  const size_t n = x.size();
-  return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
-}
+using dev::ints;
+using dev::median;
 
-std::vector<int> ints(const std::string& s) {
-  std::vector<int> r;
-  std::stringstream ss(s);
-  std::string x;
-  while (std::getline(ss, x, ',')) r.push_back(std::stoi(x));
-  return r;
-}
+
 
 // The lists of the decoder's last select(): per (sequence, kv head), sorted token indices.
 std::vector<std::vector<int32_t>> lists_of(const SparseDecoder& m, int n_lists) {
@@ -73,11 +65,11 @@ int run(int argc, char** argv) {
     const std::string a = argv[i];
     CUMULUS_CHECK(i + 1 < argc, "option {} needs a value", a);
     const std::string v = argv[++i];
-    if (a == "--contexts") contexts = ints(v);
-    else if (a == "--batches") batches = ints(v);
-    else if (a == "--slices") slices = ints(v);
-    else if (a == "--iters") iters = std::stoi(v);
-    else if (a == "--p") p = std::stod(v);
+    if (a == "--contexts") contexts = ints(a, v);
+    else if (a == "--batches") batches = ints(a, v);
+    else if (a == "--slices") slices = ints(a, v);
+    else if (a == "--iters") iters = dev::positive_int(a, v);
+    else if (a == "--p") p = dev::real(a, v);
     else CUMULUS_FAIL("unknown option '{}'", a);
   }
   CUMULUS_CHECK(iters >= 1 && p > 0 && p <= 1, "--iters={} must be >= 1 and --p={} in (0, 1]", iters, p);
@@ -168,13 +160,5 @@ int run(int argc, char** argv) {
 }  // namespace cumulus::cuda
 
 int main(int argc, char** argv) {
-  try {
-    return cumulus::cuda::run(argc, argv);
-  } catch (const cumulus::Error& e) {  // bad input: what, which value
-    fmt::print(stderr, "tactic_paths: error: {}\n", e.message());
-    return 1;
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "tactic_paths: error: {}\n", e.what());
-    return 1;
-  }
+  return cumulus::cuda::dev::main_of("tactic_paths", cumulus::cuda::run, argc, argv);
 }

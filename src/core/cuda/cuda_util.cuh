@@ -76,6 +76,22 @@ __device__ __forceinline__ void widen8(const uint4& u, float (&f)[8], __nv_bfloa
   }
 }
 
+// q . k for a row split across RL lanes of a warp, 8 channels a lane: the lane's packed
+// 16-bit k widened and multiplied into its qv, then summed over the RL lanes (each lane
+// gets the sum). The scoring kernels of tokens and centroids share it (the same order of
+// operations everywhere, so their scores agree bit for bit).
+template <int RL, typename T>
+__device__ __forceinline__ float lane_group_dot8(const float (&qv)[8], const uint4& k, T) {
+  float kf[8];
+  widen8(k, kf, T());
+  float acc = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc = fmaf(qv[e], kf[e], acc);
+#pragma unroll
+  for (int off = RL / 2; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  return acc;
+}
+
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 

@@ -124,13 +124,7 @@ __global__ void token_score_kernel(DeviceKvView kv, int group, const float* __re
     float* out = scores + (static_cast<size_t>(seq) * n_q + h * group + g) * stride;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      float kf[8];
-      widen8(kr[u], kf, T());
-      float acc = 0.0f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc = fmaf(qv[e], kf[e], acc);
-#pragma unroll
-      for (int off = RL / 2; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      const float acc = lane_group_dot8<RL>(qv, kr[u], T());
       const int i = b + u * TPL + tsub;
       if (row_lane == 0 && i < stride) out[i] = ok[u] ? acc : -INFINITY;
     }

@@ -107,12 +107,7 @@ __device__ void score_tokens(const DeviceKvView& kv, int seq, int h, const float
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int j = j0 + u * TPL + sub;
-      float kf[8], acc = 0.0f;
-      widen8(kr[u], kf, T());
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc = fmaf(qv[e], kf[e], acc);
-#pragma unroll
-      for (int off = RL / 2; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      const float acc = lane_group_dot8<RL>(qv, kr[u], T());
       if (j < count && rl == 0) out[j] = acc;
     }
   }

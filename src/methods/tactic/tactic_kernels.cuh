@@ -107,13 +107,7 @@ __global__ void centroid_score_step_kernel(TacticParams p) {
     for (int e = 0; e < 8; ++e) qv[e] = qg[e];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      float cf[8];
-      widen8(cr[u], cf, __half());
-      float acc = 0.0f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc = fmaf(qv[e], cf[e], acc);
-#pragma unroll
-      for (int off = RL / 2; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      const float acc = lane_group_dot8<RL>(qv, cr[u], __half());
       const int c = c0 + u * TPL + tsub;
       if (row_lane == 0 && c < n_c) p.cscore[static_cast<size_t>(row) * p.kc_max + c] = acc;
     }
@@ -277,13 +271,7 @@ __device__ float2 tactic_score_items(const TacticParams& p, int row, int list, c
     rows_of(b0 + nw * BT, rows_next);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      float kf[8];
-      widen8(kr[u], kf, T());
-      float acc = 0.0f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc = fmaf(qv[e], kf[e], acc);
-#pragma unroll
-      for (int off = RL / 2; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      const float acc = lane_group_dot8<RL>(qv, kr[u], T());
       if (it[u] < n_exact) {
         if (row_lane == 0) ex[it[u]] = acc;
       } else if (it[u] < c1 && row_lane == 0) {
