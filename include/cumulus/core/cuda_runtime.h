@@ -34,6 +34,9 @@ struct DeviceInfo {
 };
 DeviceInfo device_info();
 
+// Bytes of device memory free now (cudaMemGetInfo).
+size_t device_free_bytes();
+
 // Waits for all work on the device.
 void device_synchronize();
 
@@ -107,6 +110,11 @@ class Stream {
 // the copy-bandwidth reference).
 void memset_async(void* device_dst, int value, size_t bytes, void* stream = nullptr);
 void memcpy_device_async(void* device_dst, const void* device_src, size_t bytes, void* stream = nullptr);
+
+// The median bandwidth (GB/s, 1e9 bytes per second) of `reps` copies of `bytes` from pinned
+// host memory to the device, after one more that warms up: the PCIe reference of the host
+// tier's benchmarks (kv/cuda_kv_pool.h).
+double host_to_device_gbps(size_t bytes, int reps = 5);
 
 // A pair of CUDA events around work on a stream; elapsed_ms() waits for the stop event.
 class EventTimer {

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "cumulus/core/cuda_runtime.h"
@@ -13,6 +14,8 @@
 #include "cumulus/core/shape.h"
 
 namespace cumulus::cuda {
+
+class KvPagePool;  // kv/cuda_kv_pool.h
 
 // One (sequence, kv head) of a DeviceKvCache copied back to the host (tests, tools):
 // k, v: [n_tokens][head_dim] as stored (16-bit codes); kmin, kmax, kmean: [n_pages][head_dim].
@@ -33,6 +36,12 @@ class DeviceKvCache {
   // sequence at max_tokens). No page is assigned until reserve().
   static DeviceKvCache create(int n_seqs, int n_kv_heads, int head_dim, DType dtype, int page_size, int max_tokens,
                               int pool_pages = 0);
+  // An empty cache whose pages come from `pool` (kv/cuda_kv_pool.h), shared with other
+  // caches (one per layer, PSA's unified pool) and maybe in two tiers: the pool's head_dim,
+  // dtype and page size; this cache owns its page tables and counts, and gives its pages back
+  // when it is destroyed or truncated. reserve() takes pages from the pool (on the device
+  // while it has room, demoting the least recently used pages to the host tier).
+  static DeviceKvCache create(std::shared_ptr<KvPagePool> pool, int n_seqs, int n_kv_heads, int max_tokens);
   // Bytes create() allocates for these arguments (memory checks before any work).
   static size_t create_bytes(int n_seqs, int n_kv_heads, int head_dim, DType dtype, int page_size, int max_tokens,
                              int pool_pages = 0);
@@ -65,6 +74,11 @@ class DeviceKvCache {
   // n_copies sequences that all hold the contents of `seq`, each in its own memory.
   static DeviceKvCache upload_replicated(const std::vector<PagedHeadView>& seq, int n_copies);
 
+  DeviceKvCache() = default;
+  ~DeviceKvCache();
+  DeviceKvCache(DeviceKvCache&& o) noexcept = default;
+  DeviceKvCache& operator=(DeviceKvCache&& o) noexcept;
+
   DeviceKvView view() const { return view_; }
   const std::vector<int>& n_tokens() const { return n_tokens_; }
   // Attend a prefix: n[s] <= the tokens uploaded for s (synchronous upload of the counts).
@@ -77,7 +91,20 @@ class DeviceKvCache {
   // Points view_ at this cache's buffers with these shapes (create and upload).
   void bind_view(int n_seqs, int n_kv_heads, int head_dim, int page_size, int max_pages, int max_tokens, DType dtype);
 
+  // The slots of every assigned page (pool mode), for the pool.
+  std::vector<int32_t> assigned_slots() const;
+  // The page arrays the kernels write (this cache's buffers or the pool's).
+  template <class T>
+  T* pool_k() const {
+    return static_cast<T*>(const_cast<void*>(view_.k));
+  }
+  template <class T>
+  T* pool_v() const {
+    return static_cast<T*>(const_cast<void*>(view_.v));
+  }
+
   DeviceBuffer k_, v_, kmin_, kmax_, kmean_, table_, n_tok_;
+  std::shared_ptr<KvPagePool> pool_;  // pool mode: the pages are the pool's, k_..kmean_ empty
   std::vector<int> n_tokens_, capacity_;
   std::vector<int32_t> table_host_;  // [n_seqs][n_kv_heads][max_pages]; -1 = no page yet
   std::vector<int32_t> free_;        // pool pages not in any table (create() caches)

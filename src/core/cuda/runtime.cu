@@ -118,6 +118,38 @@ void memcpy_device_async(void* device_dst, const void* device_src, size_t bytes,
   CUMULUS_CUDA_CHECK(cudaMemcpyAsync(device_dst, device_src, bytes, cudaMemcpyDeviceToDevice, as_stream(stream)));
 }
 
+size_t device_free_bytes() {
+  size_t free_b = 0, total_b = 0;
+  CUMULUS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  return free_b;
+}
+
+double host_to_device_gbps(size_t bytes, int reps) {
+  CUMULUS_CHECK(bytes > 0 && reps >= 1, "host_to_device_gbps: bytes={} and reps={} must be >= 1", bytes, reps);
+  void* host = nullptr;
+  CUMULUS_CUDA_CHECK(cudaMallocHost(&host, bytes));
+  std::memset(host, 1, bytes);
+  double best = 0;
+  try {
+    DeviceBuffer dst(bytes);
+    EventTimer t;
+    std::vector<double> gbps;
+    for (int r = 0; r < reps + 1; ++r) {  // the first copy warms up
+      t.start();
+      CUMULUS_CUDA_CHECK(cudaMemcpyAsync(dst.data(), host, bytes, cudaMemcpyHostToDevice, nullptr));
+      t.stop();
+      if (r > 0) gbps.push_back(static_cast<double>(bytes) / (1e6 * t.elapsed_ms()));
+    }
+    std::sort(gbps.begin(), gbps.end());
+    best = gbps[gbps.size() / 2];
+  } catch (...) {
+    cudaFreeHost(host);
+    throw;
+  }
+  cudaFreeHost(host);
+  return best;
+}
+
 EventTimer::EventTimer() {
   cudaEvent_t a = nullptr, b = nullptr;
   CUMULUS_CUDA_CHECK(cudaEventCreate(&a));

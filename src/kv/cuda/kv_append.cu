@@ -11,6 +11,7 @@
 #include "core/check.h"
 #include "core/cuda/cuda_util.cuh"
 #include "cumulus/kv/cuda_kv_cache.h"
+#include "cumulus/kv/cuda_kv_pool.h"
 
 namespace cumulus::cuda {
 namespace {
@@ -154,6 +155,65 @@ DeviceKvCache DeviceKvCache::create(int n_seqs, int n_kv_heads, int head_dim, DT
   return c;
 }
 
+DeviceKvCache DeviceKvCache::create(std::shared_ptr<KvPagePool> pool, int n_seqs, int n_kv_heads, int max_tokens) {
+  CUMULUS_CHECK(pool != nullptr, "DeviceKvCache::create: the pool is null");
+  const KvPoolOptions& o = pool->options();
+  check_create(n_seqs, n_kv_heads, o.head_dim, o.dtype, o.page_size, max_tokens, 0);
+  const int max_pages = (max_tokens + o.page_size - 1) / o.page_size;
+  DeviceKvCache c;
+  c.table_host_.assign(static_cast<size_t>(n_seqs) * n_kv_heads * max_pages, -1);
+  c.table_ = to_device(std::vector<int32_t>(c.table_host_.size(), 0));
+  c.n_tokens_.assign(n_seqs, 0);
+  c.capacity_.assign(n_seqs, 0);
+  c.reserved_.assign(n_seqs, 0);
+  c.n_tok_ = to_device(std::vector<int32_t>(n_seqs, 0));
+  c.bind_view(n_seqs, n_kv_heads, o.head_dim, o.page_size, max_pages, max_tokens, o.dtype);
+  c.view_.k = pool->k();
+  c.view_.v = pool->v();
+  c.view_.kmin = pool->kmin();
+  c.view_.kmax = pool->kmax();
+  c.view_.kmean = pool->kmean();
+  c.pool_ = std::move(pool);
+  return c;
+}
+
+std::vector<int32_t> DeviceKvCache::assigned_slots() const {
+  std::vector<int32_t> r;
+  for (const int32_t s : table_host_)
+    if (s >= 0) r.push_back(s);
+  return r;
+}
+
+DeviceKvCache::~DeviceKvCache() {
+  if (pool_ == nullptr) return;
+  try {
+    pool_->release(assigned_slots());
+  } catch (...) {  // no throw from a destructor; the pool outlives a failed release
+  }
+}
+
+DeviceKvCache& DeviceKvCache::operator=(DeviceKvCache&& o) noexcept {
+  if (this != &o) {
+    DeviceKvCache old(std::move(*this));  // releases this cache's pages when it goes
+    k_ = std::move(o.k_);
+    v_ = std::move(o.v_);
+    kmin_ = std::move(o.kmin_);
+    kmax_ = std::move(o.kmax_);
+    kmean_ = std::move(o.kmean_);
+    table_ = std::move(o.table_);
+    n_tok_ = std::move(o.n_tok_);
+    pool_ = std::move(o.pool_);
+    n_tokens_ = std::move(o.n_tokens_);
+    capacity_ = std::move(o.capacity_);
+    table_host_ = std::move(o.table_host_);
+    free_ = std::move(o.free_);
+    reserved_ = std::move(o.reserved_);
+    view_ = o.view_;
+    kv_bytes_ = o.kv_bytes_;
+  }
+  return *this;
+}
+
 void DeviceKvCache::reserve(int seq, int n) {
   const DeviceKvView& w = view_;
   CUMULUS_CHECK(seq >= 0 && seq < w.n_seqs, "DeviceKvCache::reserve: seq={} out of range [0, {})", seq, w.n_seqs);
@@ -162,14 +222,33 @@ void DeviceKvCache::reserve(int seq, int n) {
   if (n <= reserved_[seq]) return;
   const int have = reserved_[seq] / w.page_size, need = (n + w.page_size - 1) / w.page_size;
   const int more = (need - have) * w.n_kv_heads;
-  CUMULUS_CHECK(more <= static_cast<int>(free_.size()),
-                "DeviceKvCache::reserve: sequence {} needs {} more pages for {} tokens, the pool has {} free", seq,
-                more, n, free_.size());
+  if (pool_ != nullptr) {
+    std::vector<int32_t*> dev_entries, host_entries;
+    for (int h = 0; h < w.n_kv_heads; ++h) {
+      const size_t row = (static_cast<size_t>(seq) * w.n_kv_heads + h) * w.max_pages;
+      for (int p = have; p < need; ++p) {
+        dev_entries.push_back(table_.as<int32_t>() + row + p);
+        host_entries.push_back(table_host_.data() + row + p);
+      }
+    }
+    try {
+      pool_->allocate(more, dev_entries.data(), host_entries.data());
+    } catch (const Error& e) {
+      CUMULUS_CHECK(false, "DeviceKvCache::reserve: sequence {} needs {} more pages for {} tokens: {}", seq, more, n,
+                    e.message());
+    }
+  } else {
+    CUMULUS_CHECK(more <= static_cast<int>(free_.size()),
+                  "DeviceKvCache::reserve: sequence {} needs {} more pages for {} tokens, the pool has {} free", seq,
+                  more, n, free_.size());
+  }
   for (int h = 0; h < w.n_kv_heads; ++h) {
     const size_t row = (static_cast<size_t>(seq) * w.n_kv_heads + h) * w.max_pages;
-    for (int p = have; p < need; ++p) {
-      table_host_[row + p] = free_.back();
-      free_.pop_back();
+    if (pool_ == nullptr) {
+      for (int p = have; p < need; ++p) {
+        table_host_[row + p] = free_.back();
+        free_.pop_back();
+      }
     }
     table_.upload(table_host_.data() + row + have, (need - have) * sizeof(int32_t), (row + have) * sizeof(int32_t));
   }
@@ -193,11 +272,13 @@ void DeviceKvCache::append(const float* k, const float* v, int n_new, void* stre
   auto run = [&](auto tag) {
     using T = decltype(tag);
     kv_write_kernel<T><<<grid_w, w.head_dim, 0, st>>>(k, v, n_new, w.n_kv_heads, w.head_dim, w.page_shift,
-                                                       w.max_pages, w.page_table, w.n_tokens, k_.as<T>(), v_.as<T>());
+                                                       w.max_pages, w.page_table, w.n_tokens, pool_k<T>(), pool_v<T>());
     CUMULUS_CUDA_LAUNCH("kv_write_kernel");
+    if (w.kmin == nullptr) return;  // a pool without key statistics
     kv_meta_kernel<T><<<grid_m, w.head_dim, 0, st>>>(0, n_new, false, w.n_kv_heads, w.head_dim, w.page_shift,
-                                                      w.max_pages, w.page_table, w.n_tokens, k_.as<T>(),
-                                                      kmin_.as<float>(), kmax_.as<float>(), kmean_.as<float>());
+                                                      w.max_pages, w.page_table, w.n_tokens, pool_k<T>(),
+                                                      const_cast<float*>(w.kmin), const_cast<float*>(w.kmax),
+                                                      const_cast<float*>(w.kmean));
     CUMULUS_CUDA_LAUNCH("kv_meta_kernel");
   };
   if (w.dtype == DType::f16)
@@ -231,15 +312,15 @@ void DeviceKvCache::truncate(int seq, int n) {
   auto run = [&](auto tag) {
     using T = decltype(tag);
     kv_zero_kernel<T><<<dim3(old - n, w.n_kv_heads), w.head_dim>>>(seq, n, w.n_kv_heads, w.head_dim, w.page_shift,
-                                                                   w.max_pages, w.page_table, k_.as<T>(), v_.as<T>());
+                                                                   w.max_pages, w.page_table, pool_k<T>(), pool_v<T>());
     CUMULUS_CUDA_LAUNCH("kv_zero_kernel");
-    if (n % w.page_size != 0) {
+    if (n % w.page_size != 0 && w.kmin != nullptr) {
       // The page cut short: its statistics over rows [page start, n). Only sequence seq's
       // blocks do work: the grid's y covers it alone through a shifted table and counts.
       kv_meta_kernel<T><<<dim3(w.n_kv_heads, 1, 1), w.head_dim>>>(
           n - 1, n, true, w.n_kv_heads, w.head_dim, w.page_shift, w.max_pages,
-          w.page_table + static_cast<size_t>(seq) * w.n_kv_heads * w.max_pages, w.n_tokens + seq, k_.as<T>(),
-          kmin_.as<float>(), kmax_.as<float>(), kmean_.as<float>());
+          w.page_table + static_cast<size_t>(seq) * w.n_kv_heads * w.max_pages, w.n_tokens + seq, pool_k<T>(),
+          const_cast<float*>(w.kmin), const_cast<float*>(w.kmax), const_cast<float*>(w.kmean));
       CUMULUS_CUDA_LAUNCH("kv_meta_kernel");
     }
   };
@@ -250,13 +331,19 @@ void DeviceKvCache::truncate(int seq, int n) {
   CUMULUS_CUDA_CHECK(cudaDeviceSynchronize());
   // Pages past the one holding token n - 1 go back to the pool.
   const int keep = (n + w.page_size - 1) / w.page_size, had = reserved_[seq] / w.page_size;
+  std::vector<int32_t> dropped;
   for (int h = 0; h < w.n_kv_heads; ++h) {
     const size_t row = (static_cast<size_t>(seq) * w.n_kv_heads + h) * w.max_pages;
     for (int p = had - 1; p >= keep; --p) {
       if (table_host_[row + p] < 0) continue;
-      free_.push_back(table_host_[row + p]);
+      dropped.push_back(table_host_[row + p]);
       table_host_[row + p] = -1;
     }
+  }
+  if (pool_ != nullptr) {
+    pool_->release(dropped);
+  } else {
+    free_.insert(free_.end(), dropped.begin(), dropped.end());
   }
   reserved_[seq] = keep * w.page_size;
   n_tokens_[seq] = n;
@@ -274,7 +361,7 @@ DeviceKvHeadCopy DeviceKvCache::download_head(int seq, int h) const {
   const int d = w.head_dim, n_pages = (c.n_tokens + w.page_size - 1) / w.page_size;
   c.k.resize(static_cast<size_t>(c.n_tokens) * d);
   c.v.resize(c.k.size());
-  c.kmin.resize(static_cast<size_t>(n_pages) * d);
+  c.kmin.resize(w.kmin != nullptr ? static_cast<size_t>(n_pages) * d : 0);
   c.kmax.resize(c.kmin.size());
   c.kmean.resize(c.kmin.size());
   const size_t row = (static_cast<size_t>(seq) * w.n_kv_heads + h) * w.max_pages;
@@ -284,12 +371,15 @@ DeviceKvHeadCopy DeviceKvCache::download_head(int seq, int h) const {
     CUMULUS_CHECK(slot >= 0, "DeviceKvCache::download_head: page {} of (seq {}, head {}) is not assigned", p, seq, h);
     const int len = std::min(w.page_size, c.n_tokens - p * w.page_size);
     const size_t off = static_cast<size_t>(p) * w.page_size * d;
-    k_.download(c.k.data() + off, static_cast<size_t>(len) * d * 2, slot * page_bytes);
-    v_.download(c.v.data() + off, static_cast<size_t>(len) * d * 2, slot * page_bytes);
-    const size_t mo = static_cast<size_t>(slot) * d * sizeof(float);
-    kmin_.download(c.kmin.data() + static_cast<size_t>(p) * d, d * sizeof(float), mo);
-    kmax_.download(c.kmax.data() + static_cast<size_t>(p) * d, d * sizeof(float), mo);
-    kmean_.download(c.kmean.data() + static_cast<size_t>(p) * d, d * sizeof(float), mo);
+    const auto* kb = static_cast<const char*>(w.k);
+    const auto* vb = static_cast<const char*>(w.v);
+    memcpy_to_host(c.k.data() + off, kb + slot * page_bytes, static_cast<size_t>(len) * d * 2);
+    memcpy_to_host(c.v.data() + off, vb + slot * page_bytes, static_cast<size_t>(len) * d * 2);
+    const size_t mo = static_cast<size_t>(slot) * d;
+    if (w.kmin == nullptr) continue;
+    memcpy_to_host(c.kmin.data() + static_cast<size_t>(p) * d, w.kmin + mo, d * sizeof(float));
+    memcpy_to_host(c.kmax.data() + static_cast<size_t>(p) * d, w.kmax + mo, d * sizeof(float));
+    memcpy_to_host(c.kmean.data() + static_cast<size_t>(p) * d, w.kmean + mo, d * sizeof(float));
   }
   return c;
 }

@@ -1,0 +1,552 @@
+// The two-tier KV page pool (kv/cuda_kv_pool.h). Each array (K, V, key min, max, mean) is
+// one reserved range of device addresses: its first part is mapped to device memory, the
+// rest to pinned host memory (the driver's virtual memory management, reached through
+// cudaGetDriverEntryPointByVersion so that nothing links libcuda), so slot s of either tier
+// is at base + s * bytes_per_page for every kernel. Each slot's epoch is the last step its
+// page was read or placed: the mark kernel sets it (its old value tells a page's first read
+// in a step, and a host page read in two steps running, the candidates to promote), a radix
+// sort of the device slots by age gives the least recently used, TierSlots pairs them, and
+// one kernel swaps the bytes (and epochs) of each move and writes the page-table entries.
+#include <cuda.h>
+#include <fmt/format.h>
+
+#include <cub/cub.cuh>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <numeric>
+
+#include "core/check.h"
+#include "core/cuda/cuda_util.cuh"
+#include "cumulus/kv/cuda_kv_pool.h"
+#include "cumulus/kv/tier_slots.h"
+
+namespace cumulus::cuda {
+namespace {
+
+// The driver entry points the pool uses, looked up once.
+struct Driver {
+  CUresult (*mem_address_reserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long) = nullptr;
+  CUresult (*mem_address_free)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*mem_create)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*, unsigned long long) =
+      nullptr;
+  CUresult (*mem_release)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*mem_map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long) = nullptr;
+  CUresult (*mem_unmap)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*mem_set_access)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
+  CUresult (*mem_granularity)(size_t*, const CUmemAllocationProp*, CUmemAllocationGranularity_flags) = nullptr;
+  CUresult (*error_string)(CUresult, const char**) = nullptr;
+};
+
+template <class F>
+void lookup(const char* name, F*& fn) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  const cudaError_t e = cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &q);
+  CUMULUS_CHECK(e == cudaSuccess && q == cudaDriverEntryPointSuccess && p != nullptr,
+                "KvPagePool: the CUDA driver has no {} (it needs virtual memory management, CUDA 12 or later)", name);
+  fn = reinterpret_cast<F*>(p);
+}
+
+const Driver& driver() {
+  static const Driver d = [] {
+    CUMULUS_CUDA_CHECK(cudaFree(nullptr));  // the primary context
+    Driver r;
+    lookup("cuMemAddressReserve", r.mem_address_reserve);
+    lookup("cuMemAddressFree", r.mem_address_free);
+    lookup("cuMemCreate", r.mem_create);
+    lookup("cuMemRelease", r.mem_release);
+    lookup("cuMemMap", r.mem_map);
+    lookup("cuMemUnmap", r.mem_unmap);
+    lookup("cuMemSetAccess", r.mem_set_access);
+    lookup("cuMemGetAllocationGranularity", r.mem_granularity);
+    lookup("cuGetErrorString", r.error_string);
+    return r;
+  }();
+  return d;
+}
+
+std::string cu_error(CUresult r) {
+  const char* s = nullptr;
+  if (driver().error_string != nullptr) driver().error_string(r, &s);
+  return fmt::format("CUDA driver error {} ({})", static_cast<int>(r), s != nullptr ? s : "unknown");
+}
+
+int current_device() {
+  int dev = 0;
+  CUMULUS_CUDA_CHECK(cudaGetDevice(&dev));
+  return dev;
+}
+
+CUmemAllocationProp prop_of(bool host) {
+  CUmemAllocationProp p{};
+  p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  p.location.type = host ? CU_MEM_LOCATION_TYPE_HOST : CU_MEM_LOCATION_TYPE_DEVICE;
+  p.location.id = host ? 0 : current_device();
+  return p;
+}
+
+size_t granularity(bool host) {
+  const CUmemAllocationProp p = prop_of(host);
+  size_t g = 0;
+  const CUresult r = driver().mem_granularity(&g, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  CUMULUS_CHECK(r == CUDA_SUCCESS && g > 0, "KvPagePool: no mapping granularity for {} memory: {}",
+                host ? "host" : "device", cu_error(r));
+  return g;
+}
+
+size_t gib(size_t bytes) { return bytes >> 30; }
+
+// Bytes of one page in each array: K, V, kmin, kmax, kmean (0: not kept).
+void array_page_bytes(int head_dim, DType dtype, int page_size, bool key_stats, size_t (&b)[5]) {
+  b[0] = b[1] = static_cast<size_t>(page_size) * head_dim * dtype_size(dtype);
+  b[2] = b[3] = b[4] = key_stats ? static_cast<size_t>(head_dim) * sizeof(float) : 0;
+}
+
+void check_options(const KvPoolOptions& o) {
+  CUMULUS_CHECK(head_dim_supported_cuda(o.head_dim), "KvPagePool: head_dim={} is not supported (64, 128, 256)",
+                o.head_dim);
+  CUMULUS_CHECK(o.dtype == DType::f16 || o.dtype == DType::bf16, "KvPagePool: dtype={} is not supported (f16, bf16)",
+                dtype_name(o.dtype));
+  CUMULUS_CHECK(o.page_size >= 1 && o.page_size <= 256 && (o.page_size & (o.page_size - 1)) == 0,
+                "KvPagePool: page_size={} must be a power of two in [1, 256]", o.page_size);
+  CUMULUS_CHECK(o.device_pages >= 1, "KvPagePool: device_pages={} must be >= 1", o.device_pages);
+  CUMULUS_CHECK(o.host_pages >= 0, "KvPagePool: host_pages={} must be >= 0", o.host_pages);
+  CUMULUS_CHECK(o.promote_reads == 1 || o.promote_reads == 2, "KvPagePool: promote_reads={} must be 1 or 2",
+                o.promote_reads);
+}
+
+// ---- kernels ----
+
+constexpr int32_t kFreeEpoch = 0x7fffffff;  // a free slot: never read, never a victim
+
+// Block-wide sum of one value per thread, added to *dst by thread 0.
+__device__ void block_add(unsigned long long v, unsigned long long* dst) {
+  __shared__ unsigned long long part[32];
+  v = __reduce_add_sync(0xffffffffu, static_cast<unsigned>(v)) +
+      (static_cast<unsigned long long>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(v >> 32))) << 32);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long t = 0;
+    for (int w = 0; w < (blockDim.x + 31) / 32; ++w) t += part[w];
+    if (t != 0) atomicAdd(dst, t);
+  }
+  __syncthreads();  // part[] is read before the next call writes it
+}
+
+// Grid (n_lists), 256 threads: the pages list l reads (every cached page when idx is null)
+// get this step's epoch. A page's first read in the step counts a hit (device slot) or a
+// miss (host slot); a host page whose epoch was the previous step's, or any host page when
+// promote_reads is 1, joins the candidates. counters: [0] candidates, [1] K/V rows read
+// from host slots, [2] hits, [3] misses.
+__global__ void tier_mark_kernel(DeviceKvView kv, const int32_t* __restrict__ idx, const int32_t* __restrict__ len,
+                                 int stride, int32_t device_pages, int32_t epoch, int promote_reads, int32_t* epochs,
+                                 int32_t* cands, unsigned long long* counters) {
+  const int l = blockIdx.x, s = l / kv.n_kv_heads;
+  const int n_tok = kv.n_tokens[s];
+  const int32_t* pt = kv.page_table + static_cast<size_t>(l) * kv.max_pages;
+  unsigned long long host_rows = 0, hits = 0, misses = 0;
+  auto first_read = [&](int32_t slot) {
+    const int32_t old = atomicExch(epochs + slot, epoch);
+    if (old == epoch) return;
+    if (slot < device_pages) {
+      ++hits;
+      return;
+    }
+    ++misses;
+    if (promote_reads == 1 || old == epoch - 1) cands[atomicAdd(counters, 1ull)] = slot;
+  };
+  if (idx == nullptr) {
+    const int n_pages = (n_tok + kv.page_size - 1) >> kv.page_shift;
+    for (int p = threadIdx.x; p < n_pages; p += blockDim.x) {
+      const int32_t slot = pt[p];
+      if (slot >= device_pages) host_rows += min(kv.page_size, n_tok - (p << kv.page_shift));
+      first_read(slot);
+    }
+  } else {
+    const int32_t* li = idx + static_cast<size_t>(l) * stride;
+    const int n = len[l];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const int p = li[i] >> kv.page_shift;
+      const int32_t slot = pt[p];
+      if (slot >= device_pages) ++host_rows;
+      if (i > 0 && (li[i - 1] >> kv.page_shift) == p) continue;  // sorted: the page's first row reads it
+      first_read(slot);
+    }
+  }
+  block_add(host_rows, counters + 1);
+  block_add(hits, counters + 2);
+  block_add(misses, counters + 3);
+}
+
+// Sort keys of the device slots, least recently used first: 0xfffe - min(age, 0xfffe) for a
+// slot read before `epoch` (age = epoch - its epoch >= 1), 0xffff for a free slot or one read
+// in this step (never a victim). Ages of 0xfffe steps and more count as equal.
+__global__ void tier_age_kernel(const int32_t* __restrict__ epochs, int32_t n, int32_t epoch, uint16_t* keys,
+                                int32_t* slots) {
+  const int32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int32_t e = epochs[i];
+  uint16_t k = 0xffff;
+  if (e != kFreeEpoch && e < epoch) k = static_cast<uint16_t>(0xfffe - min(epoch - e, 0xfffe));
+  keys[i] = k;
+  slots[i] = i;
+}
+
+// The epochs of the slots listed become `epoch` (new pages).
+__global__ void tier_set_epoch_kernel(const int32_t* __restrict__ slots, int n, int32_t epoch, int32_t* epochs) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) epochs[slots[i]] = epoch;
+}
+
+struct MoveDesc {
+  int32_t a, b;
+  int32_t* entry_a;  // the page-table entry of the page now in slot a (null: a is free)
+  int32_t* entry_b;
+};
+
+using Arrays = KvPoolArrays;
+
+// One block per move: the two slots' bytes of every array, and their epochs, exchange.
+__global__ void tier_move_kernel(const MoveDesc* __restrict__ moves, Arrays arr, int32_t* epochs) {
+  extern __shared__ uint4 smem[];
+  const MoveDesc m = moves[blockIdx.x];
+#pragma unroll 1
+  for (int x = 0; x < 5; ++x) {
+    if (arr.bytes[x] == 0) continue;  // an array the pool does not keep (same for every thread)
+    const int n = arr.bytes[x] / 16;
+    uint4* pa = reinterpret_cast<uint4*>(arr.base[x] + static_cast<size_t>(m.a) * arr.bytes[x]);
+    uint4* pb = reinterpret_cast<uint4*>(arr.base[x] + static_cast<size_t>(m.b) * arr.bytes[x]);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      smem[i] = pa[i];
+      smem[n + i] = pb[i];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      pa[i] = smem[n + i];
+      pb[i] = smem[i];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    if (m.entry_a != nullptr) *m.entry_a = m.a;
+    if (m.entry_b != nullptr) *m.entry_b = m.b;
+    const int32_t e = epochs[m.a];
+    epochs[m.a] = epochs[m.b];
+    epochs[m.b] = e;
+  }
+}
+
+// One block per slot: every array's bytes of the slot become zero, its epoch free.
+__global__ void tier_zero_kernel(const int32_t* __restrict__ slots, Arrays arr, int32_t* epochs) {
+  const int32_t s = slots[blockIdx.x];
+  if (threadIdx.x == 0) epochs[s] = kFreeEpoch;
+#pragma unroll 1
+  for (int x = 0; x < 5; ++x) {
+    if (arr.bytes[x] == 0) continue;
+    uint4* p = reinterpret_cast<uint4*>(arr.base[x] + static_cast<size_t>(s) * arr.bytes[x]);
+    for (int i = threadIdx.x; i < arr.bytes[x] / 16; i += blockDim.x) p[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+}  // namespace
+
+size_t KvPagePool::page_bytes(int head_dim, DType dtype, int page_size, bool key_stats) {
+  size_t b[5];
+  array_page_bytes(head_dim, dtype, page_size, key_stats, b);
+  return b[0] + b[1] + b[2] + b[3] + b[4];
+}
+
+int64_t KvPagePool::device_pages_granule(int head_dim, DType dtype, int page_size, bool key_stats) {
+  size_t b[5];
+  array_page_bytes(head_dim, dtype, page_size, key_stats, b);
+  const size_t g = std::max(granularity(false), granularity(true));
+  size_t pages = 1;
+  for (size_t x : b)
+    if (x > 0) pages = std::lcm(pages, g / std::gcd(g, x));
+  return static_cast<int64_t>(pages);
+}
+
+KvPagePool::KvPagePool(const KvPoolOptions& o) : o_(o), slots_(o.device_pages, o.host_pages) {}
+
+std::shared_ptr<KvPagePool> KvPagePool::create(const KvPoolOptions& options) {
+  check_options(options);
+  const Driver& drv = driver();
+  KvPoolOptions o = options;
+  const int64_t granule = device_pages_granule(o.head_dim, o.dtype, o.page_size, o.key_stats);
+  const int64_t dev_pages = o.device_pages / granule * granule;
+  CUMULUS_CHECK(dev_pages >= 1, "KvPagePool: device_pages={} is below one mapping granule of {} pages",
+                o.device_pages, granule);
+  o.device_pages = dev_pages;
+  o.host_pages = (o.host_pages + granule - 1) / granule * granule;
+  CUMULUS_CHECK(o.device_pages + o.host_pages <= INT32_MAX, "KvPagePool: {} device + {} host pages exceed int32",
+                o.device_pages, o.host_pages);
+  std::shared_ptr<KvPagePool> pool(new KvPagePool(o));
+  size_t b[5];
+  array_page_bytes(o.head_dim, o.dtype, o.page_size, o.key_stats, b);
+  const size_t g = std::max(granularity(false), granularity(true));
+  const size_t dev_total = page_bytes(o.head_dim, o.dtype, o.page_size, o.key_stats) * static_cast<size_t>(o.device_pages);
+  const size_t host_total = page_bytes(o.head_dim, o.dtype, o.page_size, o.key_stats) * static_cast<size_t>(o.host_pages);
+  size_t dev_free = 0, dev_all = 0;
+  CUMULUS_CUDA_CHECK(cudaMemGetInfo(&dev_free, &dev_all));
+  if (dev_total > dev_free)
+    throw DeviceMemoryError(fmt::format("KvPagePool: the device tier needs {} bytes ({} GiB) for {} pages; {} bytes "
+                                        "({} GiB) are free on the device",
+                                        dev_total, gib(dev_total), o.device_pages, dev_free, gib(dev_free)));
+  const int dev = current_device();
+  for (int x = 0; x < 5; ++x) {
+    Array& a = pool->arr_[x];
+    if (b[x] == 0) continue;  // key statistics not kept
+    a.bytes_per_page = b[x];
+    a.dev_bytes = b[x] * static_cast<size_t>(o.device_pages);
+    a.host_bytes = b[x] * static_cast<size_t>(o.host_pages);
+    a.reserved = a.dev_bytes + a.host_bytes;
+    CUdeviceptr va = 0;
+    CUresult r = drv.mem_address_reserve(&va, a.reserved, g, 0, 0);
+    CUMULUS_CHECK(r == CUDA_SUCCESS, "KvPagePool: reserving {} bytes of device addresses: {}", a.reserved,
+                  cu_error(r));
+    a.va = reinterpret_cast<void*>(va);
+    const CUmemAllocationProp pd = prop_of(false);
+    CUmemGenericAllocationHandle h = 0;
+    r = drv.mem_create(&h, a.dev_bytes, &pd, 0);
+    if (r != CUDA_SUCCESS)
+      throw DeviceMemoryError(fmt::format("KvPagePool: the device tier's {} bytes for one array: {}", a.dev_bytes,
+                                          cu_error(r)));
+    a.dev_handle = h;
+    r = drv.mem_map(va, a.dev_bytes, 0, h, 0);
+    CUMULUS_CHECK(r == CUDA_SUCCESS, "KvPagePool: mapping the device tier: {}", cu_error(r));
+    if (a.host_bytes > 0) {
+      const CUmemAllocationProp ph = prop_of(true);
+      r = drv.mem_create(&h, a.host_bytes, &ph, 0);
+      CUMULUS_CHECK(r == CUDA_SUCCESS,
+                    "KvPagePool: cannot pin {} bytes ({} GiB) of host memory for the host tier's {} pages: {} (the "
+                    "whole host tier is {} GiB)",
+                    a.host_bytes, gib(a.host_bytes), o.host_pages, cu_error(r), gib(host_total));
+      a.host_handle = h;
+      r = drv.mem_map(va + a.dev_bytes, a.host_bytes, 0, h, 0);
+      CUMULUS_CHECK(r == CUDA_SUCCESS, "KvPagePool: mapping the host tier into device addresses: {}", cu_error(r));
+    }
+    CUmemAccessDesc acc{};
+    acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    acc.location.id = dev;
+    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    r = drv.mem_set_access(va, a.reserved, &acc, 1);
+    CUMULUS_CHECK(r == CUDA_SUCCESS, "KvPagePool: giving the device access to the pool: {}", cu_error(r));
+    // Free slots hold zeros (padding rows of partial pages read back as zero); the moves
+    // keep it so, since a page only ever exchanges places with a free slot or another page.
+    CUMULUS_CUDA_CHECK(cudaMemset(a.va, 0, a.reserved));
+  }
+  const size_t slots = static_cast<size_t>(o.device_pages + o.host_pages);
+  pool->owner_dev_.assign(slots, nullptr);
+  pool->owner_host_.assign(slots, nullptr);
+  pool->epoch_ = to_device(std::vector<int32_t>(slots, kFreeEpoch));
+  if (o.host_pages > 0) pool->cands_ = DeviceBuffer(static_cast<size_t>(o.host_pages) * sizeof(int32_t));
+  pool->counters_ = DeviceBuffer(4 * sizeof(unsigned long long));
+  pool->counters_.fill_bytes(0);
+  CUMULUS_CUDA_CHECK(cudaDeviceSynchronize());
+  return pool;
+}
+
+KvPagePool::~KvPagePool() {
+  // No throw from a destructor: failures here would be a prior fault.
+  cudaDeviceSynchronize();
+  const Driver& drv = driver();
+  for (Array& a : arr_) {
+    if (a.va == nullptr) continue;
+    const CUdeviceptr va = reinterpret_cast<CUdeviceptr>(a.va);
+    if (a.dev_handle != 0) {
+      drv.mem_unmap(va, a.dev_bytes);
+      drv.mem_release(a.dev_handle);
+    }
+    if (a.host_handle != 0) {
+      drv.mem_unmap(va + a.dev_bytes, a.host_bytes);
+      drv.mem_release(a.host_handle);
+    }
+    drv.mem_address_free(va, a.reserved);
+  }
+}
+
+size_t KvPagePool::device_bytes() const {
+  return page_bytes(o_.head_dim, o_.dtype, o_.page_size, o_.key_stats) * static_cast<size_t>(o_.device_pages);
+}
+size_t KvPagePool::host_bytes() const {
+  return page_bytes(o_.head_dim, o_.dtype, o_.page_size, o_.key_stats) * static_cast<size_t>(o_.host_pages);
+}
+
+std::vector<int32_t> KvPagePool::victims(int64_t k) {
+  if (k <= 0) return {};
+  const int32_t n = static_cast<int32_t>(o_.device_pages);
+  if (sort_keys_.size() == 0) {
+    sort_keys_ = DeviceBuffer(2 * static_cast<size_t>(n) * sizeof(uint16_t));
+    sort_vals_ = DeviceBuffer(2 * static_cast<size_t>(n) * sizeof(int32_t));
+    size_t temp = 0;
+    CUMULUS_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp, sort_keys_.as<uint16_t>(),
+                                                       sort_keys_.as<uint16_t>() + n, sort_vals_.as<int32_t>(),
+                                                       sort_vals_.as<int32_t>() + n, n, 0, 16));
+    sort_temp_ = DeviceBuffer(std::max<size_t>(temp, 1));
+  }
+  uint16_t* keys = sort_keys_.as<uint16_t>();
+  int32_t* vals = sort_vals_.as<int32_t>();
+  tier_age_kernel<<<ceil_div(n, 256), 256>>>(epoch_.as<int32_t>(), n, static_cast<int32_t>(time_), keys, vals);
+  CUMULUS_CUDA_LAUNCH("tier_age_kernel");
+  size_t temp = sort_temp_.size();
+  // Stable: among slots of one age the lower comes first.
+  CUMULUS_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(sort_temp_.data(), temp, keys, keys + n, vals, vals + n, n, 0, 16));
+  const int64_t m = std::min<int64_t>(k, n);
+  std::vector<uint16_t> kh(static_cast<size_t>(m));
+  std::vector<int32_t> r(static_cast<size_t>(m));
+  memcpy_to_host(kh.data(), keys + n, kh.size() * sizeof(uint16_t));
+  memcpy_to_host(r.data(), vals + n, r.size() * sizeof(int32_t));
+  const auto end = std::find(kh.begin(), kh.end(), uint16_t{0xffff});  // the first that is no victim
+  r.resize(static_cast<size_t>(end - kh.begin()));
+  return r;
+}
+
+void KvPagePool::allocate(int n, int32_t* const* device_entries, int32_t* const* host_entries) {
+  CUMULUS_CHECK(n >= 0, "KvPagePool::allocate: n={} must be >= 0", n);
+  CUMULUS_CHECK(n <= slots_.free_device() + slots_.free_host(),
+                "KvPagePool::allocate: {} pages asked for, the pool has {} free ({} on the device, {} on the host)", n,
+                slots_.free_device() + slots_.free_host(), slots_.free_device(), slots_.free_host());
+  // Device slots beyond the free ones come from the least recently used pages, which go to
+  // free host slots.
+  const int64_t short_by = std::min<int64_t>(n - slots_.free_device(), slots_.free_host());
+  const std::vector<int32_t> vict = victims(short_by);
+  std::vector<PageMove> moves;
+  const std::vector<int32_t> placed = slots_.place(n, vict, moves);
+  for (const PageMove& m : moves) {  // the demoted page now lives in slot b
+    owner_dev_[m.b] = owner_dev_[m.a];
+    owner_host_[m.b] = owner_host_[m.a];
+    *owner_host_[m.b] = m.b;
+  }
+  for (int i = 0; i < n; ++i) {
+    owner_dev_[placed[i]] = device_entries[i];
+    owner_host_[placed[i]] = host_entries[i];
+    *host_entries[i] = placed[i];
+  }
+  apply(moves, nullptr);
+  if (!placed.empty()) {  // the new pages are placed now
+    const DeviceBuffer list = to_device(placed);
+    tier_set_epoch_kernel<<<ceil_div(n, 256), 256>>>(list.as<int32_t>(), n, static_cast<int32_t>(time_),
+                                                     epoch_.as<int32_t>());
+    CUMULUS_CUDA_LAUNCH("tier_set_epoch_kernel");
+  }
+  CUMULUS_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+void KvPagePool::release(const std::vector<int32_t>& slots) {
+  if (slots.empty()) return;
+  for (int32_t s : slots) {
+    CUMULUS_CHECK(s >= 0 && s < o_.device_pages + o_.host_pages && owner_host_[s] != nullptr,
+                  "KvPagePool::release: slot {} holds no page", s);
+  }
+  // Free slots hold zeros: the released pages are cleared before they can be handed out.
+  DeviceBuffer list = to_device(slots);
+  tier_zero_kernel<<<static_cast<unsigned>(slots.size()), 256>>>(list.as<int32_t>(), arrays(), epoch_.as<int32_t>());
+  CUMULUS_CUDA_LAUNCH("tier_zero_kernel");
+  CUMULUS_CUDA_CHECK(cudaDeviceSynchronize());
+  for (int32_t s : slots) {
+    slots_.release(s);
+    owner_dev_[s] = nullptr;
+    owner_host_[s] = nullptr;
+  }
+}
+
+KvPagePool::Arrays KvPagePool::arrays() const {
+  Arrays arr{};
+  for (int x = 0; x < 5; ++x) {
+    arr.base[x] = static_cast<char*>(arr_[x].va);
+    arr.bytes[x] = static_cast<int>(arr_[x].bytes_per_page);
+  }
+  return arr;
+}
+
+void KvPagePool::apply(const std::vector<PageMove>& moves, void* stream) {
+  if (moves.empty()) return;
+  std::vector<MoveDesc> d(moves.size());
+  size_t per_page = 0;
+  for (const Array& a : arr_) per_page += a.bytes_per_page;
+  for (size_t i = 0; i < moves.size(); ++i) {
+    const PageMove& m = moves[i];
+    d[i] = {m.a, m.b, owner_dev_[m.a], owner_dev_[m.b]};
+    totals_.moved_bytes += static_cast<int64_t>(per_page) * ((owner_dev_[m.a] != nullptr) + (owner_dev_[m.b] != nullptr));
+  }
+  const size_t bytes = d.size() * sizeof(MoveDesc);
+  if (moves_.size() < bytes) moves_ = DeviceBuffer(std::max(bytes, moves_.size() * 2));
+  CUMULUS_CUDA_CHECK(cudaMemcpyAsync(moves_.data(), d.data(), bytes, cudaMemcpyHostToDevice, as_stream(stream)));
+  // The host vector d must outlive the copy: wait for it (pageable memory copies are staged,
+  // but the wait keeps this obviously right at the cost of one short sync per step).
+  CUMULUS_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
+  const Arrays arr = arrays();
+  const int max_bytes = *std::max_element(arr.bytes, arr.bytes + 5);
+  const size_t smem = 2 * static_cast<size_t>(max_bytes);
+  if (smem > 48 * 1024)
+    CUMULUS_CUDA_CHECK(cudaFuncSetAttribute(tier_move_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+  tier_move_kernel<<<static_cast<unsigned>(moves.size()), 256, smem, as_stream(stream)>>>(moves_.as<MoveDesc>(), arr,
+                                                                                        epoch_.as<int32_t>());
+  CUMULUS_CUDA_LAUNCH("tier_move_kernel");
+}
+
+void KvPagePool::mark(const DeviceKvView& kv, const int32_t* idx, const int32_t* len, int stride, void* stream) {
+  CUMULUS_CHECK(kv.k == arr_[0].va, "KvPagePool::mark: the view's pages are not this pool's");
+  CUMULUS_CHECK(idx == nullptr || (len != nullptr && stride >= 1),
+                "KvPagePool::mark: lists need len and a stride >= 1 (stride={})", stride);
+  if (o_.host_pages == 0) return;  // one tier: nothing to decide
+  const int n_lists = kv.n_seqs * kv.n_kv_heads;
+  tier_mark_kernel<<<n_lists, 256, 0, as_stream(stream)>>>(
+      kv, idx, len, stride, static_cast<int32_t>(o_.device_pages), static_cast<int32_t>(time_), o_.promote_reads,
+      epoch_.as<int32_t>(), cands_.as<int32_t>(), counters_.as<unsigned long long>());
+  CUMULUS_CUDA_LAUNCH("tier_mark_kernel");
+}
+
+TierStats KvPagePool::end_step(void* stream) {
+  const auto t0 = std::chrono::steady_clock::now();
+  TierStats s;
+  s.steps = 1;
+  if (o_.host_pages > 0) {
+    unsigned long long c[4];
+    const cudaStream_t st = as_stream(stream);
+    CUMULUS_CUDA_CHECK(cudaMemcpyAsync(c, counters_.data(), sizeof(c), cudaMemcpyDeviceToHost, st));
+    CUMULUS_CUDA_CHECK(cudaStreamSynchronize(st));
+    CUMULUS_CUDA_CHECK(cudaMemsetAsync(counters_.data(), 0, counters_.size(), st));
+    const int64_t k = o_.max_promote >= 0 ? std::min<int64_t>(c[0], o_.max_promote) : static_cast<int64_t>(c[0]);
+    cands_host_.resize(static_cast<size_t>(k));
+    if (k > 0) memcpy_to_host(cands_host_.data(), cands_.data(), cands_host_.size() * sizeof(int32_t));
+    std::sort(cands_host_.begin(), cands_host_.end());  // the atomics' order is not reproducible
+    const std::vector<int32_t> vict = victims(k - std::min<int64_t>(k, slots_.free_device()));
+    const std::vector<PageMove> moves = slots_.promote(cands_host_, vict, o_.max_promote);
+    for (const PageMove& m : moves) {  // a (host) <-> b (device)
+      std::swap(owner_dev_[m.a], owner_dev_[m.b]);
+      std::swap(owner_host_[m.a], owner_host_[m.b]);
+      if (owner_host_[m.a] != nullptr) *owner_host_[m.a] = m.a;
+      if (owner_host_[m.b] != nullptr) *owner_host_[m.b] = m.b;
+    }
+    const int64_t moved_before = totals_.moved_bytes;
+    apply(moves, stream);
+    s.hits = static_cast<int64_t>(c[2]);
+    s.misses = static_cast<int64_t>(c[3]);
+    s.host_rows = static_cast<int64_t>(c[1]);
+    s.promoted = static_cast<int64_t>(moves.size());
+    for (const PageMove& m : moves) s.demoted += owner_dev_[m.a] != nullptr;
+    s.moved_bytes = totals_.moved_bytes - moved_before;
+  }
+  ++time_;
+  s.plan_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  totals_.steps += 1;
+  totals_.hits += s.hits;
+  totals_.misses += s.misses;
+  totals_.promoted += s.promoted;
+  totals_.demoted += s.demoted;
+  totals_.host_rows += s.host_rows;
+  totals_.plan_ms += s.plan_ms;
+  return s;
+}
+
+std::vector<int32_t> KvPagePool::device_epochs() const {
+  return to_host<int32_t>(epoch_, static_cast<size_t>(o_.device_pages + o_.host_pages));
+}
+
+}  // namespace cumulus::cuda
