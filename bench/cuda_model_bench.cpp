@@ -18,7 +18,9 @@
 // rate with cuBLAS's on the prefill's largest product shape in the same run.
 //   cuda_model_bench [--contexts 8192,32768,131072] [--batches 1,4,16] [--steps 20]
 //                    [--json PATH] [--layers N] [--methods dense,sketch_topp:gpu_dense_mib=0]
-//                    [--prefill 32768]
+//                    [--prefill 32768] [--device-kv-gib G]
+// --device-kv-gib: every layer's K/V in one pool with G GiB of device memory, the rest in
+// pinned host memory (docs/cuda.md "Host tier"): contexts beyond the device's memory.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -113,6 +115,7 @@ json prefill_bench(ModelConfig c, int n, int chunk) {
 int main(int argc, char** argv) try {
   std::vector<int> contexts{8192, 32768, 131072}, batches{1, 4, 16};
   int steps = 20, layers = 32, prefill_n = 32768;
+  double device_kv_gib = 0;
   std::string json_path;
   std::vector<std::string> methods{"dense"};
   for (int i = 1; i < argc; ++i) {
@@ -128,7 +131,9 @@ int main(int argc, char** argv) try {
     else if (a == "--json") json_path = next();
     else if (a == "--methods") methods = split(next(), ',');
     else if (a == "--prefill") prefill_n = std::stoi(next());
-    else CUMULUS_FAIL("unknown argument '{}' (--contexts, --batches, --steps, --layers, --json, --methods)", a);
+    else if (a == "--device-kv-gib") device_kv_gib = std::stod(next());
+    else CUMULUS_FAIL("unknown argument '{}' (--contexts, --batches, --steps, --layers, --json, --methods, --prefill, --device-kv-gib)",
+                      a);
   }
   CUMULUS_CHECK(steps >= 1 && layers >= 1, "--steps={} and --layers={} must be >= 1", steps, layers);
   CUMULUS_CHECK(prefill_n >= 0, "--prefill={} must be >= 0", prefill_n);
@@ -159,7 +164,12 @@ int main(int argc, char** argv) try {
   fmt::print("{:<16} {:>8} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8}\n", "method", "context",
              "batch", "ms/step", "tok/s", "GB/step", "floor ms", "floor t/s", "of floor", "kv read", "index s",
              "vs dense");
-  json report = {{"device", dev}, {"copy_gbps", bw}, {"layers", layers}, {"steps", steps}, {"runs", json::array()}};
+  json report = {{"device", dev}, {"copy_gbps", bw}, {"layers", layers}, {"steps", steps},
+                 {"device_kv_gib", device_kv_gib}, {"runs", json::array()}};
+  if (device_kv_gib > 0)
+    fmt::print("K/V in one pool: {} GiB on the device, the rest in pinned host memory (the floor below counts every "
+               "byte at the device's copy bandwidth)\n\n",
+               device_kv_gib);
   if (!prefill_prev.empty()) report["prefill"] = prefill_prev;
   for (int batch : batches)
   for (int ctx : contexts) {
@@ -167,6 +177,7 @@ int main(int argc, char** argv) try {
     for (const std::string& entry : methods) {
     SessionOptions o;
     o.max_tokens = ctx + steps + 4;
+    o.device_kv_gib = device_kv_gib;
     const std::vector<std::string> parts = split(entry, ':');
     o.method = parts[0];
     for (size_t i = 1; i < parts.size(); ++i) {

@@ -281,6 +281,8 @@ TEST_F(Cli, NumbersAreDecimalAndNeverClamped) {
   expect_rejected(gen("--temperature 1e400"), "--temperature: '1e400' is out of range");
   expect_rejected(gen("--top-p 1e-400 --temperature 1"), "--top-p: '1e-400' underflows");
   expect_rejected(gen("--temperature nan"), "--temperature: 'nan' is not a finite number");
+  expect_rejected(gen("--device-kv-gib nan"), "--device-kv-gib: 'nan' is not a finite number");
+  expect_rejected(gen("--device-kv-gib -1"), "--device-kv-gib=-1 must be >= 0");
   expect_rejected(gen("--method tactic --param p=1e-400"), "parameter p='1e-400' underflows");
   expect_rejected(gen("--method tactic --param p=0x1p-1"), "parameter p='0x1p-1' is not a decimal number");
   expect_rejected(gen("--method quest --param budget=99999999999"), "parameter budget='99999999999' is out of range");
@@ -297,6 +299,7 @@ TEST_F(Cli, ContradictoryOrIdleOptionsAreRejected) {
   expect_rejected(gen("--bench-context 64"), "--bench-context is a --bench option");
   expect_rejected(gen("--repetitions 2"), "--repetitions is a --bench option");
   expect_rejected(gen("--top-p 0.9"), "--top-p 0.9 samples, but --temperature 0 decodes greedily");
+  expect_rejected(gen("--device-kv-gib 4"), "--device-kv-gib=4 needs --device cuda (not cpu)");
   expect_rejected(gen("--method dense,"), "--method 'dense,': empty method name in the list");
   expect_rejected(gen("--method dense,,tactic"), "empty method name");
   expect_rejected(eval("kl", "--method dense,"), "empty method name");

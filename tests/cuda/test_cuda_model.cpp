@@ -28,6 +28,7 @@
 #include "cumulus/core/error.h"
 #include "cumulus/core/dtype.h"
 #include "cumulus/eval/tasks.h"
+#include "cumulus/kv/cuda_kv_pool.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "cumulus/methods/registry.h"
 #include "cumulus/model/cuda_runner.h"
@@ -911,4 +912,49 @@ TEST(CudaModel, DefaultMethodsAreThoseThatTakeTheModel) {
   const std::vector<std::string> g16 = cuda_runner_methods(llama_config(2, 32, 2, 4096, 14336, 1000, 4096));
   EXPECT_EQ(std::find(g16.begin(), g16.end(), "sketch_topp"), g16.end());
   EXPECT_NE(std::find(g16.begin(), g16.end(), "tactic"), g16.end());
+}
+
+// The host tier through the runner (SessionOptions::device_kv_gib, kv/cuda_kv_pool.h): a
+// device tier of one mapping granule holds about 4/5 of the random model's pages, the oldest
+// live in host memory, and the logits of the prefill and of every decode step are bit-identical
+// to the runner whose caches are all on the device (the decode step's graph replays the tier's
+// marks; promotions run between steps). A device tier below one granule is refused.
+TEST(CudaModel, HostTierLeavesTheLogitsBitIdentical) {
+  CUMULUS_REQUIRE_GPU();
+  // 2 layers x 2 kv heads x ceil(20100 / 16) pages = 5028 pages.
+  const RandomRun rr = random_run(23, 20100, 20000, 16);
+  const size_t page = cuda::KvPagePool::page_bytes(128, DType::f16, 16);
+  const int64_t granule = cuda::KvPagePool::device_pages_granule(128, DType::f16, 16);
+  ASSERT_LT(granule, 5028) << "the test's pages must outgrow one granule";
+  const double one_granule_gib = (static_cast<double>(granule) + 0.5) * page / 1073741824.0;
+  struct Case {
+    std::string method;
+    std::map<std::string, std::string> params;
+  };
+  for (const Case& k : std::vector<Case>{{"dense", {}},
+                                         {"sketch_topp", {{"gpu_dense_mib", "0"}}},
+                                         {"quest", {{"budget", "256"}}}}) {
+    SCOPED_TRACE(k.method);
+    SessionOptions plain;
+    plain.method = k.method;
+    plain.params = k.params;
+    SessionOptions tier = plain;
+    tier.device_kv_gib = one_granule_gib;
+    auto a = model_runner_cuda(rr.w, plain);
+    auto b = model_runner_cuda(rr.w, tier);
+    ASSERT_EQ(a->prefill(rr.prompt), b->prefill(rr.prompt));
+    for (size_t i = 0; i < rr.forced.size(); ++i) ASSERT_EQ(a->decode(rr.forced[i]), b->decode(rr.forced[i])) << i;
+  }
+  SessionOptions bad;
+  bad.device_kv_gib = 0.5 * granule * page / 1073741824.0;
+  EXPECT_THROW(
+      {
+        try {
+          model_runner_cuda(rr.w, bad);
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("at least one mapping granule"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
 }

@@ -65,6 +65,7 @@ struct GenerateOptions {
   bool prompt_given = false;  // --prompt was on the command line (an empty one is refused)
   std::string weights = "compact";
   std::string device = "cpu";  // --device: cpu or cuda (device.cpp)
+  double device_kv_gib = 0;     // --device-kv-gib: the GPU's KV pool, the rest in host memory
   std::string kv_save, kv_load;  // KV snapshot written after the prefill / loaded instead of it
   // --bench
   bool bench = false;
@@ -103,6 +104,7 @@ SessionOptions session_options(const GenerateOptions& o, const std::string& meth
   so.kv.dtype = dtype_from_name(o.kv_dtype);
   so.prefill_method = o.prefill;
   so.prefill_params = prefill_param_map(o.prefill_params);
+  so.device_kv_gib = o.device_kv_gib;
   return so;
 }
 
@@ -503,6 +505,8 @@ std::vector<MethodSpec> generate_validate(const GenerateOptions& o, KvSnapshotUs
   CUMULUS_CHECK(o.page_size >= 1 && o.page_size <= 256 && (o.page_size & (o.page_size - 1)) == 0,
                 "--page-size={} must be a power of two in [1, 256]", o.page_size);
   CUMULUS_CHECK(o.temperature >= 0 && std::isfinite(o.temperature), "--temperature={} must be >= 0", o.temperature);
+  CUMULUS_CHECK(o.device_kv_gib >= 0 && std::isfinite(o.device_kv_gib), "--device-kv-gib={} must be >= 0",
+                o.device_kv_gib);
   CUMULUS_CHECK(o.top_p > 0 && o.top_p <= 1, "--top-p={} must be in (0, 1]", o.top_p);
   CUMULUS_CHECK(o.top_p == 1 || o.temperature > 0,
                 "--top-p {} samples, but --temperature 0 decodes greedily: give --temperature > 0 or drop --top-p",
@@ -537,6 +541,8 @@ std::vector<MethodSpec> generate_validate(const GenerateOptions& o, KvSnapshotUs
   method_specs_check(specs, shape);  // what the methods need of the model, before its weights
   prefill_spec_check(o.prefill, prefill_param_map(o.prefill_params), &shape);
   const int ctx = c.context_length;
+  CUMULUS_CHECK(o.device_kv_gib == 0 || o.device == "cuda", "--device-kv-gib={} needs --device cuda (not {})",
+                o.device_kv_gib, o.device);
   if (o.device != "cpu") {
     CUMULUS_CHECK(o.device == "cuda", "--device={} must be cpu or cuda", o.device);
     CUMULUS_CHECK(o.kv_save.empty() && o.kv_load.empty(), "--device cuda: --kv-save/--kv-load are not yet on cuda");
@@ -710,6 +716,10 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--seed", o->seed, "sampling seed")->check(seed_check())->capture_default_str();
   cmd->add_option("--device", o->device, "cpu or cuda (a CUDA build with a GPU; decode methods dense, sketch_topp, tactic, psa, quest, oracle_topp, oracle_topk, streaming; "
                   "prefill dense or flexprefill; --bench too)")
+      ->capture_default_str();
+  cmd->add_option("--device-kv-gib", o->device_kv_gib,
+                  "--device cuda: keep every layer's K/V in one pool with this many GiB of device memory and the "
+                  "rest in pinned host memory (docs/cuda.md \"Host tier\"; 0: all on the device)")
       ->capture_default_str();
   cmd->add_flag("--eval", o->eval, "also measure the true mass of every attended set (slower)");
   cmd->add_flag("--quiet", o->quiet, "do not print the generated text");

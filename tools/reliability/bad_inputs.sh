@@ -141,6 +141,8 @@ CASES=(
   "number|generate --model ${S} --max-tokens 600"
   "number|${G} --page-size 3"
   "number|${G} --temperature -1"
+  "number|${G} --device-kv-gib -1"
+  "number|${G} --device-kv-gib 4"
   "number|${G} --top-p 0"
   "number|${G} --kv-dtype f8"
   "number|${G} --weights q2"

@@ -62,6 +62,9 @@ class SparseDecoder {
   // (not written by a step that a method's cost rule sends wholly to dense attention:
   // stats() then reports every token).
   const int32_t* list_idx() const;
+  // True when the method's cost rule sends every step to dense attention (sketch_topp's
+  // gpu_dense_mib): the lists are then not written, and every token is read.
+  bool dense_step() const;
   const int32_t* list_len() const;
   int list_stride() const;
   SparseStepStats stats(void* stream = nullptr) const;

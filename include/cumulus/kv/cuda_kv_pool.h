@@ -113,7 +113,8 @@ class KvPagePool {
   // Records the pages that lists of one layer read, for end_step(): idx [n_seqs][n_kv][stride]
   // sorted token indices with len [n_seqs][n_kv] (SparseDecoder::list_idx, list_len), or
   // idx == nullptr for every cached token of kv. Asynchronous, on `stream`; nothing without
-  // a host tier.
+  // a host tier. The step is read on the device, so a mark captured in a CUDA graph
+  // replays with the step it runs in.
   void mark(const DeviceKvView& kv, const int32_t* idx, const int32_t* len, int stride, void* stream = nullptr);
   // Ends the step: waits for its counts and candidates, picks the victims, and enqueues the
   // moves on `stream` (after the step's reads); then the step's clock advances. Returns this
@@ -142,7 +143,7 @@ class KvPagePool {
   TierSlots slots_;
   uint64_t time_ = 1;
   std::vector<int32_t*> owner_dev_, owner_host_;  // [slot] the page-table entry of its page
-  DeviceBuffer epoch_, cands_, counters_, moves_, sort_keys_, sort_vals_, sort_temp_;
+  DeviceBuffer epoch_, step_, cands_, counters_, moves_, sort_keys_, sort_vals_, sort_temp_;
   std::vector<int32_t> cands_host_;
   TierStats totals_;
 };

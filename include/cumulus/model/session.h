@@ -73,6 +73,10 @@ struct SessionOptions {
   std::function<void(int layer, int position, const float* q)> on_decode_query;
   // Time every op of the decode steps (DecodeProfile); costs ~10 clock reads per layer.
   bool profile = false;
+  // The CUDA runtime only: > 0 puts every layer's K/V in one page pool with this many GiB of
+  // device memory and the rest in pinned host memory (kv/cuda_kv_pool.h, docs/cuda.md "Host
+  // tier"); 0: each layer's whole cache on the device.
+  double device_kv_gib = 0;
 };
 
 // Where decode time goes, summed over decode steps (SessionOptions::profile), seconds.

@@ -61,6 +61,7 @@ void SparseDecoder::attend(const float* q, float* out, float* lse, const float* 
 }
 
 const int32_t* SparseDecoder::list_idx() const { return base_->idx.as<int32_t>(); }
+bool SparseDecoder::dense_step() const { return base().dense_step; }
 const int32_t* SparseDecoder::list_len() const { return base_->len.as<int32_t>(); }
 int SparseDecoder::list_stride() const { return base_->stride; }
 

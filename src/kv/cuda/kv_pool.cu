@@ -143,9 +143,10 @@ __device__ void block_add(unsigned long long v, unsigned long long* dst) {
 // promote_reads is 1, joins the candidates. counters: [0] candidates, [1] K/V rows read
 // from host slots, [2] hits, [3] misses.
 __global__ void tier_mark_kernel(DeviceKvView kv, const int32_t* __restrict__ idx, const int32_t* __restrict__ len,
-                                 int stride, int32_t device_pages, int32_t epoch, int promote_reads, int32_t* epochs,
-                                 int32_t* cands, unsigned long long* counters) {
+                                 int stride, int32_t device_pages, const int32_t* __restrict__ step, int promote_reads,
+                                 int32_t* epochs, int32_t* cands, unsigned long long* counters) {
   const int l = blockIdx.x, s = l / kv.n_kv_heads;
+  const int32_t epoch = *step;  // read on the device: a captured step replays with the current one
   const int n_tok = kv.n_tokens[s];
   const int32_t* pt = kv.page_table + static_cast<size_t>(l) * kv.max_pages;
   unsigned long long host_rows = 0, hits = 0, misses = 0;
@@ -195,6 +196,8 @@ __global__ void tier_age_kernel(const int32_t* __restrict__ epochs, int32_t n, i
   keys[i] = k;
   slots[i] = i;
 }
+
+__global__ void tier_set_step_kernel(int32_t* step, int32_t value) { *step = value; }
 
 // The epochs of the slots listed become `epoch` (new pages).
 __global__ void tier_set_epoch_kernel(const int32_t* __restrict__ slots, int n, int32_t epoch, int32_t* epochs) {
@@ -344,6 +347,7 @@ std::shared_ptr<KvPagePool> KvPagePool::create(const KvPoolOptions& options) {
   pool->owner_host_.assign(slots, nullptr);
   pool->epoch_ = to_device(std::vector<int32_t>(slots, kFreeEpoch));
   if (o.host_pages > 0) pool->cands_ = DeviceBuffer(static_cast<size_t>(o.host_pages) * sizeof(int32_t));
+  pool->step_ = to_device(std::vector<int32_t>{static_cast<int32_t>(pool->time_)});
   pool->counters_ = DeviceBuffer(4 * sizeof(unsigned long long));
   pool->counters_.fill_bytes(0);
   CUMULUS_CUDA_CHECK(cudaDeviceSynchronize());
@@ -497,7 +501,7 @@ void KvPagePool::mark(const DeviceKvView& kv, const int32_t* idx, const int32_t*
   if (o_.host_pages == 0) return;  // one tier: nothing to decide
   const int n_lists = kv.n_seqs * kv.n_kv_heads;
   tier_mark_kernel<<<n_lists, 256, 0, as_stream(stream)>>>(
-      kv, idx, len, stride, static_cast<int32_t>(o_.device_pages), static_cast<int32_t>(time_), o_.promote_reads,
+      kv, idx, len, stride, static_cast<int32_t>(o_.device_pages), step_.as<int32_t>(), o_.promote_reads,
       epoch_.as<int32_t>(), cands_.as<int32_t>(), counters_.as<unsigned long long>());
   CUMULUS_CUDA_LAUNCH("tier_mark_kernel");
 }
@@ -534,6 +538,10 @@ TierStats KvPagePool::end_step(void* stream) {
     s.moved_bytes = totals_.moved_bytes - moved_before;
   }
   ++time_;
+  if (o_.host_pages > 0) {
+    tier_set_step_kernel<<<1, 1, 0, as_stream(stream)>>>(step_.as<int32_t>(), static_cast<int32_t>(time_));
+    CUMULUS_CUDA_LAUNCH("tier_set_step_kernel");
+  }
   s.plan_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   totals_.steps += 1;
   totals_.hits += s.hits;

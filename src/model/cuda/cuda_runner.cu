@@ -34,6 +34,7 @@
 #include "cumulus/core/error.h"
 #include "cumulus/kernels/cuda.h"
 #include "cumulus/kv/cuda_kv_cache.h"
+#include "cumulus/kv/cuda_kv_pool.h"
 #include "cumulus/kernels/cuda_prefill.h"
 #include "cumulus/methods/cuda_methods.h"
 #include "cumulus/methods/method.h"
@@ -70,6 +71,26 @@ int chunk_of(const ModelConfig& c, const SessionOptions& o, bool whole_prompt) {
   if (whole_prompt) return context_of(c, o);
   const int ch = std::max(1, std::min(std::max(o.prefill_chunk, 2048), context_of(c, o)));
   return ch >= 64 ? ch - ch % 64 : ch;
+}
+
+// The two-tier pool of SessionOptions::device_kv_gib: that much device memory (whole
+// mapping granules), the rest of every layer's pages for the whole context in host memory.
+cuda::KvPoolOptions tier_options(const ModelConfig& c, const SessionOptions& o, int n_seqs) {
+  cuda::KvPoolOptions p;
+  p.head_dim = c.head_dim;
+  p.dtype = o.kv.dtype;
+  p.page_size = o.kv.page_size;
+  const int64_t pages = static_cast<int64_t>(c.n_layers) * n_seqs * c.n_kv_heads *
+                        ((context_of(c, o) + o.kv.page_size - 1) / o.kv.page_size);
+  const size_t page = cuda::KvPagePool::page_bytes(p.head_dim, p.dtype, p.page_size);
+  const int64_t granule = cuda::KvPagePool::device_pages_granule(p.head_dim, p.dtype, p.page_size);
+  const int64_t want = static_cast<int64_t>(o.device_kv_gib * 1073741824.0 / static_cast<double>(page));
+  p.device_pages = std::min(want, (pages + granule - 1) / granule * granule);
+  CUMULUS_CHECK(p.device_pages >= granule,
+                "--device-kv-gib={}: the device tier must hold at least one mapping granule of {} pages ({:.3f} GiB)",
+                o.device_kv_gib, granule, static_cast<double>(granule * page) / 1073741824.0);
+  p.host_pages = std::max<int64_t>(0, pages - p.device_pages / granule * granule);
+  return p;
 }
 
 size_t weight_elems(const ModelConfig& c) {
@@ -189,6 +210,7 @@ class CudaRunner final : public CudaModelRunner {
   cublasHandle_t blas_ = nullptr;
   DeviceBuffer embd_, out_w_, out_norm_;
   std::vector<Layer> layers_;
+  std::shared_ptr<cuda::KvPagePool> pool_;  // SessionOptions::device_kv_gib: one pool, two tiers
   std::vector<cuda::DeviceKvCache> kv_;
   std::unique_ptr<cuda::AttentionPlan> plan_;  // attention_decode, head_dim 64/128/256
   DeviceBuffer blas_ws_;                       // cuBLAS workspace (no allocation while capturing)
@@ -307,11 +329,26 @@ CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o, int n_seqs
   pplan_ = cuda::model::cuda_prefill_plan(*registry_, o.prefill_method, o.prefill_params, c_.shape(), o.n_threads);
   rows_ = std::max(chunk_of(c_, o, pplan_.attention != nullptr), n_seqs_);
   // One cache per layer, its pages reserved for the whole context up front (a decode step
-  // then never touches the host's page tables).
+  // then never touches the host's page tables). With device_kv_gib, every layer's pages
+  // come from one pool of that much device memory, the rest in pinned host memory.
+  if (o.device_kv_gib > 0) pool_ = cuda::KvPagePool::create(tier_options(c_, o, n_seqs_));
   for (int l = 0; l < c_.n_layers; ++l) {
-    kv_.push_back(
-        cuda::DeviceKvCache::create(n_seqs_, c_.n_kv_heads, c_.head_dim, o.kv.dtype, o.kv.page_size, capacity_));
-    for (int s = 0; s < n_seqs_; ++s) kv_.back().reserve(s, capacity_);
+    kv_.push_back(pool_ ? cuda::DeviceKvCache::create(pool_, n_seqs_, c_.n_kv_heads, capacity_)
+                        : cuda::DeviceKvCache::create(n_seqs_, c_.n_kv_heads, c_.head_dim, o.kv.dtype,
+                                                      o.kv.page_size, capacity_));
+    if (!pool_)
+      for (int s = 0; s < n_seqs_; ++s) kv_.back().reserve(s, capacity_);
+  }
+  if (pool_) {
+    // Every layer's pages in rounds of 16384 tokens, each round a step of the pool's clock:
+    // once the device tier is full the earliest rounds go to the host, so the newest tokens
+    // of every layer (the recent ones, which every step reads) start on the device.
+    for (int t = 0; t < capacity_; t += 16384) {
+      for (cuda::DeviceKvCache& kv : kv_)
+        for (int s = 0; s < n_seqs_; ++s) kv.reserve(s, std::min(capacity_, t + 16384));
+      pool_->end_step();
+    }
+    pool_->reset_totals();
   }
   if (cuda::head_dim_supported_cuda(c_.head_dim))
     plan_ = std::make_unique<cuda::AttentionPlan>(kv_[0].view(), c_.shape().group());
@@ -494,6 +531,7 @@ const std::vector<float>& CudaRunner::decode(int32_t token) {
   } else {
     const int32_t t[1] = {token};
     forward(t, true);
+    if (pool_) pool_->end_step(st_);
   }
   count_step();
   if (opt_.eval) collect_eval_step();
@@ -569,6 +607,7 @@ void CudaRunner::decode_step(std::optional<cuda::Graph>& graph, bool greedy) {
   }
   if (use_graph_) graph->launch(stream_.handle());
   CUMULUS_CUDA_CHECK(cudaStreamSynchronize(st_));
+  if (pool_) pool_->end_step(st_);  // promotions, on the stream before the next step
   ++pos_;
 }
 
@@ -709,9 +748,14 @@ void CudaRunner::enqueue_forward(int n, bool decode_mode, bool greedy) {
         d.attend(q, att_.as<float>(), lse_.as<float>(), nullptr, nullptr, st_);
       }
       d.accumulate_stats(stats_acc_.as<double>(), st_);
+      if (pool_) {  // the pages this step read, for the tier (every page: eval mode's dense pass)
+        const bool all = opt_.eval || d.dense_step();
+        pool_->mark(kv.view(), all ? nullptr : d.list_idx(), all ? nullptr : d.list_len(), d.list_stride(), st_);
+      }
       cuda::model::to_half(att_.as<float>(), static_cast<size_t>(n) * qd, att16, st_);
     } else if (decode_mode && plan_) {
       attend_dense(att_.as<float>(), lse_.as<float>());
+      if (pool_) pool_->mark(kv.view(), nullptr, nullptr, 0, st_);
       cuda::model::to_half(att_.as<float>(), static_cast<size_t>(n) * qd, att16, st_);
     } else if (prefill_tuned) {
       cuda::model::to_head_major(q, n, c.n_heads, c.head_dim, qh_.as<__half>(), st_);
@@ -769,17 +813,34 @@ void CudaRunner::enqueue_forward(int n, bool decode_mode, bool greedy) {
 
 }  // namespace
 
+namespace {
+
+// Device bytes of the KV caches: every layer's whole cache, or with device_kv_gib the
+// device tier and each layer's page tables and counts.
+size_t kv_device_bytes(const ModelConfig& c, const SessionOptions& o, int n_seqs) {
+  const int ctx = context_of(c, o);
+  if (o.device_kv_gib <= 0)
+    return c.n_layers *
+           cuda::DeviceKvCache::create_bytes(n_seqs, c.n_kv_heads, c.head_dim, o.kv.dtype, o.kv.page_size, ctx);
+  const cuda::KvPoolOptions t = tier_options(c, o, n_seqs);
+  const size_t tables =
+      (static_cast<size_t>(n_seqs) * c.n_kv_heads * ((ctx + t.page_size - 1) / t.page_size) + n_seqs) * sizeof(int32_t);
+  return cuda::KvPagePool::page_bytes(t.head_dim, t.dtype, t.page_size) * static_cast<size_t>(t.device_pages) +
+         c.n_layers * tables;
+}
+
+}  // namespace
+
 size_t cuda_runner_bytes(const ModelConfig& c, const SessionOptions& o, int n_seqs) {
   const int ctx = context_of(c, o);
-  const size_t kv =
-      cuda::DeviceKvCache::create_bytes(n_seqs, c.n_kv_heads, c.head_dim, o.kv.dtype, o.kv.page_size, ctx);
   const size_t norms = (2 * static_cast<size_t>(c.n_layers) + 1) * c.dim * sizeof(float);
   // Eval mode: the dense pass's outputs and log-sum-exp, the masses and the method's outputs.
   const size_t eval = o.eval ? 2 * static_cast<size_t>(c.n_layers) * c.n_heads * (c.head_dim + 1) * sizeof(float) : 0;
   const cuda::model::CudaPrefillPlan pplan =
       cuda::model::cuda_prefill_plan(cuda::registry_with_gpu(o.registry != nullptr ? *o.registry : Registry::builtin()),
                                      o.prefill_method, o.prefill_params, c.shape(), o.n_threads);
-  return weight_elems(c) * 2 + norms + c.n_layers * kv +
+  const size_t kv_all = kv_device_bytes(c, o, n_seqs);
+  return weight_elems(c) * 2 + norms + kv_all +
          scratch_bytes(c, std::max(chunk_of(c, o, pplan.attention != nullptr), n_seqs), ctx) +
          cuda::model::cuda_prefill_bytes(pplan, ctx) +
          static_cast<size_t>(n_seqs) * c.vocab_size * sizeof(float) + eval;
@@ -807,6 +868,16 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs
   CUMULUS_CHECK(o.kv.dtype == DType::f16 || o.kv.dtype == DType::bf16,
                 "--device cuda: KV dtype {} is not supported on the GPU (f16, bf16)", dtype_name(o.kv.dtype));
   const int ctx = context_of(c, o);
+  CUMULUS_CHECK(o.device_kv_gib >= 0 && std::isfinite(o.device_kv_gib), "--device-kv-gib={} must be >= 0",
+                o.device_kv_gib);
+  std::string tier;
+  if (o.device_kv_gib > 0) {
+    CUMULUS_CHECK(cuda::head_dim_supported_cuda(c.head_dim),
+                  "--device-kv-gib: the host tier needs head_dim 64, 128 or 256, not {}", c.head_dim);
+    const cuda::KvPoolOptions t = tier_options(c, o, n_seqs);
+    const size_t page = cuda::KvPagePool::page_bytes(t.head_dim, t.dtype, t.page_size);
+    tier = fmt::format(" on the device, {} more in pinned host memory", gib(page * static_cast<size_t>(t.host_pages)));
+  }
   const size_t kv_layer = cuda::DeviceKvCache::create_bytes(n_seqs, c.n_kv_heads, c.head_dim, o.kv.dtype,
                                                             o.kv.page_size, ctx);
   size_t free_b = 0, total_b = 0;
@@ -822,9 +893,10 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs
   const size_t need = cuda_runner_bytes(c, o, n_seqs) + decoders;
   CUMULUS_CHECK(need <= free_b,
                 "--device cuda: the model with a context of {} tokens x {} sequence(s) needs {} of device memory "
-                "(weights f16 {}, KV cache {}, decode method '{}' {}{}), the device has {} free of {}",
-                ctx, n_seqs, gib(need), gib(weight_elems(c) * 2), gib(c.n_layers * kv_layer), o.method,
-                gib(decoders),
+                "(weights f16 {}, KV cache {}{}, decode method '{}' {}{}), the device has {} free of {}",
+                ctx, n_seqs, gib(need), gib(weight_elems(c) * 2),
+                gib(kv_device_bytes(c, o, n_seqs)),
+                tier, o.method, gib(decoders),
                 // a prefill attention (flexprefill's) takes the whole prompt in one forward pass:
                 // scratch for the context
                 pplan.attention
