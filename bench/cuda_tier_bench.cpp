@@ -260,13 +260,7 @@ class Runner {
         const double step_ms = 1e3 * seconds_since(ts);
         if (t < o_.warmup) continue;
         ms.push_back(step_ms);
-        sum.hits += st.hits;
-        sum.misses += st.misses;
-        sum.promoted += st.promoted;
-        sum.demoted += st.demoted;
-        sum.host_rows += st.host_rows;
-        sum.moved_bytes += st.moved_bytes;
-        sum.plan_ms += st.plan_ms;
+        sum += st;
       }
       const double step = median(ms), k = static_cast<double>(o_.steps);
       // The fastest this step's K/V reads could be: host rows at the pinned copy rate, device
@@ -287,6 +281,7 @@ class Runner {
                 {"moved_bytes_per_step", sum.moved_bytes / k},
                 {"pcie_gbps", pcie / (step * 1e6)},
                 {"plan_ms_per_step", sum.plan_ms / k},
+                {"wait_ms_per_step", sum.wait_ms / k},
                 {"kv_floor_ms", floor_ms}};
       fmt::print("{:<10} {:>8} {:>5} {:<16} {:>7.1f} {:>7.1f} {:>10.3f} {:>8.2f} {:>7.1f}% {:>9.0f} {:>8.3f} {:>7.1f} "
                  "{:>8.3f} {:>9.3f}\n",
@@ -430,9 +425,10 @@ int main(int argc, char** argv) try {
   fmt::print("\nms/step: median of {} steps after {} warm-up steps, every layer then the tier's end of step, wall clock "
              "to an idle device; hit: distinct pages read that were on the device; pages: distinct pages read per "
              "step; PCIe GB: K/V rows read from host pages plus the bytes the moves copied, per step; GB/s: that over "
-             "the step; plan ms: the tier's end of step on the host (wait for the page list, LRU, launch of the "
-             "moves); KVfloor: the step's K/V reads at the copy rates (host rows at the pinned host-to-device rate, device "
-             "pages at the device copy rate), a floor for dense with offload. Attention only, no weights.\n",
+             "the step; plan ms: the tier's host work at the end of the step, once the step's counts are back "
+             "(candidates, victims, the moves' launch); KVfloor: the step's K/V reads at the copy rates (host rows at "
+             "the pinned host-to-device rate, device pages at the device copy rate), a floor for dense with offload. "
+             "Attention only, no weights.\n",
              o.steps, o.warmup);
   if (!o.json_path.empty()) std::ofstream(o.json_path) << report.dump(2) << "\n";
   return 0;

@@ -944,6 +944,15 @@ TEST(CudaModel, HostTierLeavesTheLogitsBitIdentical) {
     auto b = model_runner_cuda(rr.w, tier);
     ASSERT_EQ(a->prefill(rr.prompt), b->prefill(rr.prompt));
     for (size_t i = 0; i < rr.forced.size(); ++i) ASSERT_EQ(a->decode(rr.forced[i]), b->decode(rr.forced[i])) << i;
+    // The tier took part: every step marked, read pages on both tiers; none without a tier.
+    const cuda::TierStats t = b->tier_totals();
+    std::printf("[ model ] host tier, %s: %lld steps, hits %lld, misses %lld, promoted %lld\n", k.method.c_str(),
+                static_cast<long long>(t.steps), static_cast<long long>(t.hits), static_cast<long long>(t.misses),
+                static_cast<long long>(t.promoted));
+    EXPECT_EQ(t.steps, static_cast<int64_t>(rr.forced.size()));
+    EXPECT_GT(t.hits, 0);
+    EXPECT_GT(t.misses, 0);
+    EXPECT_EQ(a->tier_totals().steps, 0);
   }
   SessionOptions bad;
   bad.device_kv_gib = 0.5 * granule * page / 1073741824.0;

@@ -83,9 +83,10 @@ class DeviceKvCache {
   const std::vector<int>& n_tokens() const { return n_tokens_; }
   // Attend a prefix: n[s] <= the tokens uploaded for s (synchronous upload of the counts).
   void set_n_tokens(const std::vector<int>& n);
+  // Bytes of this cache's own K/V pool (0 over a KvPagePool, whose bytes are its own).
   size_t kv_bytes() const { return kv_bytes_; }
-  // Free pages left in the pool.
-  int free_pages() const { return static_cast<int>(free_.size()); }
+  // Free pages left in the pool (over a KvPagePool: its free pages, both tiers).
+  int free_pages() const;
 
  private:
   // Points view_ at this cache's buffers with these shapes (create and upload).

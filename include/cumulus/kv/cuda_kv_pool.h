@@ -55,9 +55,21 @@ struct TierStats {
   int64_t promoted = 0, demoted = 0;  // pages moved to the device, and from it to make room
   int64_t host_rows = 0;      // K/V rows the step's lists read from host pages (over PCIe)
   int64_t moved_bytes = 0;    // bytes the moves copied across PCIe (both directions)
-  double plan_ms = 0;         // host time of end_step(): the wait for the step's page list,
-                              // the policy and the launch of the moves
+  double wait_ms = 0;         // end_step()'s wait for the step's work and its counts
+  double plan_ms = 0;         // then its host time: candidates, victims, the moves' launch
   double hit_rate() const { return hits + misses > 0 ? static_cast<double>(hits) / (hits + misses) : 1.0; }
+  TierStats& operator+=(const TierStats& o) {
+    steps += o.steps;
+    hits += o.hits;
+    misses += o.misses;
+    promoted += o.promoted;
+    demoted += o.demoted;
+    host_rows += o.host_rows;
+    moved_bytes += o.moved_bytes;
+    wait_ms += o.wait_ms;
+    plan_ms += o.plan_ms;
+    return *this;
+  }
 };
 
 class KvPagePool {
@@ -69,6 +81,9 @@ class KvPagePool {
   static std::shared_ptr<KvPagePool> create(const KvPoolOptions& options);
   // Bytes one page occupies: its K and V rows and, with key_stats, its key min, max and mean.
   static size_t page_bytes(int head_dim, DType dtype, int page_size, bool key_stats = true);
+  // Device bytes the pool keeps besides its device tier: each slot's epoch, the candidates,
+  // the victims' sort (memory checks).
+  static size_t overhead_bytes(int64_t device_pages, int64_t host_pages);
   // The page count device_pages is rounded to (every array's device part a whole number of
   // mapping granules); needs a device.
   static int64_t device_pages_granule(int head_dim, DType dtype, int page_size, bool key_stats = true);
@@ -116,9 +131,10 @@ class KvPagePool {
   // a host tier. The step is read on the device, so a mark captured in a CUDA graph
   // replays with the step it runs in.
   void mark(const DeviceKvView& kv, const int32_t* idx, const int32_t* len, int stride, void* stream = nullptr);
-  // Ends the step: waits for its counts and candidates, picks the victims, and enqueues the
-  // moves on `stream` (after the step's reads); then the step's clock advances. Returns this
-  // step's numbers (also added to totals()).
+  // Ends the step: waits for its counts and candidates (and, to pick victims, for a sort of
+  // the device slots by age: a few short copies back), enqueues the moves on `stream` (after
+  // the step's reads), and advances the step's clock. Returns this step's numbers (also added
+  // to totals()). A page placed in a step counts as read in it.
   TierStats end_step(void* stream = nullptr);
   const TierStats& totals() const { return totals_; }
   // Changes options().max_promote from the next end_step() on (benchmarks compare policies
@@ -136,12 +152,18 @@ class KvPagePool {
   using Arrays = KvPoolArrays;
   KvPagePool(const KvPoolOptions& o);
   Arrays arrays() const;
-  void apply(const std::vector<PageMove>& moves, void* stream);
+  // Waits for the stream of the last end_step(): placement and release work on the default
+  // stream, after the step's moves.
+  void wait_last_step();
+  // Enqueues the moves on `stream`; returns the bytes they copy across PCIe.
+  int64_t apply(const std::vector<PageMove>& moves, void* stream);
 
   KvPoolOptions o_;
   Array arr_[5];
   TierSlots slots_;
   uint64_t time_ = 1;
+  void* last_stream_ = nullptr;
+  bool last_stream_set_ = false;
   std::vector<int32_t*> owner_dev_, owner_host_;  // [slot] the page-table entry of its page
   DeviceBuffer epoch_, step_, cands_, counters_, moves_, sort_keys_, sort_vals_, sort_temp_;
   std::vector<int32_t> cands_host_;

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "cumulus/model/model_weights.h"
+#include "cumulus/kv/cuda_kv_pool.h"
 #include "cumulus/model/runner.h"
 #include "cumulus/model/session.h"
 
@@ -59,6 +60,8 @@ class CudaModelRunner : public ModelRunner {
   // K/V per cached token (all layers).
   virtual size_t decode_weight_bytes() const = 0;
   virtual size_t kv_bytes_per_token() const = 0;
+  // The host tier's sums over decode steps (SessionOptions::device_kv_gib; zeros without it).
+  virtual cuda::TierStats tier_totals() const = 0;
 };
 
 // The decode methods the CUDA runner runs for this model at their defaults: "dense" and the

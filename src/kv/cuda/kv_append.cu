@@ -7,6 +7,7 @@
 // a cache filled here equals, bit for bit, a host cache filled with the same rows and
 // uploaded.
 #include <algorithm>
+#include <new>
 
 #include "core/check.h"
 #include "core/cuda/cuda_util.cuh"
@@ -177,6 +178,12 @@ DeviceKvCache DeviceKvCache::create(std::shared_ptr<KvPagePool> pool, int n_seqs
   return c;
 }
 
+int DeviceKvCache::free_pages() const {
+  if (pool_ != nullptr)
+    return static_cast<int>(std::min<int64_t>(pool_->free_device_pages() + pool_->free_host_pages(), INT32_MAX));
+  return static_cast<int>(free_.size());
+}
+
 std::vector<int32_t> DeviceKvCache::assigned_slots() const {
   std::vector<int32_t> r;
   for (const int32_t s : table_host_)
@@ -195,21 +202,8 @@ DeviceKvCache::~DeviceKvCache() {
 DeviceKvCache& DeviceKvCache::operator=(DeviceKvCache&& o) noexcept {
   if (this != &o) {
     DeviceKvCache old(std::move(*this));  // releases this cache's pages when it goes
-    k_ = std::move(o.k_);
-    v_ = std::move(o.v_);
-    kmin_ = std::move(o.kmin_);
-    kmax_ = std::move(o.kmax_);
-    kmean_ = std::move(o.kmean_);
-    table_ = std::move(o.table_);
-    n_tok_ = std::move(o.n_tok_);
-    pool_ = std::move(o.pool_);
-    n_tokens_ = std::move(o.n_tokens_);
-    capacity_ = std::move(o.capacity_);
-    table_host_ = std::move(o.table_host_);
-    free_ = std::move(o.free_);
-    reserved_ = std::move(o.reserved_);
-    view_ = o.view_;
-    kv_bytes_ = o.kv_bytes_;
+    this->~DeviceKvCache();               // a moved-from cache: holds nothing
+    new (this) DeviceKvCache(std::move(o));
   }
   return *this;
 }
@@ -231,12 +225,12 @@ void DeviceKvCache::reserve(int seq, int n) {
         host_entries.push_back(table_host_.data() + row + p);
       }
     }
-    try {
-      pool_->allocate(more, dev_entries.data(), host_entries.data());
-    } catch (const Error& e) {
-      CUMULUS_CHECK(false, "DeviceKvCache::reserve: sequence {} needs {} more pages for {} tokens: {}", seq, more, n,
-                    e.message());
-    }
+    const int64_t free = pool_->free_device_pages() + pool_->free_host_pages();
+    CUMULUS_CHECK(more <= free,
+                  "DeviceKvCache::reserve: sequence {} needs {} more pages for {} tokens, the pool has {} free ({} on "
+                  "the device, {} on the host)",
+                  seq, more, n, free, pool_->free_device_pages(), pool_->free_host_pages());
+    pool_->allocate(more, dev_entries.data(), host_entries.data());
   } else {
     CUMULUS_CHECK(more <= static_cast<int>(free_.size()),
                   "DeviceKvCache::reserve: sequence {} needs {} more pages for {} tokens, the pool has {} free", seq,

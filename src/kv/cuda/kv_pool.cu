@@ -213,26 +213,21 @@ struct MoveDesc {
 
 using Arrays = KvPoolArrays;
 
-// One block per move: the two slots' bytes of every array, and their epochs, exchange.
+// One block per move: the two slots' bytes of every array, and their epochs, exchange. Each
+// thread swaps its own 16-byte words, so no word is read after another thread wrote it.
 __global__ void tier_move_kernel(const MoveDesc* __restrict__ moves, Arrays arr, int32_t* epochs) {
-  extern __shared__ uint4 smem[];
   const MoveDesc m = moves[blockIdx.x];
 #pragma unroll 1
   for (int x = 0; x < 5; ++x) {
-    if (arr.bytes[x] == 0) continue;  // an array the pool does not keep (same for every thread)
+    if (arr.bytes[x] == 0) continue;  // an array the pool does not keep
     const int n = arr.bytes[x] / 16;
     uint4* pa = reinterpret_cast<uint4*>(arr.base[x] + static_cast<size_t>(m.a) * arr.bytes[x]);
     uint4* pb = reinterpret_cast<uint4*>(arr.base[x] + static_cast<size_t>(m.b) * arr.bytes[x]);
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      smem[i] = pa[i];
-      smem[n + i] = pb[i];
+      const uint4 a = pa[i], b = pb[i];
+      pa[i] = b;
+      pb[i] = a;
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      pa[i] = smem[n + i];
-      pb[i] = smem[i];
-    }
-    __syncthreads();
   }
   if (threadIdx.x == 0) {
     if (m.entry_a != nullptr) *m.entry_a = m.a;
@@ -261,6 +256,12 @@ size_t KvPagePool::page_bytes(int head_dim, DType dtype, int page_size, bool key
   size_t b[5];
   array_page_bytes(head_dim, dtype, page_size, key_stats, b);
   return b[0] + b[1] + b[2] + b[3] + b[4];
+}
+
+size_t KvPagePool::overhead_bytes(int64_t device_pages, int64_t host_pages) {
+  const size_t d = static_cast<size_t>(device_pages), h = static_cast<size_t>(host_pages);
+  // epochs, the step, candidates, counters; the sort's keys and values twice, its scratch
+  return 4 * (d + h) + 4 + 4 * h + 32 + 12 * d + 4 * d + (size_t{1} << 20);
 }
 
 int64_t KvPagePool::device_pages_granule(int head_dim, DType dtype, int page_size, bool key_stats) {
@@ -409,8 +410,14 @@ std::vector<int32_t> KvPagePool::victims(int64_t k) {
   return r;
 }
 
+void KvPagePool::wait_last_step() {
+  if (last_stream_set_) CUMULUS_CUDA_CHECK(cudaStreamSynchronize(as_stream(last_stream_)));
+  last_stream_set_ = false;
+}
+
 void KvPagePool::allocate(int n, int32_t* const* device_entries, int32_t* const* host_entries) {
   CUMULUS_CHECK(n >= 0, "KvPagePool::allocate: n={} must be >= 0", n);
+  wait_last_step();  // the last step's moves, enqueued on its stream
   CUMULUS_CHECK(n <= slots_.free_device() + slots_.free_host(),
                 "KvPagePool::allocate: {} pages asked for, the pool has {} free ({} on the device, {} on the host)", n,
                 slots_.free_device() + slots_.free_host(), slots_.free_device(), slots_.free_host());
@@ -430,7 +437,7 @@ void KvPagePool::allocate(int n, int32_t* const* device_entries, int32_t* const*
     owner_host_[placed[i]] = host_entries[i];
     *host_entries[i] = placed[i];
   }
-  apply(moves, nullptr);
+  totals_.moved_bytes += apply(moves, nullptr);
   if (!placed.empty()) {  // the new pages are placed now
     const DeviceBuffer list = to_device(placed);
     tier_set_epoch_kernel<<<ceil_div(n, 256), 256>>>(list.as<int32_t>(), n, static_cast<int32_t>(time_),
@@ -442,6 +449,7 @@ void KvPagePool::allocate(int n, int32_t* const* device_entries, int32_t* const*
 
 void KvPagePool::release(const std::vector<int32_t>& slots) {
   if (slots.empty()) return;
+  wait_last_step();
   for (int32_t s : slots) {
     CUMULUS_CHECK(s >= 0 && s < o_.device_pages + o_.host_pages && owner_host_[s] != nullptr,
                   "KvPagePool::release: slot {} holds no page", s);
@@ -467,15 +475,16 @@ KvPagePool::Arrays KvPagePool::arrays() const {
   return arr;
 }
 
-void KvPagePool::apply(const std::vector<PageMove>& moves, void* stream) {
-  if (moves.empty()) return;
+int64_t KvPagePool::apply(const std::vector<PageMove>& moves, void* stream) {
+  if (moves.empty()) return 0;
+  int64_t moved = 0;
   std::vector<MoveDesc> d(moves.size());
   size_t per_page = 0;
   for (const Array& a : arr_) per_page += a.bytes_per_page;
   for (size_t i = 0; i < moves.size(); ++i) {
     const PageMove& m = moves[i];
     d[i] = {m.a, m.b, owner_dev_[m.a], owner_dev_[m.b]};
-    totals_.moved_bytes += static_cast<int64_t>(per_page) * ((owner_dev_[m.a] != nullptr) + (owner_dev_[m.b] != nullptr));
+    moved += static_cast<int64_t>(per_page) * ((owner_dev_[m.a] != nullptr) + (owner_dev_[m.b] != nullptr));
   }
   const size_t bytes = d.size() * sizeof(MoveDesc);
   if (moves_.size() < bytes) moves_ = DeviceBuffer(std::max(bytes, moves_.size() * 2));
@@ -483,15 +492,10 @@ void KvPagePool::apply(const std::vector<PageMove>& moves, void* stream) {
   // The host vector d must outlive the copy: wait for it (pageable memory copies are staged,
   // but the wait keeps this obviously right at the cost of one short sync per step).
   CUMULUS_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
-  const Arrays arr = arrays();
-  const int max_bytes = *std::max_element(arr.bytes, arr.bytes + 5);
-  const size_t smem = 2 * static_cast<size_t>(max_bytes);
-  if (smem > 48 * 1024)
-    CUMULUS_CUDA_CHECK(cudaFuncSetAttribute(tier_move_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem)));
-  tier_move_kernel<<<static_cast<unsigned>(moves.size()), 256, smem, as_stream(stream)>>>(moves_.as<MoveDesc>(), arr,
-                                                                                        epoch_.as<int32_t>());
+  tier_move_kernel<<<static_cast<unsigned>(moves.size()), 256, 0, as_stream(stream)>>>(moves_.as<MoveDesc>(), arrays(),
+                                                                                      epoch_.as<int32_t>());
   CUMULUS_CUDA_LAUNCH("tier_move_kernel");
+  return moved;
 }
 
 void KvPagePool::mark(const DeviceKvView& kv, const int32_t* idx, const int32_t* len, int stride, void* stream) {
@@ -508,6 +512,7 @@ void KvPagePool::mark(const DeviceKvView& kv, const int32_t* idx, const int32_t*
 
 TierStats KvPagePool::end_step(void* stream) {
   const auto t0 = std::chrono::steady_clock::now();
+  auto t1 = t0;
   TierStats s;
   s.steps = 1;
   if (o_.host_pages > 0) {
@@ -515,11 +520,16 @@ TierStats KvPagePool::end_step(void* stream) {
     const cudaStream_t st = as_stream(stream);
     CUMULUS_CUDA_CHECK(cudaMemcpyAsync(c, counters_.data(), sizeof(c), cudaMemcpyDeviceToHost, st));
     CUMULUS_CUDA_CHECK(cudaStreamSynchronize(st));
+    t1 = std::chrono::steady_clock::now();
     CUMULUS_CUDA_CHECK(cudaMemsetAsync(counters_.data(), 0, counters_.size(), st));
-    const int64_t k = o_.max_promote >= 0 ? std::min<int64_t>(c[0], o_.max_promote) : static_cast<int64_t>(c[0]);
-    cands_host_.resize(static_cast<size_t>(k));
-    if (k > 0) memcpy_to_host(cands_host_.data(), cands_.data(), cands_host_.size() * sizeof(int32_t));
-    std::sort(cands_host_.begin(), cands_host_.end());  // the atomics' order is not reproducible
+    // Every candidate, in slot order (the atomics' order is not reproducible), less any whose
+    // page was released since it was read; then at most max_promote of them.
+    cands_host_.resize(o_.max_promote == 0 ? 0 : static_cast<size_t>(c[0]));  // none wanted: none read
+    if (!cands_host_.empty()) memcpy_to_host(cands_host_.data(), cands_.data(), cands_host_.size() * sizeof(int32_t));
+    std::sort(cands_host_.begin(), cands_host_.end());
+    std::erase_if(cands_host_, [&](int32_t x) { return slots_.on_device(x) || !slots_.occupied(x); });
+    int64_t k = static_cast<int64_t>(cands_host_.size());
+    if (o_.max_promote >= 0) k = std::min<int64_t>(k, o_.max_promote);
     const std::vector<int32_t> vict = victims(k - std::min<int64_t>(k, slots_.free_device()));
     const std::vector<PageMove> moves = slots_.promote(cands_host_, vict, o_.max_promote);
     for (const PageMove& m : moves) {  // a (host) <-> b (device)
@@ -528,28 +538,25 @@ TierStats KvPagePool::end_step(void* stream) {
       if (owner_host_[m.a] != nullptr) *owner_host_[m.a] = m.a;
       if (owner_host_[m.b] != nullptr) *owner_host_[m.b] = m.b;
     }
-    const int64_t moved_before = totals_.moved_bytes;
-    apply(moves, stream);
+    s.moved_bytes = apply(moves, stream);
+    last_stream_ = stream;
+    last_stream_set_ = true;
     s.hits = static_cast<int64_t>(c[2]);
     s.misses = static_cast<int64_t>(c[3]);
     s.host_rows = static_cast<int64_t>(c[1]);
     s.promoted = static_cast<int64_t>(moves.size());
     for (const PageMove& m : moves) s.demoted += owner_dev_[m.a] != nullptr;
-    s.moved_bytes = totals_.moved_bytes - moved_before;
   }
   ++time_;
   if (o_.host_pages > 0) {
     tier_set_step_kernel<<<1, 1, 0, as_stream(stream)>>>(step_.as<int32_t>(), static_cast<int32_t>(time_));
     CUMULUS_CUDA_LAUNCH("tier_set_step_kernel");
+    last_stream_ = stream;
+    last_stream_set_ = true;
   }
-  s.plan_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  totals_.steps += 1;
-  totals_.hits += s.hits;
-  totals_.misses += s.misses;
-  totals_.promoted += s.promoted;
-  totals_.demoted += s.demoted;
-  totals_.host_rows += s.host_rows;
-  totals_.plan_ms += s.plan_ms;
+  s.wait_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+  s.plan_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
+  totals_ += s;
   return s;
 }
 

@@ -84,8 +84,9 @@ cuda::KvPoolOptions tier_options(const ModelConfig& c, const SessionOptions& o, 
                         ((context_of(c, o) + o.kv.page_size - 1) / o.kv.page_size);
   const size_t page = cuda::KvPagePool::page_bytes(p.head_dim, p.dtype, p.page_size);
   const int64_t granule = cuda::KvPagePool::device_pages_granule(p.head_dim, p.dtype, p.page_size);
-  const int64_t want = static_cast<int64_t>(o.device_kv_gib * 1073741824.0 / static_cast<double>(page));
-  p.device_pages = std::min(want, (pages + granule - 1) / granule * granule);
+  const int64_t all = (pages + granule - 1) / granule * granule;
+  const double want = o.device_kv_gib * 1073741824.0 / static_cast<double>(page);  // may exceed int64
+  p.device_pages = want >= static_cast<double>(all) ? all : static_cast<int64_t>(want);
   CUMULUS_CHECK(p.device_pages >= granule,
                 "--device-kv-gib={}: the device tier must hold at least one mapping granule of {} pages ({:.3f} GiB)",
                 o.device_kv_gib, granule, static_cast<double>(granule * page) / 1073741824.0);
@@ -165,6 +166,7 @@ class CudaRunner final : public CudaModelRunner {
   std::string device() const override { return "cuda: " + cuda_device_summary(); }
   void fill_random_context(int n, uint64_t seed) override;
   std::vector<int32_t> decode_batch(std::span<const int32_t> tokens) override;
+  cuda::TierStats tier_totals() const override { return pool_ ? pool_->totals() : cuda::TierStats{}; }
   int n_seqs() const override { return n_seqs_; }
   size_t decode_weight_bytes() const override {
     return (weight_elems(c_) - static_cast<size_t>(c_.tied_output ? 0 : c_.vocab_size) * c_.dim) * sizeof(__half);
@@ -348,6 +350,7 @@ CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o, int n_seqs
         for (int s = 0; s < n_seqs_; ++s) kv.reserve(s, std::min(capacity_, t + 16384));
       pool_->end_step();
     }
+    cuda::device_synchronize();  // the last round's step, on the default stream, before any capture
     pool_->reset_totals();
   }
   if (cuda::head_dim_supported_cuda(c_.head_dim))
@@ -826,7 +829,7 @@ size_t kv_device_bytes(const ModelConfig& c, const SessionOptions& o, int n_seqs
   const size_t tables =
       (static_cast<size_t>(n_seqs) * c.n_kv_heads * ((ctx + t.page_size - 1) / t.page_size) + n_seqs) * sizeof(int32_t);
   return cuda::KvPagePool::page_bytes(t.head_dim, t.dtype, t.page_size) * static_cast<size_t>(t.device_pages) +
-         c.n_layers * tables;
+         cuda::KvPagePool::overhead_bytes(t.device_pages, t.host_pages) + c.n_layers * tables;
 }
 
 }  // namespace
