@@ -300,6 +300,7 @@ TEST_F(Cli, ContradictoryOrIdleOptionsAreRejected) {
   expect_rejected(gen("--repetitions 2"), "--repetitions is a --bench option");
   expect_rejected(gen("--top-p 0.9"), "--top-p 0.9 samples, but --temperature 0 decodes greedily");
   expect_rejected(gen("--device-kv-gib 4"), "--device-kv-gib=4 needs --device cuda (not cpu)");
+  expect_rejected(eval("kl", "--device-kv-gib 4"), "device_kv_gib=4 needs device cuda (not cpu)");
   expect_rejected(gen("--method dense,"), "--method 'dense,': empty method name in the list");
   expect_rejected(gen("--method dense,,tactic"), "empty method name");
   expect_rejected(eval("kl", "--method dense,"), "empty method name");

@@ -589,6 +589,7 @@ SessionOptions eval_session_options(const EvalOptions& o, const Shape& shape, in
   so.n_threads = o.threads;
   so.eval = true;
   so.max_tokens = capacity;
+  so.device_kv_gib = o.device_kv_gib;
   // restart_decode needs the prompt queries of every method that learns from them (lfps);
   // a snapshot keeps enough for later runs' methods too.
   if (!o.kv_save.empty()) so.keep_prompt_queries = kKvSnapshotPromptQueries;
@@ -658,6 +659,9 @@ void EvalOptions::validate() const {
                 "quest) at --targets: tune them with --param, not --method/--sweep");
   CUMULUS_CHECK(page_size >= 1 && page_size <= 256 && (page_size & (page_size - 1)) == 0,
                 "page_size={} must be a power of two in [1, 256]", page_size);
+  CUMULUS_CHECK(device_kv_gib >= 0 && std::isfinite(device_kv_gib), "device_kv_gib={} must be >= 0", device_kv_gib);
+  CUMULUS_CHECK(device_kv_gib == 0 || device == "cuda", "device_kv_gib={} needs device cuda (not {})",
+                device_kv_gib, device);
   prefill_spec_check(prefill_method, prefill_params);
   CUMULUS_CHECK(device == "cpu" || device == "cuda", "--device={} must be cpu or cuda", device);
   if (device != "cpu") {

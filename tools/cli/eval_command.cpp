@@ -180,6 +180,10 @@ void add_eval_command(CLI::App& app) {
                   "cpu or cuda (a CUDA build with a GPU): the runtime of every prompt; cuda runs kl, ppl, matched and "
                   "niah with its decode methods (default there: all of them), true mass measured on the device")
       ->capture_default_str();
+  cmd->add_option("--device-kv-gib", o.device_kv_gib,
+                  "--device cuda: keep every layer's K/V in one pool with this many GiB of device memory and the "
+                  "rest in pinned host memory (docs/cuda.md \"Host tier\"; 0: all on the device)")
+      ->capture_default_str();
   cmd->add_option("--page-size", o.page_size, "KV cache page size")->capture_default_str();
   cmd->add_option("--kv-dtype", a->kv_dtype, "KV storage: f16, bf16, f32")->capture_default_str();
   cmd->add_option("--kv-save", o.kv_save,

@@ -91,6 +91,9 @@ struct EvalOptions {
   // runs kl, ppl, matched and niah in eval mode (true mass on the device); not mass (its
   // variants have no GPU pipeline) nor KV snapshots.
   std::string device = "cpu";
+  // cuda: every layer's K/V in one pool with this many GiB on the device and the rest in
+  // pinned host memory (SessionOptions::device_kv_gib); 0: all on the device.
+  double device_kv_gib = 0;
 
   // Error naming the first bad value, before any model is loaded: ranges, the prefill
   // method, and the methods, parameters and sweeps the task will run (dense is the
