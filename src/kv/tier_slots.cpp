@@ -32,18 +32,10 @@ bool TierSlots::occupied(int32_t slot) const {
   return occupied_[slot] != 0;
 }
 
-int32_t TierSlots::take_device() {
-  if (free_device_.empty()) return -1;
-  const int32_t s = free_device_.back();
-  free_device_.pop_back();
-  occupied_[s] = 1;
-  return s;
-}
-
-int32_t TierSlots::take_host() {
-  if (free_host_.empty()) return -1;
-  const int32_t s = free_host_.back();
-  free_host_.pop_back();
+int32_t TierSlots::take(std::vector<int32_t>& free) {
+  if (free.empty()) return -1;
+  const int32_t s = free.back();
+  free.pop_back();
   occupied_[s] = 1;
   return s;
 }

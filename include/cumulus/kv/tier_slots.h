@@ -35,8 +35,8 @@ class TierSlots {
 
   // A free slot of the tier for a new page (the one freed last; at first the lowest), now
   // occupied; -1 when the tier has none.
-  int32_t take_device();
-  int32_t take_host();
+  int32_t take_device() { return take(free_device_); }
+  int32_t take_host() { return take(free_host_); }
   // The page in `slot` is gone. Throws Error for a free or out-of-range slot.
   void release(int32_t slot);
 
@@ -56,6 +56,7 @@ class TierSlots {
   std::vector<int32_t> place(int n, std::span<const int32_t> victims, std::vector<PageMove>& moves);
 
  private:
+  int32_t take(std::vector<int32_t>& free);
   void check_slot(int32_t slot, const char* fn) const;
   void check_victims(std::span<const int32_t> victims, const char* fn) const;
 

@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <numeric>
 
 #include "core/check.h"
@@ -261,7 +260,7 @@ size_t KvPagePool::page_bytes(int head_dim, DType dtype, int page_size, bool key
 size_t KvPagePool::overhead_bytes(int64_t device_pages, int64_t host_pages) {
   const size_t d = static_cast<size_t>(device_pages), h = static_cast<size_t>(host_pages);
   // epochs, the step, candidates, counters; the sort's keys and values twice, its scratch
-  return 4 * (d + h) + 4 + 4 * h + 32 + 12 * d + 4 * d + (size_t{1} << 20);
+  return 4 * (d + h) + 4 + 4 * h + 32 + 16 * d + (size_t{1} << 20);
 }
 
 int64_t KvPagePool::device_pages_granule(int head_dim, DType dtype, int page_size, bool key_stats) {
@@ -292,10 +291,10 @@ std::shared_ptr<KvPagePool> KvPagePool::create(const KvPoolOptions& options) {
   size_t b[5];
   array_page_bytes(o.head_dim, o.dtype, o.page_size, o.key_stats, b);
   const size_t g = std::max(granularity(false), granularity(true));
-  const size_t dev_total = page_bytes(o.head_dim, o.dtype, o.page_size, o.key_stats) * static_cast<size_t>(o.device_pages);
-  const size_t host_total = page_bytes(o.head_dim, o.dtype, o.page_size, o.key_stats) * static_cast<size_t>(o.host_pages);
-  size_t dev_free = 0, dev_all = 0;
-  CUMULUS_CUDA_CHECK(cudaMemGetInfo(&dev_free, &dev_all));
+  const size_t per_page = b[0] + b[1] + b[2] + b[3] + b[4];
+  const size_t dev_total = per_page * static_cast<size_t>(o.device_pages);
+  const size_t host_total = per_page * static_cast<size_t>(o.host_pages);
+  const size_t dev_free = device_free_bytes();
   if (dev_total > dev_free)
     throw DeviceMemoryError(fmt::format("KvPagePool: the device tier needs {} bytes ({} GiB) for {} pages; {} bytes "
                                         "({} GiB) are free on the device",
