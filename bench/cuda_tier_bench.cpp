@@ -7,14 +7,19 @@
 // each chunk a step of the pool's clock, so once the device tier is full the least
 // recently written pages go to the host and the newest stay on the device.
 //
-// Per case (context, batch, device tier size) the same filled pool runs, in this order:
-//   dense:  every layer attends every token (kernels/cuda.h attention_decode); host pages
-//           are read where they are, over PCIe, every step: offloaded dense attention with
-//           the copies overlapped with the device reads, as offloading engines stream.
+// Per case (context, batch, device tier size) the same filled pool runs, in this order,
+// each once per --stage value (0: host rows read in place; 1: staged, KvPagePool::stage):
+//   dense:  every layer attends every token (kernels/cuda.h attention_decode). In place,
+//           host pages are read where they are, over PCIe, by the attention kernel; staged,
+//           one gather kernel first copies the layer's host pages to the device's staging
+//           area at the copy rate, as offloading engines stream the offloaded K/V in.
 //   sparse: the method (default sketch_topp) selects from its index on the device and
-//           attends its lists; after each step the pages it read go to the pool's LRU, which
-//           promotes host pages over the least recently used device pages (the moves run on
-//           the device after the step's reads).
+//           attends its lists (staged: the host rows the lists name are gathered first);
+//           after each step the pages it read go to the pool's LRU, which promotes host pages
+//           over the least recently used device pages (the moves run on the device after the
+//           step's reads).
+// The staging area (one layer's share of the host tier) comes out of the device tier's
+// memory, in every run of the case.
 // A step is every layer of the batch, then the tier's end of step (the page list back to the
 // host, the policy, the moves), timed on the wall clock to the device's idle; warm-up steps
 // first, then the median of --steps. tok/s = batch / step. The rows give where the pages
@@ -32,7 +37,8 @@
 // Usage: cuda_tier_bench [--contexts 131072,524288,1048576] [--ratio-context 131072]
 //          [--ratio-batch 4] [--ratios 1,2,4|none] [--layers 32] [--steps 5] [--warmup 2]
 //          [--method sketch_topp] [--param KEY=VALUE]... [--device-kv-gib G] [--margin-gib 6]
-//          [--key-stats] [--promote-reads 2] [--max-promote 0,-1] [--seed 1] [--json PATH]
+//          [--key-stats] [--promote-reads 2] [--max-promote 0,-1] [--stage 0,1] [--seed 1]
+//          [--json PATH]
 // --max-promote: the sparse method runs once per value, in order, over the same pool: pages
 // promoted per step at most (0: none, every host page read where it is; -1: no limit).
 #include <fmt/format.h>
@@ -118,6 +124,7 @@ struct Options {
   bool key_stats = false;
   int promote_reads = 2;
   std::vector<int> max_promote{0, -1};
+  std::vector<int> stage{0, 1};
   uint64_t seed = 1;
   std::string json_path;
 };
@@ -177,7 +184,16 @@ class Runner {
     if (c.device_pages_cap > 0) dev_pages = std::min(dev_pages, c.device_pages_cap);
     const int64_t granule = cuda::KvPagePool::device_pages_granule(d, DType::f16, 16, o_.key_stats);
     dev_pages = std::min(dev_pages, (total + granule - 1) / granule * granule);
-    const int64_t host_pages = std::max<int64_t>(0, total - dev_pages / granule * granule);
+    int64_t host_pages = std::max<int64_t>(0, total - dev_pages / granule * granule);
+    // The staging area, one layer's share of the host tier, out of the device tier's bytes.
+    int64_t stage_pages = 0;
+    if (host_pages > 0 && std::find(o_.stage.begin(), o_.stage.end(), 1) != o_.stage.end()) {
+      stage_pages = (host_pages + L - 1) / L;
+      const size_t kv_page = cuda::KvPagePool::page_bytes(d, DType::f16, 16, false);
+      dev_pages -= static_cast<int64_t>((stage_pages * kv_page + page_bytes - 1) / page_bytes);
+      host_pages = std::max<int64_t>(0, total - dev_pages / granule * granule);
+      stage_pages = (host_pages + L - 1) / L;
+    }
     json row = {{"case", c.label}, {"context", n}, {"batch", b}, {"layers", L}, {"pages", total},
                 {"kv_gib", total * page_bytes / kGiB}, {"decoder_gib", dec_bytes / kGiB}};
     cuda::KvPoolOptions po;
@@ -189,6 +205,7 @@ class Runner {
     po.key_stats = o_.key_stats;
     po.promote_reads = o_.promote_reads;
     po.max_promote = o_.max_promote.front();
+    po.stage_pages = stage_pages;
     std::shared_ptr<cuda::KvPagePool> pool;
     auto t0 = Clock::now();
     try {
@@ -201,10 +218,12 @@ class Runner {
     const double pool_s = seconds_since(t0);
     row["device_tier_gib"] = pool->device_bytes() / kGiB;
     row["host_tier_gib"] = pool->host_bytes() / kGiB;
+    row["stage_pages"] = pool->stage_pages();
     row["pool_create_s"] = pool_s;
     // Fill, oldest tokens first, a chunk across every layer per clock step.
     std::vector<cuda::DeviceKvCache> caches;
     for (int l = 0; l < L; ++l) caches.push_back(cuda::DeviceKvCache::create(pool, b, nkv, n));
+    pool->reserve_stage(caches[0].view());
     t0 = Clock::now();
     {
       std::vector<float> kh, vh;
@@ -247,10 +266,31 @@ class Runner {
     const cuda::DeviceBuffer qd = cuda::to_device(qh);
     cuda::DeviceBuffer out(q_step * sizeof(float)), lse(static_cast<size_t>(b) * shape_.n_q_heads * sizeof(float));
     const double row_bytes = 2.0 * d * 2;  // a K and a V row, f16
+    // Where a step's time goes: one more step after the timed ones, each phase of each layer
+    // between events (the phases then do not overlap), summed over the layers.
+    std::map<std::string, double>* phase_ms = nullptr;
+    cuda::EventTimer timer;
+    auto phase = [&](const char* name, auto&& fn) {
+      if (phase_ms == nullptr) return fn();
+      timer.start();
+      fn();
+      timer.stop();
+      (*phase_ms)[name] += timer.elapsed_ms();
+    };
     auto run_steps = [&](const std::string& what, auto&& layer_step) {
       std::vector<double> ms;
       cuda::TierStats sum;
-      for (int t = 0; t < n_steps; ++t) {
+      std::map<std::string, double> phases;
+      for (int t = 0; t <= n_steps; ++t) {
+        if (t == n_steps) {  // the phases' step, the last query again
+          phase_ms = &phases;
+          const float* q = qd.as<float>() + (t - 1) * q_step;
+          for (int l = 0; l < L; ++l) layer_step(l, q);
+          pool->end_step();
+          cuda::device_synchronize();
+          phase_ms = nullptr;
+          break;
+        }
         const float* q = qd.as<float>() + t * q_step;
         cuda::device_synchronize();
         const auto ts = Clock::now();
@@ -281,31 +321,42 @@ class Runner {
                 {"moved_bytes_per_step", sum.moved_bytes / k},
                 {"pcie_gbps", pcie / (step * 1e6)},
                 {"plan_ms_per_step", sum.plan_ms / k},
+                {"staged_rows_per_step", sum.staged_rows / k},
+                {"unstaged_pages_per_step", sum.unstaged_pages / k},
                 {"wait_ms_per_step", sum.wait_ms / k},
-                {"kv_floor_ms", floor_ms}};
-      fmt::print("{:<10} {:>8} {:>5} {:<16} {:>7.1f} {:>7.1f} {:>10.3f} {:>8.2f} {:>7.1f}% {:>9.0f} {:>8.3f} {:>7.1f} "
+                {"kv_floor_ms", floor_ms},
+                {"phase_ms", phases}};
+      fmt::print("{:<10} {:>8} {:>5} {:<24} {:>7.1f} {:>7.1f} {:>10.3f} {:>8.2f} {:>7.1f}% {:>9.0f} {:>8.3f} {:>7.1f} "
                  "{:>8.3f} {:>9.3f}\n",
                  c.label, n, b, what, pool->device_bytes() / kGiB, pool->host_bytes() / kGiB, step, 1e3 * b / step,
                  100 * sum.hit_rate(), (sum.hits + sum.misses) / k, pcie / 1e9, pcie / (step * 1e6), sum.plan_ms / k,
                  floor_ms);
+      std::string ph;
+      for (const auto& [name, v] : phases) ph += fmt::format(" {} {:.2f}", name, v);
+      fmt::print("{:<10} {:>8} {:>5} {:<24} phases (ms, one step, each alone):{}\n", c.label, n, b, what, ph);
       return r;
     };
     json methods = json::array();
     // Dense, every page every step.
-    {
+    const bool staging = pool->stage_pages() > 0;
+    auto label = [&](std::string what, int st) { return st && staging ? what + "/staged" : what; };
+    for (const int st : o_.stage) {
+      if (st && !staging) continue;  // nothing on the host
       std::vector<std::unique_ptr<cuda::AttentionPlan>> plans;
       for (int l = 0; l < L; ++l) plans.push_back(std::make_unique<cuda::AttentionPlan>(caches[l].view(), shape_.group()));
-      methods.push_back(run_steps("dense", [&](int l, const float* q) {
+      methods.push_back(run_steps(label("dense", st), [&](int l, const float* q) {
         cuda::DeviceDecodeArgs a;
         a.kv = caches[l].view();
+        if (st) phase("stage", [&] { a.kv.page_table = pool->stage(a.kv, nullptr, nullptr, 0); });
         a.group = shape_.group();
         a.scale = 1.0f / std::sqrt(static_cast<float>(d));
         a.q = q;
         a.out = out.as<float>();
         a.lse = lse.as<float>();
-        cuda::attention_decode(a, *plans[l]);
-        pool->mark(a.kv, nullptr, nullptr, 0);
+        phase("attend", [&] { cuda::attention_decode(a, *plans[l]); });
+        phase("mark", [&] { pool->mark(caches[l].view(), nullptr, nullptr, 0); });
       }));
+      methods.back()["staged"] = st != 0;
     }
     // The sparse method, its index built first (timed apart).
     if (o_.method != kDenseMethod) {
@@ -318,18 +369,31 @@ class Runner {
       }
       cuda::device_synchronize();
       row["index_s"] = seconds_since(t0);
-      for (const int mp : o_.max_promote) {
-        pool->set_max_promote(mp);
-        methods.push_back(run_steps(fmt::format("{}/p{}", o_.method, mp), [&](int l, const float* q) {
-          decs[l]->select(q);
-          decs[l]->attend(q, out.as<float>(), nullptr);
-          pool->mark(caches[l].view(), decs[l]->list_idx(), decs[l]->list_len(), decs[l]->list_stride());
-        }));
-        methods.back()["max_promote"] = mp;
-        const cuda::SparseStepStats st = decs[0]->stats();
-        double tok = 0;
-        for (int x : st.tokens) tok += x;
-        methods.back()["kv_share_layer0"] = tok / (static_cast<double>(st.tokens.size()) * n);
+      for (const int sg : o_.stage) {
+        if (sg && !staging) continue;
+        for (const int mp : o_.max_promote) {
+          pool->set_max_promote(mp);
+          methods.push_back(run_steps(label(fmt::format("{}/p{}", o_.method, mp), sg), [&](int l, const float* q) {
+            cuda::SparseDecoder& dec = *decs[l];
+            phase("select", [&] { dec.select(q); });
+            phase("stage", [&] {
+              dec.set_attend_page_table(sg ? pool->stage(caches[l].view(), dec.dense_step() ? nullptr : dec.list_idx(),
+                                                         dec.list_len(), dec.list_stride())
+                                           : nullptr);
+            });
+            phase("attend", [&] { dec.attend(q, out.as<float>(), nullptr); });
+            phase("mark", [&] {
+              pool->mark(caches[l].view(), dec.dense_step() ? nullptr : dec.list_idx(), dec.list_len(),
+                         dec.list_stride());
+            });
+          }));
+          methods.back()["max_promote"] = mp;
+          methods.back()["staged"] = sg != 0;
+          const cuda::SparseStepStats st = decs[0]->stats();
+          double tok = 0;
+          for (int x : st.tokens) tok += x;
+          methods.back()["kv_share_layer0"] = tok / (static_cast<double>(st.tokens.size()) * n);
+        }
       }
     }
     row["methods"] = methods;
@@ -373,6 +437,7 @@ int main(int argc, char** argv) try {
     else if (a == "--key-stats") o.key_stats = true;
     else if (a == "--promote-reads") o.promote_reads = parse_int(next(), a);
     else if (a == "--max-promote") o.max_promote = int_list(a, next());
+    else if (a == "--stage") o.stage = int_list(a, next());
     else if (a == "--seed") o.seed = static_cast<uint64_t>(parse_int(next(), a));
     else if (a == "--json") o.json_path = next();
     else CUMULUS_FAIL("unknown argument '{}' (see the usage at the top of bench/cuda_tier_bench.cpp)", a);
@@ -387,6 +452,8 @@ int main(int argc, char** argv) try {
   CUMULUS_CHECK(o.promote_reads == 1 || o.promote_reads == 2, "--promote-reads={} must be 1 or 2", o.promote_reads);
   CUMULUS_CHECK(!o.max_promote.empty(), "--max-promote needs at least one value");
   for (int m : o.max_promote) CUMULUS_CHECK(m >= -1, "--max-promote: {} must be >= -1", m);
+  CUMULUS_CHECK(!o.stage.empty(), "--stage needs at least one value");
+  for (int v : o.stage) CUMULUS_CHECK(v == 0 || v == 1, "--stage: {} must be 0 or 1", v);
   CUMULUS_CHECK(o.device_kv_gib >= 0 && o.margin_gib >= 0, "--device-kv-gib={} and --margin-gib={} must be >= 0",
                 o.device_kv_gib, o.margin_gib);
   {
@@ -406,7 +473,7 @@ int main(int argc, char** argv) try {
   fmt::print("device-to-device copy: {:.0f} GB/s (read + write); pinned host-to-device copy: {:.1f} GB/s (median of 5 "
              "x 1 GiB)\n\n",
              copy, h2d);
-  fmt::print("{:<10} {:>8} {:>5} {:<16} {:>7} {:>7} {:>10} {:>8} {:>8} {:>9} {:>8} {:>7} {:>8} {:>9}\n", "case",
+  fmt::print("{:<10} {:>8} {:>5} {:<24} {:>7} {:>7} {:>10} {:>8} {:>8} {:>9} {:>8} {:>7} {:>8} {:>9}\n", "case",
              "context", "batch", "method", "dev GiB", "hostGiB", "ms/step", "tok/s", "hit", "pages", "PCIe GB", "GB/s",
              "plan ms", "KVfloor");
   ThreadPool tp(0);
@@ -414,7 +481,8 @@ int main(int argc, char** argv) try {
   json report = {{"device", dev},          {"copy_gbps", copy},     {"h2d_gbps", h2d},
                  {"layers", o.layers},     {"method", o.method},    {"params", o.params},
                  {"steps", o.steps},       {"warmup", o.warmup},    {"key_stats", o.key_stats},
-                 {"promote_reads", o.promote_reads}, {"max_promote", o.max_promote}, {"runs", json::array()}};
+                 {"promote_reads", o.promote_reads}, {"max_promote", o.max_promote}, {"stage", o.stage},
+                 {"runs", json::array()}};
   for (int n : o.contexts) report["runs"].push_back(runner.run({n, 1, 0, "batch1"}));
   if (!o.ratios.empty()) {
     const int64_t pages = static_cast<int64_t>(o.ratio_batch) * 8 * ((o.ratio_context + 15) / 16) * o.layers;

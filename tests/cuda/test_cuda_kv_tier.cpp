@@ -5,7 +5,10 @@
 // for dense, sketch_topp and quest, with a device tier of one mapping granule (most pages on
 // the host; promotions and demotions every step) and with an ample one (no host tier); at
 // the end every stored K/V row and page statistic equals the plain cache's, so no page was
-// lost or overwritten by a move. Then bad input.
+// lost or overwritten by a move. With a staging area (KvPagePool::stage: the host rows a
+// step reads copied to device memory before the attention, which reads them through the
+// staged table), large enough for a layer's host pages or too small for them (the rest read
+// in place), the outputs are again bit-identical. Then bad input.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -56,8 +59,8 @@ struct StepOut {
 class TierRun {
  public:
   TierRun(const std::string& method, const std::map<std::string, std::string>& params,
-          std::shared_ptr<cuda::KvPagePool> pool)
-      : method_(method), params_(params), pool_(std::move(pool)) {
+          std::shared_ptr<cuda::KvPagePool> pool, bool stage)
+      : method_(method), params_(params), pool_(std::move(pool)), stage_(stage) {
     for (int l = 0; l < kLayers; ++l) {
       plain_.caches.push_back(cuda::DeviceKvCache::create(kSeqs, kKv, kD, DType::f16, kPage, kMaxTokens));
       tier_.caches.push_back(cuda::DeviceKvCache::create(pool_, kSeqs, kKv, kMaxTokens));
@@ -91,6 +94,7 @@ class TierRun {
         for (int q = 0; q < kSeqs; ++q) s->caches[l].truncate(q, kLengths[q]);
     }
     cuda::device_synchronize();
+    pool_->reserve_stage(tier_.caches[0].view());
     const Registry reg = cuda::registry_with_gpu(Registry::builtin());
     const Shape shape{kLayers, kQ, kKv, kD};
     for (Side* s : {&plain_, &tier_})
@@ -121,6 +125,9 @@ class TierRun {
         cuda::SparseDecoder* dec = s->decoders[l].get();
         if (dec != nullptr) {
           dec->select(q.as<float>());
+          if (s == &tier_ && stage_)
+            dec->set_attend_page_table(pool_->stage(c.view(), dec->dense_step() ? nullptr : dec->list_idx(),
+                                                    dec->list_len(), dec->list_stride()));
           dec->attend(q.as<float>(), out.as<float>(), lse.as<float>());
           if (s == &tier_) pool_->mark(c.view(), dec->list_idx(), dec->list_len(), dec->list_stride());
         } else {
@@ -131,6 +138,7 @@ class TierRun {
           a.q = q.as<float>();
           a.out = out.as<float>();
           a.lse = lse.as<float>();
+          if (s == &tier_ && stage_) a.kv.page_table = pool_->stage(c.view(), nullptr, nullptr, 0);
           cuda::attention_decode(a, *s->plans[l]);
           if (s == &tier_) pool_->mark(c.view(), nullptr, nullptr, 0);
         }
@@ -165,6 +173,7 @@ class TierRun {
   std::string method_;
   std::map<std::string, std::string> params_;
   std::shared_ptr<cuda::KvPagePool> pool_;
+  bool stage_ = false;
   Side plain_, tier_;
   cuda::TierStats last_;
 };
@@ -187,15 +196,22 @@ TEST(CudaKvTier, TierChangesWhereBytesLiveNeverTheAnswer) {
     std::map<std::string, std::string> params;
     bool key_stats = true;
     int promote_reads = 1;
+    int stage = 0;  // staging pages: 0 none, 1 one granule (fewer than a layer's host pages), 2 a layer's share
   };
   const std::vector<Case> cases{{"dense", {}},
                                 {"sketch_topp", {{"gpu_dense_mib", "0"}}},
                                 {"sketch_topp", {{"gpu_dense_mib", "0"}}, false, 2},
-                                {"quest", {{"budget", "512"}}}};
+                                {"quest", {{"budget", "512"}}},
+                                {"dense", {}, true, 1, 1},
+                                {"dense", {}, true, 1, 2},
+                                {"sketch_topp", {{"gpu_dense_mib", "0"}}, true, 2, 1},
+                                {"sketch_topp", {{"gpu_dense_mib", "0"}}, false, 1, 2},
+                                {"quest", {{"budget", "512"}}, true, 1, 2}};
   for (const Case& c : cases)
     for (const bool tiny : {true, false}) {
       SCOPED_TRACE(c.method + (tiny ? ", one-granule device tier" : ", ample device tier") +
-                   (c.key_stats ? "" : ", no key statistics") + ", promote_reads " + std::to_string(c.promote_reads));
+                   (c.key_stats ? "" : ", no key statistics") + ", promote_reads " + std::to_string(c.promote_reads) +
+                   ", stage " + std::to_string(c.stage));
       const int64_t granule = cuda::KvPagePool::device_pages_granule(kD, DType::f16, kPage, c.key_stats);
       cuda::KvPoolOptions o;
       o.key_stats = c.key_stats;
@@ -205,13 +221,17 @@ TEST(CudaKvTier, TierChangesWhereBytesLiveNeverTheAnswer) {
       o.page_size = kPage;
       o.device_pages = tiny ? granule : (need + granule) / granule * granule;
       o.host_pages = tiny ? need : 0;
+      o.stage_pages = c.stage == 1 ? 1 : c.stage == 2 ? need / kLayers : 0;
       auto pool = cuda::KvPagePool::create(o);
-      TierRun run(c.method, c.params, pool);
+      if (tiny && c.stage == 1) {
+        ASSERT_LT(pool->stage_pages(), need / kLayers / 2) << "the small staging area must not hold a layer's pages";
+      }
+      TierRun run(c.method, c.params, pool, c.stage != 0);
       if (tiny) {
         EXPECT_GT(pool->free_host_pages(), 0);
       }
       std::mt19937 rng(99);
-      int64_t misses = 0, promoted = 0, hits = 0;
+      int64_t misses = 0, promoted = 0, hits = 0, staged = 0, unstaged = 0;
       for (int t = 0; t < kSteps; ++t) {
         std::vector<StepOut> a, b;
         run.step(rng, a, b);
@@ -224,6 +244,8 @@ TEST(CudaKvTier, TierChangesWhereBytesLiveNeverTheAnswer) {
         misses += run.last().misses;
         promoted += run.last().promoted;
         hits += run.last().hits;
+        staged += run.last().staged_rows;
+        unstaged += run.last().unstaged_pages;
       }
       std::printf("%s %s promote_reads %d: hits %lld misses %lld promoted %lld over %d steps\n", c.method.c_str(),
                   tiny ? "tiny" : "ample", c.promote_reads, static_cast<long long>(hits),
@@ -231,6 +253,15 @@ TEST(CudaKvTier, TierChangesWhereBytesLiveNeverTheAnswer) {
       if (tiny) {
         EXPECT_GT(hits, 0);
         EXPECT_GT(misses, 0);
+        // Staging copied rows; a one-granule area was too small for dense's host pages,
+        // and a layer's share held every page a step read.
+        EXPECT_EQ(staged > 0, c.stage != 0);
+        if (c.stage == 1 && c.method == "dense") {
+          EXPECT_GT(unstaged, 0);
+        }
+        if (c.stage != 1) {
+          EXPECT_EQ(unstaged, 0);
+        }
         // Dense reads every page each step, more than the device holds: LRU then promotes
         // nothing (each device page was used in the same step), and the host pages are
         // read where they are. The sparse methods read a subset, and promote.
@@ -251,6 +282,8 @@ TEST(CudaKvTier, TierChangesWhereBytesLiveNeverTheAnswer) {
         EXPECT_EQ(pool->victims(300), order);
       } else {
         EXPECT_EQ(hits + misses, 0);  // one tier: nothing is marked
+        EXPECT_EQ(pool->stage_pages(), 0);  // nothing to stage
+        EXPECT_EQ(staged, 0);
       }
       run.expect_same_contents();
     }
@@ -282,5 +315,14 @@ TEST(CudaKvTier, BadInputIsRefused) {
   // Pages of another cache's memory are not the pool's.
   auto other = cuda::DeviceKvCache::create(1, 1, 128, DType::f16, 16, 64);
   expect_error([&] { pool->mark(other.view(), nullptr, nullptr, 0); }, "not this pool's");
+  expect_error([&] { pool->stage(other.view(), nullptr, nullptr, 0); }, "not this pool's");
+  o.stage_pages = -1;
+  expect_error([&] { cuda::KvPagePool::create(o); }, "stage_pages=-1");
+  // stage() needs its scratch sized first.
+  o.stage_pages = 1;
+  o.host_pages = 1;
+  auto staged = cuda::KvPagePool::create(o);
+  auto sc = cuda::DeviceKvCache::create(staged, 1, 1, 64);
+  expect_error([&] { staged->stage(sc.view(), nullptr, nullptr, 0); }, "reserve_stage() was not called");
   expect_error([&] { cuda::DeviceKvCache::create(nullptr, 1, 1, 16); }, "the pool is null");
 }

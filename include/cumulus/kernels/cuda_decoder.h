@@ -58,6 +58,11 @@ class SparseDecoder {
   void attend(const float* q, float* out, float* lse, const float* lse_ref = nullptr, float* mass = nullptr,
               void* stream = nullptr);
 
+  // attend() reads pages through this table instead of the view's (null: the view's own):
+  // a table with the same pages at other slots, as KvPagePool::stage returns, where copies
+  // of host pages wait in device memory. Selection always reads the view's own table.
+  void set_attend_page_table(const int32_t* table);
+
   // The lists of the last select(): idx [n_seqs][n_kv_heads][stride], len [n_seqs][n_kv_heads]
   // (not written by a step that a method's cost rule sends wholly to dense attention:
   // stats() then reports every token).

@@ -3,9 +3,11 @@
 // range of device addresses per array, so that every kernel reads a page wherever it lives
 // (a host page over PCIe, as mapped pinned memory is read) and a page's tier changes where
 // its bytes are, never what a kernel computes from them. Slots [0, device_pages) are device
-// memory, [device_pages, device_pages + host_pages) host memory. One pool serves every layer
-// and sequence (Progressive Sparse Attention's unified block pool): DeviceKvCache::create
-// over a pool takes its pages from it. Recency lives on the device: each slot keeps the last
+// memory, [device_pages, device_pages + host_pages) host memory, and K and V have
+// stage_pages more device slots after those, where stage() copies the host rows a layer's
+// attention reads (a staged table points at them; no cache's own table does). One pool
+// serves every layer and sequence (Progressive Sparse Attention's unified block pool):
+// DeviceKvCache::create over a pool takes its pages from it. Recency lives on the device: each slot keeps the last
 // step that read or placed its page. After each decode step, the host pages read in this
 // step and the one before (promote_reads 2; every host page read, 1) are promoted over the
 // least recently used device pages, which go to the host (Progressive Sparse Attention's LRU
@@ -46,6 +48,11 @@ struct KvPoolOptions {
   // them). false: K and V alone, 16% less memory at head_dim 128; the views' statistics are
   // null, and a decoder that needs them refuses the view.
   bool key_stats = true;
+  // Device slots for staging (stage()): a layer's attention reads the host rows its lists
+  // name from copies here, gathered over PCIe by one kernel at the copy rate, instead of
+  // reading them in place (ours). 0: none, host rows are read in place. Rounded up to the
+  // mapping granularity of the K and V arrays; the area follows the host tier's slots.
+  int64_t stage_pages = 0;
 };
 
 // One step's tier work, and the sums over steps.
@@ -55,6 +62,8 @@ struct TierStats {
   int64_t promoted = 0, demoted = 0;  // pages moved to the device, and from it to make room
   int64_t host_rows = 0;      // K/V rows the step's lists read from host pages (over PCIe)
   int64_t moved_bytes = 0;    // bytes the moves copied across PCIe (both directions)
+  int64_t staged_rows = 0;    // K/V rows stage() copied from host pages to the staging area
+  int64_t unstaged_pages = 0; // host pages stage() found no staging slot for (read in place)
   double wait_ms = 0;         // end_step()'s wait for the step's work and its counts
   double plan_ms = 0;         // then its host time: candidates, victims, the moves' launch
   double hit_rate() const { return hits + misses > 0 ? static_cast<double>(hits) / (hits + misses) : 1.0; }
@@ -66,6 +75,8 @@ struct TierStats {
     demoted += o.demoted;
     host_rows += o.host_rows;
     moved_bytes += o.moved_bytes;
+    staged_rows += o.staged_rows;
+    unstaged_pages += o.unstaged_pages;
     wait_ms += o.wait_ms;
     plan_ms += o.plan_ms;
     return *this;
@@ -100,7 +111,7 @@ class KvPagePool {
   float* kmin() const { return static_cast<float*>(arr_[2].va); }
   float* kmax() const { return static_cast<float*>(arr_[3].va); }
   float* kmean() const { return static_cast<float*>(arr_[4].va); }
-  size_t device_bytes() const;
+  size_t device_bytes() const;  // the device tier and the staging area
   size_t host_bytes() const;
   int64_t free_device_pages() const { return slots_.free_device(); }
   int64_t free_host_pages() const { return slots_.free_host(); }
@@ -136,6 +147,24 @@ class KvPagePool {
   // the step's reads), and advances the step's clock. Returns this step's numbers (also added
   // to totals()). A page placed in a step counts as read in it.
   TierStats end_step(void* stream = nullptr);
+
+  // ---- staging: host rows read from device memory (ours) ----
+  // Sizes the scratch of stage() for views of this shape (n_seqs, n_kv_heads, max_pages):
+  // call it outside any captured graph, before the first stage(). Nothing without a staging
+  // area.
+  void reserve_stage(const DeviceKvView& kv);
+  // Before one layer's attention: copies the host rows its lists read (idx, len, stride as
+  // mark() takes them; idx == nullptr: every page of every sequence) to staging slots, one
+  // staging slot per host page read, each row to the same row of its copy, and returns the
+  // layer's page table with those pages pointing at their copies. Attention over the
+  // returned table reads the same bytes at the same positions, so it computes exactly what
+  // it would over kv.page_table, with every row from device memory; host pages beyond the
+  // staging area keep their own slots (read in place). Asynchronous, on `stream`, and
+  // capturable; the table is valid until the next stage(). Returns kv.page_table itself,
+  // enqueuing nothing, without a staging area or a host tier.
+  const int32_t* stage(const DeviceKvView& kv, const int32_t* idx, const int32_t* len, int stride,
+                       void* stream = nullptr);
+  int64_t stage_pages() const { return o_.host_pages > 0 ? o_.stage_pages : 0; }
   const TierStats& totals() const { return totals_; }
   // Changes options().max_promote from the next end_step() on (benchmarks compare policies
   // over one filled pool).
@@ -146,8 +175,8 @@ class KvPagePool {
   struct Array {
     void* va = nullptr;
     size_t bytes_per_page = 0, reserved = 0;
-    unsigned long long dev_handle = 0, host_handle = 0;
-    size_t dev_bytes = 0, host_bytes = 0;
+    unsigned long long dev_handle = 0, host_handle = 0, stage_handle = 0;
+    size_t dev_bytes = 0, host_bytes = 0, stage_bytes = 0;
   };
   using Arrays = KvPoolArrays;
   KvPagePool(const KvPoolOptions& o);
@@ -166,6 +195,7 @@ class KvPagePool {
   bool last_stream_set_ = false;
   std::vector<int32_t*> owner_dev_, owner_host_;  // [slot] the page-table entry of its page
   DeviceBuffer epoch_, step_, cands_, counters_, moves_, sort_keys_, sort_vals_, sort_temp_;
+  DeviceBuffer staged_table_, touched_;  // stage(): the returned table; the pages a list reads
   std::vector<int32_t> cands_host_;
   TierStats totals_;
 };

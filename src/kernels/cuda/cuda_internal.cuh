@@ -130,6 +130,8 @@ struct SparseDecoder::Base {
   // dense_kv_bytes): select() writes no list, attend() runs the dense kernel, stats()
   // reports every token with claim 1.
   bool dense_step = false;
+  // attend()'s page table when set (set_attend_page_table), else kv.page_table.
+  const int32_t* attend_table = nullptr;
   // [n_seqs * n_q] set by a method whose heads may attend no set (lfps's sink bypass): a
   // nonzero entry leaves its head out of the tokens attended (accumulate_stats, stats()).
   const int* bypass = nullptr;

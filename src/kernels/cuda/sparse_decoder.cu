@@ -45,6 +45,7 @@ void SparseDecoder::attend(const float* q, float* out, float* lse, const float* 
   Base& b = *base_;
   DeviceDecodeArgs a;
   a.kv = b.kv;
+  if (b.attend_table != nullptr) a.kv.page_table = b.attend_table;
   a.group = b.group;
   a.scale = 1.0f / std::sqrt(static_cast<float>(b.kv.head_dim));
   a.q = q;
@@ -60,6 +61,7 @@ void SparseDecoder::attend(const float* q, float* out, float* lse, const float* 
   if (needs_lse()) after_attend(lse, out, mass, stream);
 }
 
+void SparseDecoder::set_attend_page_table(const int32_t* table) { base_->attend_table = table; }
 const int32_t* SparseDecoder::list_idx() const { return base_->idx.as<int32_t>(); }
 bool SparseDecoder::dense_step() const { return base().dense_step; }
 const int32_t* SparseDecoder::list_len() const { return base_->len.as<int32_t>(); }

@@ -114,11 +114,15 @@ void check_options(const KvPoolOptions& o) {
   CUMULUS_CHECK(o.host_pages >= 0, "KvPagePool: host_pages={} must be >= 0", o.host_pages);
   CUMULUS_CHECK(o.promote_reads == 1 || o.promote_reads == 2, "KvPagePool: promote_reads={} must be 1 or 2",
                 o.promote_reads);
+  CUMULUS_CHECK(o.stage_pages >= 0, "KvPagePool: stage_pages={} must be >= 0", o.stage_pages);
 }
 
 // ---- kernels ----
 
 constexpr int32_t kFreeEpoch = 0x7fffffff;  // a free slot: never read, never a victim
+// counters_: [0] candidates, [1] K/V rows read from host slots, [2] hits, [3] misses (mark);
+// [4] staging slots taken by this stage() call, [5] rows staged, [6] host pages left unstaged.
+constexpr int kCounters = 7;
 
 // Block-wide sum of one value per thread, added to *dst by thread 0.
 __device__ void block_add(unsigned long long v, unsigned long long* dst) {
@@ -136,8 +140,8 @@ __device__ void block_add(unsigned long long v, unsigned long long* dst) {
   __syncthreads();  // part[] is read before the next call writes it
 }
 
-// Grid (n_lists), 256 threads: the pages list l reads (every cached page when idx is null)
-// get this step's epoch. A page's first read in the step counts a hit (device slot) or a
+// Grid (n_lists, chunks), 256 threads: the pages list l reads (every cached page when idx is
+// null) get this step's epoch. A page's first read in the step counts a hit (device slot) or a
 // miss (host slot); a host page whose epoch was the previous step's, or any host page when
 // promote_reads is 1, joins the candidates. counters: [0] candidates, [1] K/V rows read
 // from host slots, [2] hits, [3] misses.
@@ -161,7 +165,7 @@ __global__ void tier_mark_kernel(DeviceKvView kv, const int32_t* __restrict__ id
   };
   if (idx == nullptr) {
     const int n_pages = (n_tok + kv.page_size - 1) >> kv.page_shift;
-    for (int p = threadIdx.x; p < n_pages; p += blockDim.x) {
+    for (int p = blockIdx.y * blockDim.x + threadIdx.x; p < n_pages; p += gridDim.y * blockDim.x) {
       const int32_t slot = pt[p];
       if (slot >= device_pages) host_rows += min(kv.page_size, n_tok - (p << kv.page_shift));
       first_read(slot);
@@ -169,7 +173,7 @@ __global__ void tier_mark_kernel(DeviceKvView kv, const int32_t* __restrict__ id
   } else {
     const int32_t* li = idx + static_cast<size_t>(l) * stride;
     const int n = len[l];
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < n; i += gridDim.y * blockDim.x) {
       const int p = li[i] >> kv.page_shift;
       const int32_t slot = pt[p];
       if (slot >= device_pages) ++host_rows;
@@ -180,6 +184,93 @@ __global__ void tier_mark_kernel(DeviceKvView kv, const int32_t* __restrict__ id
   block_add(host_rows, counters + 1);
   block_add(hits, counters + 2);
   block_add(misses, counters + 3);
+}
+
+// Grid (n_lists, chunks): the pages that list l reads get touched[l][page] = 1.
+__global__ void tier_touch_kernel(DeviceKvView kv, const int32_t* __restrict__ idx, const int32_t* __restrict__ len,
+                                  int stride, uint8_t* touched) {
+  const int l = blockIdx.x;
+  const int32_t* li = idx + static_cast<size_t>(l) * stride;
+  uint8_t* t = touched + static_cast<size_t>(l) * kv.max_pages;
+  const int n = len[l];
+  for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < n; i += gridDim.y * blockDim.x) t[li[i] >> kv.page_shift] = 1;
+}
+
+// One thread per page-table entry of the layer: staged[i] is the entry's own slot, or, for a
+// cached page in a host slot that the step reads (touched, or every one when touched is
+// null), the next staging slot while there is one (warp-aggregated; which page gets which
+// staging slot does not matter, every copy holds the same bytes).
+__global__ void tier_stage_assign_kernel(DeviceKvView kv, const uint8_t* __restrict__ touched, int32_t host_begin,
+                                         int32_t host_end, int32_t stage_pages, int32_t* __restrict__ staged,
+                                         unsigned long long* counters) {
+  const size_t total = static_cast<size_t>(kv.n_seqs) * kv.n_kv_heads * kv.max_pages;
+  const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  bool want = false;
+  int32_t slot = -1;
+  if (i < total) {
+    const int l = static_cast<int>(i / kv.max_pages), p = static_cast<int>(i % kv.max_pages);
+    const int n_pages = (kv.n_tokens[l / kv.n_kv_heads] + kv.page_size - 1) >> kv.page_shift;
+    slot = kv.page_table[i];
+    want = p < n_pages && slot >= host_begin && slot < host_end && (touched == nullptr || touched[i] != 0);
+  }
+  const unsigned mask = __ballot_sync(0xffffffffu, want);
+  const int lane = threadIdx.x & 31;
+  unsigned long long base = 0;
+  if (mask != 0) {
+    const int leader = __ffs(mask) - 1;
+    if (lane == leader) base = atomicAdd(counters + 4, static_cast<unsigned long long>(__popc(mask)));
+    base = __shfl_sync(0xffffffffu, base, leader);
+  }
+  if (i >= total) return;
+  if (want) {
+    const unsigned long long j = base + __popc(mask & ((1u << lane) - 1u));
+    if (j < static_cast<unsigned long long>(stage_pages))
+      slot = host_end + static_cast<int32_t>(j);  // the staging slots follow the host tier's
+    else
+      atomicAdd(counters + 6, 1ull);
+  }
+  staged[i] = slot;
+}
+
+// Grid (n_lists, chunks): each row that list l reads (every row of every cached page when idx
+// is null) whose page got a staging slot is copied there, K and V, to the same row; one
+// thread per 16 bytes of a row, so consecutive threads read one row's bytes together.
+__global__ void tier_stage_copy_kernel(DeviceKvView kv, const int32_t* __restrict__ idx,
+                                       const int32_t* __restrict__ len, int stride,
+                                       const int32_t* __restrict__ staged, KvPoolArrays arr,
+                                       unsigned long long* counters) {
+  const int l = blockIdx.x;
+  const int n_tok = kv.n_tokens[l / kv.n_kv_heads];
+  const int row_bytes = arr.bytes[0] >> kv.page_shift;
+  const int per_row = row_bytes / 16;
+  const int32_t* pt = kv.page_table + static_cast<size_t>(l) * kv.max_pages;
+  const int32_t* st = staged + static_cast<size_t>(l) * kv.max_pages;
+  const int32_t* li = idx != nullptr ? idx + static_cast<size_t>(l) * stride : nullptr;
+  const int n = li != nullptr ? len[l] : ((n_tok + kv.page_size - 1) >> kv.page_shift) << kv.page_shift;
+  const long long total = static_cast<long long>(n) * per_row;
+  unsigned long long rows = 0;
+  for (long long c = static_cast<long long>(blockIdx.y) * blockDim.x + threadIdx.x; c < total;
+       c += static_cast<long long>(gridDim.y) * blockDim.x) {
+    const int e = static_cast<int>(c / per_row), o = static_cast<int>(c % per_row);
+    const int t = li != nullptr ? li[e] : e;
+    const int p = t >> kv.page_shift;
+    const int32_t from = pt[p], to = st[p];
+    if (from == to) continue;
+    const size_t r = static_cast<size_t>(t & (kv.page_size - 1)) * row_bytes + static_cast<size_t>(o) * 16;
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const uint4 w = __ldcs(reinterpret_cast<const uint4*>(arr.base[x] + static_cast<size_t>(from) * arr.bytes[x] + r));
+      *reinterpret_cast<uint4*>(arr.base[x] + static_cast<size_t>(to) * arr.bytes[x] + r) = w;
+    }
+    rows += o == 0;
+  }
+  block_add(rows, counters + 5);
+}
+
+// Blocks per list for the kernels that walk a layer's lists (one list can be a million
+// tokens at batch 1): eight per multiprocessor in all, enough to keep PCIe reads in flight.
+unsigned list_chunks(int n_lists) {
+  return static_cast<unsigned>(std::clamp(8 * sm_count() / std::max(n_lists, 1), 1, 65535));
 }
 
 // Sort keys of the device slots, least recently used first: 0xfffe - min(age, 0xfffe) for a
@@ -285,14 +376,19 @@ std::shared_ptr<KvPagePool> KvPagePool::create(const KvPoolOptions& options) {
                 o.device_pages, granule);
   o.device_pages = dev_pages;
   o.host_pages = (o.host_pages + granule - 1) / granule * granule;
-  CUMULUS_CHECK(o.device_pages + o.host_pages <= INT32_MAX, "KvPagePool: {} device + {} host pages exceed int32",
-                o.device_pages, o.host_pages);
+  if (o.host_pages == 0) o.stage_pages = 0;  // nothing to stage
+  const int64_t kv_granule = device_pages_granule(o.head_dim, o.dtype, o.page_size, false);
+  o.stage_pages = (o.stage_pages + kv_granule - 1) / kv_granule * kv_granule;
+  CUMULUS_CHECK(o.device_pages + o.host_pages + o.stage_pages <= INT32_MAX,
+                "KvPagePool: {} device + {} host + {} staging pages exceed int32", o.device_pages, o.host_pages,
+                o.stage_pages);
   std::shared_ptr<KvPagePool> pool(new KvPagePool(o));
   size_t b[5];
   array_page_bytes(o.head_dim, o.dtype, o.page_size, o.key_stats, b);
   const size_t g = std::max(granularity(false), granularity(true));
   const size_t per_page = b[0] + b[1] + b[2] + b[3] + b[4];
-  const size_t dev_total = per_page * static_cast<size_t>(o.device_pages);
+  const size_t dev_total =
+      per_page * static_cast<size_t>(o.device_pages) + (b[0] + b[1]) * static_cast<size_t>(o.stage_pages);
   const size_t host_total = per_page * static_cast<size_t>(o.host_pages);
   const size_t dev_free = device_free_bytes();
   if (dev_total > dev_free)
@@ -306,7 +402,8 @@ std::shared_ptr<KvPagePool> KvPagePool::create(const KvPoolOptions& options) {
     a.bytes_per_page = b[x];
     a.dev_bytes = b[x] * static_cast<size_t>(o.device_pages);
     a.host_bytes = b[x] * static_cast<size_t>(o.host_pages);
-    a.reserved = a.dev_bytes + a.host_bytes;
+    a.stage_bytes = x < 2 ? b[x] * static_cast<size_t>(o.stage_pages) : 0;  // K and V only
+    a.reserved = a.dev_bytes + a.host_bytes + a.stage_bytes;
     CUdeviceptr va = 0;
     CUresult r = drv.mem_address_reserve(&va, a.reserved, g, 0, 0);
     CUMULUS_CHECK(r == CUDA_SUCCESS, "KvPagePool: reserving {} bytes of device addresses: {}", a.reserved,
@@ -332,6 +429,15 @@ std::shared_ptr<KvPagePool> KvPagePool::create(const KvPoolOptions& options) {
       r = drv.mem_map(va + a.dev_bytes, a.host_bytes, 0, h, 0);
       CUMULUS_CHECK(r == CUDA_SUCCESS, "KvPagePool: mapping the host tier into device addresses: {}", cu_error(r));
     }
+    if (a.stage_bytes > 0) {
+      r = drv.mem_create(&h, a.stage_bytes, &pd, 0);
+      if (r != CUDA_SUCCESS)
+        throw DeviceMemoryError(fmt::format("KvPagePool: the staging area's {} bytes for one array: {}",
+                                            a.stage_bytes, cu_error(r)));
+      a.stage_handle = h;
+      r = drv.mem_map(va + a.dev_bytes + a.host_bytes, a.stage_bytes, 0, h, 0);
+      CUMULUS_CHECK(r == CUDA_SUCCESS, "KvPagePool: mapping the staging area: {}", cu_error(r));
+    }
     CUmemAccessDesc acc{};
     acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     acc.location.id = dev;
@@ -348,7 +454,7 @@ std::shared_ptr<KvPagePool> KvPagePool::create(const KvPoolOptions& options) {
   pool->epoch_ = to_device(std::vector<int32_t>(slots, kFreeEpoch));
   if (o.host_pages > 0) pool->cands_ = DeviceBuffer(static_cast<size_t>(o.host_pages) * sizeof(int32_t));
   pool->step_ = to_device(std::vector<int32_t>{static_cast<int32_t>(pool->time_)});
-  pool->counters_ = DeviceBuffer(4 * sizeof(unsigned long long));
+  pool->counters_ = DeviceBuffer(kCounters * sizeof(unsigned long long));
   pool->counters_.fill_bytes(0);
   CUMULUS_CUDA_CHECK(cudaDeviceSynchronize());
   return pool;
@@ -369,12 +475,17 @@ KvPagePool::~KvPagePool() {
       drv.mem_unmap(va + a.dev_bytes, a.host_bytes);
       drv.mem_release(a.host_handle);
     }
+    if (a.stage_handle != 0) {
+      drv.mem_unmap(va + a.dev_bytes + a.host_bytes, a.stage_bytes);
+      drv.mem_release(a.stage_handle);
+    }
     drv.mem_address_free(va, a.reserved);
   }
 }
 
 size_t KvPagePool::device_bytes() const {
-  return page_bytes(o_.head_dim, o_.dtype, o_.page_size, o_.key_stats) * static_cast<size_t>(o_.device_pages);
+  return page_bytes(o_.head_dim, o_.dtype, o_.page_size, o_.key_stats) * static_cast<size_t>(o_.device_pages) +
+         page_bytes(o_.head_dim, o_.dtype, o_.page_size, false) * static_cast<size_t>(o_.stage_pages);
 }
 size_t KvPagePool::host_bytes() const {
   return page_bytes(o_.head_dim, o_.dtype, o_.page_size, o_.key_stats) * static_cast<size_t>(o_.host_pages);
@@ -503,10 +614,48 @@ void KvPagePool::mark(const DeviceKvView& kv, const int32_t* idx, const int32_t*
                 "KvPagePool::mark: lists need len and a stride >= 1 (stride={})", stride);
   if (o_.host_pages == 0) return;  // one tier: nothing to decide
   const int n_lists = kv.n_seqs * kv.n_kv_heads;
-  tier_mark_kernel<<<n_lists, 256, 0, as_stream(stream)>>>(
+  tier_mark_kernel<<<dim3(n_lists, list_chunks(n_lists)), 256, 0, as_stream(stream)>>>(
       kv, idx, len, stride, static_cast<int32_t>(o_.device_pages), step_.as<int32_t>(), o_.promote_reads,
       epoch_.as<int32_t>(), cands_.as<int32_t>(), counters_.as<unsigned long long>());
   CUMULUS_CUDA_LAUNCH("tier_mark_kernel");
+}
+
+void KvPagePool::reserve_stage(const DeviceKvView& kv) {
+  if (stage_pages() == 0) return;
+  const size_t entries = static_cast<size_t>(kv.n_seqs) * kv.n_kv_heads * kv.max_pages;
+  if (staged_table_.size() < entries * sizeof(int32_t)) staged_table_ = DeviceBuffer(entries * sizeof(int32_t));
+  if (touched_.size() < entries) touched_ = DeviceBuffer(entries);
+}
+
+const int32_t* KvPagePool::stage(const DeviceKvView& kv, const int32_t* idx, const int32_t* len, int stride,
+                                 void* stream) {
+  CUMULUS_CHECK(kv.k == arr_[0].va, "KvPagePool::stage: the view's pages are not this pool's");
+  CUMULUS_CHECK(idx == nullptr || (len != nullptr && stride >= 1),
+                "KvPagePool::stage: lists need len and a stride >= 1 (stride={})", stride);
+  if (stage_pages() == 0) return kv.page_table;
+  const size_t entries = static_cast<size_t>(kv.n_seqs) * kv.n_kv_heads * kv.max_pages;
+  CUMULUS_CHECK(staged_table_.size() >= entries * sizeof(int32_t),
+                "KvPagePool::stage: reserve_stage() was not called for views of {} page-table entries", entries);
+  const cudaStream_t st = as_stream(stream);
+  const int n_lists = kv.n_seqs * kv.n_kv_heads;
+  const unsigned chunks = list_chunks(n_lists);
+  if (idx != nullptr) {
+    CUMULUS_CUDA_CHECK(cudaMemsetAsync(touched_.data(), 0, entries, st));
+    tier_touch_kernel<<<dim3(n_lists, chunks), 256, 0, st>>>(kv, idx, len, stride, touched_.as<uint8_t>());
+    CUMULUS_CUDA_LAUNCH("tier_touch_kernel");
+  }
+  unsigned long long* c = counters_.as<unsigned long long>();
+  CUMULUS_CUDA_CHECK(cudaMemsetAsync(c + 4, 0, sizeof(unsigned long long), st));
+  const int32_t host_begin = static_cast<int32_t>(o_.device_pages);
+  const int32_t host_end = static_cast<int32_t>(o_.device_pages + o_.host_pages);
+  tier_stage_assign_kernel<<<static_cast<unsigned>(ceil_div(static_cast<int64_t>(entries), 256)), 256, 0, st>>>(
+      kv, idx != nullptr ? touched_.as<uint8_t>() : nullptr, host_begin, host_end,
+      static_cast<int32_t>(o_.stage_pages), staged_table_.as<int32_t>(), c);
+  CUMULUS_CUDA_LAUNCH("tier_stage_assign_kernel");
+  tier_stage_copy_kernel<<<dim3(n_lists, chunks), 256, 0, st>>>(kv, idx, len, stride, staged_table_.as<int32_t>(),
+                                                                arrays(), c);
+  CUMULUS_CUDA_LAUNCH("tier_stage_copy_kernel");
+  return staged_table_.as<int32_t>();
 }
 
 TierStats KvPagePool::end_step(void* stream) {
@@ -515,7 +664,7 @@ TierStats KvPagePool::end_step(void* stream) {
   TierStats s;
   s.steps = 1;
   if (o_.host_pages > 0) {
-    unsigned long long c[4];
+    unsigned long long c[kCounters];
     const cudaStream_t st = as_stream(stream);
     CUMULUS_CUDA_CHECK(cudaMemcpyAsync(c, counters_.data(), sizeof(c), cudaMemcpyDeviceToHost, st));
     CUMULUS_CUDA_CHECK(cudaStreamSynchronize(st));
@@ -543,6 +692,8 @@ TierStats KvPagePool::end_step(void* stream) {
     s.hits = static_cast<int64_t>(c[2]);
     s.misses = static_cast<int64_t>(c[3]);
     s.host_rows = static_cast<int64_t>(c[1]);
+    s.staged_rows = static_cast<int64_t>(c[5]);
+    s.unstaged_pages = static_cast<int64_t>(c[6]);
     s.promoted = static_cast<int64_t>(moves.size());
     for (const PageMove& m : moves) s.demoted += owner_dev_[m.a] != nullptr;
   }

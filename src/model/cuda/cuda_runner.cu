@@ -91,6 +91,20 @@ cuda::KvPoolOptions tier_options(const ModelConfig& c, const SessionOptions& o, 
                 "--device-kv-gib={}: the device tier must hold at least one mapping granule of {} pages ({:.3f} GiB)",
                 o.device_kv_gib, granule, static_cast<double>(granule * page) / 1073741824.0);
   p.host_pages = std::max<int64_t>(0, pages - p.device_pages / granule * granule);
+  if (p.host_pages > 0) {
+    // The staging area (KvPagePool::stage): one layer's host pages, out of the device tier's
+    // bytes while it keeps a granule. Layers get equal shares of the host tier (the pages are
+    // reserved in rounds across layers); a step that reads more host pages than the area
+    // holds reads the rest in place.
+    const size_t kv_page = cuda::KvPagePool::page_bytes(p.head_dim, p.dtype, p.page_size, false);
+    const auto share = [&] { return (p.host_pages + c.n_layers - 1) / c.n_layers; };
+    const int64_t give = (static_cast<int64_t>((share() * kv_page + page - 1) / page) + granule - 1) / granule * granule;
+    if (p.device_pages - give >= granule) {
+      p.device_pages -= give;
+      p.host_pages += give;
+    }
+    p.stage_pages = share();
+  }
   return p;
 }
 
@@ -352,6 +366,7 @@ CudaRunner::CudaRunner(const ModelConfig& c, const SessionOptions& o, int n_seqs
     }
     cuda::device_synchronize();  // the last round's step, on the default stream, before any capture
     pool_->reset_totals();
+    pool_->reserve_stage(kv_[0].view());  // every layer's view has this shape
   }
   if (cuda::head_dim_supported_cuda(c_.head_dim))
     plan_ = std::make_unique<cuda::AttentionPlan>(kv_[0].view(), c_.shape().group());
@@ -727,9 +742,10 @@ void CudaRunner::enqueue_forward(int n, bool decode_mode, bool greedy) {
                                   st_);
     }
     kv.append(k, v, decode_mode ? 1 : n, st_);
-    auto attend_dense = [&](float* out, float* lse) {
+    auto attend_dense = [&](float* out, float* lse, const int32_t* table = nullptr) {
       cuda::DeviceDecodeArgs a;
       a.kv = kv.view();
+      if (table != nullptr) a.kv.page_table = table;  // KvPagePool::stage's
       a.group = c.shape().group();
       a.scale = scale;
       a.q = q;
@@ -740,6 +756,11 @@ void CudaRunner::enqueue_forward(int n, bool decode_mode, bool greedy) {
     if (decode_mode && dec_[l]) {
       cuda::SparseDecoder& d = *dec_[l];
       d.select(q, st_);
+      // The host rows the lists read, copied to the device first (eval mode's dense pass
+      // reads every page in place).
+      if (pool_ && !opt_.eval)
+        d.set_attend_page_table(pool_->stage(kv.view(), d.dense_step() ? nullptr : d.list_idx(), d.list_len(),
+                                             d.list_stride(), st_));
       if (opt_.eval) {
         // The dense pass, then the method's attention judged against its log-sum-exp.
         const size_t h0 = static_cast<size_t>(l) * c.n_heads;
@@ -757,7 +778,7 @@ void CudaRunner::enqueue_forward(int n, bool decode_mode, bool greedy) {
       }
       cuda::model::to_half(att_.as<float>(), static_cast<size_t>(n) * qd, att16, st_);
     } else if (decode_mode && plan_) {
-      attend_dense(att_.as<float>(), lse_.as<float>());
+      attend_dense(att_.as<float>(), lse_.as<float>(), pool_ ? pool_->stage(kv.view(), nullptr, nullptr, 0, st_) : nullptr);
       if (pool_) pool_->mark(kv.view(), nullptr, nullptr, 0, st_);
       cuda::model::to_half(att_.as<float>(), static_cast<size_t>(n) * qd, att16, st_);
     } else if (prefill_tuned) {
@@ -828,8 +849,15 @@ size_t kv_device_bytes(const ModelConfig& c, const SessionOptions& o, int n_seqs
   const cuda::KvPoolOptions t = tier_options(c, o, n_seqs);
   const size_t tables =
       (static_cast<size_t>(n_seqs) * c.n_kv_heads * ((ctx + t.page_size - 1) / t.page_size) + n_seqs) * sizeof(int32_t);
+  // The staging area (rounded up to a granule of K/V pages) and stage()'s table and flags.
+  const int64_t kv_granule = cuda::KvPagePool::device_pages_granule(t.head_dim, t.dtype, t.page_size, false);
+  const size_t stage = t.stage_pages == 0 ? 0
+                                          : cuda::KvPagePool::page_bytes(t.head_dim, t.dtype, t.page_size, false) *
+                                                    static_cast<size_t>((t.stage_pages + kv_granule - 1) / kv_granule *
+                                                                        kv_granule) +
+                                                tables * 5 / 4;
   return cuda::KvPagePool::page_bytes(t.head_dim, t.dtype, t.page_size) * static_cast<size_t>(t.device_pages) +
-         cuda::KvPagePool::overhead_bytes(t.device_pages, t.host_pages) + c.n_layers * tables;
+         cuda::KvPagePool::overhead_bytes(t.device_pages, t.host_pages) + c.n_layers * tables + stage;
 }
 
 }  // namespace
