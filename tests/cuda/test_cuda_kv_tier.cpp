@@ -305,6 +305,10 @@ TEST(CudaKvTier, BadInputIsRefused) {
   o.dtype = DType::f16;
   o.device_pages = int64_t{1} << 30;
   expect_error([&] { cuda::KvPagePool::create(o); }, "are free on the device");
+  // A host tier larger than the host's available memory is refused before any pinning.
+  o.device_pages = cuda::KvPagePool::device_pages_granule(128, DType::f16, 16);
+  o.host_pages = int64_t{1} << 26;  // 608 GiB
+  expect_error([&] { cuda::KvPagePool::create(o); }, "available (MemAvailable)");
   // A pool that is full refuses the page a cache asks for, naming the sequence and counts.
   o.device_pages = cuda::KvPagePool::device_pages_granule(128, DType::f16, 16);
   o.host_pages = 0;

@@ -14,6 +14,7 @@
 
 #include "core/check.h"
 #include "cumulus/core/error.h"
+#include "cumulus/core/host_memory.h"
 
 namespace cumulus::cli {
 namespace {
@@ -38,7 +39,7 @@ std::string gib(uint64_t b) {
 
 MemoryRoom memory_room() {
   MemoryRoom r;
-  if (const uint64_t avail = proc_kb("/proc/meminfo", "MemAvailable"); avail > 0) {
+  if (const uint64_t avail = host_available_bytes(); avail > 0) {
     r.bytes = avail;
     r.source = "MemAvailable in /proc/meminfo";
   }

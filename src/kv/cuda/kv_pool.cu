@@ -18,6 +18,7 @@
 
 #include "core/check.h"
 #include "core/cuda/cuda_util.cuh"
+#include "cumulus/core/host_memory.h"
 #include "cumulus/kv/cuda_kv_pool.h"
 #include "cumulus/kv/tier_slots.h"
 
@@ -395,6 +396,11 @@ std::shared_ptr<KvPagePool> KvPagePool::create(const KvPoolOptions& options) {
     throw DeviceMemoryError(fmt::format("KvPagePool: the device tier needs {} bytes ({} GiB) for {} pages; {} bytes "
                                         "({} GiB) are free on the device",
                                         dev_total, gib(dev_total), o.device_pages, dev_free, gib(dev_free)));
+  const size_t host_free = host_available_bytes();
+  if (host_total > 0 && host_free > 0 && host_total > host_free)
+    throw Error(fmt::format("KvPagePool: the host tier needs {} bytes ({} GiB) of pinned memory for {} pages; the host "
+                            "has {} bytes ({} GiB) available (MemAvailable)",
+                            host_total, gib(host_total), o.host_pages, host_free, gib(host_free)));
   const int dev = current_device();
   for (int x = 0; x < 5; ++x) {
     Array& a = pool->arr_[x];

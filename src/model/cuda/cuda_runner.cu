@@ -32,6 +32,7 @@
 #include "core/check.h"
 #include "cumulus/core/dtype.h"
 #include "cumulus/core/error.h"
+#include "cumulus/core/host_memory.h"
 #include "cumulus/kernels/cuda.h"
 #include "cumulus/kv/cuda_kv_cache.h"
 #include "cumulus/kv/cuda_kv_pool.h"
@@ -907,7 +908,15 @@ void cuda_runner_check(const ModelConfig& c, const SessionOptions& o, int n_seqs
                   "--device-kv-gib: the host tier needs head_dim 64, 128 or 256, not {}", c.head_dim);
     const cuda::KvPoolOptions t = tier_options(c, o, n_seqs);
     const size_t page = cuda::KvPagePool::page_bytes(t.head_dim, t.dtype, t.page_size);
-    tier = fmt::format(" on the device, {} more in pinned host memory", gib(page * static_cast<size_t>(t.host_pages)));
+    const size_t host_need = page * static_cast<size_t>(t.host_pages), host_free = host_available_bytes();
+    tier = fmt::format(" on the device, {} more in pinned host memory", gib(host_need));
+    CUMULUS_CHECK(host_free == 0 || host_need <= host_free,
+                  "--device-kv-gib={}: a context of {} tokens x {} sequence(s) keeps {} of K/V in pinned host memory "
+                  "({} on the device); the host has {} available (MemAvailable)",
+                  o.device_kv_gib, ctx, n_seqs, gib(host_need),
+                  gib(cuda::KvPagePool::page_bytes(t.head_dim, t.dtype, t.page_size) *
+                      static_cast<size_t>(t.device_pages)),
+                  gib(host_free));
   }
   const size_t kv_layer = cuda::DeviceKvCache::create_bytes(n_seqs, c.n_kv_heads, c.head_dim, o.kv.dtype,
                                                             o.kv.page_size, ctx);
