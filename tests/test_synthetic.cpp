@@ -4,14 +4,17 @@
 // Nothing here is timed.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "cumulus/core/error.h"
+#include "cumulus/core/thread_pool.h"
 #include "cumulus/eval/bench.h"
 #include "cumulus/eval/membw.h"
 #include "cumulus/eval/synthetic.h"
+#include "cumulus/kv/kv_cache.h"
 #include "kernel_check.h"
 
 namespace cumulus {
@@ -135,6 +138,50 @@ TEST(Synthetic, ConcentrationMovesTopPFractionMonotonically) {
     }
     // The range is wide: diffuse at 0.25, a small share of tokens at 4.
     EXPECT_LT(prev, 0.02) << shape;
+  }
+}
+
+// The page level's figures on a cache worked by hand: one kv head, two query heads, four
+// pages whose keys are all alike within a page (so the page bound is each token's score):
+// page 0 holds e0, page 1 e1, pages 2 and 3 -(e0 + e1); head 0 asks 10 e0, head 1 9 e1. The
+// expected masses come from the scores in closed form, not from the code.
+TEST(Synthetic, PageLevelFiguresOnAHandWorkedCache) {
+  constexpr int d = 8, page = 16;
+  const Shape shape{1, 2, 1, d};
+  KvCache kv(shape, KvCacheOptions{page, DType::f16, 64});
+  std::vector<float> k(64 * d, 0.0f), v(64 * d, 0.5f);
+  for (int t = 0; t < 64; ++t) {
+    float* row = &k[static_cast<size_t>(t) * d];
+    if (t < 16) row[0] = 1;
+    else if (t < 32) row[1] = 1;
+    else row[0] = row[1] = -1;
+  }
+  kv.append(0, k.data(), v.data(), 64);
+  std::vector<float> q(2 * d, 0.0f);
+  q[0] = 10;      // head 0
+  q[d + 1] = 9;   // head 1
+  ThreadPool pool(1);
+  const AttentionProfile a = attention_profile(kv, 0, q.data(), 1, nullptr, 0, 0, 0.9, pool);
+  const double s = 1 / std::sqrt(static_cast<double>(d));
+  // Per head, the weight of one token of each page relative to the head's largest score.
+  auto shares = [&](double own, double other, double neg) {  // scores of pages 0/1 (own, other), 2/3
+    const double mx = own;
+    const double w_own = std::exp(s * own - s * mx), w_other = std::exp(s * other - s * mx),
+                 w_neg = std::exp(s * neg - s * mx);
+    const double z = 16 * (w_own + w_other + 2 * w_neg);
+    return std::vector<double>{16 * w_own / z, 16 * w_other / z, 16 * w_neg / z};
+  };
+  const std::vector<double> h0 = shares(10, 0, -10), h1 = shares(9, 0, -9);
+  // Pages 2 and 3 (largest share h1[2] each) fit in 1 - p = 0.1; pages 0 and 1 do not.
+  ASSERT_LT(2 * h1[2], 0.1);
+  ASSERT_GT(h0[0], 0.1);
+  EXPECT_DOUBLE_EQ(a.page_admissible, 0.5);
+  // One page kept at either budget (1/8 and 1/4 of four, rounded up): page 0, whose largest
+  // share (head 0's) beats page 1's (head 1's).
+  ASSERT_GT(h0[0], h1[0]);
+  for (int b = 0; b < 2; ++b) {
+    EXPECT_NEAR(a.page_keep_mass[b], (h0[0] + h1[1 /* page 0 is head 1's "other" */]) / 2, 1e-6) << b;
+    EXPECT_DOUBLE_EQ(a.page_keep_reach[b], 0.5) << b;  // head 0 reaches 0.9, head 1 does not
   }
 }
 

@@ -434,8 +434,17 @@ AttentionProfile attention_profile(const KvCache& kv, int layer, const float* qu
   // group's union share, mean pairwise logit correlation and top-p Jaccard (NaN: group 1).
   std::vector<double> sink(static_cast<size_t>(s.n_kv_heads) * n_rows), recent(sink.size()), frac(sink.size());
   std::vector<double> uni(static_cast<size_t>(s.n_kv_heads) * n_steps), corr(uni.size()), jac(uni.size());
+  // Per (kv head, step): the page level's figures (AttentionProfile::page_*).
+  std::vector<double> adm(uni.size()), keep_mass[2] = {std::vector<double>(uni.size()), std::vector<double>(uni.size())},
+                                       keep_reach[2] = {keep_mass[0], keep_mass[0]};
   pool.parallel_for(s.n_kv_heads, [&](int64_t g, int) {
     const PagedHeadView view = kv.view(layer, static_cast<int>(g));
+    const bool page_stats = view.kmin != nullptr && view.kmax != nullptr;
+    const int n_pages = view.n_pages();
+    // [head of the group][page]: the page's exact share of the head's mass, and its upper-bound
+    // share (len_p exp(scale U_p - mx) / z).
+    std::vector<double> pmass(static_cast<size_t>(group) * n_pages), pbound(pmass.size());
+    std::vector<int> cand;
     const int rows_chunk = steps_per_chunk * group;
     std::vector<float> q(static_cast<size_t>(rows_chunk) * d), scores(static_cast<size_t>(rows_chunk) * n_cached);
     std::vector<double> p(n_cached), sorted(n_cached);
@@ -478,6 +487,62 @@ AttentionProfile attention_profile(const KvCache& kv, int layer, const float* qu
           sink[i] = ms / z;
           recent[i] = mr / z;
           frac[i] = static_cast<double>(count) / n;
+          if (!page_stats) continue;
+          const float* qr = &q[static_cast<size_t>((st - st0) * group + k) * d];
+          for (int pg = 0; pg < (n + view.page_size - 1) >> view.page_shift; ++pg) {
+            const float* lo = view.kmin + static_cast<size_t>(pg) * d;
+            const float* hi = view.kmax + static_cast<size_t>(pg) * d;
+            double ub = 0;
+            for (int c = 0; c < d; ++c)
+              ub += std::max(static_cast<double>(qr[c]) * lo[c], static_cast<double>(qr[c]) * hi[c]);
+            const int t0 = pg << view.page_shift, t1 = std::min(n, t0 + view.page_size);
+            double pm = 0;
+            for (int t = t0; t < t1; ++t) pm += p[t];
+            pmass[static_cast<size_t>(k) * n_pages + pg] = pm / z;
+            pbound[static_cast<size_t>(k) * n_pages + pg] = (t1 - t0) * std::exp(ub * scale - mx) / z;
+          }
+        }
+        if (page_stats) {
+          // Candidates: pages with no sink and no recent token; the others are always kept.
+          const int np = (n + view.page_size - 1) >> view.page_shift;
+          cand.clear();
+          for (int pg = 0; pg < np; ++pg)
+            if ((pg << view.page_shift) >= n_sinks && std::min(n, (pg + 1) << view.page_shift) <= n - recent_window)
+              cand.push_back(pg);
+          auto share = [&](int pg) {  // the largest upper-bound share over the group's heads
+            double m = 0;
+            for (int k = 0; k < group; ++k) m = std::max(m, pbound[static_cast<size_t>(k) * n_pages + pg]);
+            return m;
+          };
+          std::vector<double> key(np);
+          for (int pg : cand) key[pg] = share(pg);
+          std::sort(cand.begin(), cand.end(), [&](int a, int b) { return key[a] < key[b] || (key[a] == key[b] && a < b); });
+          std::vector<double> used(group, 0.0);
+          int skipped = 0;
+          for (int pg : cand) {
+            bool fits = true;
+            for (int k = 0; k < group; ++k) fits &= used[k] + pbound[static_cast<size_t>(k) * n_pages + pg] <= 1 - topp;
+            if (!fits) break;
+            for (int k = 0; k < group; ++k) used[k] += pbound[static_cast<size_t>(k) * n_pages + pg];
+            ++skipped;
+          }
+          const size_t u = static_cast<size_t>(g) * n_steps + st;
+          adm[u] = static_cast<double>(skipped) / np;
+          for (int b = 0; b < 2; ++b) {
+            // Kept: the forced pages and the candidates of the largest bound share, budget x np.
+            const size_t keep = std::min(cand.size(), static_cast<size_t>(std::ceil(
+                                                          AttentionProfile::page_keep_budget[b] * np)));
+            double mass_sum = 0;
+            int reach = 0;
+            for (int k = 0; k < group; ++k) {
+              double lost = 0;  // exact mass in the candidates not kept (the lowest shares)
+              for (size_t i = 0; i + keep < cand.size(); ++i) lost += pmass[static_cast<size_t>(k) * n_pages + cand[i]];
+              mass_sum += 1 - lost;
+              reach += 1 - lost >= topp * (1 - 1e-12);
+            }
+            keep_mass[b][u] = mass_sum / group;
+            keep_reach[b][u] = static_cast<double>(reach) / group;
+          }
         }
         // The group: union of the heads' sets; per pair of heads the Pearson correlation of
         // the logits over the content tokens (past the sinks, before the recent window) and
@@ -532,6 +597,18 @@ AttentionProfile attention_profile(const KvCache& kv, int layer, const float* qu
     prof.group_jaccard += jac[i] / mu;
   }
   prof.union_inflation = prof.topp_fraction > 0 ? prof.union_fraction / prof.topp_fraction : 0.0;
+  if (kv.view(layer, 0).kmin == nullptr) {
+    prof.page_admissible = std::nan("");
+    for (int b = 0; b < 2; ++b) prof.page_keep_mass[b] = prof.page_keep_reach[b] = std::nan("");
+  } else {
+    for (size_t i = 0; i < uni.size(); ++i) {
+      prof.page_admissible += adm[i] / mu;
+      for (int b = 0; b < 2; ++b) {
+        prof.page_keep_mass[b] += keep_mass[b][i] / mu;
+        prof.page_keep_reach[b] += keep_reach[b][i] / mu;
+      }
+    }
+  }
   std::sort(frac.begin(), frac.end());
   auto quantile = [&](double qq) { return frac[static_cast<size_t>(qq * (frac.size() - 1) + 0.5)]; };
   prof.topp_fraction_p10 = quantile(0.1);

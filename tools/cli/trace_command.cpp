@@ -15,7 +15,8 @@
 // `cumulus trace --profile FILE` measures a trace's attention on the CPU instead, per layer
 // (attention_profile, include/cumulus/eval/synthetic.h): the per-head top-p share, the GQA
 // group's union share and its inflation over the per-head set, and how alike the heads of
-// a group are (logit correlation, top-p Jaccard). `--profile-synthetic SHAPE` prints the
+// a group are (logit correlation, top-p Jaccard), and what a page level over the page key
+// bounds could skip or keep. `--profile-synthetic SHAPE` prints the
 // same figures for the synthetic workload (docs/workload.md), so the two can be compared.
 #include <fmt/format.h>
 
@@ -60,14 +61,26 @@ struct TraceOptions {
 };
 
 void profile_header() {
-  fmt::print("{:>6} {:>7} {:>6} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>7} {:>7}\n", "layer", "tokens", "steps", "topp%",
-             "p50%", "union%", "inflation", "corr", "jaccard", "sink", "recent");
+  fmt::print("{:>6} {:>7} {:>6} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>7} {:>7} {:>8} {:>9} {:>9} {:>9} {:>9}\n",
+             "layer", "tokens", "steps", "topp%", "p50%", "union%", "inflation", "corr", "jaccard", "sink", "recent",
+             "pgskip%", "keep8mass", "keep8p%", "keep4mass", "keep4p%");
 }
 
 void profile_row(const std::string& label, int n, int steps, const AttentionProfile& a) {
-  fmt::print("{:>6} {:>7} {:>6} {:8.2f} {:8.2f} {:8.2f} {:9.2f} {:8.3f} {:8.3f} {:7.3f} {:7.3f}\n", label, n, steps,
-             100 * a.topp_fraction, 100 * a.topp_fraction_p50, 100 * a.union_fraction, a.union_inflation,
-             a.group_logit_corr, a.group_jaccard, a.sink_mass, a.recent_mass);
+  fmt::print(
+      "{:>6} {:>7} {:>6} {:8.2f} {:8.2f} {:8.2f} {:9.2f} {:8.3f} {:8.3f} {:7.3f} {:7.3f} {:8.2f} {:9.4f} {:9.2f} {:9.4f} "
+      "{:9.2f}\n",
+      label, n, steps, 100 * a.topp_fraction, 100 * a.topp_fraction_p50, 100 * a.union_fraction, a.union_inflation,
+      a.group_logit_corr, a.group_jaccard, a.sink_mass, a.recent_mass, 100 * a.page_admissible, a.page_keep_mass[0],
+      100 * a.page_keep_reach[0], a.page_keep_mass[1], 100 * a.page_keep_reach[1]);
+}
+
+void profile_legend() {
+  fmt::print(
+      "pgskip%: pages an admissible page filter over the page key bounds could skip, knowing each head's exact total "
+      "(the skipped pages' bound mass within 1 - p of it for every head of the group); keep8, keep4: keeping 1/8 or "
+      "1/4 of the pages by bound (and every page with a sink or recent token), the heads' mean exact mass in them and "
+      "the share of head-steps where it reaches p\n");
 }
 
 // Real attention of every layer in a trace (each step attends its own prefix).
@@ -92,9 +105,15 @@ void run_profile(const TraceOptions& o) {
     mean.group_jaccard += w * a.group_jaccard;
     mean.sink_mass += w * a.sink_mass;
     mean.recent_mass += w * a.recent_mass;
+    mean.page_admissible += w * a.page_admissible;
+    for (int b = 0; b < 2; ++b) {
+      mean.page_keep_mass[b] += w * a.page_keep_mass[b];
+      mean.page_keep_reach[b] += w * a.page_keep_reach[b];
+    }
   }
   mean.union_inflation = mean.topp_fraction > 0 ? mean.union_fraction / mean.topp_fraction : 0.0;
   profile_row("mean", t.n_tokens, t.steps, mean);
+  profile_legend();
 }
 
 // The synthetic workload's attention with the same figures.
@@ -113,6 +132,7 @@ void run_profile_synthetic(const TraceOptions& o) {
              o.profile_synthetic, so.n_tokens, so.n_steps, so.head_correlation, so.concentration, so.seed, o.p);
   profile_header();
   profile_row("0", so.n_tokens, so.n_steps, attention_profile(kv, w, 0, o.p, pool));
+  profile_legend();
 }
 
 void run_trace(const TraceOptions& o) {

@@ -78,6 +78,21 @@ struct AttentionProfile {
   // correlation of their logits over the content tokens (past the sinks, before the recent
   // window) and the Jaccard of their top-p sets. NaN for group 1.
   double union_fraction = 0, union_inflation = 0, group_logit_corr = 0, group_jaccard = 0;
+  // A page level over the page key bounds (Quest's: a token of page p scores at most
+  // U_p = sum_c max(q_c kmin_c, q_c kmax_c)), per (step, kv head), means; pages holding a
+  // sink or a recent token are always kept. NaN without page statistics.
+  //   page_admissible: the share of pages a group could skip while, for every head of the
+  //     group, the skipped pages' upper-bound mass (sum of len_p exp(scale U_p)) stays within
+  //     (1 - topp) of the head's exact total: pages in ascending order of the largest such
+  //     share over the heads, while every head's sum fits. The exact total is an oracle's
+  //     (a filter knows only a lower bound), so this is the most an admissible filter skips.
+  //   page_keep_mass[i], page_keep_reach[i]: keeping the pages of the largest bound share
+  //     (over the group's heads), page_keep_budget[i] of all pages besides the forced ones:
+  //     the heads' mean exact mass in the kept pages, and the share of head-steps whose kept
+  //     pages hold at least topp (a budgeted page level, as Twilight's, keeps P reachable).
+  static constexpr double page_keep_budget[2] = {0.125, 0.25};
+  double page_admissible = 0;
+  double page_keep_mass[2] = {0, 0}, page_keep_reach[2] = {0, 0};
 };
 
 // topp in (0, 1]. Reads the stored keys (the scores kernels see).
