@@ -8,18 +8,21 @@
 // recently written pages go to the host and the newest stay on the device.
 //
 // Per case (context, batch, device tier size) the same filled pool runs, in this order,
-// each once per --stage value (0: host rows read in place; 1: staged, KvPagePool::stage):
+// each once per --stage value (0: host rows read in place; 1: staged, KvPagePool::stage;
+// 2, dense only: staged a layer ahead):
 //   dense:  every layer attends every token (kernels/cuda.h attention_decode). In place,
 //           host pages are read where they are, over PCIe, by the attention kernel; staged,
 //           one gather kernel first copies the layer's host pages to the device's staging
-//           area at the copy rate, as offloading engines stream the offloaded K/V in.
+//           area at the copy rate; a layer ahead, the next layer's gather runs on a second
+//           stream into a second staging area while this layer attends, as offloading
+//           engines stream the offloaded K/V in, overlapped.
 //   sparse: the method (default sketch_topp) selects from its index on the device and
 //           attends its lists (staged: the host rows the lists name are gathered first);
 //           after each step the pages it read go to the pool's LRU, which promotes host pages
 //           over the least recently used device pages (the moves run on the device after the
 //           step's reads).
-// The staging area (one layer's share of the host tier) comes out of the device tier's
-// memory, in every run of the case.
+// The staging areas (one layer's share of the host tier each; two with --stage 2) come out
+// of the device tier's memory, in every run of the case.
 // A step is every layer of the batch, then the tier's end of step (the page list back to the
 // host, the policy, the moves), timed on the wall clock to the device's idle; warm-up steps
 // first, then the median of --steps. tok/s = batch / step. The rows give where the pages
@@ -37,7 +40,7 @@
 // Usage: cuda_tier_bench [--contexts 131072,524288,1048576] [--ratio-context 131072]
 //          [--ratio-batch 4] [--ratios 1,2,4|none] [--layers 32] [--steps 5] [--warmup 2]
 //          [--method sketch_topp] [--param KEY=VALUE]... [--device-kv-gib G] [--margin-gib 6]
-//          [--key-stats] [--promote-reads 2] [--max-promote 0,-1] [--stage 0,1] [--seed 1]
+//          [--key-stats] [--promote-reads 2] [--max-promote 0,-1] [--stage 0,1,2] [--seed 1]
 //          [--json PATH]
 // --max-promote: the sparse method runs once per value, in order, over the same pool: pages
 // promoted per step at most (0: none, every host page read where it is; -1: no limit).
@@ -124,7 +127,7 @@ struct Options {
   bool key_stats = false;
   int promote_reads = 2;
   std::vector<int> max_promote{0, -1};
-  std::vector<int> stage{0, 1};
+  std::vector<int> stage{0, 1, 2};
   uint64_t seed = 1;
   std::string json_path;
 };
@@ -187,10 +190,11 @@ class Runner {
     int64_t host_pages = std::max<int64_t>(0, total - dev_pages / granule * granule);
     // The staging area, one layer's share of the host tier, out of the device tier's bytes.
     int64_t stage_pages = 0;
-    if (host_pages > 0 && std::find(o_.stage.begin(), o_.stage.end(), 1) != o_.stage.end()) {
+    const int stage_sets = std::find(o_.stage.begin(), o_.stage.end(), 2) != o_.stage.end() ? 2 : 1;
+    if (host_pages > 0 && *std::max_element(o_.stage.begin(), o_.stage.end()) > 0) {
       stage_pages = (host_pages + L - 1) / L;
       const size_t kv_page = cuda::KvPagePool::page_bytes(d, DType::f16, 16, false);
-      dev_pages -= static_cast<int64_t>((stage_pages * kv_page + page_bytes - 1) / page_bytes);
+      dev_pages -= static_cast<int64_t>((stage_sets * stage_pages * kv_page + page_bytes - 1) / page_bytes);
       host_pages = std::max<int64_t>(0, total - dev_pages / granule * granule);
       stage_pages = (host_pages + L - 1) / L;
     }
@@ -206,6 +210,7 @@ class Runner {
     po.promote_reads = o_.promote_reads;
     po.max_promote = o_.max_promote.front();
     po.stage_pages = stage_pages;
+    po.stage_sets = stage_sets;
     std::shared_ptr<cuda::KvPagePool> pool;
     auto t0 = Clock::now();
     try {
@@ -339,7 +344,20 @@ class Runner {
     json methods = json::array();
     // Dense, every page every step.
     const bool staging = pool->stage_pages() > 0;
-    auto label = [&](std::string what, int st) { return st && staging ? what + "/staged" : what; };
+    auto label = [&](std::string what, int st) {
+      return st == 2 ? what + "/ahead" : st == 1 ? what + "/staged" : what;
+    };
+    // A layer ahead: layer l + 1's gather on the copy stream into set (l + 1) % 2, after the
+    // attention that last read that set; layer l's attention after its own gather.
+    cuda::Stream copy;
+    cuda::Event ready[2], done[2];
+    const int32_t* ahead_table[2] = {nullptr, nullptr};
+    auto stage_ahead = [&](int layer) {
+      const int set = layer % 2;
+      done[set].wait(copy.handle());
+      ahead_table[set] = pool->stage(caches[layer].view(), nullptr, nullptr, 0, copy.handle(), set);
+      ready[set].record(copy.handle());
+    };
     for (const int st : o_.stage) {
       if (st && !staging) continue;  // nothing on the host
       std::vector<std::unique_ptr<cuda::AttentionPlan>> plans;
@@ -347,13 +365,24 @@ class Runner {
       methods.push_back(run_steps(label("dense", st), [&](int l, const float* q) {
         cuda::DeviceDecodeArgs a;
         a.kv = caches[l].view();
-        if (st) phase("stage", [&] { a.kv.page_table = pool->stage(a.kv, nullptr, nullptr, 0); });
+        if (st == 1) phase("stage", [&] { a.kv.page_table = pool->stage(a.kv, nullptr, nullptr, 0); });
+        if (st == 2) {
+          if (l == 0) {  // the previous step's attention is done with both sets
+            done[0].record();
+            done[1].record();
+            stage_ahead(0);
+          }
+          if (l + 1 < L) stage_ahead(l + 1);
+          ready[l % 2].wait();
+          a.kv.page_table = ahead_table[l % 2];
+        }
         a.group = shape_.group();
         a.scale = 1.0f / std::sqrt(static_cast<float>(d));
         a.q = q;
         a.out = out.as<float>();
         a.lse = lse.as<float>();
         phase("attend", [&] { cuda::attention_decode(a, *plans[l]); });
+        if (st == 2) done[l % 2].record();
         phase("mark", [&] { pool->mark(caches[l].view(), nullptr, nullptr, 0); });
       }));
       methods.back()["staged"] = st != 0;
@@ -370,7 +399,7 @@ class Runner {
       cuda::device_synchronize();
       row["index_s"] = seconds_since(t0);
       for (const int sg : o_.stage) {
-        if (sg && !staging) continue;
+        if ((sg && !staging) || sg == 2) continue;  // a layer ahead: dense alone (a sparse layer's pages follow its query)
         for (const int mp : o_.max_promote) {
           pool->set_max_promote(mp);
           methods.push_back(run_steps(label(fmt::format("{}/p{}", o_.method, mp), sg), [&](int l, const float* q) {
@@ -453,7 +482,7 @@ int main(int argc, char** argv) try {
   CUMULUS_CHECK(!o.max_promote.empty(), "--max-promote needs at least one value");
   for (int m : o.max_promote) CUMULUS_CHECK(m >= -1, "--max-promote: {} must be >= -1", m);
   CUMULUS_CHECK(!o.stage.empty(), "--stage needs at least one value");
-  for (int v : o.stage) CUMULUS_CHECK(v == 0 || v == 1, "--stage: {} must be 0 or 1", v);
+  for (int v : o.stage) CUMULUS_CHECK(v >= 0 && v <= 2, "--stage: {} must be 0, 1 or 2", v);
   CUMULUS_CHECK(o.device_kv_gib >= 0 && o.margin_gib >= 0, "--device-kv-gib={} and --margin-gib={} must be >= 0",
                 o.device_kv_gib, o.margin_gib);
   {

@@ -60,7 +60,7 @@ class TierRun {
  public:
   TierRun(const std::string& method, const std::map<std::string, std::string>& params,
           std::shared_ptr<cuda::KvPagePool> pool, bool stage)
-      : method_(method), params_(params), pool_(std::move(pool)), stage_(stage) {
+      : method_(method), params_(params), pool_(std::move(pool)), stage_(stage), sets_(pool_->options().stage_sets) {
     for (int l = 0; l < kLayers; ++l) {
       plain_.caches.push_back(cuda::DeviceKvCache::create(kSeqs, kKv, kD, DType::f16, kPage, kMaxTokens));
       tier_.caches.push_back(cuda::DeviceKvCache::create(pool_, kSeqs, kKv, kMaxTokens));
@@ -127,7 +127,7 @@ class TierRun {
           dec->select(q.as<float>());
           if (s == &tier_ && stage_)
             dec->set_attend_page_table(pool_->stage(c.view(), dec->dense_step() ? nullptr : dec->list_idx(),
-                                                    dec->list_len(), dec->list_stride()));
+                                                    dec->list_len(), dec->list_stride(), nullptr, l % sets_));
           dec->attend(q.as<float>(), out.as<float>(), lse.as<float>());
           if (s == &tier_) pool_->mark(c.view(), dec->list_idx(), dec->list_len(), dec->list_stride());
         } else {
@@ -138,7 +138,7 @@ class TierRun {
           a.q = q.as<float>();
           a.out = out.as<float>();
           a.lse = lse.as<float>();
-          if (s == &tier_ && stage_) a.kv.page_table = pool_->stage(c.view(), nullptr, nullptr, 0);
+          if (s == &tier_ && stage_) a.kv.page_table = pool_->stage(c.view(), nullptr, nullptr, 0, nullptr, l % sets_);
           cuda::attention_decode(a, *s->plans[l]);
           if (s == &tier_) pool_->mark(c.view(), nullptr, nullptr, 0);
         }
@@ -174,6 +174,7 @@ class TierRun {
   std::map<std::string, std::string> params_;
   std::shared_ptr<cuda::KvPagePool> pool_;
   bool stage_ = false;
+  int sets_ = 1;
   Side plain_, tier_;
   cuda::TierStats last_;
 };
@@ -196,7 +197,9 @@ TEST(CudaKvTier, TierChangesWhereBytesLiveNeverTheAnswer) {
     std::map<std::string, std::string> params;
     bool key_stats = true;
     int promote_reads = 1;
-    int stage = 0;  // staging pages: 0 none, 1 one granule (fewer than a layer's host pages), 2 a layer's share
+    // staging pages: 0 none, 1 one granule (fewer than a layer's host pages), 2 a layer's
+    // share, 3 two sets of a layer's share (layer l stages into set l % 2)
+    int stage = 0;
   };
   const std::vector<Case> cases{{"dense", {}},
                                 {"sketch_topp", {{"gpu_dense_mib", "0"}}},
@@ -206,7 +209,9 @@ TEST(CudaKvTier, TierChangesWhereBytesLiveNeverTheAnswer) {
                                 {"dense", {}, true, 1, 2},
                                 {"sketch_topp", {{"gpu_dense_mib", "0"}}, true, 2, 1},
                                 {"sketch_topp", {{"gpu_dense_mib", "0"}}, false, 1, 2},
-                                {"quest", {{"budget", "512"}}, true, 1, 2}};
+                                {"quest", {{"budget", "512"}}, true, 1, 2},
+                                {"dense", {}, true, 1, 3},
+                                {"sketch_topp", {{"gpu_dense_mib", "0"}}, true, 1, 3}};
   for (const Case& c : cases)
     for (const bool tiny : {true, false}) {
       SCOPED_TRACE(c.method + (tiny ? ", one-granule device tier" : ", ample device tier") +
@@ -221,7 +226,8 @@ TEST(CudaKvTier, TierChangesWhereBytesLiveNeverTheAnswer) {
       o.page_size = kPage;
       o.device_pages = tiny ? granule : (need + granule) / granule * granule;
       o.host_pages = tiny ? need : 0;
-      o.stage_pages = c.stage == 1 ? 1 : c.stage == 2 ? need / kLayers : 0;
+      o.stage_pages = c.stage == 1 ? 1 : c.stage >= 2 ? need / kLayers : 0;
+      o.stage_sets = c.stage == 3 ? 2 : 1;
       auto pool = cuda::KvPagePool::create(o);
       if (tiny && c.stage == 1) {
         ASSERT_LT(pool->stage_pages(), need / kLayers / 2) << "the small staging area must not hold a layer's pages";
@@ -322,11 +328,17 @@ TEST(CudaKvTier, BadInputIsRefused) {
   expect_error([&] { pool->stage(other.view(), nullptr, nullptr, 0); }, "not this pool's");
   o.stage_pages = -1;
   expect_error([&] { cuda::KvPagePool::create(o); }, "stage_pages=-1");
+  o.stage_pages = 0;
+  o.stage_sets = 3;
+  expect_error([&] { cuda::KvPagePool::create(o); }, "stage_sets=3");
+  o.stage_sets = 1;
   // stage() needs its scratch sized first.
   o.stage_pages = 1;
   o.host_pages = 1;
   auto staged = cuda::KvPagePool::create(o);
   auto sc = cuda::DeviceKvCache::create(staged, 1, 1, 64);
   expect_error([&] { staged->stage(sc.view(), nullptr, nullptr, 0); }, "reserve_stage() was not called");
+  staged->reserve_stage(sc.view());
+  expect_error([&] { staged->stage(sc.view(), nullptr, nullptr, 0, nullptr, 1); }, "set=1 out of range [0, 1)");
   expect_error([&] { cuda::DeviceKvCache::create(nullptr, 1, 1, 16); }, "the pool is null");
 }

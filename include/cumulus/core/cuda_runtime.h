@@ -106,6 +106,21 @@ class Stream {
   void* s_ = nullptr;
 };
 
+// An event for ordering work across streams (no timing): after record(a), work enqueued on
+// stream b after wait(b) starts only when a's work before the record is done. Move-only.
+class Event {
+ public:
+  Event();
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  void record(void* stream = nullptr);
+  void wait(void* stream = nullptr) const;
+
+ private:
+  void* e_ = nullptr;
+};
+
 // Asynchronous fill and device-to-device copy on a stream (benchmarks: cache flushes and
 // the copy-bandwidth reference).
 void memset_async(void* device_dst, int value, size_t bytes, void* stream = nullptr);

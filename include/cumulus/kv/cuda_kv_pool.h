@@ -4,8 +4,8 @@
 // (a host page over PCIe, as mapped pinned memory is read) and a page's tier changes where
 // its bytes are, never what a kernel computes from them. Slots [0, device_pages) are device
 // memory, [device_pages, device_pages + host_pages) host memory, and K and V have
-// stage_pages more device slots after those, where stage() copies the host rows a layer's
-// attention reads (a staged table points at them; no cache's own table does). One pool
+// stage_sets x stage_pages more device slots after those, where stage() copies the host rows
+// a layer's attention reads (a staged table points at them; no cache's own table does). One pool
 // serves every layer and sequence (Progressive Sparse Attention's unified block pool):
 // DeviceKvCache::create over a pool takes its pages from it. Recency lives on the device: each slot keeps the last
 // step that read or placed its page. After each decode step, the host pages read in this
@@ -53,6 +53,10 @@ struct KvPoolOptions {
   // reading them in place (ours). 0: none, host rows are read in place. Rounded up to the
   // mapping granularity of the K and V arrays; the area follows the host tier's slots.
   int64_t stage_pages = 0;
+  // Staging areas of stage_pages each (1 or 2): with 2, stage() of one layer (into one set,
+  // on a copy stream) can run while the attention of the layer before reads the other set,
+  // as offloading engines stream a layer ahead.
+  int stage_sets = 1;
 };
 
 // One step's tier work, and the sums over steps.
@@ -149,9 +153,9 @@ class KvPagePool {
   TierStats end_step(void* stream = nullptr);
 
   // ---- staging: host rows read from device memory (ours) ----
-  // Sizes the scratch of stage() for views of this shape (n_seqs, n_kv_heads, max_pages):
-  // call it outside any captured graph, before the first stage(). Nothing without a staging
-  // area.
+  // Sizes the scratch of stage() (each set's) for views of this shape (n_seqs, n_kv_heads,
+  // max_pages): call it outside any captured graph, before the first stage(). Nothing
+  // without a staging area.
   void reserve_stage(const DeviceKvView& kv);
   // Before one layer's attention: copies the host rows its lists read (idx, len, stride as
   // mark() takes them; idx == nullptr: every page of every sequence) to staging slots, one
@@ -160,10 +164,11 @@ class KvPagePool {
   // returned table reads the same bytes at the same positions, so it computes exactly what
   // it would over kv.page_table, with every row from device memory; host pages beyond the
   // staging area keep their own slots (read in place). Asynchronous, on `stream`, and
-  // capturable; the table is valid until the next stage(). Returns kv.page_table itself,
-  // enqueuing nothing, without a staging area or a host tier.
+  // capturable; the table is valid until the next stage() into the same set (0 or 1 <
+  // stage_sets; two stages into different sets may run on different streams at once).
+  // Returns kv.page_table itself, enqueuing nothing, without a staging area or a host tier.
   const int32_t* stage(const DeviceKvView& kv, const int32_t* idx, const int32_t* len, int stride,
-                       void* stream = nullptr);
+                       void* stream = nullptr, int set = 0);
   int64_t stage_pages() const { return o_.host_pages > 0 ? o_.stage_pages : 0; }
   const TierStats& totals() const { return totals_; }
   // Changes options().max_promote from the next end_step() on (benchmarks compare policies
@@ -195,7 +200,9 @@ class KvPagePool {
   bool last_stream_set_ = false;
   std::vector<int32_t*> owner_dev_, owner_host_;  // [slot] the page-table entry of its page
   DeviceBuffer epoch_, step_, cands_, counters_, moves_, sort_keys_, sort_vals_, sort_temp_;
-  DeviceBuffer staged_table_, touched_;  // stage(): the returned table; the pages a list reads
+  // stage(), per set: the returned table, the pages a list reads, the next staging slot.
+  std::vector<DeviceBuffer> staged_table_, touched_;
+  DeviceBuffer stage_next_;
   std::vector<int32_t> cands_host_;
   TierStats totals_;
 };

@@ -215,6 +215,19 @@ Stream::~Stream() {
 }
 void Stream::synchronize() const { CUMULUS_CUDA_CHECK(cudaStreamSynchronize(as_stream(s_))); }
 
+Event::Event() {
+  cudaEvent_t e = nullptr;
+  CUMULUS_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  e_ = e;
+}
+Event::~Event() {
+  if (e_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(e_));
+}
+void Event::record(void* stream) { CUMULUS_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(e_), as_stream(stream))); }
+void Event::wait(void* stream) const {
+  CUMULUS_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream), static_cast<cudaEvent_t>(e_), 0));
+}
+
 bool head_dim_supported_cuda(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
 void DeviceKvView::validate(const char* fn) const {

@@ -116,14 +116,15 @@ void check_options(const KvPoolOptions& o) {
   CUMULUS_CHECK(o.promote_reads == 1 || o.promote_reads == 2, "KvPagePool: promote_reads={} must be 1 or 2",
                 o.promote_reads);
   CUMULUS_CHECK(o.stage_pages >= 0, "KvPagePool: stage_pages={} must be >= 0", o.stage_pages);
+  CUMULUS_CHECK(o.stage_sets == 1 || o.stage_sets == 2, "KvPagePool: stage_sets={} must be 1 or 2", o.stage_sets);
 }
 
 // ---- kernels ----
 
 constexpr int32_t kFreeEpoch = 0x7fffffff;  // a free slot: never read, never a victim
 // counters_: [0] candidates, [1] K/V rows read from host slots, [2] hits, [3] misses (mark);
-// [4] staging slots taken by this stage() call, [5] rows staged, [6] host pages left unstaged.
-constexpr int kCounters = 7;
+// [4] rows staged, [5] host pages left unstaged (stage()).
+constexpr int kCounters = 6;
 
 // Block-wide sum of one value per thread, added to *dst by thread 0.
 __device__ void block_add(unsigned long long v, unsigned long long* dst) {
@@ -202,7 +203,8 @@ __global__ void tier_touch_kernel(DeviceKvView kv, const int32_t* __restrict__ i
 // null), the next staging slot while there is one (warp-aggregated; which page gets which
 // staging slot does not matter, every copy holds the same bytes).
 __global__ void tier_stage_assign_kernel(DeviceKvView kv, const uint8_t* __restrict__ touched, int32_t host_begin,
-                                         int32_t host_end, int32_t stage_pages, int32_t* __restrict__ staged,
+                                         int32_t host_end, int32_t stage_begin, int32_t stage_pages,
+                                         int32_t* __restrict__ staged, unsigned long long* next,
                                          unsigned long long* counters) {
   const size_t total = static_cast<size_t>(kv.n_seqs) * kv.n_kv_heads * kv.max_pages;
   const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -219,16 +221,16 @@ __global__ void tier_stage_assign_kernel(DeviceKvView kv, const uint8_t* __restr
   unsigned long long base = 0;
   if (mask != 0) {
     const int leader = __ffs(mask) - 1;
-    if (lane == leader) base = atomicAdd(counters + 4, static_cast<unsigned long long>(__popc(mask)));
+    if (lane == leader) base = atomicAdd(next, static_cast<unsigned long long>(__popc(mask)));
     base = __shfl_sync(0xffffffffu, base, leader);
   }
   if (i >= total) return;
   if (want) {
     const unsigned long long j = base + __popc(mask & ((1u << lane) - 1u));
     if (j < static_cast<unsigned long long>(stage_pages))
-      slot = host_end + static_cast<int32_t>(j);  // the staging slots follow the host tier's
+      slot = stage_begin + static_cast<int32_t>(j);
     else
-      atomicAdd(counters + 6, 1ull);
+      atomicAdd(counters + 5, 1ull);
   }
   staged[i] = slot;
 }
@@ -265,7 +267,7 @@ __global__ void tier_stage_copy_kernel(DeviceKvView kv, const int32_t* __restric
     }
     rows += o == 0;
   }
-  block_add(rows, counters + 5);
+  block_add(rows, counters + 4);
 }
 
 // Blocks per list for the kernels that walk a layer's lists (one list can be a million
@@ -380,16 +382,17 @@ std::shared_ptr<KvPagePool> KvPagePool::create(const KvPoolOptions& options) {
   if (o.host_pages == 0) o.stage_pages = 0;  // nothing to stage
   const int64_t kv_granule = device_pages_granule(o.head_dim, o.dtype, o.page_size, false);
   o.stage_pages = (o.stage_pages + kv_granule - 1) / kv_granule * kv_granule;
-  CUMULUS_CHECK(o.device_pages + o.host_pages + o.stage_pages <= INT32_MAX,
-                "KvPagePool: {} device + {} host + {} staging pages exceed int32", o.device_pages, o.host_pages,
-                o.stage_pages);
+  CUMULUS_CHECK(o.device_pages + o.host_pages + o.stage_sets * o.stage_pages <= INT32_MAX,
+                "KvPagePool: {} device + {} host + {} x {} staging pages exceed int32", o.device_pages, o.host_pages,
+                o.stage_sets, o.stage_pages);
+  const size_t stage_slots = static_cast<size_t>(o.stage_sets) * static_cast<size_t>(o.stage_pages);
   std::shared_ptr<KvPagePool> pool(new KvPagePool(o));
   size_t b[5];
   array_page_bytes(o.head_dim, o.dtype, o.page_size, o.key_stats, b);
   const size_t g = std::max(granularity(false), granularity(true));
   const size_t per_page = b[0] + b[1] + b[2] + b[3] + b[4];
   const size_t dev_total =
-      per_page * static_cast<size_t>(o.device_pages) + (b[0] + b[1]) * static_cast<size_t>(o.stage_pages);
+      per_page * static_cast<size_t>(o.device_pages) + (b[0] + b[1]) * stage_slots;
   const size_t host_total = per_page * static_cast<size_t>(o.host_pages);
   const size_t dev_free = device_free_bytes();
   if (dev_total > dev_free)
@@ -408,7 +411,7 @@ std::shared_ptr<KvPagePool> KvPagePool::create(const KvPoolOptions& options) {
     a.bytes_per_page = b[x];
     a.dev_bytes = b[x] * static_cast<size_t>(o.device_pages);
     a.host_bytes = b[x] * static_cast<size_t>(o.host_pages);
-    a.stage_bytes = x < 2 ? b[x] * static_cast<size_t>(o.stage_pages) : 0;  // K and V only
+    a.stage_bytes = x < 2 ? b[x] * stage_slots : 0;  // K and V only
     a.reserved = a.dev_bytes + a.host_bytes + a.stage_bytes;
     CUdeviceptr va = 0;
     CUresult r = drv.mem_address_reserve(&va, a.reserved, g, 0, 0);
@@ -462,6 +465,7 @@ std::shared_ptr<KvPagePool> KvPagePool::create(const KvPoolOptions& options) {
   pool->step_ = to_device(std::vector<int32_t>{static_cast<int32_t>(pool->time_)});
   pool->counters_ = DeviceBuffer(kCounters * sizeof(unsigned long long));
   pool->counters_.fill_bytes(0);
+  if (stage_slots > 0) pool->stage_next_ = DeviceBuffer(2 * sizeof(unsigned long long));
   CUMULUS_CUDA_CHECK(cudaDeviceSynchronize());
   return pool;
 }
@@ -491,7 +495,8 @@ KvPagePool::~KvPagePool() {
 
 size_t KvPagePool::device_bytes() const {
   return page_bytes(o_.head_dim, o_.dtype, o_.page_size, o_.key_stats) * static_cast<size_t>(o_.device_pages) +
-         page_bytes(o_.head_dim, o_.dtype, o_.page_size, false) * static_cast<size_t>(o_.stage_pages);
+         page_bytes(o_.head_dim, o_.dtype, o_.page_size, false) * static_cast<size_t>(o_.stage_sets) *
+             static_cast<size_t>(o_.stage_pages);
 }
 size_t KvPagePool::host_bytes() const {
   return page_bytes(o_.head_dim, o_.dtype, o_.page_size, o_.key_stats) * static_cast<size_t>(o_.host_pages);
@@ -629,39 +634,49 @@ void KvPagePool::mark(const DeviceKvView& kv, const int32_t* idx, const int32_t*
 void KvPagePool::reserve_stage(const DeviceKvView& kv) {
   if (stage_pages() == 0) return;
   const size_t entries = static_cast<size_t>(kv.n_seqs) * kv.n_kv_heads * kv.max_pages;
-  if (staged_table_.size() < entries * sizeof(int32_t)) staged_table_ = DeviceBuffer(entries * sizeof(int32_t));
-  if (touched_.size() < entries) touched_ = DeviceBuffer(entries);
+  staged_table_.resize(static_cast<size_t>(o_.stage_sets));
+  touched_.resize(staged_table_.size());
+  for (size_t x = 0; x < staged_table_.size(); ++x) {
+    if (staged_table_[x].size() < entries * sizeof(int32_t)) staged_table_[x] = DeviceBuffer(entries * sizeof(int32_t));
+    if (touched_[x].size() < entries) touched_[x] = DeviceBuffer(entries);
+  }
 }
 
 const int32_t* KvPagePool::stage(const DeviceKvView& kv, const int32_t* idx, const int32_t* len, int stride,
-                                 void* stream) {
+                                 void* stream, int set) {
   CUMULUS_CHECK(kv.k == arr_[0].va, "KvPagePool::stage: the view's pages are not this pool's");
   CUMULUS_CHECK(idx == nullptr || (len != nullptr && stride >= 1),
                 "KvPagePool::stage: lists need len and a stride >= 1 (stride={})", stride);
+  CUMULUS_CHECK(set >= 0 && set < o_.stage_sets, "KvPagePool::stage: set={} out of range [0, {})", set,
+                o_.stage_sets);
   if (stage_pages() == 0) return kv.page_table;
   const size_t entries = static_cast<size_t>(kv.n_seqs) * kv.n_kv_heads * kv.max_pages;
-  CUMULUS_CHECK(staged_table_.size() >= entries * sizeof(int32_t),
+  CUMULUS_CHECK(static_cast<size_t>(set) < staged_table_.size() && staged_table_[set].size() >= entries * sizeof(int32_t),
                 "KvPagePool::stage: reserve_stage() was not called for views of {} page-table entries", entries);
+  const DeviceBuffer& table = staged_table_[set];
+  const DeviceBuffer& touched = touched_[set];
   const cudaStream_t st = as_stream(stream);
   const int n_lists = kv.n_seqs * kv.n_kv_heads;
   const unsigned chunks = list_chunks(n_lists);
   if (idx != nullptr) {
-    CUMULUS_CUDA_CHECK(cudaMemsetAsync(touched_.data(), 0, entries, st));
-    tier_touch_kernel<<<dim3(n_lists, chunks), 256, 0, st>>>(kv, idx, len, stride, touched_.as<uint8_t>());
+    CUMULUS_CUDA_CHECK(cudaMemsetAsync(touched.data(), 0, entries, st));
+    tier_touch_kernel<<<dim3(n_lists, chunks), 256, 0, st>>>(kv, idx, len, stride, touched.as<uint8_t>());
     CUMULUS_CUDA_LAUNCH("tier_touch_kernel");
   }
   unsigned long long* c = counters_.as<unsigned long long>();
-  CUMULUS_CUDA_CHECK(cudaMemsetAsync(c + 4, 0, sizeof(unsigned long long), st));
+  unsigned long long* next = stage_next_.as<unsigned long long>() + set;
+  CUMULUS_CUDA_CHECK(cudaMemsetAsync(next, 0, sizeof(unsigned long long), st));
   const int32_t host_begin = static_cast<int32_t>(o_.device_pages);
   const int32_t host_end = static_cast<int32_t>(o_.device_pages + o_.host_pages);
   tier_stage_assign_kernel<<<static_cast<unsigned>(ceil_div(static_cast<int64_t>(entries), 256)), 256, 0, st>>>(
-      kv, idx != nullptr ? touched_.as<uint8_t>() : nullptr, host_begin, host_end,
-      static_cast<int32_t>(o_.stage_pages), staged_table_.as<int32_t>(), c);
+      kv, idx != nullptr ? touched.as<uint8_t>() : nullptr, host_begin, host_end,
+      host_end + static_cast<int32_t>(set * o_.stage_pages), static_cast<int32_t>(o_.stage_pages),
+      table.as<int32_t>(), next, c);
   CUMULUS_CUDA_LAUNCH("tier_stage_assign_kernel");
-  tier_stage_copy_kernel<<<dim3(n_lists, chunks), 256, 0, st>>>(kv, idx, len, stride, staged_table_.as<int32_t>(),
-                                                                arrays(), c);
+  tier_stage_copy_kernel<<<dim3(n_lists, chunks), 256, 0, st>>>(kv, idx, len, stride, table.as<int32_t>(), arrays(),
+                                                                c);
   CUMULUS_CUDA_LAUNCH("tier_stage_copy_kernel");
-  return staged_table_.as<int32_t>();
+  return table.as<int32_t>();
 }
 
 TierStats KvPagePool::end_step(void* stream) {
@@ -698,8 +713,8 @@ TierStats KvPagePool::end_step(void* stream) {
     s.hits = static_cast<int64_t>(c[2]);
     s.misses = static_cast<int64_t>(c[3]);
     s.host_rows = static_cast<int64_t>(c[1]);
-    s.staged_rows = static_cast<int64_t>(c[5]);
-    s.unstaged_pages = static_cast<int64_t>(c[6]);
+    s.staged_rows = static_cast<int64_t>(c[4]);
+    s.unstaged_pages = static_cast<int64_t>(c[5]);
     s.promoted = static_cast<int64_t>(moves.size());
     for (const PageMove& m : moves) s.demoted += owner_dev_[m.a] != nullptr;
   }
