@@ -172,9 +172,10 @@ TEST(Synthetic, PageLevelFiguresOnAHandWorkedCache) {
     return std::vector<double>{16 * w_own / z, 16 * w_other / z, 16 * w_neg / z};
   };
   const std::vector<double> h0 = shares(10, 0, -10), h1 = shares(9, 0, -9);
-  // Pages 2 and 3 (largest share h1[2] each) fit in 1 - p = 0.1; pages 0 and 1 do not.
+  // Pages 2 and 3 (largest share h1[2] each) fit in 1 - p = 0.1; the next, page 1 (its
+  // largest share head 1's h1[0]), does not.
   ASSERT_LT(2 * h1[2], 0.1);
-  ASSERT_GT(h0[0], 0.1);
+  ASSERT_GT(h1[0], 0.1);
   EXPECT_DOUBLE_EQ(a.page_admissible, 0.5);
   // One page kept at either budget (1/8 and 1/4 of four, rounded up): page 0, whose largest
   // share (head 0's) beats page 1's (head 1's).
@@ -183,6 +184,14 @@ TEST(Synthetic, PageLevelFiguresOnAHandWorkedCache) {
     EXPECT_NEAR(a.page_keep_mass[b], (h0[0] + h1[1 /* page 0 is head 1's "other" */]) / 2, 1e-6) << b;
     EXPECT_DOUBLE_EQ(a.page_keep_reach[b], 0.5) << b;  // head 0 reaches 0.9, head 1 does not
   }
+  // The 1-bit sketch: channels 0 and 1 have mean -0.25 over the 64 keys; pages 0 and 1 lie
+  // above it on both, pages 2 and 3 below. So both heads estimate pages 0 and 1 alike, and
+  // the earlier tokens win the tie: 1/8 of 64 keeps tokens 0-7 (half of page 0), 1/4 all of
+  // page 0.
+  EXPECT_NEAR(a.bit1_keep_mass[0], (h0[0] + h1[1]) / 4, 1e-6);
+  EXPECT_DOUBLE_EQ(a.bit1_keep_reach[0], 0.0);
+  EXPECT_NEAR(a.bit1_keep_mass[1], (h0[0] + h1[1]) / 2, 1e-6);
+  EXPECT_DOUBLE_EQ(a.bit1_keep_reach[1], 0.5);
 }
 
 TEST(Synthetic, QueriesHaveEveryDtype) {

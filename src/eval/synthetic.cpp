@@ -437,6 +437,7 @@ AttentionProfile attention_profile(const KvCache& kv, int layer, const float* qu
   // Per (kv head, step): the page level's figures (AttentionProfile::page_*).
   std::vector<double> adm(uni.size()), keep_mass[2] = {std::vector<double>(uni.size()), std::vector<double>(uni.size())},
                                        keep_reach[2] = {keep_mass[0], keep_mass[0]};
+  std::vector<double> b1_mass[2] = {keep_mass[0], keep_mass[0]}, b1_reach[2] = {keep_mass[0], keep_mass[0]};
   pool.parallel_for(s.n_kv_heads, [&](int64_t g, int) {
     const PagedHeadView view = kv.view(layer, static_cast<int>(g));
     const bool page_stats = view.kmin != nullptr && view.kmax != nullptr;
@@ -445,6 +446,30 @@ AttentionProfile attention_profile(const KvCache& kv, int layer, const float* qu
     // share (len_p exp(scale U_p - mx) / z).
     std::vector<double> pmass(static_cast<size_t>(group) * n_pages), pbound(pmass.size());
     std::vector<int> cand;
+    // The 1-bit sketch: per channel the mean and mean absolute deviation of the cached keys,
+    // per token and channel the side of the mean (1: at or above).
+    std::vector<double> mu(d, 0.0), dev(d, 0.0);
+    std::vector<uint8_t> above(static_cast<size_t>(n_cached) * d);
+    {
+      std::vector<float> row(d);
+      for (int t = 0; t < n_cached; ++t) {
+        convert_to_f32(view.key(t), view.dtype, row.data(), d);
+        for (int c = 0; c < d; ++c) mu[c] += row[c];
+      }
+      for (int c = 0; c < d; ++c) mu[c] /= n_cached;
+      for (int t = 0; t < n_cached; ++t) {
+        convert_to_f32(view.key(t), view.dtype, row.data(), d);
+        for (int c = 0; c < d; ++c) {
+          dev[c] += std::abs(row[c] - mu[c]);
+          above[static_cast<size_t>(t) * d + c] = row[c] >= mu[c];
+        }
+      }
+      for (int c = 0; c < d; ++c) dev[c] /= n_cached;
+    }
+    // [head][token]: the exact share of the head's mass, and the 1-bit estimate's log weight
+    // relative to the head's largest.
+    std::vector<double> tshare(static_cast<size_t>(group) * n_cached), b1key(tshare.size());
+    std::vector<int> tcand;
     const int rows_chunk = steps_per_chunk * group;
     std::vector<float> q(static_cast<size_t>(rows_chunk) * d), scores(static_cast<size_t>(rows_chunk) * n_cached);
     std::vector<double> p(n_cached), sorted(n_cached);
@@ -487,8 +512,23 @@ AttentionProfile attention_profile(const KvCache& kv, int layer, const float* qu
           sink[i] = ms / z;
           recent[i] = mr / z;
           frac[i] = static_cast<double>(count) / n;
-          if (!page_stats) continue;
           const float* qr = &q[static_cast<size_t>((st - st0) * group + k) * d];
+          {
+            double base = 0;
+            for (int c = 0; c < d; ++c) base += qr[c] * mu[c];
+            double emax = -1e300;
+            double* bk = &b1key[static_cast<size_t>(k) * n_cached];
+            for (int t = 0; t < n; ++t) {
+              double e = base;
+              const uint8_t* a = &above[static_cast<size_t>(t) * d];
+              for (int c = 0; c < d; ++c) e += (a[c] ? 1.0 : -1.0) * qr[c] * dev[c];
+              bk[t] = e * scale;
+              emax = std::max(emax, bk[t]);
+              tshare[static_cast<size_t>(k) * n_cached + t] = p[t] / z;
+            }
+            for (int t = 0; t < n; ++t) bk[t] -= emax;
+          }
+          if (!page_stats) continue;
           for (int pg = 0; pg < (n + view.page_size - 1) >> view.page_shift; ++pg) {
             const float* lo = view.kmin + static_cast<size_t>(pg) * d;
             const float* hi = view.kmax + static_cast<size_t>(pg) * d;
@@ -500,6 +540,34 @@ AttentionProfile attention_profile(const KvCache& kv, int layer, const float* qu
             for (int t = t0; t < t1; ++t) pm += p[t];
             pmass[static_cast<size_t>(k) * n_pages + pg] = pm / z;
             pbound[static_cast<size_t>(k) * n_pages + pg] = (t1 - t0) * std::exp(ub * scale - mx) / z;
+          }
+        }
+        {
+          // The 1-bit token level: candidates past the sinks and before the recent band, the
+          // largest group key first (ties to the earlier token).
+          tcand.clear();
+          for (int t = std::min(n_sinks, n); t < std::max(std::min(n_sinks, n), n - recent_window); ++t) tcand.push_back(t);
+          std::vector<double> key(n);
+          for (int t : tcand) {
+            double m = -1e300;
+            for (int k = 0; k < group; ++k) m = std::max(m, b1key[static_cast<size_t>(k) * n_cached + t]);
+            key[t] = m;
+          }
+          std::stable_sort(tcand.begin(), tcand.end(), [&](int a, int b) { return key[a] > key[b]; });
+          const size_t u = static_cast<size_t>(g) * n_steps + st;
+          for (int b = 0; b < 2; ++b) {
+            const size_t keep =
+                std::min(tcand.size(), static_cast<size_t>(std::ceil(AttentionProfile::keep_budget[b] * n)));
+            double mass_sum = 0;
+            int reach = 0;
+            for (int k = 0; k < group; ++k) {
+              double lost = 0;  // exact mass of the candidates not kept
+              for (size_t i = keep; i < tcand.size(); ++i) lost += tshare[static_cast<size_t>(k) * n_cached + tcand[i]];
+              mass_sum += 1 - lost;
+              reach += 1 - lost >= topp * (1 - 1e-12);
+            }
+            b1_mass[b][u] = mass_sum / group;
+            b1_reach[b][u] = static_cast<double>(reach) / group;
           }
         }
         if (page_stats) {
@@ -531,7 +599,7 @@ AttentionProfile attention_profile(const KvCache& kv, int layer, const float* qu
           for (int b = 0; b < 2; ++b) {
             // Kept: the forced pages and the candidates of the largest bound share, budget x np.
             const size_t keep = std::min(cand.size(), static_cast<size_t>(std::ceil(
-                                                          AttentionProfile::page_keep_budget[b] * np)));
+                                                          AttentionProfile::keep_budget[b] * np)));
             double mass_sum = 0;
             int reach = 0;
             for (int k = 0; k < group; ++k) {
@@ -597,6 +665,11 @@ AttentionProfile attention_profile(const KvCache& kv, int layer, const float* qu
     prof.group_jaccard += jac[i] / mu;
   }
   prof.union_inflation = prof.topp_fraction > 0 ? prof.union_fraction / prof.topp_fraction : 0.0;
+  for (size_t i = 0; i < uni.size(); ++i)
+    for (int b = 0; b < 2; ++b) {
+      prof.bit1_keep_mass[b] += b1_mass[b][i] / mu;
+      prof.bit1_keep_reach[b] += b1_reach[b][i] / mu;
+    }
   if (kv.view(layer, 0).kmin == nullptr) {
     prof.page_admissible = std::nan("");
     for (int b = 0; b < 2; ++b) prof.page_keep_mass[b] = prof.page_keep_reach[b] = std::nan("");

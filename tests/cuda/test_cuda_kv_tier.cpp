@@ -21,6 +21,7 @@
 
 #include "cuda_test_util.h"
 #include "cumulus/core/error.h"
+#include "cumulus/core/host_memory.h"
 #include "cumulus/kernels/cuda.h"
 #include "cumulus/kernels/cuda_decoder.h"
 #include "cumulus/kv/cuda_kv_cache.h"
@@ -311,10 +312,15 @@ TEST(CudaKvTier, BadInputIsRefused) {
   o.dtype = DType::f16;
   o.device_pages = int64_t{1} << 30;
   expect_error([&] { cuda::KvPagePool::create(o); }, "are free on the device");
-  // A host tier larger than the host's available memory is refused before any pinning.
+  // A host tier larger than the host's available memory is refused before any pinning:
+  // twice what is available (where this host says).
   o.device_pages = cuda::KvPagePool::device_pages_granule(128, DType::f16, 16);
-  o.host_pages = int64_t{1} << 26;  // 608 GiB
-  expect_error([&] { cuda::KvPagePool::create(o); }, "available (MemAvailable)");
+  if (const size_t avail = host_available_bytes(); avail > 0) {
+    o.host_pages = static_cast<int64_t>(2 * avail / cuda::KvPagePool::page_bytes(128, DType::f16, 16)) + 1;
+    expect_error([&] { cuda::KvPagePool::create(o); }, "available (MemAvailable)");
+  } else {
+    std::printf("no MemAvailable on this host: the host-memory check was not exercised\n");
+  }
   // A pool that is full refuses the page a cache asks for, naming the sequence and counts.
   o.device_pages = cuda::KvPagePool::device_pages_granule(128, DType::f16, 16);
   o.host_pages = 0;

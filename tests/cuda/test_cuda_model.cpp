@@ -921,39 +921,51 @@ TEST(CudaModel, DefaultMethodsAreThoseThatTakeTheModel) {
 // marks; promotions run between steps). A device tier below one granule is refused.
 TEST(CudaModel, HostTierLeavesTheLogitsBitIdentical) {
   CUMULUS_REQUIRE_GPU();
-  // 2 layers x 2 kv heads x ceil(20100 / 16) pages = 5028 pages.
-  const RandomRun rr = random_run(23, 20100, 20000, 16);
   const size_t page = cuda::KvPagePool::page_bytes(128, DType::f16, 16);
   const int64_t granule = cuda::KvPagePool::device_pages_granule(128, DType::f16, 16);
-  ASSERT_LT(granule, 5028) << "the test's pages must outgrow one granule";
-  const double one_granule_gib = (static_cast<double>(granule) + 0.5) * page / 1073741824.0;
   struct Case {
     std::string method;
     std::map<std::string, std::string> params;
   };
-  for (const Case& k : std::vector<Case>{{"dense", {}},
-                                         {"sketch_topp", {{"gpu_dense_mib", "0"}}},
-                                         {"quest", {{"budget", "256"}}}}) {
-    SCOPED_TRACE(k.method);
-    SessionOptions plain;
-    plain.method = k.method;
-    plain.params = k.params;
-    SessionOptions tier = plain;
-    tier.device_kv_gib = one_granule_gib;
-    auto a = model_runner_cuda(rr.w, plain);
-    auto b = model_runner_cuda(rr.w, tier);
-    ASSERT_EQ(a->prefill(rr.prompt), b->prefill(rr.prompt));
-    for (size_t i = 0; i < rr.forced.size(); ++i) ASSERT_EQ(a->decode(rr.forced[i]), b->decode(rr.forced[i])) << i;
-    // The tier took part: every step marked, read pages on both tiers; none without a tier.
-    const cuda::TierStats t = b->tier_totals();
-    std::printf("[ model ] host tier, %s: %lld steps, hits %lld, misses %lld, promoted %lld\n", k.method.c_str(),
-                static_cast<long long>(t.steps), static_cast<long long>(t.hits), static_cast<long long>(t.misses),
-                static_cast<long long>(t.promoted));
-    EXPECT_EQ(t.steps, static_cast<int64_t>(rr.forced.size()));
-    EXPECT_GT(t.hits, 0);
-    EXPECT_GT(t.misses, 0);
-    EXPECT_EQ(a->tier_totals().steps, 0);
-  }
+  // A device tier of `granules` mapping granules over a run whose pages outgrow it; staged:
+  // whether the runner can spare the staging area from that tier (it needs a granule left).
+  auto check = [&](const RandomRun& rr, int64_t pages, int granules, bool staged) {
+    ASSERT_LT(granules * granule, pages) << "the test's pages must outgrow the device tier";
+    const double gib = (static_cast<double>(granules * granule) + 0.5) * page / 1073741824.0;
+    for (const Case& k : std::vector<Case>{{"dense", {}},
+                                           {"sketch_topp", {{"gpu_dense_mib", "0"}}},
+                                           {"quest", {{"budget", "256"}}}}) {
+      SCOPED_TRACE(k.method + ", " + std::to_string(granules) + " granule(s)");
+      SessionOptions plain;
+      plain.method = k.method;
+      plain.params = k.params;
+      SessionOptions tier = plain;
+      tier.device_kv_gib = gib;
+      auto a = model_runner_cuda(rr.w, plain);
+      auto b = model_runner_cuda(rr.w, tier);
+      ASSERT_EQ(a->prefill(rr.prompt), b->prefill(rr.prompt));
+      for (size_t i = 0; i < rr.forced.size(); ++i) ASSERT_EQ(a->decode(rr.forced[i]), b->decode(rr.forced[i])) << i;
+      // The tier took part: every step marked, read pages on both tiers; none without a tier.
+      const cuda::TierStats t = b->tier_totals();
+      std::printf("[ model ] host tier, %s, %d granule(s): %lld steps, hits %lld, misses %lld, promoted %lld, "
+                  "staged rows %lld, unstaged pages %lld\n",
+                  k.method.c_str(), granules, static_cast<long long>(t.steps), static_cast<long long>(t.hits),
+                  static_cast<long long>(t.misses), static_cast<long long>(t.promoted),
+                  static_cast<long long>(t.staged_rows), static_cast<long long>(t.unstaged_pages));
+      EXPECT_EQ(t.steps, static_cast<int64_t>(rr.forced.size()));
+      EXPECT_GT(t.hits, 0);
+      EXPECT_GT(t.misses, 0);
+      EXPECT_EQ(t.staged_rows > 0, staged);
+      EXPECT_EQ(a->tier_totals().steps, 0);
+    }
+  };
+  // 2 layers x 2 kv heads x ceil(20100 / 16) pages = 5028 pages, one granule on the device:
+  // no room for a staging area, host rows read in place.
+  const RandomRun rr = random_run(23, 20100, 20000, 16);
+  check(rr, 5028, 1, false);
+  // 2 x 2 x ceil(52100 / 16) = 13028 pages, three granules: one granule's bytes become the
+  // staging area, and every decode step gathers its host rows first.
+  check(random_run(29, 52100, 52000, 16), 13028, 3, true);
   SessionOptions bad;
   bad.device_kv_gib = 0.5 * granule * page / 1073741824.0;
   EXPECT_THROW(

@@ -61,18 +61,21 @@ struct TraceOptions {
 };
 
 void profile_header() {
-  fmt::print("{:>6} {:>7} {:>6} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>7} {:>7} {:>8} {:>9} {:>9} {:>9} {:>9}\n",
-             "layer", "tokens", "steps", "topp%", "p50%", "union%", "inflation", "corr", "jaccard", "sink", "recent",
-             "pgskip%", "keep8mass", "keep8p%", "keep4mass", "keep4p%");
+  fmt::print(
+      "{:>6} {:>7} {:>6} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>7} {:>7} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} "
+      "{:>9}\n",
+      "layer", "tokens", "steps", "topp%", "p50%", "union%", "inflation", "corr", "jaccard", "sink", "recent", "pgskip%",
+      "keep8mass", "keep8p%", "keep4mass", "keep4p%", "b1k8mass", "b1k8p%", "b1k4mass", "b1k4p%");
 }
 
 void profile_row(const std::string& label, int n, int steps, const AttentionProfile& a) {
   fmt::print(
       "{:>6} {:>7} {:>6} {:8.2f} {:8.2f} {:8.2f} {:9.2f} {:8.3f} {:8.3f} {:7.3f} {:7.3f} {:8.2f} {:9.4f} {:9.2f} {:9.4f} "
-      "{:9.2f}\n",
+      "{:9.2f} {:9.4f} {:9.2f} {:9.4f} {:9.2f}\n",
       label, n, steps, 100 * a.topp_fraction, 100 * a.topp_fraction_p50, 100 * a.union_fraction, a.union_inflation,
       a.group_logit_corr, a.group_jaccard, a.sink_mass, a.recent_mass, 100 * a.page_admissible, a.page_keep_mass[0],
-      100 * a.page_keep_reach[0], a.page_keep_mass[1], 100 * a.page_keep_reach[1]);
+      100 * a.page_keep_reach[0], a.page_keep_mass[1], 100 * a.page_keep_reach[1], a.bit1_keep_mass[0],
+      100 * a.bit1_keep_reach[0], a.bit1_keep_mass[1], 100 * a.bit1_keep_reach[1]);
 }
 
 void profile_legend() {
@@ -80,7 +83,8 @@ void profile_legend() {
       "pgskip%: pages an admissible page filter over the page key bounds could skip, knowing each head's exact total "
       "(the skipped pages' bound mass within 1 - p of it for every head of the group); keep8, keep4: keeping 1/8 or "
       "1/4 of the pages by bound (and every page with a sink or recent token), the heads' mean exact mass in them and "
-      "the share of head-steps where it reaches p\n");
+      "the share of head-steps where it reaches p; b1k8, b1k4: the same for 1/8 or 1/4 of the tokens by a 1-bit key "
+      "sketch (each channel its mean plus or minus its mean absolute deviation)\n");
 }
 
 // Real attention of every layer in a trace (each step attends its own prefix).
@@ -109,6 +113,8 @@ void run_profile(const TraceOptions& o) {
     for (int b = 0; b < 2; ++b) {
       mean.page_keep_mass[b] += w * a.page_keep_mass[b];
       mean.page_keep_reach[b] += w * a.page_keep_reach[b];
+      mean.bit1_keep_mass[b] += w * a.bit1_keep_mass[b];
+      mean.bit1_keep_reach[b] += w * a.bit1_keep_reach[b];
     }
   }
   mean.union_inflation = mean.topp_fraction > 0 ? mean.union_fraction / mean.topp_fraction : 0.0;

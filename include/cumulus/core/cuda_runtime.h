@@ -92,7 +92,7 @@ std::vector<T> to_host(const DeviceBuffer& b, size_t n) {
   return v;
 }
 
-// A created stream (cudaStreamNonBlocking), move-only.
+// A created stream (cudaStreamNonBlocking); neither copied nor moved.
 class Stream {
  public:
   Stream();
@@ -107,7 +107,8 @@ class Stream {
 };
 
 // An event for ordering work across streams (no timing): after record(a), work enqueued on
-// stream b after wait(b) starts only when a's work before the record is done. Move-only.
+// stream b after wait(b) starts only when a's work before the record is done. Neither
+// copied nor moved.
 class Event {
  public:
   Event();

@@ -87,12 +87,19 @@ struct AttentionProfile {
   //     share over the heads, while every head's sum fits. The exact total is an oracle's
   //     (a filter knows only a lower bound), so this is the most an admissible filter skips.
   //   page_keep_mass[i], page_keep_reach[i]: keeping the pages of the largest bound share
-  //     (over the group's heads), page_keep_budget[i] of all pages besides the forced ones:
+  //     (over the group's heads), keep_budget[i] of all pages besides the forced ones:
   //     the heads' mean exact mass in the kept pages, and the share of head-steps whose kept
   //     pages hold at least topp (a budgeted page level, as Twilight's, keeps P reachable).
-  static constexpr double page_keep_budget[2] = {0.125, 0.25};
+  static constexpr double keep_budget[2] = {0.125, 0.25};
   double page_admissible = 0;
   double page_keep_mass[2] = {0, 0}, page_keep_reach[2] = {0, 0};
+  // A token level from a 1-bit key sketch (each key channel as its mean plus or minus its
+  // mean absolute deviation, both over the cached keys of the kv head), a candidate first
+  // stage before a finer estimate: keeping keep_budget[i] of the tokens besides the sinks and
+  // the recent band, those of the largest estimated weight relative to each head's largest
+  // (over the group's heads; ties to the earlier token), the heads' mean exact mass in them
+  // and the share of head-steps where it reaches topp.
+  double bit1_keep_mass[2] = {0, 0}, bit1_keep_reach[2] = {0, 0};
 };
 
 // topp in (0, 1]. Reads the stored keys (the scores kernels see).

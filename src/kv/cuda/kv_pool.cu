@@ -265,7 +265,7 @@ __global__ void tier_stage_copy_kernel(DeviceKvView kv, const int32_t* __restric
       const uint4 w = __ldcs(reinterpret_cast<const uint4*>(arr.base[x] + static_cast<size_t>(from) * arr.bytes[x] + r));
       *reinterpret_cast<uint4*>(arr.base[x] + static_cast<size_t>(to) * arr.bytes[x] + r) = w;
     }
-    rows += o == 0;
+    rows += o == 0 && t < n_tok;  // a whole page's padding rows are copied, not counted
   }
   block_add(rows, counters + 4);
 }
@@ -353,8 +353,9 @@ size_t KvPagePool::page_bytes(int head_dim, DType dtype, int page_size, bool key
 
 size_t KvPagePool::overhead_bytes(int64_t device_pages, int64_t host_pages) {
   const size_t d = static_cast<size_t>(device_pages), h = static_cast<size_t>(host_pages);
-  // epochs, the step, candidates, counters; the sort's keys and values twice, its scratch
-  return 4 * (d + h) + 4 + 4 * h + 32 + 16 * d + (size_t{1} << 20);
+  // epochs, the step, candidates, counters, the staging slot counters; the sort's keys and
+  // values twice, its scratch
+  return 4 * (d + h) + 4 + 4 * h + 8 * kCounters + 16 + 16 * d + (size_t{1} << 20);
 }
 
 int64_t KvPagePool::device_pages_granule(int head_dim, DType dtype, int page_size, bool key_stats) {

@@ -92,19 +92,28 @@ cuda::KvPoolOptions tier_options(const ModelConfig& c, const SessionOptions& o, 
                 "--device-kv-gib={}: the device tier must hold at least one mapping granule of {} pages ({:.3f} GiB)",
                 o.device_kv_gib, granule, static_cast<double>(granule * page) / 1073741824.0);
   p.host_pages = std::max<int64_t>(0, pages - p.device_pages / granule * granule);
-  if (p.host_pages > 0) {
-    // The staging area (KvPagePool::stage): one layer's host pages, out of the device tier's
-    // bytes while it keeps a granule. Layers get equal shares of the host tier (the pages are
-    // reserved in rounds across layers); a step that reads more host pages than the area
-    // holds reads the rest in place.
+  if (p.host_pages > 0 && !o.eval) {
+    // The staging area (KvPagePool::stage; eval mode reads in place): one layer's share of
+    // the host tier (the pages are reserved in rounds across layers), in whole K/V granules,
+    // out of the device tier's bytes while it keeps a granule, else none. The share is taken
+    // of the host tier as it grows by what the device gives; a step that reads more host
+    // pages than the area holds reads the rest in place.
     const size_t kv_page = cuda::KvPagePool::page_bytes(p.head_dim, p.dtype, p.page_size, false);
-    const auto share = [&] { return (p.host_pages + c.n_layers - 1) / c.n_layers; };
-    const int64_t give = (static_cast<int64_t>((share() * kv_page + page - 1) / page) + granule - 1) / granule * granule;
+    const int64_t kv_granule = cuda::KvPagePool::device_pages_granule(p.head_dim, p.dtype, p.page_size, false);
+    const auto stage_of = [&](int64_t host) {
+      return ((host + c.n_layers - 1) / c.n_layers + kv_granule - 1) / kv_granule * kv_granule;
+    };
+    const auto give_of = [&](int64_t stage) {
+      return (static_cast<int64_t>((static_cast<size_t>(stage) * kv_page + page - 1) / page) + granule - 1) /
+             granule * granule;
+    };
+    const int64_t stage = stage_of(p.host_pages + give_of(stage_of(p.host_pages)));
+    const int64_t give = give_of(stage);
     if (p.device_pages - give >= granule) {
       p.device_pages -= give;
       p.host_pages += give;
+      p.stage_pages = stage;
     }
-    p.stage_pages = share();
   }
   return p;
 }
