@@ -44,6 +44,11 @@
 //          [--json PATH]
 // --max-promote: the sparse method runs once per value, in order, over the same pool: pages
 // promoted per step at most (0: none, every host page read where it is; -1: no limit).
+// --trace FILE: real attention instead (a `cumulus trace` file): every recorded layer is a
+// layer over the pool, with its own K/V (prompt and decode tokens) and decode queries, step t
+// taking the trace's query t mod its steps; batch 1, one case per --ratios value (the
+// device tier is the trace's K/V over the ratio), --contexts and --layers unused. Real
+// queries of consecutive decode steps are what says whether promotion pays.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -63,6 +68,7 @@
 #include "cumulus/core/number.h"
 #include "cumulus/core/thread_pool.h"
 #include "cumulus/eval/synthetic.h"
+#include "cumulus/eval/trace.h"
 #include "cumulus/kernels/cuda.h"
 #include "cumulus/kernels/cuda_decoder.h"
 #include "cumulus/kv/cuda_kv_cache.h"
@@ -129,6 +135,7 @@ struct Options {
   std::vector<int> max_promote{0, -1};
   std::vector<int> stage{0, 1, 2};
   uint64_t seed = 1;
+  std::string trace;
   std::string json_path;
 };
 
@@ -151,6 +158,13 @@ class Runner {
       : o_(o), tp_(tp), reg_(cuda::registry_with_gpu(Registry::builtin())), h2d_(h2d), copy_(copy) {
     shape_ = shape_preset("llama3-8b", o.layers);
   }
+  // Real attention from a trace (--trace): its records are the layers.
+  void set_trace(const TraceFile& t) {
+    trace_ = &t;
+    shape_ = Shape{static_cast<int>(t.layers.size()), t.n_q_heads, t.n_kv_heads, t.head_dim};
+    for (size_t i = 0; i < t.layers.size(); ++i) trace_kv_.push_back(t.cache(static_cast<int>(i)));
+  }
+  const Shape& shape() const { return shape_; }
 
   const Workload& workload(int n) {
     if (wl_ == nullptr || wl_->so.n_tokens != n) {
@@ -169,8 +183,10 @@ class Runner {
   }
 
   json run(const Case& c) {
-    const Workload& wl = workload(c.context);
-    const int n = c.context, b = c.batch, L = o_.layers, nkv = shape_.n_kv_heads, d = shape_.head_dim;
+    const Workload* wl = trace_ != nullptr ? nullptr : &workload(c.context);
+    const int n = c.context, b = c.batch, L = shape_.n_layers, nkv = shape_.n_kv_heads, d = shape_.head_dim;
+    // Layer l's K/V (the synthetic workload: one generated layer for all).
+    auto source = [&](int l) -> const KvCache& { return trace_ != nullptr ? trace_kv_[l] : wl->kv; };
     const int64_t pages_per_layer = static_cast<int64_t>(b) * nkv * ((n + 15) / 16);
     const int64_t total = pages_per_layer * L;
     const size_t page_bytes = cuda::KvPagePool::page_bytes(d, DType::f16, 16, o_.key_stats);
@@ -184,8 +200,12 @@ class Runner {
     const double room = static_cast<double>(free_b) - static_cast<double>(dec_bytes) - o_.margin_gib * kGiB;
     int64_t dev_pages = std::max<int64_t>(0, static_cast<int64_t>(room / page_bytes));
     if (o_.device_kv_gib > 0) dev_pages = std::min<int64_t>(dev_pages, static_cast<int64_t>(o_.device_kv_gib * kGiB / page_bytes));
-    if (c.device_pages_cap > 0) dev_pages = std::min(dev_pages, c.device_pages_cap);
     const int64_t granule = cuda::KvPagePool::device_pages_granule(d, DType::f16, 16, o_.key_stats);
+    // A cap of the whole K/V (ratio 1) is every page on the device: whole granules, rounded up
+    // (the pool rounds its device tier down).
+    if (c.device_pages_cap > 0)
+      dev_pages = std::min(dev_pages, c.device_pages_cap >= total ? (total + granule - 1) / granule * granule
+                                                                  : c.device_pages_cap);
     dev_pages = std::min(dev_pages, (total + granule - 1) / granule * granule);
     int64_t host_pages = std::max<int64_t>(0, total - dev_pages / granule * granule);
     // The staging area, one layer's share of the host tier, out of the device tier's bytes.
@@ -237,20 +257,24 @@ class Runner {
         const size_t per_seq = static_cast<size_t>(m) * nkv * d;
         kh.resize(per_seq * b);
         vh.resize(per_seq * b);
-        for (int i = 0; i < m; ++i)
-          for (int h = 0; h < nkv; ++h) {
-            const PagedHeadView v = wl.kv.view(0, h);
-            float* kr = kh.data() + (static_cast<size_t>(i) * nkv + h) * d;
-            float* vr = vh.data() + (static_cast<size_t>(i) * nkv + h) * d;
-            convert_to_f32(v.key(t0k + i), DType::f16, kr, d);
-            convert_to_f32(v.value(t0k + i), DType::f16, vr, d);
-          }
-        for (int s = 1; s < b; ++s) {
-          std::copy(kh.begin(), kh.begin() + per_seq, kh.begin() + s * per_seq);
-          std::copy(vh.begin(), vh.begin() + per_seq, vh.begin() + s * per_seq);
-        }
-        const cuda::DeviceBuffer kd = cuda::to_device(kh), vd = cuda::to_device(vh);
+        cuda::DeviceBuffer kd, vd;
         for (int l = 0; l < L; ++l) {
+          if (l == 0 || trace_ != nullptr) {  // the synthetic layer once, each traced layer its own
+            for (int i = 0; i < m; ++i)
+              for (int h = 0; h < nkv; ++h) {
+                const PagedHeadView v = source(l).view(0, h);
+                float* kr = kh.data() + (static_cast<size_t>(i) * nkv + h) * d;
+                float* vr = vh.data() + (static_cast<size_t>(i) * nkv + h) * d;
+                convert_to_f32(v.key(t0k + i), DType::f16, kr, d);
+                convert_to_f32(v.value(t0k + i), DType::f16, vr, d);
+              }
+            for (int s = 1; s < b; ++s) {
+              std::copy(kh.begin(), kh.begin() + per_seq, kh.begin() + s * per_seq);
+              std::copy(vh.begin(), vh.begin() + per_seq, vh.begin() + s * per_seq);
+            }
+            kd = cuda::to_device(kh);
+            vd = cuda::to_device(vh);
+          }
           for (int s = 0; s < b; ++s) caches[l].reserve(s, t0k + m);
           caches[l].append(kd.as<float>(), vd.as<float>(), m);
         }
@@ -260,14 +284,18 @@ class Runner {
     }
     pool->reset_totals();
     row["fill_s"] = seconds_since(t0);
-    // Queries: sequence s at step t takes the workload's query (t + s) mod 16.
+    // Queries [step][layer][sequence]: sequence s at step t takes the workload's query
+    // (t + s) mod 16 in every layer; a trace's layer l its own query t mod its steps.
     const int n_steps = o_.warmup + o_.steps;
     const size_t q_step = static_cast<size_t>(b) * shape_.n_q_heads * d;
-    std::vector<float> qh(q_step * n_steps);
+    const size_t q_head = static_cast<size_t>(shape_.n_q_heads) * d;
+    std::vector<float> qh(q_step * n_steps * L);
     for (int t = 0; t < n_steps; ++t)
-      for (int s = 0; s < b; ++s)
-        std::copy_n(wl.w.query(0, (t + s) % 16), static_cast<size_t>(shape_.n_q_heads) * d,
-                    qh.data() + t * q_step + static_cast<size_t>(s) * shape_.n_q_heads * d);
+      for (int l = 0; l < L; ++l)
+        for (int s = 0; s < b; ++s)
+          std::copy_n(trace_ != nullptr ? trace_->q[l].data() + (t % trace_->steps) * q_head
+                                        : wl->w.query(0, (t + s) % 16),
+                      q_head, qh.data() + (static_cast<size_t>(t) * L + l) * q_step + s * q_head);
     const cuda::DeviceBuffer qd = cuda::to_device(qh);
     cuda::DeviceBuffer out(q_step * sizeof(float)), lse(static_cast<size_t>(b) * shape_.n_q_heads * sizeof(float));
     const double row_bytes = 2.0 * d * 2;  // a K and a V row, f16
@@ -289,17 +317,15 @@ class Runner {
       for (int t = 0; t <= n_steps; ++t) {
         if (t == n_steps) {  // the phases' step, the last query again
           phase_ms = &phases;
-          const float* q = qd.as<float>() + (t - 1) * q_step;
-          for (int l = 0; l < L; ++l) layer_step(l, q);
+          for (int l = 0; l < L; ++l) layer_step(l, qd.as<float>() + (static_cast<size_t>(t - 1) * L + l) * q_step);
           pool->end_step();
           cuda::device_synchronize();
           phase_ms = nullptr;
           break;
         }
-        const float* q = qd.as<float>() + t * q_step;
         cuda::device_synchronize();
         const auto ts = Clock::now();
-        for (int l = 0; l < L; ++l) layer_step(l, q);
+        for (int l = 0; l < L; ++l) layer_step(l, qd.as<float>() + (static_cast<size_t>(t) * L + l) * q_step);
         const cuda::TierStats st = pool->end_step();
         cuda::device_synchronize();
         const double step_ms = 1e3 * seconds_since(ts);
@@ -434,6 +460,8 @@ class Runner {
   ThreadPool& tp_;
   Registry reg_;
   Shape shape_;
+  const TraceFile* trace_ = nullptr;
+  std::vector<KvCache> trace_kv_;
   double h2d_, copy_;
   std::unique_ptr<Workload> wl_;
 };
@@ -469,6 +497,7 @@ int main(int argc, char** argv) try {
     else if (a == "--stage") o.stage = int_list(a, next());
     else if (a == "--seed") o.seed = static_cast<uint64_t>(parse_int(next(), a));
     else if (a == "--json") o.json_path = next();
+    else if (a == "--trace") o.trace = next();
     else CUMULUS_FAIL("unknown argument '{}' (see the usage at the top of bench/cuda_tier_bench.cpp)", a);
   }
   for (int n : o.contexts) CUMULUS_CHECK(n >= 16 && n <= (1 << 20), "--contexts: {} must be in [16, 1048576]", n);
@@ -485,10 +514,18 @@ int main(int argc, char** argv) try {
   for (int v : o.stage) CUMULUS_CHECK(v >= 0 && v <= 2, "--stage: {} must be 0, 1 or 2", v);
   CUMULUS_CHECK(o.device_kv_gib >= 0 && o.margin_gib >= 0, "--device-kv-gib={} and --margin-gib={} must be >= 0",
                 o.device_kv_gib, o.margin_gib);
+  // A trace is read whole before any device work (trace_read checks its header and sizes).
+  TraceFile trace;
+  if (!o.trace.empty()) {
+    trace = trace_read(o.trace);
+    CUMULUS_CHECK(!o.ratios.empty(), "--trace runs one case per --ratios value; --ratios is none");
+  }
+  const Shape shape = o.trace.empty()
+                          ? shape_preset("llama3-8b", o.layers)
+                          : Shape{static_cast<int>(trace.layers.size()), trace.n_q_heads, trace.n_kv_heads, trace.head_dim};
   {
     const Registry reg = cuda::registry_with_gpu(Registry::builtin());
-    if (o.method != kDenseMethod)
-      cuda::model::cuda_decode_method_check(reg, o.method, o.params, shape_preset("llama3-8b", o.layers));
+    if (o.method != kDenseMethod) cuda::model::cuda_decode_method_check(reg, o.method, o.params, shape);
   }
   if (!cuda::device_available()) {
     std::fprintf(stderr, "cuda_tier_bench: no CUDA device\n");
@@ -497,8 +534,15 @@ int main(int argc, char** argv) try {
   const std::string dev = cuda_device_summary();
   const double copy = cuda_copy_gbps();
   const double h2d = cuda::host_to_device_gbps(size_t{1} << 30);
-  fmt::print("device: {}\nllama3-8b attention shape, {} layers, f16 K/V in pages of 16 tokens, method {}\n", dev,
-             o.layers, o.method);
+  if (o.trace.empty()) {
+    fmt::print("device: {}\nllama3-8b attention shape, {} layers, f16 K/V in pages of 16 tokens, method {}\n", dev,
+               o.layers, o.method);
+  } else {
+    fmt::print("device: {}\ntrace {}: {} layers of {} query / {} kv heads, head_dim {}, {} tokens ({} + {} steps), f16 "
+               "K/V in pages of 16 tokens, method {}\n",
+               dev, o.trace, shape.n_layers, shape.n_q_heads, shape.n_kv_heads, shape.head_dim, trace.n_tokens,
+               trace.prompt_tokens, trace.steps, o.method);
+  }
   fmt::print("device-to-device copy: {:.0f} GB/s (read + write); pinned host-to-device copy: {:.1f} GB/s (median of 5 "
              "x 1 GiB)\n\n",
              copy, h2d);
@@ -507,13 +551,21 @@ int main(int argc, char** argv) try {
              "plan ms", "KVfloor");
   ThreadPool tp(0);
   Runner runner(o, tp, h2d, copy);
+  if (!o.trace.empty()) runner.set_trace(trace);
   json report = {{"device", dev},          {"copy_gbps", copy},     {"h2d_gbps", h2d},
                  {"layers", o.layers},     {"method", o.method},    {"params", o.params},
                  {"steps", o.steps},       {"warmup", o.warmup},    {"key_stats", o.key_stats},
                  {"promote_reads", o.promote_reads}, {"max_promote", o.max_promote}, {"stage", o.stage},
                  {"runs", json::array()}};
-  for (int n : o.contexts) report["runs"].push_back(runner.run({n, 1, 0, "batch1"}));
-  if (!o.ratios.empty()) {
+  if (!o.trace.empty()) {
+    report["trace"] = o.trace;
+    const int64_t pages = static_cast<int64_t>(shape.n_kv_heads) * ((trace.n_tokens + 15) / 16) * shape.n_layers;
+    for (int r : o.ratios)
+      report["runs"].push_back(runner.run({trace.n_tokens, 1, (pages + r - 1) / r, fmt::format("trace {}x", r)}));
+  } else {
+    for (int n : o.contexts) report["runs"].push_back(runner.run({n, 1, 0, "batch1"}));
+  }
+  if (!o.ratios.empty() && o.trace.empty()) {
     const int64_t pages = static_cast<int64_t>(o.ratio_batch) * 8 * ((o.ratio_context + 15) / 16) * o.layers;
     for (int r : o.ratios)
       report["runs"].push_back(
