@@ -29,6 +29,7 @@
 #include "kernels/cpu/gemv_pool.h"
 #include "cumulus/model/quant.h"
 #include "cumulus/model/weight_matrix.h"
+#include "fixtures.h"
 #include "kernel_check.h"
 
 using namespace cumulus;
@@ -139,7 +140,9 @@ std::vector<int> test_cols(QuantFormat f) {
 // A small column count valid for every format.
 int small_cols(QuantFormat f) { return quant_format_block(f) == 256 ? 256 : 96; }
 
-std::filesystem::path repo_root() { return std::filesystem::path(__FILE__).parent_path().parent_path(); }
+// The source tree as configured (not __FILE__, which ccache's base directory makes relative
+// to the build folder, so the test failed when run from anywhere else).
+std::filesystem::path repo_root() { return test::source_dir(); }
 
 }  // namespace
 
