@@ -410,6 +410,29 @@ AttentionProfile attention_profile(const KvCache& kv, const SyntheticWorkload& w
   return attention_profile(kv, layer, w.query(layer, 0), o.n_steps, nullptr, o.n_sinks, o.recent_window, topp, pool);
 }
 
+namespace {
+
+// A level that keeps some tokens or pages and drops the `n_dropped` listed in `dropped`:
+// over the group's heads (share[k * stride + i]: item i's exact share of head k's mass), the
+// mean mass kept and the share of heads whose kept mass reaches topp.
+struct KeptFigures {
+  double mass = 0, reach = 0;
+};
+KeptFigures kept_figures(const std::vector<double>& share, size_t stride, int group, const int* dropped,
+                         size_t n_dropped, double topp) {
+  double mass = 0;
+  int reach = 0;
+  for (int k = 0; k < group; ++k) {
+    double lost = 0;
+    for (size_t i = 0; i < n_dropped; ++i) lost += share[static_cast<size_t>(k) * stride + dropped[i]];
+    mass += 1 - lost;
+    reach += 1 - lost >= topp * (1 - 1e-12);
+  }
+  return {mass / group, static_cast<double>(reach) / group};
+}
+
+}  // namespace
+
 AttentionProfile attention_profile(const KvCache& kv, int layer, const float* queries, int n_steps,
                                    const int* n_attended, int n_sinks, int recent_window, double topp,
                                    ThreadPool& pool) {
@@ -558,16 +581,9 @@ AttentionProfile attention_profile(const KvCache& kv, int layer, const float* qu
           for (int b = 0; b < 2; ++b) {
             const size_t keep =
                 std::min(tcand.size(), static_cast<size_t>(std::ceil(AttentionProfile::keep_budget[b] * n)));
-            double mass_sum = 0;
-            int reach = 0;
-            for (int k = 0; k < group; ++k) {
-              double lost = 0;  // exact mass of the candidates not kept
-              for (size_t i = keep; i < tcand.size(); ++i) lost += tshare[static_cast<size_t>(k) * n_cached + tcand[i]];
-              mass_sum += 1 - lost;
-              reach += 1 - lost >= topp * (1 - 1e-12);
-            }
-            b1_mass[b][u] = mass_sum / group;
-            b1_reach[b][u] = static_cast<double>(reach) / group;
+            const KeptFigures f = kept_figures(tshare, n_cached, group, tcand.data() + keep, tcand.size() - keep, topp);
+            b1_mass[b][u] = f.mass;
+            b1_reach[b][u] = f.reach;
           }
         }
         if (page_stats) {
@@ -600,16 +616,10 @@ AttentionProfile attention_profile(const KvCache& kv, int layer, const float* qu
             // Kept: the forced pages and the candidates of the largest bound share, budget x np.
             const size_t keep = std::min(cand.size(), static_cast<size_t>(std::ceil(
                                                           AttentionProfile::keep_budget[b] * np)));
-            double mass_sum = 0;
-            int reach = 0;
-            for (int k = 0; k < group; ++k) {
-              double lost = 0;  // exact mass in the candidates not kept (the lowest shares)
-              for (size_t i = 0; i + keep < cand.size(); ++i) lost += pmass[static_cast<size_t>(k) * n_pages + cand[i]];
-              mass_sum += 1 - lost;
-              reach += 1 - lost >= topp * (1 - 1e-12);
-            }
-            keep_mass[b][u] = mass_sum / group;
-            keep_reach[b][u] = static_cast<double>(reach) / group;
+            // cand ascends by share: the first size - keep are dropped
+            const KeptFigures f = kept_figures(pmass, n_pages, group, cand.data(), cand.size() - keep, topp);
+            keep_mass[b][u] = f.mass;
+            keep_reach[b][u] = f.reach;
           }
         }
         // The group: union of the heads' sets; per pair of heads the Pearson correlation of
